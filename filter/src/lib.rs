@@ -1,0 +1,1 @@
+//! The proxy-wasm rate-limit filter (skeleton; see issue 3).

