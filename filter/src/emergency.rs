@@ -1,0 +1,363 @@
+//! The emergency bucket: a local token bucket per `local` rule per Envoy process, used while the
+//! sidecar cannot decide. Its state lives in proxy-wasm shared data (one key per rule, shared by
+//! all worker VMs of the same `vm_id`) and is updated with compare-and-swap.
+//!
+//! The math, with time passed in explicitly (no clock in here):
+//!
+//! ```text
+//! elapsed_s = max(0, now_ns - updated_ns) / 1e9      (a clock that went backward adds nothing)
+//! tokens    = min(capacity, tokens + refill_per_sec * elapsed_s)
+//! admit if tokens >= cost: tokens -= cost
+//! else retry_after_ms = ceil((cost - tokens) / refill_per_sec * 1000)
+//! ```
+
+use crate::config::Emergency;
+
+/// The shared-data key of a rule's emergency bucket.
+pub fn shared_key(rule: &str) -> String {
+    format!("ratelimit.emergency.{rule}")
+}
+
+/// How often a compare-and-swap is retried before the request is denied.
+pub const MAX_CAS_ATTEMPTS: usize = 32;
+
+/// A token bucket's size and speed.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Bucket {
+    /// Tokens a full bucket holds.
+    pub capacity: f64,
+    /// Tokens added per second.
+    pub refill_per_sec: f64,
+}
+
+impl From<&Emergency> for Bucket {
+    fn from(e: &Emergency) -> Self {
+        Bucket {
+            capacity: e.capacity as f64,
+            refill_per_sec: e.refill_per_sec,
+        }
+    }
+}
+
+/// A bucket's state: its tokens at `updated_ns`. Encoded as 16 bytes: `tokens` (f64) then
+/// `updated_ns` (u64), both little-endian.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct State {
+    pub tokens: f64,
+    pub updated_ns: u64,
+}
+
+impl State {
+    /// A full bucket at `now_ns`.
+    pub fn full(bucket: &Bucket, now_ns: u64) -> State {
+        State {
+            tokens: bucket.capacity,
+            updated_ns: now_ns,
+        }
+    }
+
+    pub fn encode(&self) -> [u8; 16] {
+        let mut out = [0u8; 16];
+        out[..8].copy_from_slice(&self.tokens.to_le_bytes());
+        out[8..].copy_from_slice(&self.updated_ns.to_le_bytes());
+        out
+    }
+
+    /// The state in `bytes`, or `None` when they are not a well-formed state.
+    pub fn decode(bytes: &[u8]) -> Option<State> {
+        let bytes: &[u8; 16] = bytes.try_into().ok()?;
+        let (tokens, updated) = bytes.split_at(8);
+        let tokens = f64::from_le_bytes(tokens.try_into().ok()?);
+        let updated_ns = u64::from_le_bytes(updated.try_into().ok()?);
+        (tokens.is_finite() && tokens >= 0.0).then_some(State { tokens, updated_ns })
+    }
+}
+
+/// The result of one [`Bucket::take`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Take {
+    /// The state to store.
+    pub state: State,
+    pub allowed: bool,
+    /// Whole tokens left after this take.
+    pub remaining: u64,
+    /// Milliseconds until `cost` tokens are available; 0 when allowed.
+    pub retry_after_ms: u64,
+}
+
+impl Bucket {
+    /// Takes `cost` tokens at `now_ns` from the bucket whose stored state is `state` (absent or
+    /// malformed: a full bucket). Pure: the caller stores `Take::state`.
+    pub fn take(&self, state: Option<&[u8]>, now_ns: u64, cost: f64) -> Take {
+        let previous = state
+            .and_then(State::decode)
+            .unwrap_or_else(|| State::full(self, now_ns));
+        let elapsed_s = now_ns.saturating_sub(previous.updated_ns) as f64 / 1e9;
+        let tokens = (previous.tokens + self.refill_per_sec * elapsed_s).min(self.capacity);
+        // Never move `updated_ns` backward: the interval up to it has been counted already.
+        let updated_ns = previous.updated_ns.max(now_ns);
+        if tokens >= cost {
+            let tokens = tokens - cost;
+            Take {
+                state: State { tokens, updated_ns },
+                allowed: true,
+                remaining: tokens.floor() as u64,
+                retry_after_ms: 0,
+            }
+        } else {
+            Take {
+                state: State { tokens, updated_ns },
+                allowed: false,
+                remaining: tokens.floor() as u64,
+                // `as` saturates: an absurdly slow refill cannot overflow.
+                retry_after_ms: ((cost - tokens) / self.refill_per_sec * 1000.0).ceil() as u64,
+            }
+        }
+    }
+
+    /// Bytes to take `cost` from `state`, as [`Bucket::take`] (convenience for the host).
+    pub fn take_bytes(
+        &self,
+        state: Option<&[u8]>,
+        now_ns: u64,
+        cost: f64,
+    ) -> ([u8; 16], bool, u64) {
+        let t = self.take(state, now_ns, cost);
+        (t.state.encode(), t.allowed, t.retry_after_ms)
+    }
+}
+
+/// Why a store refused a write.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StoreError {
+    /// Someone else wrote since our read.
+    CasMismatch,
+    /// Anything else the host said.
+    Failed,
+}
+
+/// Shared data with compare-and-swap, as proxy-wasm offers it.
+pub trait SharedStore {
+    /// The value under `key` and its version (`None` when the key is absent).
+    fn get(&self, key: &str) -> (Option<Vec<u8>>, Option<u32>);
+    /// Writes `value` if the version is still `cas` (`None`: unconditionally).
+    fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError>;
+}
+
+/// The bucket could not be updated: too much contention, or the host refused the write. The
+/// request is denied (never admitted uncounted).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Contention;
+
+/// Takes `cost` from the shared bucket `key` with compare-and-swap, retrying up to
+/// [`MAX_CAS_ATTEMPTS`] times.
+pub fn take_shared(
+    store: &dyn SharedStore,
+    key: &str,
+    bucket: &Bucket,
+    now_ns: u64,
+    cost: f64,
+) -> Result<Take, Contention> {
+    for _ in 0..MAX_CAS_ATTEMPTS {
+        let (bytes, cas) = store.get(key);
+        let take = bucket.take(bytes.as_deref(), now_ns, cost);
+        match store.set(key, &take.state.encode(), cas) {
+            Ok(()) => return Ok(take),
+            Err(StoreError::CasMismatch) => continue,
+            Err(StoreError::Failed) => return Err(Contention),
+        }
+    }
+    Err(Contention)
+}
+
+/// Stores a full bucket under `key` unless one is there already (at configuration time, before
+/// traffic, so the first takes of several workers find a versioned value to compare against).
+pub fn ensure_initialized(store: &dyn SharedStore, key: &str, bucket: &Bucket, now_ns: u64) {
+    let (bytes, _) = store.get(key);
+    if bytes.as_deref().and_then(State::decode).is_none() {
+        let _ = store.set(key, &State::full(bucket, now_ns).encode(), None);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::cell::{Cell, RefCell};
+    use std::collections::HashMap;
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    const S: u64 = 1_000_000_000;
+    const T0: u64 = 1_700_000_000 * S;
+
+    fn bucket() -> Bucket {
+        Bucket {
+            capacity: 10.0,
+            refill_per_sec: 1.0,
+        }
+    }
+
+    #[test]
+    fn a_fresh_bucket_admits_exactly_capacity_at_one_instant() {
+        let b = bucket();
+        let mut state: Option<[u8; 16]> = None;
+        let mut admitted = 0;
+        for _ in 0..15 {
+            let t = b.take(state.as_ref().map(|s| &s[..]), T0, 1.0);
+            state = Some(t.state.encode());
+            admitted += usize::from(t.allowed);
+        }
+        assert_eq!(admitted, 10);
+    }
+
+    #[test]
+    fn rejection_says_when_the_cost_is_back() {
+        let b = bucket();
+        let empty = State {
+            tokens: 0.25,
+            updated_ns: T0,
+        }
+        .encode();
+        let t = b.take(Some(&empty), T0, 1.0);
+        assert!(!t.allowed);
+        assert_eq!(t.retry_after_ms, 750);
+        assert_eq!(t.remaining, 0);
+        let t = b.take(Some(&empty), T0, 3.0);
+        assert_eq!(t.retry_after_ms, 2750);
+    }
+
+    #[test]
+    fn refill_follows_elapsed_time_up_to_capacity() {
+        let b = bucket();
+        let empty = State {
+            tokens: 0.0,
+            updated_ns: T0,
+        }
+        .encode();
+        let t = b.take(Some(&empty), T0 + 2 * S + S / 2, 1.0);
+        assert!(t.allowed);
+        assert_eq!(t.state.tokens, 1.5);
+        assert_eq!(t.remaining, 1);
+        let t = b.take(Some(&empty), T0 + 3600 * S, 1.0);
+        assert_eq!(t.state.tokens, 9.0);
+    }
+
+    #[test]
+    fn a_clock_going_backward_adds_nothing_and_keeps_the_later_time() {
+        let b = bucket();
+        let s = State {
+            tokens: 0.5,
+            updated_ns: T0,
+        }
+        .encode();
+        let t = b.take(Some(&s), T0 - 5 * S, 1.0);
+        assert!(!t.allowed);
+        assert_eq!(t.state.tokens, 0.5);
+        assert_eq!(t.state.updated_ns, T0);
+        assert_eq!(t.retry_after_ms, 500);
+        // The next call at T0 + 0.5 s counts only the half second after T0.
+        let t = b.take(Some(&t.state.encode()), T0 + S / 2, 1.0);
+        assert!(t.allowed);
+        assert_eq!(t.state.tokens, 0.0);
+    }
+
+    #[test]
+    fn state_is_sixteen_bytes_and_garbage_is_a_full_bucket() {
+        let s = State {
+            tokens: 3.5,
+            updated_ns: 42,
+        };
+        assert_eq!(State::decode(&s.encode()), Some(s));
+        assert_eq!(State::decode(&[1, 2, 3]), None);
+        let nan = State {
+            tokens: f64::NAN,
+            updated_ns: 1,
+        }
+        .encode();
+        assert_eq!(State::decode(&nan), None);
+        let t = bucket().take(Some(&[9; 3]), T0, 1.0);
+        assert!(t.allowed);
+        assert_eq!(t.state.tokens, 9.0);
+        let (bytes, allowed, retry) = bucket().take_bytes(None, T0, 1.0);
+        assert_eq!((bytes.len(), allowed, retry), (16, true, 0));
+    }
+
+    #[test]
+    fn a_smaller_capacity_after_reconfiguration_clamps_the_tokens() {
+        let big = State {
+            tokens: 500.0,
+            updated_ns: T0,
+        }
+        .encode();
+        let t = bucket().take(Some(&big), T0, 1.0);
+        assert_eq!(t.state.tokens, 9.0);
+    }
+
+    /// A store that fails the first `conflicts` writes with a CAS mismatch.
+    #[derive(Default)]
+    struct FakeStore {
+        data: RefCell<HashMap<String, (Vec<u8>, u32)>>,
+        conflicts: Cell<usize>,
+        writes: Cell<usize>,
+    }
+
+    impl SharedStore for FakeStore {
+        fn get(&self, key: &str) -> (Option<Vec<u8>>, Option<u32>) {
+            match self.data.borrow().get(key) {
+                Some((v, cas)) => (Some(v.clone()), Some(*cas)),
+                None => (None, None),
+            }
+        }
+        fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
+            self.writes.set(self.writes.get() + 1);
+            if self.conflicts.get() > 0 {
+                self.conflicts.set(self.conflicts.get() - 1);
+                return Err(StoreError::CasMismatch);
+            }
+            let mut data = self.data.borrow_mut();
+            let current = data.get(key).map(|(_, c)| *c);
+            if cas.is_some() && cas != current {
+                return Err(StoreError::CasMismatch);
+            }
+            let next = current.unwrap_or(0) + 1;
+            data.insert(key.to_string(), (value.to_vec(), next));
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn shared_takes_retry_on_cas_mismatch() {
+        let store = FakeStore::default();
+        let key = shared_key("per-app");
+        assert_eq!(key, "ratelimit.emergency.per-app");
+        ensure_initialized(&store, &key, &bucket(), T0);
+        store.conflicts.set(5);
+        let t = take_shared(&store, &key, &bucket(), T0, 1.0).unwrap();
+        assert!(t.allowed);
+        assert_eq!(store.writes.get(), 1 + 6);
+        let stored = State::decode(&store.get(&key).0.unwrap()).unwrap();
+        assert_eq!(stored.tokens, 9.0);
+    }
+
+    #[test]
+    fn endless_contention_denies() {
+        let store = FakeStore::default();
+        store.conflicts.set(usize::MAX);
+        assert_eq!(
+            take_shared(&store, "k", &bucket(), T0, 1.0),
+            Err(Contention)
+        );
+        assert_eq!(store.writes.get(), MAX_CAS_ATTEMPTS);
+    }
+
+    #[test]
+    fn initialization_keeps_an_existing_bucket() {
+        let store = FakeStore::default();
+        let key = shared_key("r");
+        ensure_initialized(&store, &key, &bucket(), T0);
+        take_shared(&store, &key, &bucket(), T0, 4.0).unwrap();
+        ensure_initialized(&store, &key, &bucket(), T0);
+        let stored = State::decode(&store.get(&key).0.unwrap()).unwrap();
+        assert_eq!(stored.tokens, 6.0);
+    }
+}

@@ -1,0 +1,425 @@
+//! The proxy-wasm host adapter: reads what the pure core needs from Envoy (configuration,
+//! headers, properties, shared data, the sidecar's answer) and carries its verdict out (resume,
+//! local reply, response headers, stats). Nothing here decides anything.
+//!
+//! Host calls go through `proxy_wasm::hostcalls` and their `_bytes` variants, which return
+//! errors instead of panicking on non-UTF-8 values; a failed read is "unknown".
+
+use std::cell::Cell;
+use std::collections::hash_map::RandomState;
+use std::collections::BTreeMap;
+use std::hash::BuildHasher;
+use std::rc::Rc;
+use std::time::{Duration, UNIX_EPOCH};
+
+use log::{debug, error, info, warn};
+use proxy_wasm::hostcalls;
+use proxy_wasm::traits::{Context, HttpContext, RootContext};
+use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType, Status};
+use ratelimit_wire::DecideRequest;
+
+use crate::attempt::{attempt_id, REQUEST_TIME_PROPERTY};
+use crate::config::{Config, Dimension};
+use crate::emergency::{self, Bucket, SharedStore, StoreError};
+use crate::identity::{self, Facts, ROUTE_NAME_PROPERTY, SOURCE_ADDRESS_PROPERTY};
+use crate::rules::{self, Planned, RequestFacts};
+use crate::verdict::{self, FailurePlan, LimiterError, LocalReply, Verdict, MAX_ANSWER_BYTES};
+
+proxy_wasm::main! {{
+    proxy_wasm::set_log_level(LogLevel::Trace);
+    proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(Root::default()) });
+}}
+
+/// The filter's stats, defined once per VM.
+#[derive(Debug, Clone, Copy)]
+struct Metrics {
+    admitted: u32,
+    rejected: u32,
+    limiter_error: u32,
+    failed_open: u32,
+    failed_closed: u32,
+    emergency_activations: u32,
+    emergency_rejected: u32,
+    decision_ms: u32,
+}
+
+impl Metrics {
+    fn define(prefix: &str) -> Result<Metrics, Status> {
+        let counter =
+            |name: &str| hostcalls::define_metric(MetricType::Counter, &format!("{prefix}.{name}"));
+        Ok(Metrics {
+            admitted: counter("admitted")?,
+            rejected: counter("rejected")?,
+            limiter_error: counter("limiter_error")?,
+            failed_open: counter("failed_open")?,
+            failed_closed: counter("failed_closed")?,
+            emergency_activations: counter("emergency_activations")?,
+            emergency_rejected: counter("emergency_rejected")?,
+            decision_ms: hostcalls::define_metric(
+                MetricType::Histogram,
+                &format!("{prefix}.decision_ms"),
+            )?,
+        })
+    }
+}
+
+fn count(metric: u32) {
+    let _ = hostcalls::increment_metric(metric, 1);
+}
+
+/// The validated configuration and what is derived from it once.
+struct Plugin {
+    config: Config,
+    metrics: Metrics,
+    /// Request headers some rule's `match.headers` reads.
+    header_names: Vec<String>,
+    /// Whether some rule keys on the route name.
+    needs_route: bool,
+    /// Distinguishes this VM's attempt ids when a request has no `x-request-id`.
+    vm_nonce: u64,
+    /// Requests seen by this VM without `x-request-id`.
+    counter: Cell<u64>,
+}
+
+#[derive(Default)]
+struct Root {
+    plugin: Option<Rc<Plugin>>,
+}
+
+impl Context for Root {}
+
+impl RootContext for Root {
+    fn on_configure(&mut self, _plugin_configuration_size: usize) -> bool {
+        let bytes = match hostcalls::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX) {
+            Ok(Some(bytes)) => bytes,
+            _ => Vec::new(),
+        };
+        let config = match Config::from_json(&bytes) {
+            Ok(config) => config,
+            Err(e) => {
+                error!("ratelimit filter: invalid configuration: {e}");
+                return false;
+            }
+        };
+        let metrics = match Metrics::define(&config.stat_prefix) {
+            Ok(m) => m,
+            Err(status) => {
+                error!("ratelimit filter: cannot define stats: {status:?}");
+                return false;
+            }
+        };
+        let now = now_ns();
+        for rule in &config.rules {
+            if let Some(e) = &rule.emergency {
+                emergency::ensure_initialized(
+                    &HostShared,
+                    &emergency::shared_key(&rule.name),
+                    &Bucket::from(e),
+                    now,
+                );
+            }
+        }
+        let header_names = config.matched_header_names().into_iter().collect();
+        let needs_route = config
+            .rules
+            .iter()
+            .any(|r| r.subject.contains(&Dimension::Route));
+        info!(
+            "ratelimit filter: configured {} rules, sidecar cluster {:?}, timeout {} ms",
+            config.rules.len(),
+            config.sidecar.cluster,
+            config.sidecar.timeout_ms
+        );
+        self.plugin = Some(Rc::new(Plugin {
+            config,
+            metrics,
+            header_names,
+            needs_route,
+            vm_nonce: RandomState::new().hash_one(now),
+            counter: Cell::new(0),
+        }));
+        true
+    }
+
+    fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
+        Some(Box::new(Request {
+            plugin: self.plugin.clone(),
+            planned: Vec::new(),
+            dispatched_ns: None,
+            response_headers: Vec::new(),
+        }))
+    }
+
+    fn get_type(&self) -> Option<ContextType> {
+        Some(ContextType::HttpContext)
+    }
+}
+
+/// One HTTP request going through the filter.
+struct Request {
+    /// `None` only if Envoy created a stream although the configuration was refused: such a
+    /// request is answered 503, never let through unlimited.
+    plugin: Option<Rc<Plugin>>,
+    planned: Vec<Planned>,
+    dispatched_ns: Option<u64>,
+    /// Rate-limit headers for the upstream's response (`rate_limit_headers: always`).
+    response_headers: Vec<(String, String)>,
+}
+
+impl Context for Request {
+    fn on_http_call_response(
+        &mut self,
+        _token_id: u32,
+        _num_headers: usize,
+        body_size: usize,
+        _num_trailers: usize,
+    ) {
+        let Some(plugin) = self.plugin.clone() else {
+            return;
+        };
+        if let Some(started) = self.dispatched_ns.take() {
+            let ms = now_ns().saturating_sub(started) / 1_000_000;
+            let _ = hostcalls::record_metric(plugin.metrics.decision_ms, ms);
+        }
+        let status = hostcalls::get_map_value_bytes(MapType::HttpCallResponseHeaders, ":status")
+            .ok()
+            .flatten();
+        let body = if body_size == 0 || body_size > MAX_ANSWER_BYTES {
+            Vec::new()
+        } else {
+            hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
+                .ok()
+                .flatten()
+                .unwrap_or_default()
+        };
+        let verdict = match verdict::parse_answer(status.as_deref(), &body, self.planned.len()) {
+            Ok(answer) => verdict::from_answer(&plugin.config, &self.planned, &answer),
+            Err(e) => self.on_limiter_error(&plugin, e),
+        };
+        self.carry_out(&plugin, verdict, true);
+    }
+}
+
+impl HttpContext for Request {
+    fn on_http_request_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+        let Some(plugin) = self.plugin.clone() else {
+            send(&verdict::unavailable());
+            return Action::Pause;
+        };
+        let config = &plugin.config;
+        let request = RequestFacts {
+            path: request_header(":path").unwrap_or_default(),
+            method: request_header(":method").unwrap_or_default(),
+            headers: plugin
+                .header_names
+                .iter()
+                .filter_map(|name| Some((name.clone(), request_header(name)?)))
+                .collect::<BTreeMap<_, _>>(),
+        };
+        let id = &config.identity;
+        let facts = Facts {
+            api_key: id.api_key.as_ref().and_then(|k| request_header(&k.header)),
+            jwt_user: id
+                .jwt
+                .as_ref()
+                .and_then(|j| property(&identity::jwt_claim_property(&j.provider, &j.user_claim))),
+            jwt_tenant: id.jwt.as_ref().and_then(|j| {
+                property(&identity::jwt_claim_property(
+                    &j.provider,
+                    j.tenant_claim.as_ref()?,
+                ))
+            }),
+            source_address: id.ip.then(|| property(&SOURCE_ADDRESS_PROPERTY)).flatten(),
+            route_name: plugin
+                .needs_route
+                .then(|| property(&ROUTE_NAME_PROPERTY))
+                .flatten(),
+        };
+        let subject = identity::resolve(id, &facts);
+        let request_id = request_header("x-request-id");
+        if request_id.is_none() {
+            plugin.counter.set(plugin.counter.get().wrapping_add(1));
+        }
+        let attempt = attempt_id(
+            request_id.as_deref(),
+            property(&REQUEST_TIME_PROPERTY).as_deref(),
+            now_ns(),
+            plugin.vm_nonce,
+            plugin.counter.get(),
+        );
+        self.planned = rules::plan(config, &request, &subject, &attempt);
+        if self.planned.is_empty() {
+            return Action::Continue;
+        }
+        let body = serde_json::to_vec(&DecideRequest {
+            decisions: self.planned.iter().map(|p| p.decision.clone()).collect(),
+        })
+        .unwrap_or_default();
+        let sidecar = &config.sidecar;
+        let dispatched = hostcalls::dispatch_http_call(
+            &sidecar.cluster,
+            vec![
+                (":method", "POST"),
+                (":path", sidecar.path()),
+                (":authority", sidecar.authority()),
+                ("content-type", "application/json"),
+            ],
+            Some(&body),
+            vec![],
+            Duration::from_millis(sidecar.timeout_ms),
+        );
+        match dispatched {
+            Ok(_token) => {
+                self.dispatched_ns = Some(now_ns());
+                Action::Pause
+            }
+            Err(status) => {
+                let e = LimiterError::Dispatch(format!(
+                    "{status:?} (is cluster {:?} defined?)",
+                    sidecar.cluster
+                ));
+                let verdict = self.on_limiter_error(&plugin, e);
+                self.carry_out(&plugin, verdict, false)
+            }
+        }
+    }
+
+    fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+        for (name, value) in std::mem::take(&mut self.response_headers) {
+            let _ = hostcalls::set_map_value(MapType::HttpResponseHeaders, &name, Some(&value));
+        }
+        Action::Continue
+    }
+}
+
+impl Request {
+    /// The verdict when the sidecar could not decide: the rules' `on_error` policies.
+    fn on_limiter_error(&self, plugin: &Plugin, e: LimiterError) -> Verdict {
+        let m = &plugin.metrics;
+        count(m.limiter_error);
+        debug!("ratelimit filter: limiter error: {e}");
+        let config = &plugin.config;
+        match verdict::on_error(config, &self.planned) {
+            FailurePlan::Deny => {
+                count(m.failed_closed);
+                Verdict::Reject(verdict::unavailable())
+            }
+            FailurePlan::Allow => {
+                count(m.failed_open);
+                Verdict::Admit {
+                    headers: Vec::new(),
+                }
+            }
+            FailurePlan::Local(entries) => {
+                count(m.emergency_activations);
+                let now = now_ns();
+                let takes: Vec<_> = entries
+                    .into_iter()
+                    .map(|i| {
+                        let rule = &config.rules[self.planned[i].rule];
+                        let take = match &rule.emergency {
+                            Some(e) => emergency::take_shared(
+                                &HostShared,
+                                &emergency::shared_key(&rule.name),
+                                &Bucket::from(e),
+                                now,
+                                rule.cost as f64,
+                            ),
+                            // Validation requires `emergency` for `local`; deny if it is absent.
+                            None => Err(emergency::Contention),
+                        };
+                        if take.is_err() {
+                            warn!("ratelimit filter: emergency bucket of rule {:?} is contended; denying", rule.name);
+                        }
+                        (i, take)
+                    })
+                    .collect();
+                let v = verdict::from_emergency(config, &self.planned, &takes);
+                match &v {
+                    Verdict::Reject(_) => count(m.emergency_rejected),
+                    Verdict::Admit { .. } if verdict::fails_open(config, &self.planned) => {
+                        count(m.failed_open)
+                    }
+                    Verdict::Admit { .. } => {}
+                }
+                v
+            }
+        }
+    }
+
+    /// Forwards or answers the request. `paused`: the request waits for us to resume it.
+    fn carry_out(&mut self, plugin: &Plugin, verdict: Verdict, paused: bool) -> Action {
+        match verdict {
+            Verdict::Admit { headers } => {
+                count(plugin.metrics.admitted);
+                self.response_headers = headers;
+                if paused {
+                    let _ = hostcalls::resume_http_request();
+                }
+                Action::Continue
+            }
+            Verdict::Reject(reply) => {
+                if reply.status == 429 {
+                    count(plugin.metrics.rejected);
+                }
+                send(&reply);
+                Action::Pause
+            }
+        }
+    }
+}
+
+fn send(reply: &LocalReply) {
+    let headers: Vec<(&str, &str)> = reply
+        .headers
+        .iter()
+        .map(|(n, v)| (n.as_str(), v.as_str()))
+        .collect();
+    if let Err(status) =
+        hostcalls::send_http_response(reply.status, headers, Some(reply.body.as_bytes()))
+    {
+        error!(
+            "ratelimit filter: cannot send the {} reply: {status:?}",
+            reply.status
+        );
+        let _ = hostcalls::reset_http_request();
+    }
+}
+
+/// The first value of a request header, as bytes; `None` when absent or unreadable.
+fn request_header(name: &str) -> Option<Vec<u8>> {
+    hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, name)
+        .ok()
+        .flatten()
+}
+
+/// A property's bytes; `None` when absent or unreadable.
+fn property(path: &[&str]) -> Option<Vec<u8>> {
+    hostcalls::get_property(path.to_vec()).ok().flatten()
+}
+
+/// The host clock in Unix nanoseconds (0 if unreadable).
+fn now_ns() -> u64 {
+    hostcalls::get_current_time()
+        .ok()
+        .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+        .map(|d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
+        .unwrap_or(0)
+}
+
+/// proxy-wasm shared data (per `vm_id`, shared by all worker VMs of one Envoy process).
+struct HostShared;
+
+impl SharedStore for HostShared {
+    fn get(&self, key: &str) -> (Option<Vec<u8>>, Option<u32>) {
+        hostcalls::get_shared_data(key).unwrap_or((None, None))
+    }
+
+    fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
+        match hostcalls::set_shared_data(key, Some(value), cas) {
+            Ok(()) => Ok(()),
+            Err(Status::CasMismatch) => Err(StoreError::CasMismatch),
+            Err(_) => Err(StoreError::Failed),
+        }
+    }
+}

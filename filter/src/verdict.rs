@@ -1,0 +1,590 @@
+//! The [`Verdict`] on a request: from the sidecar's answer, or — when the sidecar cannot
+//! decide — from the rules' failure policies and their emergency buckets. Also what a
+//! rejection looks like on the wire (status, headers, JSON body).
+//!
+//! Headers (IETF draft `httpapi-ratelimit-headers`, structured fields):
+//! - `RateLimit-Policy: "per-app";q=100;w=10`: quota `q` = capacity, window `w` = seconds a full
+//!   refill takes (`capacity / refill_per_sec`, rounded up).
+//! - `RateLimit: "per-app";r=0;t=1`: `r` = whole tokens remaining, `t` = seconds, rounded up,
+//!   until the request's cost is available again (on a 429, equal to `Retry-After`) or, on an
+//!   admitted response, until the bucket is full.
+//! - `Retry-After` (429): seconds until the cost is available, rounded up, at least 1. Absent when
+//!   the cost exceeds the bucket's capacity: waiting cannot help.
+
+use ratelimit_wire::{DecideResponse, DecisionResult, Reason};
+
+use crate::config::{window_s, Config, FailurePolicy, RateLimitHeaders};
+use crate::emergency::{Contention, Take};
+use crate::rules::Planned;
+
+/// The most bytes of a sidecar answer that are read.
+pub const MAX_ANSWER_BYTES: usize = 1 << 20;
+
+/// A response the filter sends itself instead of forwarding the request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LocalReply {
+    pub status: u32,
+    pub headers: Vec<(String, String)>,
+    pub body: String,
+}
+
+/// What happens to a request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Verdict {
+    /// Forward it; add `headers` to the upstream's response.
+    Admit { headers: Vec<(String, String)> },
+    /// Answer it with this reply.
+    Reject(LocalReply),
+}
+
+/// Why the sidecar's answer cannot be used.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LimiterError {
+    #[error("no answer (timeout, reset or unreachable cluster)")]
+    NoAnswer,
+    #[error("dispatch failed: {0}")]
+    Dispatch(String),
+    #[error("status {0}")]
+    Status(String),
+    #[error("malformed answer: {0}")]
+    Malformed(String),
+    #[error("answer has {got} results for {expected} decisions")]
+    Count { expected: usize, got: usize },
+    #[error("answer says allowed={allowed} but its results disagree")]
+    Inconsistent { allowed: bool },
+}
+
+/// Checks and parses the sidecar's answer: `:status` 200 and a [`DecideResponse`] with one result
+/// per decision whose `allowed` agrees with its results. Anything else is an error that the
+/// rules' `on_error` policies handle.
+pub fn parse_answer(
+    status: Option<&[u8]>,
+    body: &[u8],
+    expected: usize,
+) -> Result<DecideResponse, LimiterError> {
+    let status = status.ok_or(LimiterError::NoAnswer)?;
+    if status != b"200" {
+        return Err(LimiterError::Status(
+            String::from_utf8_lossy(&status[..status.len().min(16)]).into_owned(),
+        ));
+    }
+    let answer: DecideResponse =
+        serde_json::from_slice(body).map_err(|e| LimiterError::Malformed(e.to_string()))?;
+    if answer.results.len() != expected {
+        return Err(LimiterError::Count {
+            expected,
+            got: answer.results.len(),
+        });
+    }
+    if answer.allowed != answer.results.iter().all(|r| r.allowed) {
+        return Err(LimiterError::Inconsistent {
+            allowed: answer.allowed,
+        });
+    }
+    Ok(answer)
+}
+
+/// One bucket's figures for the rate-limit headers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Limit<'a> {
+    name: &'a str,
+    quota: u64,
+    window_s: u64,
+    remaining: u64,
+    reset_s: u64,
+}
+
+impl Limit<'_> {
+    fn policy(&self) -> String {
+        format!("\"{}\";q={};w={}", self.name, self.quota, self.window_s)
+    }
+    fn limit(&self) -> String {
+        format!("\"{}\";r={};t={}", self.name, self.remaining, self.reset_s)
+    }
+}
+
+/// Whole seconds, rounded up.
+pub fn ceil_s(ms: u64) -> u64 {
+    ms.div_ceil(1000)
+}
+
+/// `Retry-After` for a wait of `retry_after_ms`: seconds rounded up, at least 1.
+pub fn retry_after_s(retry_after_ms: u64) -> u64 {
+    ceil_s(retry_after_ms).max(1)
+}
+
+/// The verdict from a parsed sidecar answer (`answer.results[i]` belongs to `planned[i]`).
+pub fn from_answer(config: &Config, planned: &[Planned], answer: &DecideResponse) -> Verdict {
+    let pairs = planned.iter().zip(&answer.results);
+    let limit = |p: &Planned, r: &DecisionResult, reset_s: u64| {
+        let rule = &config.rules[p.rule];
+        Limit {
+            name: &rule.name,
+            quota: rule.capacity,
+            window_s: rule.window_s(),
+            remaining: r.remaining,
+            reset_s,
+        }
+    };
+    if let Some((p, r)) = pairs
+        .clone()
+        .find(|(_, r)| !r.allowed && r.reason == Reason::CostExceedsCapacity)
+    {
+        return Verdict::Reject(cost_exceeds(config, &limit(p, r, 0)));
+    }
+    // The limiting rule: the rejecting one that makes the client wait longest.
+    if let Some((p, r)) = pairs
+        .clone()
+        .filter(|(_, r)| !r.allowed)
+        .max_by_key(|(_, r)| r.retry_after_ms)
+    {
+        let wait_s = retry_after_s(r.retry_after_ms);
+        return Verdict::Reject(rate_limited(config, &limit(p, r, wait_s), wait_s));
+    }
+    let limits: Vec<_> = pairs
+        .map(|(p, r)| limit(p, r, ceil_s(r.reset_ms)))
+        .collect();
+    admit(config, &limits)
+}
+
+/// What the failure policies of the applicable rules call for when the sidecar cannot decide.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FailurePlan {
+    /// Some rule says `deny`: answer 503.
+    Deny,
+    /// Take from the emergency buckets of these entries of `planned` (their rules say `local`);
+    /// the others say `allow`.
+    Local(Vec<usize>),
+    /// Every rule says `allow`: forward the request.
+    Allow,
+}
+
+/// The plan for a request whose decisions could not be made.
+pub fn on_error(config: &Config, planned: &[Planned]) -> FailurePlan {
+    let policy = |p: &Planned| config.rules[p.rule].on_error;
+    if planned.iter().any(|p| policy(p) == FailurePolicy::Deny) {
+        return FailurePlan::Deny;
+    }
+    let local: Vec<usize> = planned
+        .iter()
+        .enumerate()
+        .filter(|(_, p)| policy(p) == FailurePolicy::Local)
+        .map(|(i, _)| i)
+        .collect();
+    if local.is_empty() {
+        FailurePlan::Allow
+    } else {
+        FailurePlan::Local(local)
+    }
+}
+
+/// Whether some applicable rule fails open (`allow`): a request admitted on a limiter error then
+/// passed at least one limit unchecked.
+pub fn fails_open(config: &Config, planned: &[Planned]) -> bool {
+    planned
+        .iter()
+        .any(|p| config.rules[p.rule].on_error == FailurePolicy::Allow)
+}
+
+/// The verdict from the emergency buckets: `takes` holds, for each entry of `planned` named by
+/// [`FailurePlan::Local`], its index and what its bucket said. All must admit. Contention on the
+/// shared bucket denies (never admits uncounted), with `Retry-After: 1`.
+pub fn from_emergency(
+    config: &Config,
+    planned: &[Planned],
+    takes: &[(usize, Result<Take, Contention>)],
+) -> Verdict {
+    let limit = |i: usize, remaining: u64, reset_s: u64| {
+        let rule = &config.rules[planned[i].rule];
+        let (quota, window) = match &rule.emergency {
+            Some(e) => (e.capacity, window_s(e.capacity, e.refill_per_sec)),
+            None => (rule.capacity, rule.window_s()),
+        };
+        Limit {
+            name: &rule.name,
+            quota,
+            window_s: window,
+            remaining,
+            reset_s,
+        }
+    };
+    let rejecting = takes
+        .iter()
+        .filter_map(|(i, t)| match t {
+            Ok(t) if t.allowed => None,
+            Ok(t) => Some((*i, t.remaining, t.retry_after_ms)),
+            Err(Contention) => Some((*i, 0, 1000)),
+        })
+        .max_by_key(|(_, _, retry_after_ms)| *retry_after_ms);
+    if let Some((i, remaining, retry_after_ms)) = rejecting {
+        let wait_s = retry_after_s(retry_after_ms);
+        return Verdict::Reject(rate_limited(config, &limit(i, remaining, wait_s), wait_s));
+    }
+    let limits: Vec<_> = takes
+        .iter()
+        .filter_map(|(i, t)| t.as_ref().ok().map(|t| limit(*i, t.remaining, 0)))
+        .collect();
+    admit(config, &limits)
+}
+
+/// 503: the limiter is unavailable (a `deny` rule could not be decided). Not the client's quota,
+/// so no `Retry-After` and no rate-limit headers.
+pub fn unavailable() -> LocalReply {
+    LocalReply {
+        status: 503,
+        headers: vec![content_type()],
+        body: body(&RejectBody {
+            error: "rate limiter unavailable",
+            rule: None,
+            retry_after_s: None,
+        }),
+    }
+}
+
+/// The JSON body of a local reply, fields in this order.
+#[derive(serde::Serialize)]
+struct RejectBody<'a> {
+    error: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    rule: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    retry_after_s: Option<u64>,
+}
+
+fn body(b: &RejectBody<'_>) -> String {
+    // Serializing strings and integers cannot fail; an empty body would still be a valid reply.
+    serde_json::to_string(b).unwrap_or_default()
+}
+
+fn content_type() -> (String, String) {
+    ("content-type".into(), "application/json".into())
+}
+
+fn admit(config: &Config, limits: &[Limit<'_>]) -> Verdict {
+    let headers = if config.rate_limit_headers == RateLimitHeaders::Always && !limits.is_empty() {
+        let policies: Vec<_> = limits.iter().map(Limit::policy).collect();
+        let remaining: Vec<_> = limits.iter().map(Limit::limit).collect();
+        vec![
+            ("ratelimit-policy".into(), policies.join(", ")),
+            ("ratelimit".into(), remaining.join(", ")),
+        ]
+    } else {
+        Vec::new()
+    };
+    Verdict::Admit { headers }
+}
+
+fn rate_limited(config: &Config, limit: &Limit<'_>, wait_s: u64) -> LocalReply {
+    let mut headers = vec![content_type(), ("retry-after".into(), wait_s.to_string())];
+    if config.rate_limit_headers != RateLimitHeaders::Never {
+        headers.push(("ratelimit-policy".into(), limit.policy()));
+        headers.push(("ratelimit".into(), limit.limit()));
+    }
+    LocalReply {
+        status: 429,
+        headers,
+        body: body(&RejectBody {
+            error: "rate limited",
+            rule: Some(limit.name),
+            retry_after_s: Some(wait_s),
+        }),
+    }
+}
+
+fn cost_exceeds(config: &Config, limit: &Limit<'_>) -> LocalReply {
+    let mut headers = vec![content_type()];
+    if config.rate_limit_headers != RateLimitHeaders::Never {
+        headers.push(("ratelimit-policy".into(), limit.policy()));
+    }
+    LocalReply {
+        status: 429,
+        headers,
+        body: body(&RejectBody {
+            error: "request cost exceeds the rate limit",
+            rule: Some(limit.name),
+            retry_after_s: None,
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::tests::example;
+    use crate::emergency::State;
+    use ratelimit_wire::Decision;
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    fn planned(config: &Config, rules: &[usize]) -> Vec<Planned> {
+        rules
+            .iter()
+            .map(|&i| Planned {
+                rule: i,
+                decision: Decision {
+                    key: format!("{}|x", config.rules[i].name),
+                    capacity: config.rules[i].capacity as f64,
+                    refill_per_sec: config.rules[i].refill_per_sec,
+                    cost: 1.0,
+                    attempt: Some("a".into()),
+                },
+            })
+            .collect()
+    }
+
+    fn result(allowed: bool, remaining: u64, retry_after_ms: u64, reset_ms: u64) -> DecisionResult {
+        DecisionResult {
+            allowed,
+            remaining,
+            retry_after_ms,
+            reset_ms,
+            reason: if allowed {
+                Reason::Ok
+            } else {
+                Reason::Insufficient
+            },
+        }
+    }
+
+    fn answer(results: Vec<DecisionResult>) -> DecideResponse {
+        DecideResponse {
+            allowed: results.iter().all(|r| r.allowed),
+            results,
+        }
+    }
+
+    fn header<'a>(reply: &'a LocalReply, name: &str) -> Option<&'a str> {
+        reply
+            .headers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
+    }
+
+    fn reject(v: Verdict) -> LocalReply {
+        match v {
+            Verdict::Reject(r) => r,
+            other => panic!("expected a rejection, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn retry_after_rounds_up_and_is_at_least_one() {
+        assert_eq!(retry_after_s(0), 1);
+        assert_eq!(retry_after_s(1), 1);
+        assert_eq!(retry_after_s(1000), 1);
+        assert_eq!(retry_after_s(1001), 2);
+        assert_eq!(retry_after_s(2999), 3);
+        assert_eq!(retry_after_s(u64::MAX), u64::MAX.div_ceil(1000));
+    }
+
+    #[test]
+    fn an_exhausted_rule_gives_429_with_its_headers_and_body() {
+        let c = example();
+        let p = planned(&c, &[0, 1]);
+        let r = reject(from_answer(
+            &c,
+            &p,
+            &answer(vec![
+                result(false, 0, 100, 10_000),
+                result(true, 998, 0, 20),
+            ]),
+        ));
+        assert_eq!(r.status, 429);
+        assert_eq!(header(&r, "content-type"), Some("application/json"));
+        assert_eq!(header(&r, "retry-after"), Some("1"));
+        assert_eq!(
+            header(&r, "ratelimit-policy"),
+            Some("\"per-app\";q=100;w=10")
+        );
+        assert_eq!(header(&r, "ratelimit"), Some("\"per-app\";r=0;t=1"));
+        assert_eq!(
+            r.body,
+            r#"{"error":"rate limited","rule":"per-app","retry_after_s":1}"#
+        );
+        let body: serde_json::Value = serde_json::from_str(&r.body).unwrap();
+        assert_eq!(body["rule"], "per-app");
+    }
+
+    #[test]
+    fn the_longest_wait_names_the_limiting_rule() {
+        let c = example();
+        let p = planned(&c, &[0, 1]);
+        let r = reject(from_answer(
+            &c,
+            &p,
+            &answer(vec![result(false, 0, 100, 0), result(false, 0, 2_500, 0)]),
+        ));
+        assert_eq!(header(&r, "retry-after"), Some("3"));
+        assert_eq!(header(&r, "ratelimit"), Some("\"per-ip\";r=0;t=3"));
+        assert_eq!(
+            header(&r, "ratelimit-policy"),
+            Some("\"per-ip\";q=1000;w=10")
+        );
+    }
+
+    #[test]
+    fn cost_exceeding_capacity_is_a_429_without_retry_after() {
+        let c = example();
+        let p = planned(&c, &[0]);
+        let mut res = result(false, 100, 0, 0);
+        res.reason = Reason::CostExceedsCapacity;
+        let r = reject(from_answer(&c, &p, &answer(vec![res])));
+        assert_eq!(r.status, 429);
+        assert_eq!(header(&r, "retry-after"), None);
+        assert_eq!(
+            header(&r, "ratelimit-policy"),
+            Some("\"per-app\";q=100;w=10")
+        );
+        assert_eq!(
+            r.body,
+            r#"{"error":"request cost exceeds the rate limit","rule":"per-app"}"#
+        );
+    }
+
+    #[test]
+    fn admitted_headers_follow_the_configuration() {
+        let mut c = example();
+        let p = planned(&c, &[0, 1]);
+        let a = answer(vec![result(true, 99, 0, 100), result(true, 999, 0, 10)]);
+        assert_eq!(from_answer(&c, &p, &a), Verdict::Admit { headers: vec![] });
+        c.rate_limit_headers = RateLimitHeaders::Always;
+        assert_eq!(
+            from_answer(&c, &p, &a),
+            Verdict::Admit {
+                headers: vec![
+                    (
+                        "ratelimit-policy".into(),
+                        "\"per-app\";q=100;w=10, \"per-ip\";q=1000;w=10".into()
+                    ),
+                    (
+                        "ratelimit".into(),
+                        "\"per-app\";r=99;t=1, \"per-ip\";r=999;t=1".into()
+                    ),
+                ]
+            }
+        );
+        c.rate_limit_headers = RateLimitHeaders::Never;
+        let r = reject(from_answer(
+            &c,
+            &p,
+            &answer(vec![result(false, 0, 10, 0), result(true, 1, 0, 0)]),
+        ));
+        assert_eq!(header(&r, "retry-after"), Some("1"));
+        assert_eq!(header(&r, "ratelimit"), None);
+        assert_eq!(header(&r, "ratelimit-policy"), None);
+    }
+
+    #[test]
+    fn answers_that_cannot_be_trusted_are_errors() {
+        let ok = br#"{"allowed":true,"results":[{"allowed":true,"remaining":1,"retry_after_ms":0,"reset_ms":0}]}"#;
+        assert!(parse_answer(Some(b"200"), ok, 1).is_ok());
+        assert_eq!(parse_answer(None, ok, 1), Err(LimiterError::NoAnswer));
+        assert_eq!(
+            parse_answer(Some(b"503"), ok, 1),
+            Err(LimiterError::Status("503".into()))
+        );
+        assert_eq!(
+            parse_answer(Some(b"200"), ok, 2),
+            Err(LimiterError::Count {
+                expected: 2,
+                got: 1
+            })
+        );
+        assert!(matches!(
+            parse_answer(Some(b"200"), b"<html>", 1),
+            Err(LimiterError::Malformed(_))
+        ));
+        assert!(matches!(
+            parse_answer(Some(b"200"), b"", 1),
+            Err(LimiterError::Malformed(_))
+        ));
+        let liar = br#"{"allowed":true,"results":[{"allowed":false,"remaining":0,"retry_after_ms":5,"reset_ms":0}]}"#;
+        assert_eq!(
+            parse_answer(Some(b"200"), liar, 1),
+            Err(LimiterError::Inconsistent { allowed: true })
+        );
+        assert!(parse_answer(Some(&[0xff; 40]), ok, 1).is_err());
+    }
+
+    #[test]
+    fn failure_policies_combine_deny_first_then_local_then_allow() {
+        let mut c = example();
+        // rules: 0 per-app local, 1 per-ip allow.
+        assert_eq!(
+            on_error(&c, &planned(&c, &[0, 1])),
+            FailurePlan::Local(vec![0])
+        );
+        assert_eq!(
+            on_error(&c, &planned(&c, &[1, 0])),
+            FailurePlan::Local(vec![1])
+        );
+        assert_eq!(on_error(&c, &planned(&c, &[1])), FailurePlan::Allow);
+        assert!(fails_open(&c, &planned(&c, &[0, 1])));
+        assert!(!fails_open(&c, &planned(&c, &[0])));
+        c.rules[1].on_error = FailurePolicy::Deny;
+        assert_eq!(on_error(&c, &planned(&c, &[0, 1])), FailurePlan::Deny);
+        assert_eq!(
+            on_error(&c, &planned(&c, &[0])),
+            FailurePlan::Local(vec![0])
+        );
+    }
+
+    #[test]
+    fn the_503_says_the_limiter_is_unavailable() {
+        let r = unavailable();
+        assert_eq!(r.status, 503);
+        assert_eq!(r.body, r#"{"error":"rate limiter unavailable"}"#);
+        assert_eq!(header(&r, "content-type"), Some("application/json"));
+        assert_eq!(header(&r, "retry-after"), None);
+    }
+
+    fn take(allowed: bool, remaining: u64, retry_after_ms: u64) -> Take {
+        Take {
+            state: State {
+                tokens: 0.0,
+                updated_ns: 0,
+            },
+            allowed,
+            remaining,
+            retry_after_ms,
+        }
+    }
+
+    #[test]
+    fn emergency_buckets_must_all_admit() {
+        let mut c = example();
+        c.rate_limit_headers = RateLimitHeaders::Always;
+        let p = planned(&c, &[0, 1]);
+        assert_eq!(
+            from_emergency(&c, &p, &[(0, Ok(take(true, 9, 0)))]),
+            Verdict::Admit {
+                headers: vec![
+                    ("ratelimit-policy".into(), "\"per-app\";q=10;w=10".into()),
+                    ("ratelimit".into(), "\"per-app\";r=9;t=0".into()),
+                ]
+            }
+        );
+        let r = reject(from_emergency(&c, &p, &[(0, Ok(take(false, 0, 1500)))]));
+        assert_eq!(r.status, 429);
+        assert_eq!(header(&r, "retry-after"), Some("2"));
+        assert_eq!(
+            header(&r, "ratelimit-policy"),
+            Some("\"per-app\";q=10;w=10")
+        );
+        assert_eq!(header(&r, "ratelimit"), Some("\"per-app\";r=0;t=2"));
+        assert_eq!(
+            r.body,
+            r#"{"error":"rate limited","rule":"per-app","retry_after_s":2}"#
+        );
+    }
+
+    #[test]
+    fn contention_on_an_emergency_bucket_denies() {
+        let c = example();
+        let p = planned(&c, &[0]);
+        let r = reject(from_emergency(&c, &p, &[(0, Err(Contention))]));
+        assert_eq!(r.status, 429);
+        assert_eq!(header(&r, "retry-after"), Some("1"));
+    }
+}
