@@ -245,3 +245,32 @@ async fn two_hundred_concurrent_callers_on_a_bucket_of_50_get_exactly_50() {
         .count();
     assert_eq!(admitted, 50);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refill_follows_the_elapsed_server_time_and_the_ttl_is_the_full_refill_time() {
+    let redis = RedisServer::start();
+    let sidecar = Sidecar::on_redis(&redis).await;
+    let key = unique("drive");
+    let bucket = format!("rl:{{{key}}}");
+    let mut c = redis.connection();
+    // Drive time: an empty bucket last touched 2.5 s ago (server clock) at 10/s holds 25 tokens.
+    let (now_s, now_us): (u64, u64) = redis::cmd("TIME").query(&mut c).unwrap();
+    let past_us = now_s * 1_000_000 + now_us - 2_500_000;
+    let _: () = c
+        .hset_multiple(
+            &bucket,
+            &[("tokens", "0".to_string()), ("ts", past_us.to_string())],
+        )
+        .unwrap();
+    let (_, a) = sidecar
+        .decide(json!([decision(&key, 100.0, 10.0, 1.0)]))
+        .await;
+    let r = &a["results"][0];
+    assert_eq!(r["remaining"], 24, "25 refilled, 1 charged: {a}");
+    // reset = (100 - 24.x) / 10 per s, just under 7.6 s.
+    let reset = r["reset_ms"].as_u64().unwrap();
+    assert!((7_500..=7_600).contains(&reset), "{reset}");
+    // TTL = the full-refill time (100 / 10 = 10 s) plus a 1 s margin.
+    let ttl: i64 = c.pttl(&bucket).unwrap();
+    assert!((10_900..=11_000).contains(&ttl), "{ttl}");
+}
