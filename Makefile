@@ -39,7 +39,8 @@ run: build
 	ENVOY_CONFIG=$(ENVOY_CONFIG) scripts/run-local.sh
 
 bench: build
-	$(CARGO) run --release -p ratelimit-sidecar --bin ratelimit-bench -- --sidecar-bin $(SIDECAR)
+	RATELIMIT_SIDECAR_BIN=$(CURDIR)/$(SIDECAR) RATELIMIT_FILTER_WASM=$(CURDIR)/$(WASM) \
+		$(CARGO) run --release -p ratelimit-e2e --bin ratelimit-bench -- $(BENCH_ARGS)
 
 lint:
 	$(CARGO) fmt --all -- --check

