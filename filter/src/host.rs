@@ -2,8 +2,11 @@
 //! headers, properties, shared data, the sidecar's answer) and carries its verdict out (resume,
 //! local reply, response headers, stats). Nothing here decides anything.
 //!
-//! Host calls go through `proxy_wasm::hostcalls` and their `_bytes` variants, which return
-//! errors instead of panicking on non-UTF-8 values; a failed read is "unknown".
+//! Reads (headers, properties, buffers) go through the small [`abi`] module below instead of the
+//! SDK's wrappers, which panic on non-UTF-8 values or on a status they did not expect (a timed-out
+//! callout has no response headers and Envoy answers `BadArgument`): a panic would take the VM
+//! down. A failed read is "unknown". Other calls use `proxy_wasm::hostcalls`, whose errors are
+//! handled.
 
 use std::cell::Cell;
 use std::collections::hash_map::RandomState;
@@ -90,10 +93,7 @@ impl Context for Root {}
 
 impl RootContext for Root {
     fn on_configure(&mut self, _plugin_configuration_size: usize) -> bool {
-        let bytes = match hostcalls::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX) {
-            Ok(Some(bytes)) => bytes,
-            _ => Vec::new(),
-        };
+        let bytes = abi::buffer(BufferType::PluginConfiguration, usize::MAX).unwrap_or_default();
         let config = match Config::from_json(&bytes) {
             Ok(config) => config,
             Err(e) => {
@@ -170,7 +170,7 @@ impl Context for Request {
     fn on_http_call_response(
         &mut self,
         _token_id: u32,
-        _num_headers: usize,
+        num_headers: usize,
         body_size: usize,
         _num_trailers: usize,
     ) {
@@ -181,16 +181,16 @@ impl Context for Request {
             let ms = now_ns().saturating_sub(started) / 1_000_000;
             let _ = hostcalls::record_metric(plugin.metrics.decision_ms, ms);
         }
-        let status = hostcalls::get_map_value_bytes(MapType::HttpCallResponseHeaders, ":status")
-            .ok()
-            .flatten();
+        // A failed callout (timeout, reset, no healthy host) comes with no headers at all.
+        let status = if num_headers == 0 {
+            None
+        } else {
+            abi::header_map_value(MapType::HttpCallResponseHeaders, ":status")
+        };
         let body = if body_size == 0 || body_size > MAX_ANSWER_BYTES {
             Vec::new()
         } else {
-            hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
-                .ok()
-                .flatten()
-                .unwrap_or_default()
+            abi::buffer(BufferType::HttpCallResponseBody, body_size).unwrap_or_default()
         };
         let verdict = match verdict::parse_answer(status.as_deref(), &body, self.planned.len()) {
             Ok(answer) => verdict::from_answer(&plugin.config, &self.planned, &answer),
@@ -388,14 +388,12 @@ fn send(reply: &LocalReply) {
 
 /// The first value of a request header, as bytes; `None` when absent or unreadable.
 fn request_header(name: &str) -> Option<Vec<u8>> {
-    hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, name)
-        .ok()
-        .flatten()
+    abi::header_map_value(MapType::HttpRequestHeaders, name)
 }
 
 /// A property's bytes; `None` when absent or unreadable.
 fn property(path: &[&str]) -> Option<Vec<u8>> {
-    hostcalls::get_property(path.to_vec()).ok().flatten()
+    abi::property(path)
 }
 
 /// The host clock in Unix nanoseconds (0 if unreadable).
@@ -421,5 +419,84 @@ impl SharedStore for HostShared {
             Err(Status::CasMismatch) => Err(StoreError::CasMismatch),
             Err(_) => Err(StoreError::Failed),
         }
+    }
+}
+
+/// Reads through the proxy-wasm ABI that never panic: any status but `Ok` is `None`.
+mod abi {
+    use std::ptr::null_mut;
+
+    use proxy_wasm::types::{BufferType, MapType};
+
+    const OK: u32 = 0;
+
+    // The same imports the SDK declares; the status is taken as a plain `u32` so that an
+    // unexpected value is just "not Ok".
+    #[link(wasm_import_module = "env")]
+    extern "C" {
+        fn proxy_get_header_map_value(
+            map_type: MapType,
+            key_data: *const u8,
+            key_size: usize,
+            return_value_data: *mut *mut u8,
+            return_value_size: *mut usize,
+        ) -> u32;
+        fn proxy_get_property(
+            path_data: *const u8,
+            path_size: usize,
+            return_value_data: *mut *mut u8,
+            return_value_size: *mut usize,
+        ) -> u32;
+        fn proxy_get_buffer_bytes(
+            buffer_type: BufferType,
+            start: usize,
+            max_size: usize,
+            return_buffer_data: *mut *mut u8,
+            return_buffer_size: *mut usize,
+        ) -> u32;
+    }
+
+    /// Takes ownership of what the host allocated through this module's allocator (the SDK's
+    /// `proxy_on_memory_allocate`), as the SDK does.
+    fn owned(status: u32, data: *mut u8, size: usize) -> Option<Vec<u8>> {
+        if status != OK {
+            return None;
+        }
+        if data.is_null() {
+            return Some(Vec::new());
+        }
+        // SAFETY: on `Ok` the host returns a buffer of `size` bytes it allocated with
+        // `proxy_on_memory_allocate`, i.e. this module's global allocator, and hands it over.
+        Some(unsafe { Vec::from_raw_parts(data, size, size) })
+    }
+
+    pub fn header_map_value(map: MapType, name: &str) -> Option<Vec<u8>> {
+        let mut data = null_mut();
+        let mut size = 0;
+        // SAFETY: pointers to live locals and to `name`'s bytes for the duration of the call.
+        let status = unsafe {
+            proxy_get_header_map_value(map, name.as_ptr(), name.len(), &mut data, &mut size)
+        };
+        owned(status, data, size)
+    }
+
+    pub fn property(path: &[&str]) -> Option<Vec<u8>> {
+        let serialized = path.join("\0");
+        let mut data = null_mut();
+        let mut size = 0;
+        // SAFETY: as above.
+        let status = unsafe {
+            proxy_get_property(serialized.as_ptr(), serialized.len(), &mut data, &mut size)
+        };
+        // A property that exists but is null comes back as `Ok` without data: unknown.
+        owned(status, data, size).filter(|v| !v.is_empty())
+    }
+
+    pub fn buffer(buffer: BufferType, max_size: usize) -> Option<Vec<u8>> {
+        let mut data = null_mut();
+        let mut size = 0;
+        // SAFETY: as above.
+        let status = unsafe { proxy_get_buffer_bytes(buffer, 0, max_size, &mut data, &mut size) };
+        owned(status, data, size)
     }
 }
