@@ -31,14 +31,15 @@ for t in wasm32-wasip1 wasm32-unknown-unknown; do
   grep -qx "$t" <<<"$installed_targets" || rustup target add "$t"
 done
 
-# wasm-bindgen-test-runner must match the wasm-bindgen crate version exactly.
+# wasm-bindgen-test-runner must match the wasm-bindgen crate version exactly. (Not --locked: its
+# lock file pins a crate version the registry mirror here does not serve.)
 if [ -f Cargo.lock ]; then
   wb_version=$(awk '/^name = "wasm-bindgen"$/{getline; gsub(/version = |"/,""); print; exit}' Cargo.lock)
   if [ -n "$wb_version" ]; then
     have=$(wasm-bindgen-test-runner --version 2>/dev/null | awk '{print $2}' || true)
     if [ "$have" != "$wb_version" ]; then
       echo "install-deps: cargo install wasm-bindgen-cli@$wb_version"
-      cargo install --locked --quiet "wasm-bindgen-cli@$wb_version"
+      cargo install --quiet "wasm-bindgen-cli@$wb_version"
     fi
   fi
 fi
