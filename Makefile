@@ -28,7 +28,7 @@ test: build test-native test-wasm
 # real Envoy, sidecar, Redis and upstream. The e2e tests use the release artifacts built above.
 test-native:
 	RATELIMIT_SIDECAR_BIN=$(CURDIR)/$(SIDECAR) RATELIMIT_FILTER_WASM=$(CURDIR)/$(WASM) \
-		$(CARGO) test --workspace
+		$(CARGO) test --workspace --no-fail-fast
 
 # The filter's pure logic (and the wire types) again, compiled to wasm32 and run under Node.
 test-wasm:

@@ -43,7 +43,7 @@ struct Metrics {
     failed_closed: u32,
     emergency_activations: u32,
     emergency_rejected: u32,
-    decision_ms: u32,
+    decision_us: u32,
 }
 
 impl Metrics {
@@ -58,9 +58,9 @@ impl Metrics {
             failed_closed: counter("failed_closed")?,
             emergency_activations: counter("emergency_activations")?,
             emergency_rejected: counter("emergency_rejected")?,
-            decision_ms: hostcalls::define_metric(
+            decision_us: hostcalls::define_metric(
                 MetricType::Histogram,
-                &format!("{prefix}.decision_ms"),
+                &format!("{prefix}.decision_us"),
             )?,
         })
     }
@@ -178,8 +178,8 @@ impl Context for Request {
             return;
         };
         if let Some(started) = self.dispatched_ns.take() {
-            let ms = now_ns().saturating_sub(started) / 1_000_000;
-            let _ = hostcalls::record_metric(plugin.metrics.decision_ms, ms);
+            let us = now_ns().saturating_sub(started) / 1_000;
+            let _ = hostcalls::record_metric(plugin.metrics.decision_us, us);
         }
         // A failed callout (timeout, reset, no healthy host) comes with no headers at all.
         let status = if num_headers == 0 {

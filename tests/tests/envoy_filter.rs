@@ -197,6 +197,12 @@ fn a_burst_of_150_with_alpha_key_admits_100_and_the_rest_get_429_with_retry_afte
     assert_eq!(count(&answers, 429), 50);
     assert_eq!(stack.envoy.counter("ratelimit.admitted"), 100);
     assert_eq!(stack.envoy.counter("ratelimit.rejected"), 50);
+    let stats = stack.envoy.ratelimit_stats();
+    let histogram = stats
+        .iter()
+        .find(|(k, _)| k.ends_with("ratelimit.decision_us"))
+        .unwrap_or_else(|| panic!("no decision-time histogram in {stats:?}"));
+    println!("decision time (µs): {}", histogram.1);
 }
 
 #[test]
