@@ -5,8 +5,9 @@ mod support;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
+use ratelimit_e2e::{free_port, wait_until, Redis};
 use serde_json::json;
-use support::{free_port, unique, wait_until, RedisServer};
+use support::unique;
 
 struct Process(Child);
 
@@ -19,7 +20,7 @@ impl Drop for Process {
 
 #[test]
 fn the_binary_reads_its_flags_and_environment() {
-    let redis = RedisServer::start();
+    let redis = Redis::start();
     let port = free_port();
     let _sidecar = Process(
         Command::new(env!("CARGO_BIN_EXE_ratelimit-sidecar"))

@@ -4,13 +4,14 @@ mod support;
 
 use std::time::{Duration, Instant};
 
+use ratelimit_e2e::Redis;
 use redis::Commands;
 use serde_json::json;
-use support::{decision, unique, RedisServer, Sidecar};
+use support::{decision, unique, Sidecar};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_burst_of_150_on_a_100_per_10_bucket_admits_100_then_refills() {
-    let redis = RedisServer::start();
+    let redis = Redis::start();
     let sidecar = Sidecar::on_redis(&redis).await;
     let key = unique("burst");
     let one = json!([decision(&key, 100.0, 10.0, 1.0)]);
@@ -70,7 +71,7 @@ async fn a_burst_of_150_on_a_100_per_10_bucket_admits_100_then_refills() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cost_above_capacity_is_never_satisfiable() {
-    let redis = RedisServer::start();
+    let redis = Redis::start();
     let sidecar = Sidecar::on_redis(&redis).await;
     let (status, a) = sidecar
         .decide(json!([decision(&unique("big"), 10.0, 1.0, 11.0)]))
@@ -85,7 +86,7 @@ async fn cost_above_capacity_is_never_satisfiable() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn invalid_parameters_are_refused_by_the_sidecar_and_by_the_script() {
-    let redis = RedisServer::start();
+    let redis = Redis::start();
     let sidecar = Sidecar::on_redis(&redis).await;
     for (field, d) in [
         ("capacity", decision("k", 0.0, 1.0, 1.0)),
@@ -134,7 +135,7 @@ async fn invalid_parameters_are_refused_by_the_sidecar_and_by_the_script() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_timestamp_in_the_future_counts_as_no_time_passed() {
-    let redis = RedisServer::start();
+    let redis = Redis::start();
     let sidecar = Sidecar::on_redis(&redis).await;
     let key = unique("clock");
     let bucket = format!("rl:{{{key}}}");
@@ -164,7 +165,7 @@ async fn a_timestamp_in_the_future_counts_as_no_time_passed() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_same_attempt_twice_is_charged_once_and_answered_alike() {
-    let redis = RedisServer::start();
+    let redis = Redis::start();
     let sidecar = Sidecar::on_redis(&redis).await;
     let key = unique("dedup");
     let mut d = decision(&key, 10.0, 0.001, 3.0);
@@ -191,7 +192,7 @@ async fn the_same_attempt_twice_is_charged_once_and_answered_alike() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rejected_decision_leaves_the_other_buckets_untouched() {
-    let redis = RedisServer::start();
+    let redis = Redis::start();
     let sidecar = Sidecar::on_redis(&redis).await;
     let (first, second) = (unique("aon-a"), unique("aon-b"));
     let (_, a) = sidecar
@@ -224,7 +225,7 @@ async fn a_rejected_decision_leaves_the_other_buckets_untouched() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_hundred_concurrent_callers_on_a_bucket_of_50_get_exactly_50() {
-    let redis = RedisServer::start();
+    let redis = Redis::start();
     let sidecar = Sidecar::on_redis(&redis).await;
     let key = unique("race");
     let one = json!([decision(&key, 50.0, 0.001, 1.0)]);
@@ -248,7 +249,7 @@ async fn two_hundred_concurrent_callers_on_a_bucket_of_50_get_exactly_50() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn refill_follows_the_elapsed_server_time_and_the_ttl_is_the_full_refill_time() {
-    let redis = RedisServer::start();
+    let redis = Redis::start();
     let sidecar = Sidecar::on_redis(&redis).await;
     let key = unique("drive");
     let bucket = format!("rl:{{{key}}}");

@@ -2,9 +2,10 @@
 
 mod support;
 
+use ratelimit_e2e::RedisCluster;
 use redis::Commands;
 use serde_json::json;
-use support::{decision, unique, RedisCluster, Sidecar};
+use support::{decision, unique, Sidecar};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn decisions_over_300_keys_succeed_and_spread_over_three_primaries() {

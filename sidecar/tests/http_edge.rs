@@ -2,11 +2,12 @@
 
 mod support;
 
-use support::{RedisServer, Sidecar};
+use ratelimit_e2e::Redis;
+use support::Sidecar;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_requests_get_4xx_with_a_reason_naming_the_field() {
-    let redis = RedisServer::start();
+    let redis = Redis::start();
     let sidecar = Sidecar::on_redis(&redis).await;
     for (body, status, reason) in [
         ("{not json", 400, "key must be a string"),
@@ -87,7 +88,7 @@ async fn malformed_requests_get_4xx_with_a_reason_naming_the_field() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unknown_paths_and_methods_answer_json_and_metrics_are_served() {
-    let redis = RedisServer::start();
+    let redis = Redis::start();
     let sidecar = Sidecar::on_redis(&redis).await;
     let r = sidecar
         .http

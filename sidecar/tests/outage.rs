@@ -4,14 +4,15 @@ mod support;
 
 use std::time::{Duration, Instant};
 
+use ratelimit_e2e::{free_port, Redis};
 use serde_json::json;
-use support::{decision, free_port, unique, RedisServer, Sidecar};
+use support::{decision, unique, Sidecar};
 
 const TIMEOUT_MS: u64 = 100;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_stopped_answers_503_and_a_restarted_redis_is_used_again() {
-    let mut redis = RedisServer::start();
+    let mut redis = Redis::start();
     let sidecar = Sidecar::start(&[
         "--redis",
         &redis.url(),
@@ -115,7 +116,7 @@ async fn the_sidecar_starts_without_redis_and_becomes_ready_when_it_answers() {
     let (status, a) = sidecar.decide(json!([decision("k", 1.0, 1.0, 1.0)])).await;
     assert_eq!(status, 503, "{a}");
 
-    let _redis = RedisServer::start_on(port);
+    let _redis = Redis::start_on(port, &[]);
     sidecar.wait_ready("/readyz").await;
     let (status, a) = sidecar
         .decide(json!([decision(&unique("late"), 1.0, 1.0, 1.0)]))
@@ -125,14 +126,14 @@ async fn the_sidecar_starts_without_redis_and_becomes_ready_when_it_answers() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_evicting_maxmemory_policy_is_reported_by_readyz() {
-    let redis = RedisServer::start_with(&["--maxmemory-policy", "allkeys-lru"]);
+    let redis = Redis::start_with(&["--maxmemory-policy", "allkeys-lru"]);
     let sidecar = Sidecar::on_redis(&redis).await;
     let (status, body) = sidecar.get("/readyz").await;
     assert_eq!(status, 200, "Redis answers, so ready: {body}");
     assert!(body.contains("allkeys-lru"), "{body}");
     assert!(body.contains("evict"), "{body}");
 
-    let quiet = RedisServer::start_with(&["--maxmemory-policy", "noeviction"]);
+    let quiet = Redis::start_with(&["--maxmemory-policy", "noeviction"]);
     let sidecar = Sidecar::on_redis(&quiet).await;
     let (_, body) = sidecar.get("/readyz").await;
     assert!(!body.contains("warning"), "{body}");

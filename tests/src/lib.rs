@@ -10,6 +10,7 @@
 //! - `REDIS_SERVER_BIN` (default `redis-server` on the PATH)
 
 pub mod envoy;
+pub mod redis;
 pub mod upstream;
 
 use std::fs::File;
@@ -23,6 +24,7 @@ use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 
 pub use envoy::{Envoy, EnvoyConfig};
+pub use redis::{Redis, RedisCluster};
 pub use upstream::Upstream;
 
 /// How long any process may take to become ready.
@@ -97,7 +99,6 @@ pub struct Process {
     name: String,
     child: Child,
     log_path: PathBuf,
-    _dir: Option<tempfile::TempDir>,
 }
 
 impl Process {
@@ -116,13 +117,7 @@ impl Process {
             name: name.to_string(),
             child,
             log_path,
-            _dir: None,
         }
-    }
-
-    fn keep_dir(mut self, dir: tempfile::TempDir) -> Self {
-        self._dir = Some(dir);
-        self
     }
 
     pub fn pid(&self) -> u32 {
@@ -164,10 +159,12 @@ impl Process {
         s
     }
 
-    /// Kills the process now and reaps it.
+    /// Kills the process now and reaps it (once: a reaped pid may belong to someone else).
     pub fn stop(&mut self) {
-        let _ = kill(Pid::from_raw(self.child.id() as i32), Signal::SIGCONT);
-        let _ = self.child.kill();
+        if self.running() {
+            let _ = kill(Pid::from_raw(self.child.id() as i32), Signal::SIGCONT);
+            let _ = self.child.kill();
+        }
         let _ = self.child.wait();
     }
 }
@@ -187,51 +184,6 @@ impl Drop for Process {
             }
         }
         self.stop();
-    }
-}
-
-/// A redis-server of its own, on a free port, persisting nothing.
-pub struct Redis {
-    pub port: u16,
-    pub process: Process,
-}
-
-impl Redis {
-    pub fn start() -> Redis {
-        Redis::start_with(free_port(), &[])
-    }
-
-    /// Starts on a given port (to restart "the same" Redis) with extra `--flag value` arguments.
-    pub fn start_with(port: u16, extra: &[&str]) -> Redis {
-        let dir = tempfile::tempdir().expect("temp dir");
-        let bin = std::env::var("REDIS_SERVER_BIN").unwrap_or_else(|_| "redis-server".into());
-        let mut cmd = Command::new(bin);
-        cmd.current_dir(dir.path())
-            .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
-            .args(["--save", "", "--appendonly", "no", "--protected-mode", "no"])
-            .args(extra);
-        let process = Process::spawn(&format!("redis-{port}"), cmd, dir.path()).keep_dir(dir);
-        let redis = Redis { port, process };
-        wait_until(&format!("redis on {port}"), READY_TIMEOUT, || redis.ping());
-        redis
-    }
-
-    pub fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
-    }
-
-    /// Runs one command through `redis-cli` and returns its output.
-    pub fn cli(&self, args: &[&str]) -> String {
-        let out = Command::new("redis-cli")
-            .args(["-h", "127.0.0.1", "-p", &self.port.to_string()])
-            .args(args)
-            .output()
-            .expect("run redis-cli");
-        String::from_utf8_lossy(&out.stdout).trim().to_string()
-    }
-
-    fn ping(&self) -> bool {
-        port_open(self.port) && self.cli(&["PING"]) == "PONG"
     }
 }
 

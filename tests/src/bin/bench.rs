@@ -290,10 +290,7 @@ fn main() {
         args.seconds, args.concurrency, args.keys
     );
 
-    let redis = Redis::start_with(
-        ratelimit_e2e::free_port(),
-        &["--maxmemory-policy", "noeviction"],
-    );
+    let redis = Redis::start_with(&["--maxmemory-policy", "noeviction"]);
     let sidecar = Sidecar::start(&redis.url(), &["--redis-timeout-ms", "1000"]);
     let upstream = Upstream::start();
     let redis_w = Watched {
