@@ -229,32 +229,35 @@ impl RedisStore {
         Err(result)
     }
 
-    async fn run(&self, mode: &str, calls: &[BucketCall]) -> Result<Vec<Outcome>, StoreError> {
-        let mut evalsha = redis::cmd("EVALSHA");
-        evalsha.arg(&self.sha1);
-        let mut eval = redis::cmd("EVAL");
-        eval.arg(SCRIPT);
-        for c in [&mut evalsha, &mut eval] {
-            c.arg(calls.len() * 2);
-            for call in calls {
-                c.arg(&call.bucket_key).arg(&call.attempt_key);
-            }
-            c.arg(mode).arg(self.attempt_ttl_ms);
-            for call in calls {
-                c.arg(call.capacity)
-                    .arg(call.refill_per_sec)
-                    .arg(call.cost)
-                    .arg(&call.attempt);
-            }
+    /// `EVALSHA <sha1> ...` or `EVAL <script> ...` with the calls' keys and arguments.
+    fn script_cmd(&self, command: &str, script: &str, mode: &str, calls: &[BucketCall]) -> Cmd {
+        let mut c = redis::cmd(command);
+        c.arg(script).arg(calls.len() * 2);
+        for call in calls {
+            c.arg(&call.bucket_key).arg(&call.attempt_key);
         }
+        c.arg(mode).arg(self.attempt_ttl_ms);
+        for call in calls {
+            c.arg(call.capacity)
+                .arg(call.refill_per_sec)
+                .arg(call.cost)
+                .arg(&call.attempt);
+        }
+        c
+    }
+
+    async fn run(&self, mode: &str, calls: &[BucketCall]) -> Result<Vec<Outcome>, StoreError> {
+        let evalsha = self.script_cmd("EVALSHA", &self.sha1, mode, calls);
         let reply = self
             .bounded(async {
                 match self.query(&evalsha).await {
                     Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
                         // The node lost its script cache (restart, failover): EVAL caches it again.
+                        // Built only here: the hot path never copies the script.
                         self.metrics.script_loads.inc();
                         tracing::info!("NOSCRIPT from redis, reloading the bucket script by EVAL");
-                        self.query(&eval).await
+                        self.query(&self.script_cmd("EVAL", SCRIPT, mode, calls))
+                            .await
                     }
                     other => other,
                 }
