@@ -59,10 +59,11 @@ wait_for envoy curl -sf http://127.0.0.1:9901/ready
 cat <<TXT
 ratelimit stack is up (logs in $LOG_DIR/):
   Envoy      http://127.0.0.1:10000   (config $ENVOY_CONFIG)
-  admin      http://127.0.0.1:9901/stats?filter=ratelimit
+  admin      http://127.0.0.1:9901/stats?filter=wasmcustom
   sidecar    http://127.0.0.1:8081/metrics
   Redis      $REDIS_URL
-Try:  for i in \$(seq 1 120); do curl -s -o /dev/null -w '%{http_code} ' -H 'x-api-key: alpha-key' http://127.0.0.1:10000/api/hello; done; echo
+Try (about 100 pass, then 429):
+  curl -s -o /dev/null -w '%{http_code}\\n' -H 'x-api-key: alpha-key' 'http://127.0.0.1:10000/api/hello?n=[1-150]' | uniq -c
 Ctrl-C stops everything.
 TXT
 wait -n "${pids[@]}"
