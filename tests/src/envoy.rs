@@ -87,9 +87,9 @@ impl EnvoyConfig {
     }
 }
 
-/// Replaces the block scalar after the first `value: |` line (the plugin JSON) with `json`.
-fn replace_plugin_block(yaml: &str, json: &str) -> String {
-    let lines: Vec<&str> = yaml.lines().collect();
+/// The line range of the block scalar after the first `value: |` line (the plugin JSON):
+/// (the `value: |` line, the first line after the block).
+fn plugin_block(lines: &[&str]) -> (usize, usize) {
     let start = lines
         .iter()
         .position(|l| l.trim_end().ends_with("value: |"))
@@ -100,6 +100,23 @@ fn replace_plugin_block(yaml: &str, json: &str) -> String {
         .position(|l| !l.trim().is_empty() && l.len() - l.trim_start().len() <= indent)
         .map(|i| start + 1 + i)
         .unwrap_or(lines.len());
+    (start, end)
+}
+
+/// The plugin configuration (JSON) of an Envoy config.
+pub fn plugin_json(yaml: &str) -> serde_json::Value {
+    let lines: Vec<&str> = yaml.lines().collect();
+    let (start, end) = plugin_block(&lines);
+    let text = lines[start + 1..end].join("\n");
+    serde_json::from_str(&text)
+        .unwrap_or_else(|e| panic!("plugin JSON does not parse: {e}\n{text}"))
+}
+
+/// Replaces the block scalar after the first `value: |` line (the plugin JSON) with `json`.
+fn replace_plugin_block(yaml: &str, json: &str) -> String {
+    let lines: Vec<&str> = yaml.lines().collect();
+    let (start, end) = plugin_block(&lines);
+    let indent = lines[start].len() - lines[start].trim_start().len();
     let pad = " ".repeat(indent + 2);
     let mut out: Vec<String> = lines[..=start].iter().map(|s| s.to_string()).collect();
     out.extend(json.lines().map(|l| format!("{pad}{l}")));

@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 
-pub use envoy::{Envoy, EnvoyConfig};
+pub use envoy::{plugin_json, Envoy, EnvoyConfig};
 pub use redis::{Redis, RedisCluster};
 pub use upstream::Upstream;
 

@@ -485,3 +485,75 @@ fn a_bad_plugin_configuration_is_refused_at_start_naming_the_field() {
         );
     }
 }
+
+#[test]
+fn redis_down_the_sidecar_answers_503_and_the_filter_applies_on_error_then_recovers() {
+    let mut stack = Stack::start(
+        "envoy.yaml",
+        Some(plugin_with_rules(json!([
+            {"name": "closed", "match": {"path_prefix": "/closed/"}, "subject": ["ip"],
+             "capacity": 1000, "refill_per_sec": 100, "on_error": "deny"},
+            {"name": "open", "match": {"path_prefix": "/open/"}, "subject": ["ip"],
+             "capacity": 1000, "refill_per_sec": 100, "on_error": "allow"}
+        ]))),
+    );
+    let c = http();
+    let (closed, open) = (stack.envoy.url("/closed/x"), stack.envoy.url("/open/x"));
+    assert_eq!(get(&c, &closed, &[]).status, 200);
+    stack.redis.stop();
+    // The sidecar is up but Redis is not: it answers 503, which the filter treats as a limiter
+    // error (not as the client's quota).
+    let down = get(&c, &closed, &[]);
+    assert_eq!(down.status, 503, "{}", down.body);
+    assert!(down.body.contains("unavailable"), "{}", down.body);
+    assert_eq!(get(&c, &open, &[]).status, 200, "on_error allow fails open");
+    assert!(stack.envoy.counter("ratelimit.limiter_error") >= 2);
+    // Redis back on its port, empty (the script cache is gone): decisions resume by themselves.
+    stack.redis.restart();
+    ratelimit_e2e::wait_until(
+        "decisions resume after Redis restart",
+        Duration::from_secs(30),
+        || get(&c, &closed, &[]).status == 200,
+    );
+}
+
+#[test]
+fn hostile_header_bytes_and_huge_values_neither_crash_the_filter_nor_escape_the_limit() {
+    let mut plugin = plugin_with_rules(json!([
+        {"name": "per-app", "match": {"path_prefix": "/api/"}, "subject": ["app"],
+         "capacity": 5, "refill_per_sec": 0.001, "on_error": "deny"}
+    ]));
+    plugin["rate_limit_headers"] = json!("always");
+    let stack = Stack::start("envoy.yaml", Some(plugin));
+    let c = http();
+    let url = stack.envoy.url("/api/x");
+    let huge = "k".repeat(30_000);
+    let send_raw = |name: &str, value: &[u8]| {
+        let value = reqwest::header::HeaderValue::from_bytes(value).unwrap();
+        c.get(&url)
+            .header(name, value)
+            .send()
+            .map(|r| r.status().as_u16())
+            .unwrap_or(0)
+    };
+    for (name, value) in [
+        ("x-api-key", &b"\xff\xfe\x80 not utf-8"[..]),
+        ("x-api-key", huge.as_bytes()),
+        ("x-request-id", &b"\xff\xff\xff"[..]),
+        ("x-request-id", huge.as_bytes()),
+    ] {
+        let status = send_raw(name, value);
+        assert!(status == 200 || status == 431, "{name}: status {status}");
+    }
+    // The VM is alive and still limits: alpha gets its 5, each admitted answer carries
+    // RateLimit (rate_limit_headers: always), then 429.
+    for i in 0..5 {
+        let a = get(&c, &url, &[ALPHA]);
+        assert_eq!(a.status, 200, "alpha request {i}");
+        let header = a
+            .header("ratelimit")
+            .expect("admitted responses carry RateLimit");
+        assert!(header.contains(&format!("r={}", 4 - i)), "{header}");
+    }
+    assert_eq!(get(&c, &url, &[ALPHA]).status, 429);
+}
