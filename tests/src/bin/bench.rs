@@ -9,7 +9,8 @@
 //! 3. The sidecar's `POST /v1/decide`: the HTTP hop, validation and the pipelined script call.
 //! 4. Envoy in front of an upstream, without the filter (baseline for 5 and 6).
 //! 5. The alternative: Envoy's built-in `local_ratelimit` (a bucket per Envoy, no shared budget).
-//! 6. Envoy with the wasm filter and the sidecar: the global decision on every request.
+//! 6. Envoy with the wasm filter and the sidecar: the global decision on every request, with the
+//!    callout over HTTP/1.1 (as shipped) and over HTTP/2.
 //!
 //! All figures are printed; none is asserted. On a 2-core machine the load generator, Redis, the
 //! sidecar and Envoy share the cores, so read the ratios and the CPU per operation, not the absolute
@@ -211,6 +212,24 @@ const LOCAL_RATELIMIT: &str = r#"          - name: envoy.filters.http.local_rate
               filter_enforced:
                 default_value: { numerator: 100, denominator: HUNDRED }
 "#;
+
+/// The shipped config with the sidecar cluster speaking HTTP/2 (cleartext) instead of HTTP/1.1.
+fn sidecar_over_http2(yaml: &str) -> String {
+    let anchor = "  - name: ratelimit_sidecar\n    type: STATIC\n    connect_timeout: 0.25s\n";
+    assert!(
+        yaml.contains(anchor),
+        "the sidecar cluster is where the bench expects it"
+    );
+    yaml.replace(
+        anchor,
+        &format!(
+            "{anchor}    typed_extension_protocol_options:\n      \
+             envoy.extensions.upstreams.http.v3.HttpProtocolOptions:\n        \
+             \"@type\": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions\n        \
+             explicit_http_config:\n          http2_protocol_options: {{}}\n"
+        ),
+    )
+}
 
 /// Starts Envoy from a rendered YAML (for the variants the harness does not model).
 fn envoy_from_yaml(
@@ -414,7 +433,8 @@ fn main() {
         for (name, edit) in [
             ("envoy, no rate limit (baseline)", Box::new(|y: &str| without_wasm_filter(y, "")) as Box<dyn Fn(&str) -> String>),
             ("envoy + local_ratelimit (per-Envoy, no global)", Box::new(|y: &str| without_wasm_filter(y, LOCAL_RATELIMIT))),
-            ("envoy + wasm filter + sidecar (global)", Box::new(|y: &str| y.to_string())),
+            ("envoy + filter + sidecar, HTTP/1.1 callout", Box::new(|y: &str| y.to_string())),
+            ("envoy + filter + sidecar, HTTP/2 callout", Box::new(sidecar_over_http2)),
         ] {
             let (mut child, port, _dir) = envoy_from_yaml(&config, edit);
             let watched = [
@@ -431,11 +451,28 @@ fn main() {
         print(&envoy_results[0], None);
         print(&envoy_results[1], Some(&envoy_results[0]));
         print(&envoy_results[2], Some(&envoy_results[0]));
+        print(&envoy_results[3], Some(&envoy_results[0]));
 
-        let (base, global) = (&envoy_results[0], &envoy_results[2]);
         let decision_cpu_us = decide.cpu_us_per_op.iter().filter(|(n, _)| *n != "load generator").map(|(_, v)| v).sum::<f64>();
         let envoy_cpu = |r: &StageResult| r.cpu_us_per_op.iter().find(|(n, _)| *n == "envoy").map(|(_, v)| *v).unwrap_or(0.0);
         let redis_cpu = |r: &StageResult| r.cpu_us_per_op.iter().find(|(n, _)| *n == "redis").map(|(_, v)| *v).unwrap_or(0.0);
+        let sidecar_cpu = |r: &StageResult| {
+            r.cpu_us_per_op
+                .iter()
+                .find(|(n, _)| *n == "sidecar")
+                .map(|(_, v)| *v)
+                .unwrap_or(0.0)
+        };
+        let (base, global) = (&envoy_results[0], &envoy_results[2]);
+        println!();
+        println!(
+            "HTTP/2 vs HTTP/1.1 callout: {:.2}x throughput, Envoy CPU {:.1} vs {:.1} µs/request, sidecar CPU {:.1} vs {:.1} µs/decision",
+            envoy_results[3].per_second() / envoy_results[2].per_second(),
+            envoy_cpu(&envoy_results[3]),
+            envoy_cpu(&envoy_results[2]),
+            sidecar_cpu(&envoy_results[3]),
+            sidecar_cpu(&envoy_results[2]),
+        );
         println!();
         println!("added by the global decision in Envoy: p50 +{:.2?}, p99 +{:.2?}, Envoy CPU +{:.1} µs/request",
             global.p50.saturating_sub(base.p50), global.p99.saturating_sub(base.p99), envoy_cpu(global) - envoy_cpu(base));
