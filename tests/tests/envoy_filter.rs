@@ -283,14 +283,17 @@ fn a_jwt_verified_user_is_limited_per_user_and_forged_tokens_are_refused() {
         format!("Bearer {jwt}")
     };
     let (alice, bob) = (token("alice"), token("bob"));
-    // per-user is 20 tokens (refill 2/s) in envoy-jwt.yaml.
+    // per-user is 20 tokens (refill 2/s) in envoy-jwt.yaml: the sequence may earn one more token
+    // per 500 ms it lasts.
+    let start = Instant::now();
     let answers: Vec<u16> = (0..25)
         .map(|_| get(&c, &url, &[("authorization", &alice)]).status)
         .collect();
+    let refilled = (start.elapsed().as_secs_f64() * 2.0).floor() as usize;
     let admitted = answers.iter().filter(|s| **s == 200).count();
     assert!(
-        (20..=21).contains(&admitted),
-        "alice admitted {admitted}: {answers:?}"
+        (20..=20 + refilled).contains(&admitted),
+        "alice admitted {admitted} (+{refilled} refilled): {answers:?}"
     );
     assert_eq!(*answers.last().unwrap(), 429);
     // bob has a budget of his own.
