@@ -13,18 +13,35 @@ pub struct Args {
     #[arg(long, env = "RATELIMIT_LISTEN", default_value = "127.0.0.1:8081")]
     pub listen: SocketAddr,
 
-    /// URL of one Redis (a primary). Mutually exclusive with --redis-cluster.
+    /// URL of one Redis (a primary). Mutually exclusive with --redis-cluster and
+    /// --redis-sentinel.
     #[arg(
         long,
         env = "RATELIMIT_REDIS",
         default_value = "redis://127.0.0.1:6379",
-        conflicts_with = "redis_cluster"
+        conflicts_with_all = ["redis_cluster", "redis_sentinel"]
     )]
     pub redis: String,
 
     /// Seed URLs of a Redis Cluster, comma separated (redis://host:port,...).
     #[arg(long, env = "RATELIMIT_REDIS_CLUSTER", value_delimiter = ',', num_args = 1..)]
     pub redis_cluster: Vec<String>,
+
+    /// URLs of the Sentinels that watch the primary, comma separated (redis://host:26379,...);
+    /// the primary they name for --sentinel-master is used, and asked for again after a
+    /// failover. Mutually exclusive with --redis and --redis-cluster.
+    #[arg(
+        long,
+        env = "RATELIMIT_REDIS_SENTINEL",
+        value_delimiter = ',',
+        num_args = 1..,
+        conflicts_with = "redis_cluster"
+    )]
+    pub redis_sentinel: Vec<String>,
+
+    /// Name of the primary the Sentinels monitor (`sentinel monitor <name> ...`).
+    #[arg(long, env = "RATELIMIT_SENTINEL_MASTER", default_value = "mymaster")]
+    pub sentinel_master: String,
 
     /// Upper bound of every Redis call, in milliseconds; past it the decision answers 503.
     #[arg(long, env = "RATELIMIT_REDIS_TIMEOUT_MS", default_value_t = 50, value_parser = clap::value_parser!(u64).range(1..))]
@@ -66,6 +83,8 @@ mod tests {
         assert_eq!(a.listen.to_string(), "127.0.0.1:8081");
         assert_eq!(a.redis, "redis://127.0.0.1:6379");
         assert!(a.redis_cluster.is_empty());
+        assert!(a.redis_sentinel.is_empty());
+        assert_eq!(a.sentinel_master, "mymaster");
         assert_eq!(a.redis_timeout_ms, 50);
         assert_eq!(a.key_prefix, "rl:");
         assert_eq!(a.attempt_ttl_ms, 10_000);
@@ -90,5 +109,35 @@ mod tests {
             "redis://y"
         ])
         .is_err());
+    }
+
+    #[test]
+    fn sentinels_are_comma_separated_and_exclude_redis_and_cluster() {
+        let a = Args::try_parse_from([
+            "ratelimit-sidecar",
+            "--redis-sentinel",
+            "redis://127.0.0.1:26379,redis://127.0.0.1:26380",
+            "--sentinel-master",
+            "buckets",
+        ])
+        .unwrap();
+        assert_eq!(
+            a.redis_sentinel,
+            ["redis://127.0.0.1:26379", "redis://127.0.0.1:26380"]
+        );
+        assert_eq!(a.sentinel_master, "buckets");
+        let with = |other: &str| {
+            Args::try_parse_from([
+                "ratelimit-sidecar",
+                other,
+                "redis://x",
+                "--redis-sentinel",
+                "redis://y",
+            ])
+        };
+        let e = with("--redis").unwrap_err();
+        assert_eq!(e.kind(), clap::error::ErrorKind::ArgumentConflict, "{e}");
+        let e = with("--redis-cluster").unwrap_err();
+        assert_eq!(e.kind(), clap::error::ErrorKind::ArgumentConflict, "{e}");
     }
 }

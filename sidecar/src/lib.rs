@@ -1,6 +1,6 @@
 //! `ratelimit-sidecar`: the decision service of the rate limiter. It answers `POST /v1/decide`
 //! (the contract of `ratelimit-wire`) by running the token bucket of `lua/token_bucket.lua` in
-//! Redis (one node or a Cluster), and serves `/healthz`, `/readyz` and `/metrics`.
+//! Redis (one node, a primary found through Sentinel, or a Cluster), and serves `/healthz`, `/readyz` and `/metrics`.
 //!
 //! Pure core, thin edges: [`decide`] validates and splits requests and merges answers, behind the
 //! [`store::BucketStore`] trait; [`http`] and `main` only adapt.
@@ -43,7 +43,15 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
     let metrics = Arc::new(Metrics::new());
-    let store = Arc::new(if args.redis_cluster.is_empty() {
+    let store = Arc::new(if !args.redis_sentinel.is_empty() {
+        RedisStore::sentinel(
+            &args.redis_sentinel,
+            &args.sentinel_master,
+            args.redis_timeout_ms,
+            args.attempt_ttl_ms,
+            metrics.clone(),
+        )?
+    } else if args.redis_cluster.is_empty() {
         RedisStore::single(
             &args.redis,
             args.redis_connections as usize,

@@ -1,5 +1,6 @@
 //! Where buckets live: the [`BucketStore`] trait the decision logic talks to, and its Redis
-//! implementation (one node, or a Cluster) that runs `lua/token_bucket.lua`.
+//! implementation (one node, a primary found through Sentinel, or a Cluster) that runs
+//! `lua/token_bucket.lua`.
 //!
 //! The script is embedded from `lua/` and called by EVALSHA; a NOSCRIPT answer (a restarted node,
 //! a failover, a new Cluster primary) is healed by an EVAL of the same call, which also caches the
@@ -7,16 +8,17 @@
 //! `--redis-timeout-ms`; a script call whose outcome is unknown (timeout) is never retried here.
 
 use std::future::Future;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use ratelimit_wire::Reason;
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::aio::{ConnectionManager, ConnectionManagerConfig, MultiplexedConnection};
 use redis::cluster::{ClusterClientBuilder, ClusterConfig};
 use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{MultipleNodeRoutingInfo, ResponsePolicy, RoutingInfo};
-use redis::{Cmd, ErrorKind, ServerErrorKind, Value};
+use redis::sentinel::{SentinelClient, SentinelServerType};
+use redis::{AsyncConnectionConfig, Cmd, ErrorKind, RedisError, ServerErrorKind, Value};
 
 use crate::metrics::Metrics;
 
@@ -114,11 +116,150 @@ enum Connection {
         connections: Vec<ConnectionManager>,
         next: AtomicUsize,
     },
+    Sentinel(Arc<SentinelPrimary>),
     Cluster(ClusterConnection),
 }
 
+/// The primary that Sentinel names, and one multiplexed connection to it.
+///
+/// The connection is made on first use (so the sidecar starts while Sentinel is down) and
+/// forgotten when it fails in a way that may mean "this is no longer the primary": an I/O or
+/// connection error, a READONLY answer (a demoted primary is a replica now), or a call that did
+/// not finish in time (a hung or partitioned primary never sends an error). The next call asks
+/// Sentinel again, so after a failover decisions reach the new primary without a restart; the
+/// call that met the error answers 503 like any other Redis error.
+struct SentinelPrimary {
+    /// Asked one lookup at a time (it caches its connections to the Sentinels).
+    sentinel: tokio::sync::Mutex<SentinelClient>,
+    current: Mutex<Option<Primary>>,
+    /// Lookups that found a primary so far (each connection's generation).
+    lookups: AtomicU64,
+    /// Names what is being looked up, in errors and logs.
+    what: String,
+    config: AsyncConnectionConfig,
+    /// Upper bound of one lookup (Sentinel, the primary's ROLE, the connection to it).
+    lookup_timeout: Duration,
+}
+
+#[derive(Clone)]
+struct Primary {
+    connection: MultiplexedConnection,
+    address: String,
+    /// Which lookup made this connection, so a late failure forgets only its own.
+    generation: u64,
+}
+
+impl SentinelPrimary {
+    /// The current primary, asking Sentinel when there is none. The lookup runs in its own
+    /// task: a caller that gives up (timeout) does not cancel it, the next caller uses it.
+    async fn primary(self: &Arc<Self>) -> redis::RedisResult<Primary> {
+        if let Some(p) = self.current.lock().expect("not poisoned").clone() {
+            return Ok(p);
+        }
+        let this = self.clone();
+        tokio::spawn(async move { this.look_up().await })
+            .await
+            .map_err(|e| RedisError::from(std::io::Error::other(e.to_string())))?
+    }
+
+    async fn look_up(&self) -> redis::RedisResult<Primary> {
+        let mut sentinel = self.sentinel.lock().await;
+        if let Some(p) = self.current.lock().expect("not poisoned").clone() {
+            return Ok(p); // another caller looked it up meanwhile
+        }
+        let found = tokio::time::timeout(self.lookup_timeout, async {
+            let client = sentinel.async_get_client().await?;
+            let address = client.get_connection_info().addr().to_string();
+            let connection = client
+                .get_multiplexed_async_connection_with_config(&self.config)
+                .await?;
+            Ok::<_, RedisError>((address, connection))
+        })
+        .await;
+        let (address, connection) = match found {
+            Ok(Ok(found)) => found,
+            Ok(Err(e)) => {
+                return Err(RedisError::from(std::io::Error::other(format!(
+                    "{}: {e}",
+                    self.what
+                ))))
+            }
+            Err(_) => {
+                return Err(RedisError::from(std::io::Error::other(format!(
+                    "{}: no answer within {} ms",
+                    self.what,
+                    self.lookup_timeout.as_millis()
+                ))))
+            }
+        };
+        let generation = self.lookups.fetch_add(1, Ordering::Relaxed) + 1;
+        let mut current = self.current.lock().expect("not poisoned");
+        tracing::info!(primary = %address, "{}: connected to the primary", self.what);
+        let p = Primary {
+            connection,
+            address,
+            generation,
+        };
+        *current = Some(p.clone());
+        Ok(p)
+    }
+
+    /// Forgets the connection of `generation` (if still current): the next call asks Sentinel.
+    fn forget(&self, generation: u64, why: &str) {
+        let mut current = self.current.lock().expect("not poisoned");
+        if let Some(p) = current.as_ref().filter(|p| p.generation == generation) {
+            tracing::warn!(primary = %p.address, "{}: {why}; asking Sentinel again", self.what);
+            *current = None;
+        }
+    }
+
+    async fn query(self: &Arc<Self>, cmd: &Cmd) -> redis::RedisResult<Value> {
+        let mut primary = self.primary().await?;
+        // Dropped unfinished (the caller timed out): the primary may be hung, forget it.
+        let mut pending = ForgetUnlessDone {
+            sentinel: self,
+            generation: primary.generation,
+            done: false,
+        };
+        let result = cmd.query_async(&mut primary.connection).await;
+        pending.done = true;
+        if let Err(e) = &result {
+            if moves_the_primary(e) {
+                self.forget(primary.generation, &e.to_string());
+            }
+        }
+        result
+    }
+}
+
+struct ForgetUnlessDone<'a> {
+    sentinel: &'a SentinelPrimary,
+    generation: u64,
+    done: bool,
+}
+
+impl Drop for ForgetUnlessDone<'_> {
+    fn drop(&mut self) {
+        if !self.done {
+            self.sentinel
+                .forget(self.generation, "no answer within the timeout");
+        }
+    }
+}
+
+/// Whether an error may mean the connection no longer reaches the primary.
+fn moves_the_primary(e: &RedisError) -> bool {
+    e.kind() == ErrorKind::Server(ServerErrorKind::ReadOnly)
+        || e.is_io_error()
+        || e.is_connection_dropped()
+        || e.is_connection_refusal()
+        || e.is_timeout()
+        || e.is_unrecoverable_error()
+}
+
 /// The Redis store: one node (several multiplexed, auto-reconnecting connections used
-/// round-robin) or a Cluster (one cluster connection, MOVED/ASK followed by the client).
+/// round-robin), the primary Sentinel names (one multiplexed connection, looked up again after
+/// a failover) or a Cluster (one cluster connection, MOVED/ASK followed by the client).
 pub struct RedisStore {
     connection: Connection,
     sha1: String,
@@ -150,6 +291,43 @@ impl RedisStore {
                 connections,
                 next: AtomicUsize::new(0),
             },
+            timeout_ms,
+            attempt_ttl_ms,
+            metrics,
+        ))
+    }
+
+    /// A store on the primary that the Sentinels at `sentinels` name `master`. Connects lazily:
+    /// this succeeds while the Sentinels and Redis are down.
+    pub fn sentinel(
+        sentinels: &[String],
+        master: &str,
+        timeout_ms: u64,
+        attempt_ttl_ms: u64,
+        metrics: Arc<Metrics>,
+    ) -> Result<Self, StoreError> {
+        let what = format!(
+            "--redis-sentinel {} (--sentinel-master {master})",
+            sentinels.join(",")
+        );
+        let client = SentinelClient::build(
+            sentinels.to_vec(),
+            master.to_string(),
+            None,
+            SentinelServerType::Master,
+        )
+        .map_err(|e| StoreError::Redis(format!("{what}: {e}")))?;
+        let lookup_timeout = Duration::from_millis(timeout_ms.max(1000));
+        let config = AsyncConnectionConfig::new().set_connection_timeout(Some(lookup_timeout));
+        Ok(Self::new(
+            Connection::Sentinel(Arc::new(SentinelPrimary {
+                sentinel: tokio::sync::Mutex::new(client),
+                current: Mutex::new(None),
+                lookups: AtomicU64::new(0),
+                what,
+                config,
+                lookup_timeout,
+            })),
             timeout_ms,
             attempt_ttl_ms,
             metrics,
@@ -195,6 +373,7 @@ impl RedisStore {
                 let mut c = connections[i].clone();
                 cmd.query_async(&mut c).await
             }
+            Connection::Sentinel(s) => s.query(cmd).await,
             Connection::Cluster(c) => cmd.query_async(&mut c.clone()).await,
         }
     }
@@ -206,7 +385,7 @@ impl RedisStore {
         policy: Option<ResponsePolicy>,
     ) -> redis::RedisResult<Value> {
         match &self.connection {
-            Connection::Single { .. } => self.query(&cmd).await,
+            Connection::Single { .. } | Connection::Sentinel(_) => self.query(&cmd).await,
             Connection::Cluster(c) => {
                 let routing = RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, policy));
                 c.clone().route_command(cmd, routing).await
@@ -434,6 +613,19 @@ mod tests {
         assert!(parse_outcomes(Value::Nil, 1).is_err());
         let bad_reason = Value::Array([0, 0, 0, 0, 7, 0].map(Value::Int).to_vec());
         assert!(parse_outcomes(bad_reason, 1).is_err());
+    }
+
+    #[test]
+    fn readonly_and_broken_connections_send_the_sentinel_store_back_to_sentinel() {
+        let readonly = RedisError::from((
+            ErrorKind::Server(ServerErrorKind::ReadOnly),
+            "You can't write against a read only replica.",
+        ));
+        assert!(moves_the_primary(&readonly));
+        let refused = RedisError::from(std::io::Error::from(std::io::ErrorKind::ConnectionRefused));
+        assert!(moves_the_primary(&refused));
+        let noscript = RedisError::from((ErrorKind::Server(ServerErrorKind::NoScript), "NOSCRIPT"));
+        assert!(!moves_the_primary(&noscript));
     }
 
     #[test]

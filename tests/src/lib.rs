@@ -24,7 +24,7 @@ use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 
 pub use envoy::{plugin_json, Envoy, EnvoyConfig};
-pub use redis::{Redis, RedisCluster};
+pub use redis::{Redis, RedisCluster, Sentinel};
 pub use upstream::Upstream;
 
 /// How long any process may take to become ready.

@@ -1,6 +1,7 @@
 //! Real `redis-server` processes for every test suite: one server on a free loopback port
-//! ([`Redis`]), or three cluster-enabled primaries joined into a Redis Cluster ([`RedisCluster`]).
-//! Each persists nothing, keeps its files and log in its own temp dir, and is killed on drop.
+//! ([`Redis`]), three cluster-enabled primaries joined into a Redis Cluster ([`RedisCluster`]),
+//! or a Sentinel watching a primary ([`Sentinel`]). Each persists nothing, keeps its files and
+//! log in its own temp dir, and is killed on drop.
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -96,13 +97,18 @@ impl Redis {
 
     /// Runs one command through `redis-cli` and returns its output.
     pub fn cli(&self, args: &[&str]) -> String {
-        let out = Command::new("redis-cli")
-            .args(["-h", "127.0.0.1", "-p", &self.port.to_string()])
-            .args(args)
-            .output()
-            .expect("run redis-cli");
-        String::from_utf8_lossy(&out.stdout).trim().to_string()
+        cli(self.port, args)
     }
+}
+
+/// Runs one command through `redis-cli` against a local port and returns its output.
+fn cli(port: u16, args: &[&str]) -> String {
+    let out = Command::new("redis-cli")
+        .args(["-h", "127.0.0.1", "-p", &port.to_string()])
+        .args(args)
+        .output()
+        .expect("run redis-cli");
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
 }
 
 /// Sends PING over a raw socket: true on `+PONG`.
@@ -173,5 +179,69 @@ impl RedisCluster {
         redis::cluster::ClusterClient::new(self.nodes.iter().map(Redis::url).collect::<Vec<_>>())
             .and_then(|c| c.get_connection())
             .expect("cluster connection")
+    }
+}
+
+/// A Redis Sentinel (`redis-server <conf> --sentinel`) on a free port, monitoring one primary
+/// with a 1 s down-after, so a failover starts about a second after the primary dies. Its config
+/// file lives in its own temp dir (Sentinel rewrites it).
+pub struct Sentinel {
+    pub port: u16,
+    pub process: Process,
+    master: String,
+    _dir: tempfile::TempDir,
+}
+
+impl Sentinel {
+    /// Starts a Sentinel monitoring `master` at 127.0.0.1:`primary_port` with `quorum`, and
+    /// waits until it names that master.
+    pub fn start(master: &str, primary_port: u16, quorum: u32) -> Sentinel {
+        (0..PORT_ATTEMPTS)
+            .find_map(|_| Sentinel::try_start(free_port(), master, primary_port, quorum))
+            .expect("could not start a sentinel on a free port")
+    }
+
+    fn try_start(port: u16, master: &str, primary_port: u16, quorum: u32) -> Option<Sentinel> {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let conf = dir.path().join("sentinel.conf");
+        std::fs::write(
+            &conf,
+            format!(
+                "port {port}\nbind 127.0.0.1\nprotected-mode no\ndir {dir}\n\
+                 sentinel monitor {master} 127.0.0.1 {primary_port} {quorum}\n\
+                 sentinel down-after-milliseconds {master} 1000\n\
+                 sentinel failover-timeout {master} 5000\n\
+                 sentinel parallel-syncs {master} 1\n",
+                dir = dir.path().display()
+            ),
+        )
+        .expect("write sentinel.conf");
+        let bin = std::env::var("REDIS_SERVER_BIN").unwrap_or_else(|_| "redis-server".into());
+        let mut cmd = Command::new(bin);
+        cmd.current_dir(dir.path()).arg(&conf).arg("--sentinel");
+        let process = Process::spawn(&format!("sentinel-{port}"), cmd, dir.path());
+        let mut sentinel = Sentinel {
+            port,
+            process,
+            master: master.to_string(),
+            _dir: dir,
+        };
+        wait_until(&format!("sentinel on {port}"), READY_TIMEOUT, || {
+            sentinel.master_port().is_some() || !sentinel.process.running()
+        });
+        sentinel.process.running().then_some(sentinel)
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// The port of the primary this Sentinel names now (`SENTINEL get-master-addr-by-name`).
+    pub fn master_port(&self) -> Option<u16> {
+        let out = cli(
+            self.port,
+            &["SENTINEL", "get-master-addr-by-name", &self.master],
+        );
+        out.lines().nth(1)?.trim().parse().ok()
     }
 }
