@@ -7,8 +7,8 @@ use redis::Commands;
 use serde_json::json;
 use support::{decision, unique, Sidecar};
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn decisions_over_300_keys_succeed_and_spread_over_three_primaries() {
+/// A fresh 3-primary Cluster and a ready sidecar on it.
+async fn cluster_and_sidecar() -> (RedisCluster, Sidecar) {
     let cluster = RedisCluster::start();
     let sidecar = Sidecar::start(&[
         "--redis-cluster",
@@ -18,6 +18,12 @@ async fn decisions_over_300_keys_succeed_and_spread_over_three_primaries() {
     ])
     .await;
     sidecar.wait_ready("/readyz").await;
+    (cluster, sidecar)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn decisions_over_300_keys_succeed_and_spread_over_three_primaries() {
+    let (cluster, sidecar) = cluster_and_sidecar().await;
     let prefix = unique("spread");
     // 30 requests of 10 keys each: every request spans several slots (the cross-slot path).
     for batch in 0..30 {
@@ -44,15 +50,7 @@ async fn decisions_over_300_keys_succeed_and_spread_over_three_primaries() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cross_slot_rejection_refunds_the_slot_that_charged() {
-    let cluster = RedisCluster::start();
-    let sidecar = Sidecar::start(&[
-        "--redis-cluster",
-        &cluster.seeds(),
-        "--redis-timeout-ms",
-        "2000",
-    ])
-    .await;
-    sidecar.wait_ready("/readyz").await;
+    let (cluster, sidecar) = cluster_and_sidecar().await;
     let (rich, poor) = (unique("rich"), unique("poor"));
     let (rich_key, poor_key) = (format!("rl:{{{rich}}}"), format!("rl:{{{poor}}}"));
     assert_ne!(

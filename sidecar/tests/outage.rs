@@ -109,12 +109,7 @@ async fn the_sidecar_starts_without_redis_and_becomes_ready_when_it_answers() {
         "2000",
     ])
     .await;
-    let (status, body) = sidecar.get("/healthz").await;
-    assert_eq!((status, body.as_str()), (200, "ok"));
-    let (status, body) = sidecar.get("/readyz").await;
-    assert_eq!(status, 503, "{body}");
-    let (status, a) = sidecar.decide(json!([decision("k", 1.0, 1.0, 1.0)])).await;
-    assert_eq!(status, 503, "{a}");
+    sidecar.assert_up_but_unavailable().await;
 
     let _redis = Redis::start_on(port, &[]);
     sidecar.wait_ready("/readyz").await;

@@ -100,6 +100,20 @@ impl Sidecar {
     }
 
     /// The value of one metric line (e.g. `ratelimit_script_loads_total`), 0 when absent.
+    /// Asserts the sidecar is up (`/healthz` 200) but not ready (`/readyz` 503) and answers
+    /// decisions 503; returns the `/readyz` body and the decision's answer.
+    pub async fn assert_up_but_unavailable(&self) -> (String, Value) {
+        let (status, body) = self.get("/healthz").await;
+        assert_eq!((status, body.as_str()), (200, "ok"));
+        let (status, ready) = self.get("/readyz").await;
+        assert_eq!(status, 503, "{ready}");
+        let (status, a) = self
+            .decide(serde_json::json!([decision("k", 1.0, 1.0, 1.0)]))
+            .await;
+        assert_eq!(status, 503, "{a}");
+        (ready, a)
+    }
+
     pub async fn metric(&self, line_prefix: &str) -> f64 {
         let (_, text) = self.get("/metrics").await;
         text.lines()
