@@ -247,6 +247,17 @@ fn forged_identities_cannot_take_another_clients_budget_or_escape_their_own() {
         get(&c, &api, &[ALPHA, ("x-api-key", "beta-key")]).status,
         429
     );
+    // Nor do path tricks step around the rule's path_prefix "/api/": Envoy normalises the path
+    // before the filter sees it (an escaped slash is answered with a redirect to the plain path).
+    for path in ["//api/x", "/./api/x", "/x/../api/x", "/API/../api/x"] {
+        let status = get(&c, &stack.envoy.url(path), &[ALPHA]).status;
+        assert_eq!(status, 429, "{path} escaped the per-app limit");
+    }
+    let escaped = get(&c, &stack.envoy.url("/api%2Fx"), &[ALPHA]).status;
+    assert!(
+        escaped == 429 || (300..400).contains(&escaped),
+        "/api%2Fx: {escaped}"
+    );
 
     // A spoofed X-Forwarded-For neither escapes the caller's own per-ip budget nor spends
     // someone else's: the edge listener uses the TCP peer address.
