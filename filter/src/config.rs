@@ -17,8 +17,15 @@ pub const MAX_RULES: usize = ratelimit_wire::MAX_DECISIONS;
 /// The longest rule name, in bytes (it is part of every bucket key and of a shared-data key).
 pub const MAX_RULE_NAME_BYTES: usize = 64;
 
-/// The largest capacity: integers above 2^53 are not exact in the `f64` of the wire.
-pub const MAX_CAPACITY: u64 = 1 << 53;
+/// The largest integer of an RFC 8941 structured field (the `RateLimit` headers): 15 digits.
+pub const MAX_SF_INTEGER: u64 = 999_999_999_999_999;
+
+/// The largest capacity: it appears as `q` in `RateLimit-Policy` (and stays below 2^53, exact in
+/// the `f64` of the wire).
+pub const MAX_CAPACITY: u64 = MAX_SF_INTEGER;
+
+/// The longest full refill (`capacity / refill_per_sec`) accepted: one year, in seconds.
+pub const MAX_REFILL_S: f64 = 31_536_000.0;
 
 /// The longest callout timeout accepted, in milliseconds: a decision that takes longer than a
 /// minute holds the request for nothing.

@@ -9,7 +9,20 @@
 //! tokens    = min(capacity, tokens + refill_per_sec * elapsed_s)
 //! admit if tokens >= cost: tokens -= cost
 //! else retry_after_ms = ceil((cost - tokens) / refill_per_sec * 1000)
+//! reset_ms  = ceil((capacity - tokens) / refill_per_sec * 1000)   (until the bucket is full)
 //! ```
+//!
+//! Only an admitting take is written back: a rejection changes nothing worth storing (the refill
+//! is recomputed from `updated_ns` by the next take), and writing it would make the concurrent
+//! takes of other workers fail their compare-and-swap in a flood of rejected requests.
+//!
+//! A request charges the buckets of all its `local` rules or none ([`take_all`]): they are per
+//! rule, shared by every client, so tokens taken for a request another rule rejects would be lost.
+//!
+//! Start-up over-admission: proxy-wasm has no "create if absent", so [`ensure_initialized`] (and a
+//! take that finds no key) writes a full bucket unconditionally. Two workers configuring at once
+//! may each write one over the other's takes; this admits at most one extra `capacity` per bucket,
+//! once, at start.
 
 use crate::config::Emergency;
 
@@ -83,6 +96,8 @@ pub struct Take {
     pub remaining: u64,
     /// Milliseconds until `cost` tokens are available; 0 when allowed.
     pub retry_after_ms: u64,
+    /// Milliseconds until the bucket is full again (after this take, if allowed).
+    pub reset_ms: u64,
 }
 
 impl Bucket {
@@ -96,34 +111,25 @@ impl Bucket {
         let tokens = (previous.tokens + self.refill_per_sec * elapsed_s).min(self.capacity);
         // Never move `updated_ns` backward: the interval up to it has been counted already.
         let updated_ns = previous.updated_ns.max(now_ns);
-        if tokens >= cost {
-            let tokens = tokens - cost;
-            Take {
-                state: State { tokens, updated_ns },
-                allowed: true,
-                remaining: tokens.floor() as u64,
-                retry_after_ms: 0,
-            }
-        } else {
-            Take {
-                state: State { tokens, updated_ns },
-                allowed: false,
-                remaining: tokens.floor() as u64,
-                // `as` saturates: an absurdly slow refill cannot overflow.
-                retry_after_ms: ((cost - tokens) / self.refill_per_sec * 1000.0).ceil() as u64,
-            }
+        let allowed = tokens >= cost;
+        let tokens = if allowed { tokens - cost } else { tokens };
+        Take {
+            state: State { tokens, updated_ns },
+            allowed,
+            remaining: tokens.floor() as u64,
+            retry_after_ms: if allowed {
+                0
+            } else {
+                self.ms_until(cost - tokens)
+            },
+            reset_ms: self.ms_until(self.capacity - tokens),
         }
     }
 
-    /// Bytes to take `cost` from `state`, as [`Bucket::take`] (convenience for the host).
-    pub fn take_bytes(
-        &self,
-        state: Option<&[u8]>,
-        now_ns: u64,
-        cost: f64,
-    ) -> ([u8; 16], bool, u64) {
-        let t = self.take(state, now_ns, cost);
-        (t.state.encode(), t.allowed, t.retry_after_ms)
+    /// Milliseconds the refill takes to add `tokens`, rounded up. `as` saturates: an absurdly
+    /// slow refill cannot overflow.
+    fn ms_until(&self, tokens: f64) -> u64 {
+        (tokens.max(0.0) / self.refill_per_sec * 1000.0).ceil() as u64
     }
 }
 
@@ -161,6 +167,10 @@ pub fn take_shared(
     for _ in 0..MAX_CAS_ATTEMPTS {
         let (bytes, cas) = store.get(key);
         let take = bucket.take(bytes.as_deref(), now_ns, cost);
+        if !take.allowed {
+            // Nothing to store: see the module doc.
+            return Ok(take);
+        }
         match store.set(key, &take.state.encode(), cas) {
             Ok(()) => return Ok(take),
             Err(StoreError::CasMismatch) => continue,
@@ -170,8 +180,87 @@ pub fn take_shared(
     Err(Contention)
 }
 
+/// What [`take_shared`] would answer now, without writing.
+pub fn peek_shared(
+    store: &dyn SharedStore,
+    key: &str,
+    bucket: &Bucket,
+    now_ns: u64,
+    cost: f64,
+) -> Take {
+    bucket.take(store.get(key).0.as_deref(), now_ns, cost)
+}
+
+/// Gives `cost` tokens back to the shared bucket `key` (an earlier take of a request that ended
+/// up rejected), capped at `capacity`, with compare-and-swap. `false` when it could not be
+/// written (the tokens are then lost, as they would have been without the give-back).
+pub fn give_back(store: &dyn SharedStore, key: &str, bucket: &Bucket, cost: f64) -> bool {
+    for _ in 0..MAX_CAS_ATTEMPTS {
+        let (bytes, cas) = store.get(key);
+        let Some(state) = bytes.as_deref().and_then(State::decode) else {
+            // Absent or malformed reads as a full bucket already.
+            return true;
+        };
+        let state = State {
+            tokens: (state.tokens + cost).min(bucket.capacity),
+            ..state
+        };
+        match store.set(key, &state.encode(), cas) {
+            Ok(()) => return true,
+            Err(StoreError::CasMismatch) => continue,
+            Err(StoreError::Failed) => return false,
+        }
+    }
+    false
+}
+
+/// One bucket a request charges: its shared-data key, size and cost.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Charge {
+    pub key: String,
+    pub bucket: Bucket,
+    pub cost: f64,
+}
+
+/// Charges every bucket of `charges` or none, returning what each said (in order).
+///
+/// First every bucket is checked without writing; if one would reject, nothing is written and the
+/// result holds those checks. Otherwise each is taken with [`take_shared`]; if a take fails (a
+/// concurrent request took the tokens in between, or contention), the takes before it are given
+/// back ([`give_back`]) and the results end at the failed one.
+pub fn take_all(
+    store: &dyn SharedStore,
+    charges: &[Charge],
+    now_ns: u64,
+) -> Vec<Result<Take, Contention>> {
+    let peeks: Vec<Take> = charges
+        .iter()
+        .map(|c| peek_shared(store, &c.key, &c.bucket, now_ns, c.cost))
+        .collect();
+    if peeks.iter().any(|t| !t.allowed) {
+        return peeks.into_iter().map(Ok).collect();
+    }
+    let mut results = Vec::with_capacity(charges.len());
+    for (i, c) in charges.iter().enumerate() {
+        let take = take_shared(store, &c.key, &c.bucket, now_ns, c.cost);
+        let admitted = matches!(take, Ok(t) if t.allowed);
+        results.push(take);
+        if !admitted {
+            for earlier in &charges[..i] {
+                give_back(store, &earlier.key, &earlier.bucket, earlier.cost);
+            }
+            break;
+        }
+    }
+    results
+}
+
 /// Stores a full bucket under `key` unless one is there already (at configuration time, before
 /// traffic, so the first takes of several workers find a versioned value to compare against).
+///
+/// The check and the write are not atomic (proxy-wasm has no create-if-absent): a worker that
+/// configures after another worker's first takes may overwrite them with a full bucket. The
+/// over-admission is bounded by one `capacity` per bucket, at start only.
 pub fn ensure_initialized(store: &dyn SharedStore, key: &str, bucket: &Bucket, now_ns: u64) {
     let (bytes, _) = store.get(key);
     if bytes.as_deref().and_then(State::decode).is_none() {
@@ -278,8 +367,7 @@ mod tests {
         let t = bucket().take(Some(&[9; 3]), T0, 1.0);
         assert!(t.allowed);
         assert_eq!(t.state.tokens, 9.0);
-        let (bytes, allowed, retry) = bucket().take_bytes(None, T0, 1.0);
-        assert_eq!((bytes.len(), allowed, retry), (16, true, 0));
+        assert_eq!(t.state.encode().len(), 16);
     }
 
     #[test]
@@ -293,12 +381,45 @@ mod tests {
         assert_eq!(t.state.tokens, 9.0);
     }
 
-    /// A store that fails the first `conflicts` writes with a CAS mismatch.
+    #[test]
+    fn reset_says_when_the_bucket_is_full_again() {
+        let b = bucket();
+        let t = b.take(None, T0, 1.0);
+        assert_eq!((t.remaining, t.reset_ms), (9, 1000));
+        let s = State {
+            tokens: 0.5,
+            updated_ns: T0,
+        }
+        .encode();
+        let t = b.take(Some(&s), T0, 1.0);
+        assert!(!t.allowed);
+        assert_eq!(t.reset_ms, 9500);
+    }
+
+    /// A store that fails the first `conflicts` writes with a CAS mismatch, and can let another
+    /// worker empty one key just before our next write to it (`drain_before_set`).
     #[derive(Default)]
     struct FakeStore {
         data: RefCell<HashMap<String, (Vec<u8>, u32)>>,
         conflicts: Cell<usize>,
         writes: Cell<usize>,
+        drain_before_set: RefCell<Option<String>>,
+    }
+
+    impl FakeStore {
+        fn tokens(&self, key: &str) -> f64 {
+            State::decode(&self.get(key).0.unwrap()).unwrap().tokens
+        }
+        fn put(&self, key: &str, tokens: f64) {
+            let version = self.get(key).1.unwrap_or(0) + 1;
+            let state = State {
+                tokens,
+                updated_ns: T0,
+            };
+            self.data
+                .borrow_mut()
+                .insert(key.to_string(), (state.encode().to_vec(), version));
+        }
     }
 
     impl SharedStore for FakeStore {
@@ -310,6 +431,10 @@ mod tests {
         }
         fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
             self.writes.set(self.writes.get() + 1);
+            if self.drain_before_set.borrow().as_deref() == Some(key) {
+                self.drain_before_set.replace(None);
+                self.put(key, 0.0);
+            }
             if self.conflicts.get() > 0 {
                 self.conflicts.set(self.conflicts.get() - 1);
                 return Err(StoreError::CasMismatch);
@@ -359,5 +484,75 @@ mod tests {
         ensure_initialized(&store, &key, &bucket(), T0);
         let stored = State::decode(&store.get(&key).0.unwrap()).unwrap();
         assert_eq!(stored.tokens, 6.0);
+    }
+
+    #[test]
+    fn a_rejected_take_writes_nothing_and_cannot_be_contended() {
+        let store = FakeStore::default();
+        store.put("k", 0.0);
+        let t = take_shared(&store, "k", &bucket(), T0, 1.0).unwrap();
+        assert!(!t.allowed);
+        assert_eq!(store.writes.get(), 0);
+        // Even while every write would conflict, a rejection is an answer, not contention.
+        store.conflicts.set(usize::MAX);
+        let t = take_shared(&store, "k", &bucket(), T0, 1.0).unwrap();
+        assert!(!t.allowed);
+        assert_eq!(t.retry_after_ms, 1000);
+        assert_eq!(store.writes.get(), 0);
+    }
+
+    fn charge(key: &str) -> Charge {
+        Charge {
+            key: key.into(),
+            bucket: bucket(),
+            cost: 1.0,
+        }
+    }
+
+    #[test]
+    fn take_all_charges_nothing_when_one_bucket_rejects() {
+        let store = FakeStore::default();
+        store.put("a", 5.0);
+        store.put("b", 0.0);
+        let results = take_all(&store, &[charge("a"), charge("b")], T0);
+        assert_eq!(results.len(), 2);
+        assert!(results[0].unwrap().allowed);
+        assert!(!results[1].unwrap().allowed);
+        assert_eq!(store.writes.get(), 0);
+        assert_eq!(store.tokens("a"), 5.0);
+    }
+
+    #[test]
+    fn take_all_charges_every_bucket_when_all_admit() {
+        let store = FakeStore::default();
+        store.put("a", 5.0);
+        store.put("b", 2.0);
+        let results = take_all(&store, &[charge("a"), charge("b")], T0);
+        assert!(results.iter().all(|r| r.unwrap().allowed));
+        assert_eq!((store.tokens("a"), store.tokens("b")), (4.0, 1.0));
+    }
+
+    #[test]
+    fn take_all_gives_back_earlier_takes_when_a_later_one_loses_a_race() {
+        let store = FakeStore::default();
+        store.put("a", 5.0);
+        store.put("b", 1.0);
+        // Between our check and our take, another worker empties `b`.
+        store.drain_before_set.replace(Some("b".into()));
+        let results = take_all(&store, &[charge("a"), charge("b")], T0);
+        assert_eq!(results.len(), 2);
+        assert!(!results[1].unwrap().allowed);
+        assert_eq!(store.tokens("a"), 5.0);
+        assert_eq!(store.tokens("b"), 0.0);
+    }
+
+    #[test]
+    fn give_back_is_capped_at_capacity() {
+        let store = FakeStore::default();
+        store.put("a", 9.5);
+        assert!(give_back(&store, "a", &bucket(), 3.0));
+        assert_eq!(store.tokens("a"), 10.0);
+        assert!(give_back(&store, "absent", &bucket(), 1.0));
+        assert!(store.get("absent").0.is_none());
     }
 }

@@ -310,31 +310,19 @@ impl Request {
                     headers: Vec::new(),
                 }
             }
-            FailurePlan::Local(entries) => {
+            FailurePlan::Local(local) => {
                 count(m.emergency_activations);
-                let now = now_ns();
-                let takes: Vec<_> = entries
-                    .into_iter()
-                    .map(|i| {
-                        let rule = &config.rules[self.planned[i].rule];
-                        let take = match &rule.emergency {
-                            Some(e) => emergency::take_shared(
-                                &HostShared,
-                                &emergency::shared_key(&rule.name),
-                                &Bucket::from(e),
-                                now,
-                                rule.cost as f64,
-                            ),
-                            // Validation requires `emergency` for `local`; deny if it is absent.
-                            None => Err(emergency::Contention),
-                        };
-                        if take.is_err() {
-                            warn!("ratelimit filter: emergency bucket of rule {:?} is contended; denying", rule.name);
-                        }
-                        (i, take)
-                    })
-                    .collect();
-                let v = verdict::from_emergency(config, &self.planned, &takes);
+                let charges = verdict::charges(config, &self.planned, &local);
+                let takes = emergency::take_all(&HostShared, &charges, now_ns());
+                for (charge, take) in charges.iter().zip(&takes) {
+                    if take.is_err() {
+                        warn!(
+                            "ratelimit filter: emergency bucket {:?} is contended; denying",
+                            charge.key
+                        );
+                    }
+                }
+                let v = verdict::from_emergency(config, &self.planned, &local, &takes);
                 match &v {
                     Verdict::Reject(_) => count(m.emergency_rejected),
                     Verdict::Admit { .. } if verdict::fails_open(config, &self.planned) => {

@@ -10,11 +10,13 @@
 //!   admitted response, until the bucket is full.
 //! - `Retry-After` (429): seconds until the cost is available, rounded up, at least 1. Absent when
 //!   the cost exceeds the bucket's capacity: waiting cannot help.
+//!
+//! Every integer is clamped to [`MAX_SF_INTEGER`], the largest RFC 8941 structured-field integer.
 
 use ratelimit_wire::{DecideResponse, DecisionResult, Reason};
 
-use crate::config::{window_s, Config, FailurePolicy, RateLimitHeaders};
-use crate::emergency::{Contention, Take};
+use crate::config::{window_s, Config, Emergency, FailurePolicy, RateLimitHeaders, MAX_SF_INTEGER};
+use crate::emergency::{self, Bucket, Charge, Contention, Take};
 use crate::rules::Planned;
 
 /// The most bytes of a sidecar answer that are read.
@@ -96,11 +98,26 @@ struct Limit<'a> {
 
 impl Limit<'_> {
     fn policy(&self) -> String {
-        format!("\"{}\";q={};w={}", self.name, self.quota, self.window_s)
+        format!(
+            "\"{}\";q={};w={}",
+            self.name,
+            sf_integer(self.quota),
+            sf_integer(self.window_s)
+        )
     }
     fn limit(&self) -> String {
-        format!("\"{}\";r={};t={}", self.name, self.remaining, self.reset_s)
+        format!(
+            "\"{}\";r={};t={}",
+            self.name,
+            sf_integer(self.remaining),
+            sf_integer(self.reset_s)
+        )
     }
+}
+
+/// `n`, clamped to the largest structured-field integer.
+pub fn sf_integer(n: u64) -> u64 {
+    n.min(MAX_SF_INTEGER)
 }
 
 /// Whole seconds, rounded up.
@@ -108,9 +125,10 @@ pub fn ceil_s(ms: u64) -> u64 {
     ms.div_ceil(1000)
 }
 
-/// `Retry-After` for a wait of `retry_after_ms`: seconds rounded up, at least 1.
+/// `Retry-After` for a wait of `retry_after_ms`: seconds rounded up, at least 1, at most
+/// [`MAX_SF_INTEGER`].
 pub fn retry_after_s(retry_after_ms: u64) -> u64 {
-    ceil_s(retry_after_ms).max(1)
+    sf_integer(ceil_s(retry_after_ms).max(1))
 }
 
 /// The verdict from a parsed sidecar answer (`answer.results[i]` belongs to `planned[i]`).
@@ -148,29 +166,34 @@ pub fn from_answer(config: &Config, planned: &[Planned], answer: &DecideResponse
 }
 
 /// What the failure policies of the applicable rules call for when the sidecar cannot decide.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum FailurePlan {
-    /// Some rule says `deny`: answer 503.
+#[derive(Debug, Clone, PartialEq)]
+pub enum FailurePlan<'a> {
+    /// Some rule says `deny` (or a `local` rule has no emergency bucket): answer 503.
     Deny,
-    /// Take from the emergency buckets of these entries of `planned` (their rules say `local`);
-    /// the others say `allow`.
-    Local(Vec<usize>),
+    /// Take from the emergency buckets of these entries of `planned` (their rules say `local`):
+    /// the entry's index and its rule's bucket. The others say `allow`.
+    Local(Vec<(usize, &'a Emergency)>),
     /// Every rule says `allow`: forward the request.
     Allow,
 }
 
 /// The plan for a request whose decisions could not be made.
-pub fn on_error(config: &Config, planned: &[Planned]) -> FailurePlan {
+pub fn on_error<'a>(config: &'a Config, planned: &[Planned]) -> FailurePlan<'a> {
     let policy = |p: &Planned| config.rules[p.rule].on_error;
     if planned.iter().any(|p| policy(p) == FailurePolicy::Deny) {
         return FailurePlan::Deny;
     }
-    let local: Vec<usize> = planned
-        .iter()
-        .enumerate()
-        .filter(|(_, p)| policy(p) == FailurePolicy::Local)
-        .map(|(i, _)| i)
-        .collect();
+    let mut local = Vec::new();
+    for (i, p) in planned.iter().enumerate() {
+        let rule = &config.rules[p.rule];
+        if rule.on_error == FailurePolicy::Local {
+            match &rule.emergency {
+                Some(e) => local.push((i, e)),
+                // Refused by validation; never admit uncounted.
+                None => return FailurePlan::Deny,
+            }
+        }
+    }
     if local.is_empty() {
         FailurePlan::Allow
     } else {
@@ -186,43 +209,62 @@ pub fn fails_open(config: &Config, planned: &[Planned]) -> bool {
         .any(|p| config.rules[p.rule].on_error == FailurePolicy::Allow)
 }
 
-/// The verdict from the emergency buckets: `takes` holds, for each entry of `planned` named by
-/// [`FailurePlan::Local`], its index and what its bucket said. All must admit. Contention on the
-/// shared bucket denies (never admits uncounted), with `Retry-After: 1`.
+/// The emergency buckets to charge for the entries of [`FailurePlan::Local`], in order (see
+/// [`emergency::take_all`]).
+pub fn charges(config: &Config, planned: &[Planned], local: &[(usize, &Emergency)]) -> Vec<Charge> {
+    local
+        .iter()
+        .map(|&(i, e)| {
+            let rule = &config.rules[planned[i].rule];
+            Charge {
+                key: emergency::shared_key(&rule.name),
+                bucket: Bucket::from(e),
+                cost: rule.cost as f64,
+            }
+        })
+        .collect()
+}
+
+/// The verdict from the emergency buckets: `takes[k]` is what the bucket of `local[k]` said
+/// ([`emergency::take_all`]; a missing result counts as contention). All must admit. Contention
+/// on the shared bucket denies (never admits uncounted), with `Retry-After: 1`. On admission `t`
+/// is the time until the bucket is full again, as on the sidecar path.
 pub fn from_emergency(
     config: &Config,
     planned: &[Planned],
-    takes: &[(usize, Result<Take, Contention>)],
+    local: &[(usize, &Emergency)],
+    takes: &[Result<Take, Contention>],
 ) -> Verdict {
-    let limit = |i: usize, remaining: u64, reset_s: u64| {
-        let rule = &config.rules[planned[i].rule];
-        let (quota, window) = match &rule.emergency {
-            Some(e) => (e.capacity, window_s(e.capacity, e.refill_per_sec)),
-            None => (rule.capacity, rule.window_s()),
-        };
-        Limit {
-            name: &rule.name,
-            quota,
-            window_s: window,
-            remaining,
-            reset_s,
-        }
+    let limit = |i: usize, e: &Emergency, remaining: u64, reset_s: u64| Limit {
+        name: &config.rules[planned[i].rule].name,
+        quota: e.capacity,
+        window_s: window_s(e.capacity, e.refill_per_sec),
+        remaining,
+        reset_s,
     };
-    let rejecting = takes
-        .iter()
-        .filter_map(|(i, t)| match t {
+    let entries = || {
+        local
+            .iter()
+            .enumerate()
+            .map(|(k, &(i, e))| (i, e, takes.get(k).copied().unwrap_or(Err(Contention))))
+    };
+    let rejecting = entries()
+        .filter_map(|(i, e, t)| match t {
             Ok(t) if t.allowed => None,
-            Ok(t) => Some((*i, t.remaining, t.retry_after_ms)),
-            Err(Contention) => Some((*i, 0, 1000)),
+            Ok(t) => Some((i, e, t.remaining, t.retry_after_ms)),
+            Err(Contention) => Some((i, e, 0, 1000)),
         })
-        .max_by_key(|(_, _, retry_after_ms)| *retry_after_ms);
-    if let Some((i, remaining, retry_after_ms)) = rejecting {
+        .max_by_key(|(_, _, _, retry_after_ms)| *retry_after_ms);
+    if let Some((i, e, remaining, retry_after_ms)) = rejecting {
         let wait_s = retry_after_s(retry_after_ms);
-        return Verdict::Reject(rate_limited(config, &limit(i, remaining, wait_s), wait_s));
+        return Verdict::Reject(rate_limited(
+            config,
+            &limit(i, e, remaining, wait_s),
+            wait_s,
+        ));
     }
-    let limits: Vec<_> = takes
-        .iter()
-        .filter_map(|(i, t)| t.as_ref().ok().map(|t| limit(*i, t.remaining, 0)))
+    let limits: Vec<_> = entries()
+        .filter_map(|(i, e, t)| t.ok().map(|t| limit(i, e, t.remaining, ceil_s(t.reset_ms))))
         .collect();
     admit(config, &limits)
 }
@@ -375,7 +417,8 @@ mod tests {
         assert_eq!(retry_after_s(1000), 1);
         assert_eq!(retry_after_s(1001), 2);
         assert_eq!(retry_after_s(2999), 3);
-        assert_eq!(retry_after_s(u64::MAX), u64::MAX.div_ceil(1000));
+        assert_eq!(retry_after_s(u64::MAX), MAX_SF_INTEGER);
+        assert_eq!(retry_after_s(MAX_SF_INTEGER * 1000), MAX_SF_INTEGER);
     }
 
     #[test]
@@ -510,14 +553,15 @@ mod tests {
     #[test]
     fn failure_policies_combine_deny_first_then_local_then_allow() {
         let mut c = example();
+        let e = c.rules[0].emergency.clone().unwrap();
         // rules: 0 per-app local, 1 per-ip allow.
         assert_eq!(
             on_error(&c, &planned(&c, &[0, 1])),
-            FailurePlan::Local(vec![0])
+            FailurePlan::Local(vec![(0, &e)])
         );
         assert_eq!(
             on_error(&c, &planned(&c, &[1, 0])),
-            FailurePlan::Local(vec![1])
+            FailurePlan::Local(vec![(1, &e)])
         );
         assert_eq!(on_error(&c, &planned(&c, &[1])), FailurePlan::Allow);
         assert!(fails_open(&c, &planned(&c, &[0, 1])));
@@ -526,8 +570,11 @@ mod tests {
         assert_eq!(on_error(&c, &planned(&c, &[0, 1])), FailurePlan::Deny);
         assert_eq!(
             on_error(&c, &planned(&c, &[0])),
-            FailurePlan::Local(vec![0])
+            FailurePlan::Local(vec![(0, &e)])
         );
+        // A `local` rule without a bucket (refused by validation) never admits uncounted.
+        c.rules[0].emergency = None;
+        assert_eq!(on_error(&c, &planned(&c, &[0])), FailurePlan::Deny);
     }
 
     #[test]
@@ -548,6 +595,7 @@ mod tests {
             allowed,
             remaining,
             retry_after_ms,
+            reset_ms: 0,
         }
     }
 
@@ -556,16 +604,23 @@ mod tests {
         let mut c = example();
         c.rate_limit_headers = RateLimitHeaders::Always;
         let p = planned(&c, &[0, 1]);
+        let e = c.rules[0].emergency.clone().unwrap();
+        let local = [(0, &e)];
+        // 9 of 10 tokens left at 1 per second: full again in 1 s.
+        let admitted = Take {
+            reset_ms: 1000,
+            ..take(true, 9, 0)
+        };
         assert_eq!(
-            from_emergency(&c, &p, &[(0, Ok(take(true, 9, 0)))]),
+            from_emergency(&c, &p, &local, &[Ok(admitted)]),
             Verdict::Admit {
                 headers: vec![
                     ("ratelimit-policy".into(), "\"per-app\";q=10;w=10".into()),
-                    ("ratelimit".into(), "\"per-app\";r=9;t=0".into()),
+                    ("ratelimit".into(), "\"per-app\";r=9;t=1".into()),
                 ]
             }
         );
-        let r = reject(from_emergency(&c, &p, &[(0, Ok(take(false, 0, 1500)))]));
+        let r = reject(from_emergency(&c, &p, &local, &[Ok(take(false, 0, 1500))]));
         assert_eq!(r.status, 429);
         assert_eq!(header(&r, "retry-after"), Some("2"));
         assert_eq!(
@@ -577,13 +632,71 @@ mod tests {
             r.body,
             r#"{"error":"rate limited","rule":"per-app","retry_after_s":2}"#
         );
+        // A missing result (take_all stopped early) is contention.
+        let r = reject(from_emergency(&c, &p, &local, &[]));
+        assert_eq!(header(&r, "retry-after"), Some("1"));
+    }
+
+    #[test]
+    fn an_emergency_admission_resets_when_the_bucket_is_full() {
+        let c = example();
+        let e = c.rules[0].emergency.clone().unwrap();
+        let p = planned(&c, &[0]);
+        let take = Bucket::from(&e).take(None, 0, 1.0);
+        let mut c = c.clone();
+        c.rate_limit_headers = RateLimitHeaders::Always;
+        let Verdict::Admit { headers } = from_emergency(&c, &p, &[(0, &e)], &[Ok(take)]) else {
+            panic!("a full bucket admits");
+        };
+        assert_eq!(headers[1].1, "\"per-app\";r=9;t=1");
+    }
+
+    #[test]
+    fn charges_name_each_local_rules_bucket() {
+        let c = example();
+        let e = c.rules[0].emergency.clone().unwrap();
+        let p = planned(&c, &[0, 1]);
+        assert_eq!(
+            charges(&c, &p, &[(0, &e)]),
+            [Charge {
+                key: "ratelimit.emergency.per-app".into(),
+                bucket: Bucket {
+                    capacity: 10.0,
+                    refill_per_sec: 1.0
+                },
+                cost: 1.0,
+            }]
+        );
+    }
+
+    #[test]
+    fn header_integers_are_clamped_to_structured_field_range() {
+        let l = Limit {
+            name: "x",
+            quota: u64::MAX,
+            window_s: u64::MAX,
+            remaining: u64::MAX,
+            reset_s: u64::MAX,
+        };
+        let max = MAX_SF_INTEGER;
+        assert_eq!(l.policy(), format!("\"x\";q={max};w={max}"));
+        assert_eq!(l.limit(), format!("\"x\";r={max};t={max}"));
+        let c = example();
+        let p = planned(&c, &[0]);
+        let r = reject(from_answer(
+            &c,
+            &p,
+            &answer(vec![result(false, u64::MAX, u64::MAX, 0)]),
+        ));
+        assert_eq!(header(&r, "retry-after"), Some("999999999999999"));
     }
 
     #[test]
     fn contention_on_an_emergency_bucket_denies() {
         let c = example();
+        let e = c.rules[0].emergency.clone().unwrap();
         let p = planned(&c, &[0]);
-        let r = reject(from_emergency(&c, &p, &[(0, Err(Contention))]));
+        let r = reject(from_emergency(&c, &p, &[(0, &e)], &[Err(Contention)]));
         assert_eq!(r.status, 429);
         assert_eq!(header(&r, "retry-after"), Some("1"));
     }
