@@ -482,6 +482,8 @@ impl Config {
             }
             if !(rule.refill_per_sec.is_finite() && rule.refill_per_sec > 0.0) {
                 p.add(at("refill_per_sec"), "must be > 0");
+            } else {
+                check_refill_time(rule.capacity, rule.refill_per_sec, &at("refill_per_sec"), p);
             }
             if rule.cost == 0 {
                 p.add(at("cost"), "must be > 0");
@@ -517,6 +519,13 @@ impl Config {
                     }
                     if !(e.refill_per_sec.is_finite() && e.refill_per_sec > 0.0) {
                         p.add(at("emergency.refill_per_sec"), "must be > 0");
+                    } else {
+                        check_refill_time(
+                            e.capacity,
+                            e.refill_per_sec,
+                            &at("emergency.refill_per_sec"),
+                            p,
+                        );
                     }
                 }
                 (_, Some(_)) => p.add(
@@ -617,6 +626,22 @@ impl Config {
             .flat_map(|r| r.matcher.headers.iter())
             .map(|h| h.name.to_ascii_lowercase())
             .collect()
+    }
+}
+
+/// Refuses a refill so slow that a full refill (the `w` of `RateLimit-Policy`) takes more than
+/// [`MAX_REFILL_S`].
+fn check_refill_time(capacity: u64, refill_per_sec: f64, at: &str, p: &mut Problems) {
+    let refill_s = capacity as f64 / refill_per_sec;
+    if refill_s > MAX_REFILL_S {
+        p.add(
+            at,
+            format!(
+                "{refill_per_sec} is too slow: a full refill of {capacity} tokens would take \
+                 {refill_s:.0} s, more than one year ({MAX_REFILL_S} s); raise refill_per_sec \
+                 or lower capacity"
+            ),
+        );
     }
 }
 
@@ -952,5 +977,37 @@ pub(crate) mod tests {
             c.matched_header_names().into_iter().collect::<Vec<_>>(),
             ["x-tier"]
         );
+    }
+
+    #[test]
+    fn capacities_and_refills_stay_within_structured_field_integers() {
+        let p = problems(&edited(|v| {
+            v["rules"][1]["capacity"] = 1_000_000_000_000_000u64.into();
+            v["rules"][0]["emergency"]["capacity"] = 1_000_000_000_000_000u64.into();
+        }));
+        assert_has(&p, "rules[1].capacity: must be at most 999999999999999");
+        assert_has(
+            &p,
+            "rules[0].emergency.capacity: must be at most 999999999999999",
+        );
+        let p = problems(&edited(|v| {
+            v["rules"][1]["refill_per_sec"] = 0.00001.into();
+            v["rules"][0]["emergency"]["refill_per_sec"] = 0.0000001.into();
+        }));
+        assert_has(
+            &p,
+            "rules[1].refill_per_sec: 0.00001 is too slow: a full refill of 1000 tokens would take \
+             100000000 s, more than one year (31536000 s); raise refill_per_sec or lower capacity",
+        );
+        assert!(
+            p.iter()
+                .any(|x| x.starts_with("rules[0].emergency.refill_per_sec: 0.0000001 is too slow")),
+            "{p:?}"
+        );
+        // Exactly one year is accepted.
+        Config::from_json(
+            edited(|v| v["rules"][1]["refill_per_sec"] = (1000.0 / 31_536_000.0).into()).as_bytes(),
+        )
+        .unwrap();
     }
 }
