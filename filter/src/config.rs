@@ -91,7 +91,7 @@ impl Sidecar {
 }
 
 /// The trustworthy sources of identity. A source that is not configured names no one.
-#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Identity {
     /// `app`: an API key from a request header, known by its SHA-256. Default: absent.
@@ -103,6 +103,25 @@ pub struct Identity {
     /// `ip`: the downstream address Envoy computed (`source.address`). Default: false.
     #[serde(default)]
     pub ip: bool,
+    /// The prefix length that keys an IPv6 client under `ip` (1 to 128): a client holds a whole
+    /// prefix, not one address. IPv4 is keyed by the full address. Default: 64.
+    #[serde(default = "default_ipv6_prefix_len")]
+    pub ipv6_prefix_len: u8,
+}
+
+fn default_ipv6_prefix_len() -> u8 {
+    64
+}
+
+impl Default for Identity {
+    fn default() -> Self {
+        Identity {
+            api_key: None,
+            jwt: None,
+            ip: false,
+            ipv6_prefix_len: default_ipv6_prefix_len(),
+        }
+    }
 }
 
 /// API keys: the header that carries one, and the keys that name an application.
@@ -394,6 +413,15 @@ impl Config {
     }
 
     fn validate_identity(&self, p: &mut Problems) {
+        if !(1..=128).contains(&self.identity.ipv6_prefix_len) {
+            p.add(
+                "identity.ipv6_prefix_len",
+                format!(
+                    "must be between 1 and 128, got {}",
+                    self.identity.ipv6_prefix_len
+                ),
+            );
+        }
         if let Some(k) = &self.identity.api_key {
             if !is_header_name(&k.header) {
                 p.add(
@@ -1009,5 +1037,25 @@ pub(crate) mod tests {
             edited(|v| v["rules"][1]["refill_per_sec"] = (1000.0 / 31_536_000.0).into()).as_bytes(),
         )
         .unwrap();
+    }
+
+    #[test]
+    fn the_ipv6_prefix_length_defaults_to_64_and_is_bounded() {
+        assert_eq!(example().identity.ipv6_prefix_len, 64);
+        assert_eq!(Identity::default().ipv6_prefix_len, 64);
+        let p = problems(&edited(|v| v["identity"]["ipv6_prefix_len"] = 0.into()));
+        assert_has(
+            &p,
+            "identity.ipv6_prefix_len: must be between 1 and 128, got 0",
+        );
+        let p = problems(&edited(|v| v["identity"]["ipv6_prefix_len"] = 129.into()));
+        assert_has(
+            &p,
+            "identity.ipv6_prefix_len: must be between 1 and 128, got 129",
+        );
+        let c =
+            Config::from_json(edited(|v| v["identity"]["ipv6_prefix_len"] = 128.into()).as_bytes())
+                .unwrap();
+        assert_eq!(c.identity.ipv6_prefix_len, 128);
     }
 }

@@ -4,7 +4,7 @@
 //! error and never a panic.
 
 use std::collections::BTreeMap;
-use std::net::{IpAddr, SocketAddr};
+use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 
 use sha2::{Digest, Sha256};
 
@@ -95,7 +95,7 @@ pub fn resolve(identity: &Identity, facts: &Facts) -> Subject {
                 .source_address
                 .as_deref()
                 .and_then(parse_source_address)
-                .map(|ip| ip.to_string())
+                .map(|ip| ip_key(ip, identity.ipv6_prefix_len))
         } else {
             None
         },
@@ -146,6 +146,21 @@ pub fn parse_source_address(bytes: &[u8]) -> Option<IpAddr> {
             .unwrap_or(IpAddr::V6(v6)),
         v4 => v4,
     })
+}
+
+/// The `ip` value of a client: an IPv4 address as is (`10.1.2.3`); an IPv6 address as its
+/// network of `ipv6_prefix_len` bits (`2001:db8:1:2::/64`), since one client holds a whole prefix
+/// and could otherwise rotate addresses to escape its limit. (An IPv4-mapped IPv6 address is
+/// already IPv4 here: see [`parse_source_address`].)
+pub fn ip_key(ip: IpAddr, ipv6_prefix_len: u8) -> String {
+    match ip {
+        IpAddr::V4(v4) => v4.to_string(),
+        IpAddr::V6(v6) => {
+            let len = ipv6_prefix_len.clamp(1, 128);
+            let mask = u128::MAX.checked_shl(128 - u32::from(len)).unwrap_or(0);
+            format!("{}/{len}", Ipv6Addr::from(u128::from(v6) & mask))
+        }
+    }
 }
 
 /// A claim or route name as text: non-empty UTF-8 without control characters, at most
@@ -201,6 +216,26 @@ mod tests {
         );
         assert_eq!(ip("[::ffff:10.0.0.1]:80").as_deref(), Some("10.0.0.1"));
         assert_eq!(ip("9.9.9.9:0").as_deref(), Some("9.9.9.9"));
+    }
+
+    #[test]
+    fn ipv6_clients_are_keyed_by_their_prefix_and_ipv4_by_the_address() {
+        let key = |s: &str, len: u8| ip_key(parse_source_address(s.as_bytes()).unwrap(), len);
+        assert_eq!(key("[2001:db8:1:2:aaaa::1]:443", 64), "2001:db8:1:2::/64");
+        // A client rotating addresses within its /64 stays one subject.
+        assert_eq!(key("[2001:db8:1:2:ffff:1:2:3]:80", 64), "2001:db8:1:2::/64");
+        assert_ne!(key("[2001:db8:1:3::1]:80", 64), "2001:db8:1:2::/64");
+        assert_eq!(key("2001:db8:1:2:aaaa::1", 48), "2001:db8:1::/48");
+        assert_eq!(key("2001:db8::1", 128), "2001:db8::1/128");
+        assert_eq!(key("[::1]:80", 64), "::/64");
+        assert_eq!(key("1.2.3.4:80", 64), "1.2.3.4");
+        assert_eq!(key("[::ffff:10.0.0.1]:80", 64), "10.0.0.1");
+        let facts = Facts {
+            source_address: Some(b"[2001:db8:0:1:2:3:4:5]:1234".to_vec()),
+            ..Facts::default()
+        };
+        let s = resolve(&example().identity, &facts);
+        assert_eq!(s.ip.as_deref(), Some("2001:db8:0:1::/64"));
     }
 
     #[test]
