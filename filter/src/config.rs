@@ -231,7 +231,7 @@ impl Default for Match {
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct HeaderMatch {
-    /// The header name (required; matched case-insensitively).
+    /// The header name (required; matched case-insensitively: lowercased at load).
     pub name: String,
     /// The (first) value equals this.
     #[serde(default)]
@@ -362,6 +362,15 @@ impl Config {
             }
         })?;
         config.validate()?;
+        let mut config = config;
+        // Header names are case-insensitive: lowercase them once here, not per request.
+        for h in config
+            .rules
+            .iter_mut()
+            .flat_map(|r| r.matcher.headers.iter_mut())
+        {
+            h.name.make_ascii_lowercase();
+        }
         Ok(config)
     }
 
@@ -1057,5 +1066,22 @@ pub(crate) mod tests {
             Config::from_json(edited(|v| v["identity"]["ipv6_prefix_len"] = 128.into()).as_bytes())
                 .unwrap();
         assert_eq!(c.identity.ipv6_prefix_len, 128);
+    }
+
+    #[test]
+    fn header_names_are_lowercased_at_load() {
+        let c = Config::from_json(
+            edited(|v| {
+                v["rules"][1]["match"]["headers"] =
+                    serde_json::json!([{"name": "X-Tier", "exact": "Free"}])
+            })
+            .as_bytes(),
+        )
+        .unwrap();
+        let h = &c.rules[1].matcher.headers[0];
+        assert_eq!(
+            (h.name.as_str(), h.exact.as_deref()),
+            ("x-tier", Some("Free"))
+        );
     }
 }

@@ -19,13 +19,12 @@ use log::{debug, error, info, warn};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType, Status};
-use ratelimit_wire::DecideRequest;
 
 use crate::attempt::{attempt_id, REQUEST_TIME_PROPERTY};
-use crate::config::{Config, Dimension};
+use crate::config::Config;
 use crate::emergency::{self, Bucket, SharedStore, StoreError};
 use crate::identity::{self, Facts, ROUTE_NAME_PROPERTY, SOURCE_ADDRESS_PROPERTY};
-use crate::rules::{self, Planned, RequestFacts};
+use crate::rules::{self, DecideRequestRef, Planned, RequestFacts};
 use crate::verdict::{self, FailurePlan, LimiterError, LocalReply, Verdict, MAX_ANSWER_BYTES};
 
 proxy_wasm::main! {{
@@ -43,6 +42,7 @@ struct Metrics {
     failed_closed: u32,
     emergency_activations: u32,
     emergency_rejected: u32,
+    subject_unknown: u32,
     decision_us: u32,
 }
 
@@ -58,6 +58,7 @@ impl Metrics {
             failed_closed: counter("failed_closed")?,
             emergency_activations: counter("emergency_activations")?,
             emergency_rejected: counter("emergency_rejected")?,
+            subject_unknown: counter("subject_unknown")?,
             decision_us: hostcalls::define_metric(
                 MetricType::Histogram,
                 &format!("{prefix}.decision_us"),
@@ -76,8 +77,6 @@ struct Plugin {
     metrics: Metrics,
     /// Request headers some rule's `match.headers` reads.
     header_names: Vec<String>,
-    /// Whether some rule keys on the route name.
-    needs_route: bool,
     /// Distinguishes this VM's attempt ids when a request has no `x-request-id`.
     vm_nonce: u64,
     /// Requests seen by this VM without `x-request-id`.
@@ -120,10 +119,6 @@ impl RootContext for Root {
             }
         }
         let header_names = config.matched_header_names().into_iter().collect();
-        let needs_route = config
-            .rules
-            .iter()
-            .any(|r| r.subject.contains(&Dimension::Route));
         info!(
             "ratelimit filter: configured {} rules, sidecar cluster {:?}, timeout {} ms",
             config.rules.len(),
@@ -134,7 +129,6 @@ impl RootContext for Root {
             config,
             metrics,
             header_names,
-            needs_route,
             vm_nonce: RandomState::new().hash_one(now),
             counter: Cell::new(0),
         }));
@@ -216,43 +210,61 @@ impl HttpContext for Request {
                 .filter_map(|name| Some((name.clone(), request_header(name)?)))
                 .collect::<BTreeMap<_, _>>(),
         };
-        let id = &config.identity;
-        let facts = Facts {
-            api_key: id.api_key.as_ref().and_then(|k| request_header(&k.header)),
-            jwt_user: id
-                .jwt
-                .as_ref()
-                .and_then(|j| property(&identity::jwt_claim_property(&j.provider, &j.user_claim))),
-            jwt_tenant: id.jwt.as_ref().and_then(|j| {
-                property(&identity::jwt_claim_property(
-                    &j.provider,
-                    j.tenant_claim.as_ref()?,
-                ))
-            }),
-            source_address: id.ip.then(|| property(&SOURCE_ADDRESS_PROPERTY)).flatten(),
-            route_name: plugin
-                .needs_route
-                .then(|| property(&ROUTE_NAME_PROPERTY))
-                .flatten(),
-        };
-        let subject = identity::resolve(id, &facts);
-        let request_id = request_header("x-request-id");
-        if request_id.is_none() {
-            plugin.counter.set(plugin.counter.get().wrapping_add(1));
+        let matching = rules::matching(config, &request);
+        if matching.is_empty() {
+            return Action::Continue;
         }
-        let attempt = attempt_id(
-            request_id.as_deref(),
-            property(&REQUEST_TIME_PROPERTY).as_deref(),
-            now_ns(),
-            plugin.vm_nonce,
-            plugin.counter.get(),
-        );
-        self.planned = rules::plan(config, &request, &subject, &attempt);
+        // Read only what the matching rules' subjects need.
+        let needs = rules::needs(config, &matching);
+        let id = &config.identity;
+        let facts =
+            Facts {
+                api_key: id
+                    .api_key
+                    .as_ref()
+                    .filter(|_| needs.app)
+                    .and_then(|k| request_header(&k.header)),
+                jwt_user: id.jwt.as_ref().filter(|_| needs.user).and_then(|j| {
+                    property(&identity::jwt_claim_property(&j.provider, &j.user_claim))
+                }),
+                jwt_tenant: id.jwt.as_ref().filter(|_| needs.tenant).and_then(|j| {
+                    property(&identity::jwt_claim_property(
+                        &j.provider,
+                        j.tenant_claim.as_ref()?,
+                    ))
+                }),
+                source_address: (id.ip && needs.ip)
+                    .then(|| property(&SOURCE_ADDRESS_PROPERTY))
+                    .flatten(),
+                route_name: needs
+                    .route
+                    .then(|| property(&ROUTE_NAME_PROPERTY))
+                    .flatten(),
+            };
+        let subject = identity::resolve(id, &facts);
+        let plan = rules::plan(config, &matching, &subject, || {
+            let request_id = request_header("x-request-id");
+            if request_id.is_none() {
+                plugin.counter.set(plugin.counter.get().wrapping_add(1));
+            }
+            attempt_id(
+                request_id.as_deref(),
+                property(&REQUEST_TIME_PROPERTY).as_deref(),
+                now_ns(),
+                plugin.vm_nonce,
+                plugin.counter.get(),
+            )
+        });
+        if plan.subject_unknown {
+            count(plugin.metrics.subject_unknown);
+        }
+        self.planned = plan.planned;
         if self.planned.is_empty() {
             return Action::Continue;
         }
-        let body = serde_json::to_vec(&DecideRequest {
-            decisions: self.planned.iter().map(|p| p.decision.clone()).collect(),
+        // Serialising strings and numbers cannot fail.
+        let body = serde_json::to_vec(&DecideRequestRef {
+            decisions: &self.planned,
         })
         .unwrap_or_default();
         let sidecar = &config.sidecar;

@@ -1,10 +1,14 @@
 //! Which rules apply to a request, and the [`Decision`] each applicable rule asks the sidecar
 //! for. A rule applies when its `match` fits and every dimension of its `subject` is known; its
 //! bucket key names the rule and those values unambiguously and within a bounded length.
+//!
+//! In request order: [`matching`] (from path, method and headers only), then [`needs`] (which
+//! identity facts those rules' subjects need, so the host reads nothing else), then [`plan`].
 
 use std::collections::BTreeMap;
 
 use ratelimit_wire::Decision;
+use serde::{Serialize, Serializer};
 
 use crate::config::{Config, Dimension, HeaderMatch, Match, Rule};
 use crate::identity::{sha256_hex, Subject};
@@ -21,8 +25,8 @@ pub struct RequestFacts {
     pub path: Vec<u8>,
     /// `:method`.
     pub method: Vec<u8>,
-    /// The first value of each header named in some rule's `match.headers` (lowercase names);
-    /// absent headers are not in the map.
+    /// The first value of each header named in some rule's `match.headers` (lowercase names, as
+    /// the configuration holds them); absent headers are not in the map.
     pub headers: BTreeMap<String, Vec<u8>>,
 }
 
@@ -34,32 +38,107 @@ pub struct Planned {
     pub decision: Decision,
 }
 
-/// The decisions of one request, in rule order. `attempt` identifies this request (see
-/// [`crate::attempt`]).
-pub fn plan(
-    config: &Config,
-    request: &RequestFacts,
-    subject: &Subject,
-    attempt: &str,
-) -> Vec<Planned> {
+/// The indices of the rules whose `match` fits the request, in rule order.
+pub fn matching(config: &Config, request: &RequestFacts) -> Vec<usize> {
     config
         .rules
         .iter()
         .enumerate()
         .filter(|(_, rule)| matches(&rule.matcher, request))
-        .filter_map(|(i, rule)| {
-            Some(Planned {
+        .map(|(i, _)| i)
+        .collect()
+}
+
+/// The dimensions the subjects of some rules need: the identity facts worth reading.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Needs {
+    pub user: bool,
+    pub tenant: bool,
+    pub app: bool,
+    pub ip: bool,
+    pub route: bool,
+}
+
+/// What the subjects of `rules` (indices into [`Config::rules`]) need.
+pub fn needs(config: &Config, rules: &[usize]) -> Needs {
+    let mut n = Needs::default();
+    for d in rules.iter().flat_map(|&i| &config.rules[i].subject) {
+        match d {
+            Dimension::User => n.user = true,
+            Dimension::Tenant => n.tenant = true,
+            Dimension::App => n.app = true,
+            Dimension::Ip => n.ip = true,
+            Dimension::Route => n.route = true,
+        }
+    }
+    n
+}
+
+/// The decisions of one request.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Plan {
+    /// One per applicable rule, in rule order.
+    pub planned: Vec<Planned>,
+    /// Some matching rule was skipped because a dimension of its subject is unknown.
+    pub subject_unknown: bool,
+}
+
+/// The decisions for the matching `rules` (see [`matching`]). `attempt` gives the id of this
+/// request (see [`crate::attempt`]); it is called once, and only if there is a decision.
+pub fn plan(
+    config: &Config,
+    rules: &[usize],
+    subject: &Subject,
+    attempt: impl FnOnce() -> String,
+) -> Plan {
+    let mut subject_unknown = false;
+    let keyed: Vec<(usize, String)> = rules
+        .iter()
+        .filter_map(|&i| {
+            let key = bucket_key(&config.rules[i], subject);
+            subject_unknown |= key.is_none();
+            Some((i, key?))
+        })
+        .collect();
+    if keyed.is_empty() {
+        return Plan {
+            planned: Vec::new(),
+            subject_unknown,
+        };
+    }
+    let attempt = attempt();
+    let planned = keyed
+        .into_iter()
+        .map(|(i, key)| {
+            let rule = &config.rules[i];
+            Planned {
                 rule: i,
                 decision: Decision {
-                    key: bucket_key(rule, subject)?,
+                    key,
                     capacity: rule.capacity as f64,
                     refill_per_sec: rule.refill_per_sec,
                     cost: rule.cost as f64,
-                    attempt: Some(attempt.to_string()),
+                    attempt: Some(attempt.clone()),
                 },
-            })
+            }
         })
-        .collect()
+        .collect();
+    Plan {
+        planned,
+        subject_unknown,
+    }
+}
+
+/// The callout body: the JSON of [`ratelimit_wire::DecideRequest`], serialised from the planned
+/// decisions where they are (no copy).
+#[derive(Debug, Serialize)]
+pub struct DecideRequestRef<'a> {
+    #[serde(serialize_with = "decisions_of")]
+    pub decisions: &'a [Planned],
+}
+
+fn decisions_of<S: Serializer>(planned: &&[Planned], s: S) -> Result<S::Ok, S::Error> {
+    s.collect_seq(planned.iter().map(|p| &p.decision))
 }
 
 /// Whether `m` fits the request.
@@ -79,7 +158,8 @@ pub fn matches(m: &Match, request: &RequestFacts) -> bool {
 }
 
 fn header_fits(h: &HeaderMatch, request: &RequestFacts) -> bool {
-    let value = request.headers.get(&h.name.to_ascii_lowercase());
+    // Names are lowercased once, at configuration load.
+    let value = request.headers.get(h.name.as_str());
     match (&h.exact, &h.prefix, h.present) {
         (Some(exact), _, _) => value.is_some_and(|v| v == exact.as_bytes()),
         (_, Some(prefix), _) => value.is_some_and(|v| v.starts_with(prefix.as_bytes())),
@@ -156,6 +236,11 @@ mod tests {
         }
     }
 
+    /// Plans every matching rule, as the host does.
+    fn plan_all(c: &Config, r: &RequestFacts, s: &Subject, attempt: &str) -> Vec<Planned> {
+        plan(c, &matching(c, r), s, || attempt.into()).planned
+    }
+
     fn keys(planned: &[Planned]) -> Vec<&str> {
         planned.iter().map(|p| p.decision.key.as_str()).collect()
     }
@@ -163,7 +248,7 @@ mod tests {
     #[test]
     fn both_rules_of_the_example_apply_to_an_api_get() {
         let c = example();
-        let p = plan(
+        let p = plan_all(
             &c,
             &request("GET", "/api/items?x=1"),
             &subject(Some("alpha"), Some("10.0.0.1")),
@@ -189,19 +274,19 @@ mod tests {
         let c = example();
         let s = subject(Some("alpha"), Some("10.0.0.1"));
         assert_eq!(
-            keys(&plan(&c, &request("DELETE", "/api/x"), &s, "a")),
+            keys(&plan_all(&c, &request("DELETE", "/api/x"), &s, "a")),
             ["per-ip|ip=10.0.0.1"]
         );
         assert_eq!(
-            keys(&plan(&c, &request("GET", "/apix"), &s, "a")),
+            keys(&plan_all(&c, &request("GET", "/apix"), &s, "a")),
             ["per-ip|ip=10.0.0.1"]
         );
         assert_eq!(
-            keys(&plan(&c, &request("GET", "/other?/api/"), &s, "a")),
+            keys(&plan_all(&c, &request("GET", "/other?/api/"), &s, "a")),
             ["per-ip|ip=10.0.0.1"]
         );
         assert_eq!(
-            keys(&plan(&c, &request("get", "/api/x"), &s, "a")),
+            keys(&plan_all(&c, &request("get", "/api/x"), &s, "a")),
             ["per-ip|ip=10.0.0.1"]
         );
     }
@@ -209,14 +294,14 @@ mod tests {
     #[test]
     fn a_rule_whose_subject_is_unknown_is_skipped() {
         let c = example();
-        let p = plan(
+        let p = plan_all(
             &c,
             &request("GET", "/api/x"),
             &subject(None, Some("::1")),
             "a",
         );
         assert_eq!(keys(&p), ["per-ip|ip=::1"]);
-        let p = plan(&c, &request("GET", "/api/x"), &subject(None, None), "a");
+        let p = plan_all(&c, &request("GET", "/api/x"), &subject(None, None), "a");
         assert!(p.is_empty());
     }
 
@@ -231,18 +316,18 @@ mod tests {
         )
         .unwrap();
         let mut r = request("GET", "/");
-        assert_eq!(keys(&plan(&c, &r, &Subject::default(), "a")), ["anon"]);
+        assert_eq!(keys(&plan_all(&c, &r, &Subject::default(), "a")), ["anon"]);
         r.headers.insert("x-tier".into(), b"free".to_vec());
         r.headers.insert("x-client".into(), b"beta/2".to_vec());
         r.headers
             .insert("authorization".into(), b"Bearer x".to_vec());
         assert_eq!(
-            keys(&plan(&c, &r, &Subject::default(), "a")),
+            keys(&plan_all(&c, &r, &Subject::default(), "a")),
             ["free", "beta"]
         );
         r.headers.insert("x-tier".into(), b"freemium".to_vec());
         r.headers.insert("x-client".into(), vec![0xff, b'b']);
-        assert!(plan(&c, &r, &Subject::default(), "a").is_empty());
+        assert!(plan_all(&c, &r, &Subject::default(), "a").is_empty());
     }
 
     fn rule(subject: Vec<Dimension>) -> Rule {
@@ -338,6 +423,81 @@ mod tests {
         assert_eq!(
             bucket_key(&rule(vec![]), &Subject::default()).as_deref(),
             Some("r")
+        );
+    }
+
+    #[test]
+    fn a_matching_rule_skipped_for_an_unknown_subject_is_reported() {
+        let c = example();
+        let m = matching(&c, &request("GET", "/api/x"));
+        assert_eq!(m, [0, 1]);
+        let p = plan(&c, &m, &subject(None, Some("10.0.0.1")), || "a".into());
+        assert!(p.subject_unknown);
+        assert_eq!(keys(&p.planned), ["per-ip|ip=10.0.0.1"]);
+        let p = plan(&c, &m, &subject(Some("alpha"), Some("10.0.0.1")), || {
+            "a".into()
+        });
+        assert!(!p.subject_unknown);
+        // A rule that does not match is not "skipped".
+        let m = matching(&c, &request("DELETE", "/api/x"));
+        let p = plan(&c, &m, &subject(None, Some("10.0.0.1")), || "a".into());
+        assert!(!p.subject_unknown);
+    }
+
+    #[test]
+    fn the_attempt_id_is_built_only_when_there_are_decisions() {
+        let c = example();
+        let m = matching(&c, &request("GET", "/api/x"));
+        let p = plan(&c, &m, &Subject::default(), || {
+            panic!("no decision, no attempt id")
+        });
+        assert!(p.planned.is_empty());
+        assert!(p.subject_unknown);
+        let mut calls = 0;
+        let p = plan(&c, &m, &subject(Some("alpha"), Some("::1")), || {
+            calls += 1;
+            "rid@1".into()
+        });
+        assert_eq!(calls, 1);
+        assert_eq!(p.planned[1].decision.attempt.as_deref(), Some("rid@1"));
+    }
+
+    #[test]
+    fn needs_name_only_the_dimensions_of_the_matching_rules() {
+        let c = example();
+        assert_eq!(
+            needs(&c, &[1]),
+            Needs {
+                ip: true,
+                ..Needs::default()
+            }
+        );
+        assert_eq!(
+            needs(&c, &[0, 1]),
+            Needs {
+                app: true,
+                ip: true,
+                ..Needs::default()
+            }
+        );
+        assert_eq!(needs(&c, &[]), Needs::default());
+    }
+
+    #[test]
+    fn the_callout_body_is_a_decide_request() {
+        let c = example();
+        let p = plan_all(
+            &c,
+            &request("GET", "/api/x"),
+            &subject(Some("alpha"), Some("10.0.0.1")),
+            "rid@1",
+        );
+        let owned = ratelimit_wire::DecideRequest {
+            decisions: p.iter().map(|p| p.decision.clone()).collect(),
+        };
+        assert_eq!(
+            serde_json::to_string(&DecideRequestRef { decisions: &p }).unwrap(),
+            serde_json::to_string(&owned).unwrap()
         );
     }
 }
