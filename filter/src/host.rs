@@ -2,23 +2,25 @@
 //! headers, properties, shared data, the sidecar's answer) and carries its verdict out (resume,
 //! local reply, response headers, stats). Nothing here decides anything.
 //!
-//! Reads (headers, properties, buffers) go through the small [`abi`] module below instead of the
-//! SDK's wrappers, which panic on non-UTF-8 values or on a status they did not expect (a timed-out
-//! callout has no response headers and Envoy answers `BadArgument`): a panic would take the VM
-//! down. A failed read is "unknown". Other calls use `proxy_wasm::hostcalls`, whose errors are
-//! handled.
+//! Host calls go through the small [`abi`] module below instead of the SDK's wrappers, which panic
+//! on non-UTF-8 values or on a status they did not expect (a timed-out callout has no response
+//! headers and Envoy answers `BadArgument`): a panic would take the VM down. In [`abi`] any status
+//! but `Ok` is an error the caller handles; a failed read is "unknown". The one exception is
+//! `hostcalls::dispatch_http_call`, which must register the callout with the SDK's dispatcher so
+//! that `on_http_call_response` reaches this context; it panics only on a status other than `Ok`,
+//! `BadArgument` or `InternalFailure`, which Envoy does not return for it.
 
 use std::cell::Cell;
 use std::collections::hash_map::RandomState;
 use std::collections::BTreeMap;
 use std::hash::BuildHasher;
 use std::rc::Rc;
-use std::time::{Duration, UNIX_EPOCH};
+use std::time::Duration;
 
 use log::{debug, error, info, warn};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
-use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType, Status};
+use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType};
 
 use crate::attempt::{attempt_id, REQUEST_TIME_PROPERTY};
 use crate::config::Config;
@@ -47,9 +49,9 @@ struct Metrics {
 }
 
 impl Metrics {
-    fn define(prefix: &str) -> Result<Metrics, Status> {
+    fn define(prefix: &str) -> Result<Metrics, u32> {
         let counter =
-            |name: &str| hostcalls::define_metric(MetricType::Counter, &format!("{prefix}.{name}"));
+            |name: &str| abi::define_metric(MetricType::Counter, &format!("{prefix}.{name}"));
         Ok(Metrics {
             admitted: counter("admitted")?,
             rejected: counter("rejected")?,
@@ -59,7 +61,7 @@ impl Metrics {
             emergency_activations: counter("emergency_activations")?,
             emergency_rejected: counter("emergency_rejected")?,
             subject_unknown: counter("subject_unknown")?,
-            decision_us: hostcalls::define_metric(
+            decision_us: abi::define_metric(
                 MetricType::Histogram,
                 &format!("{prefix}.decision_us"),
             )?,
@@ -68,7 +70,7 @@ impl Metrics {
 }
 
 fn count(metric: u32) {
-    let _ = hostcalls::increment_metric(metric, 1);
+    let _ = abi::increment_metric(metric, 1);
 }
 
 /// The validated configuration and what is derived from it once.
@@ -103,7 +105,7 @@ impl RootContext for Root {
         let metrics = match Metrics::define(&config.stat_prefix) {
             Ok(m) => m,
             Err(status) => {
-                error!("ratelimit filter: cannot define stats: {status:?}");
+                error!("ratelimit filter: cannot define stats: status {status}");
                 return false;
             }
         };
@@ -173,7 +175,7 @@ impl Context for Request {
         };
         if let Some(started) = self.dispatched_ns.take() {
             let us = now_ns().saturating_sub(started) / 1_000;
-            let _ = hostcalls::record_metric(plugin.metrics.decision_us, us);
+            let _ = abi::record_metric(plugin.metrics.decision_us, us);
         }
         // A failed callout (timeout, reset, no healthy host) comes with no headers at all.
         let status = if num_headers == 0 {
@@ -298,7 +300,9 @@ impl HttpContext for Request {
 
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
         for (name, value) in std::mem::take(&mut self.response_headers) {
-            let _ = hostcalls::set_map_value(MapType::HttpResponseHeaders, &name, Some(&value));
+            if let Err(status) = abi::replace_header(MapType::HttpResponseHeaders, &name, &value) {
+                debug!("ratelimit filter: cannot set response header {name:?}: status {status}");
+            }
         }
         Action::Continue
     }
@@ -354,7 +358,9 @@ impl Request {
                 count(plugin.metrics.admitted);
                 self.response_headers = headers;
                 if paused {
-                    let _ = hostcalls::resume_http_request();
+                    if let Err(status) = abi::resume_http_request() {
+                        error!("ratelimit filter: cannot resume the request: status {status}");
+                    }
                 }
                 Action::Continue
             }
@@ -375,14 +381,12 @@ fn send(reply: &LocalReply) {
         .iter()
         .map(|(n, v)| (n.as_str(), v.as_str()))
         .collect();
-    if let Err(status) =
-        hostcalls::send_http_response(reply.status, headers, Some(reply.body.as_bytes()))
-    {
+    if let Err(status) = abi::send_http_response(reply.status, &headers, reply.body.as_bytes()) {
         error!(
-            "ratelimit filter: cannot send the {} reply: {status:?}",
+            "ratelimit filter: cannot send the {} reply: status {status}",
             reply.status
         );
-        let _ = hostcalls::reset_http_request();
+        let _ = abi::reset_http_request();
     }
 }
 
@@ -398,11 +402,7 @@ fn property(path: &[&str]) -> Option<Vec<u8>> {
 
 /// The host clock in Unix nanoseconds (0 if unreadable).
 fn now_ns() -> u64 {
-    hostcalls::get_current_time()
-        .ok()
-        .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
-        .map(|d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
-        .unwrap_or(0)
+    abi::current_time_ns().unwrap_or(0)
 }
 
 /// proxy-wasm shared data (per `vm_id`, shared by all worker VMs of one Envoy process).
@@ -410,25 +410,30 @@ struct HostShared;
 
 impl SharedStore for HostShared {
     fn get(&self, key: &str) -> (Option<Vec<u8>>, Option<u32>) {
-        hostcalls::get_shared_data(key).unwrap_or((None, None))
+        abi::get_shared_data(key)
     }
 
     fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
-        match hostcalls::set_shared_data(key, Some(value), cas) {
+        match abi::set_shared_data(key, value, cas) {
             Ok(()) => Ok(()),
-            Err(Status::CasMismatch) => Err(StoreError::CasMismatch),
+            Err(abi::CAS_MISMATCH) => Err(StoreError::CasMismatch),
             Err(_) => Err(StoreError::Failed),
         }
     }
 }
 
-/// Reads through the proxy-wasm ABI that never panic: any status but `Ok` is `None`.
+/// Host calls through the proxy-wasm ABI that never panic: any status but `Ok` is `None` (reads)
+/// or `Err(status)`.
 mod abi {
-    use std::ptr::null_mut;
+    use std::ptr::{null, null_mut};
 
-    use proxy_wasm::types::{BufferType, MapType};
+    use proxy_wasm::types::{BufferType, MapType, MetricType};
 
     const OK: u32 = 0;
+    const NOT_FOUND: u32 = 1;
+    pub const CAS_MISMATCH: u32 = 8;
+    /// `StreamType::HttpRequest`.
+    const HTTP_REQUEST: u32 = 0;
 
     // The same imports the SDK declares; the status is taken as a plain `u32` so that an
     // unexpected value is just "not Ok".
@@ -454,6 +459,56 @@ mod abi {
             return_buffer_data: *mut *mut u8,
             return_buffer_size: *mut usize,
         ) -> u32;
+        fn proxy_replace_header_map_value(
+            map_type: MapType,
+            key_data: *const u8,
+            key_size: usize,
+            value_data: *const u8,
+            value_size: usize,
+        ) -> u32;
+        fn proxy_send_local_response(
+            status_code: u32,
+            status_code_details_data: *const u8,
+            status_code_details_size: usize,
+            body_data: *const u8,
+            body_size: usize,
+            headers_data: *const u8,
+            headers_size: usize,
+            grpc_status: i32,
+        ) -> u32;
+        fn proxy_continue_stream(stream_type: u32) -> u32;
+        fn proxy_close_stream(stream_type: u32) -> u32;
+        fn proxy_get_current_time_nanoseconds(return_time: *mut u64) -> u32;
+        fn proxy_get_shared_data(
+            key_data: *const u8,
+            key_size: usize,
+            return_value_data: *mut *mut u8,
+            return_value_size: *mut usize,
+            return_cas: *mut u32,
+        ) -> u32;
+        fn proxy_set_shared_data(
+            key_data: *const u8,
+            key_size: usize,
+            value_data: *const u8,
+            value_size: usize,
+            cas: u32,
+        ) -> u32;
+        fn proxy_define_metric(
+            metric_type: MetricType,
+            name_data: *const u8,
+            name_size: usize,
+            return_id: *mut u32,
+        ) -> u32;
+        fn proxy_increment_metric(metric_id: u32, offset: i64) -> u32;
+        fn proxy_record_metric(metric_id: u32, value: u64) -> u32;
+    }
+
+    fn status(status: u32) -> Result<(), u32> {
+        if status == OK {
+            Ok(())
+        } else {
+            Err(status)
+        }
     }
 
     /// Takes ownership of what the host allocated through this module's allocator (the SDK's
@@ -498,5 +553,122 @@ mod abi {
         // SAFETY: as above.
         let status = unsafe { proxy_get_buffer_bytes(buffer, 0, max_size, &mut data, &mut size) };
         owned(status, data, size)
+    }
+
+    pub fn replace_header(map: MapType, name: &str, value: &str) -> Result<(), u32> {
+        // SAFETY: pointers to `name`'s and `value`'s bytes for the duration of the call.
+        status(unsafe {
+            proxy_replace_header_map_value(
+                map,
+                name.as_ptr(),
+                name.len(),
+                value.as_ptr(),
+                value.len(),
+            )
+        })
+    }
+
+    /// The proxy-wasm map encoding: the pair count, each pair's name and value sizes, then each
+    /// name and value followed by a NUL (all sizes `u32` little-endian).
+    fn serialize_map(pairs: &[(&str, &str)]) -> Vec<u8> {
+        let size = 4 + pairs
+            .iter()
+            .map(|(n, v)| n.len() + v.len() + 10)
+            .sum::<usize>();
+        let mut out = Vec::with_capacity(size);
+        // Header counts and sizes are far below 4 GiB: the casts cannot truncate.
+        out.extend_from_slice(&(pairs.len() as u32).to_le_bytes());
+        for (n, v) in pairs {
+            out.extend_from_slice(&(n.len() as u32).to_le_bytes());
+            out.extend_from_slice(&(v.len() as u32).to_le_bytes());
+        }
+        for (n, v) in pairs {
+            out.extend_from_slice(n.as_bytes());
+            out.push(0);
+            out.extend_from_slice(v.as_bytes());
+            out.push(0);
+        }
+        out
+    }
+
+    pub fn send_http_response(code: u32, headers: &[(&str, &str)], body: &[u8]) -> Result<(), u32> {
+        let headers = serialize_map(headers);
+        // SAFETY: pointers to `body` and `headers` for the duration of the call.
+        status(unsafe {
+            proxy_send_local_response(
+                code,
+                null(),
+                0,
+                body.as_ptr(),
+                body.len(),
+                headers.as_ptr(),
+                headers.len(),
+                -1,
+            )
+        })
+    }
+
+    pub fn resume_http_request() -> Result<(), u32> {
+        // SAFETY: no pointers.
+        status(unsafe { proxy_continue_stream(HTTP_REQUEST) })
+    }
+
+    pub fn reset_http_request() -> Result<(), u32> {
+        // SAFETY: no pointers.
+        status(unsafe { proxy_close_stream(HTTP_REQUEST) })
+    }
+
+    pub fn current_time_ns() -> Option<u64> {
+        let mut ns = 0;
+        // SAFETY: a pointer to a live local.
+        status(unsafe { proxy_get_current_time_nanoseconds(&mut ns) }).ok()?;
+        Some(ns)
+    }
+
+    /// The value under `key` and its version; `(None, None)` when absent or unreadable.
+    pub fn get_shared_data(key: &str) -> (Option<Vec<u8>>, Option<u32>) {
+        let mut data = null_mut();
+        let mut size = 0;
+        let mut cas = 0;
+        // SAFETY: pointers to live locals and to `key`'s bytes for the duration of the call.
+        let code = unsafe {
+            proxy_get_shared_data(key.as_ptr(), key.len(), &mut data, &mut size, &mut cas)
+        };
+        if code == NOT_FOUND {
+            return (None, None);
+        }
+        let value = owned(code, data, size).filter(|v| !v.is_empty());
+        let cas = (code == OK && cas != 0).then_some(cas);
+        (value, cas)
+    }
+
+    pub fn set_shared_data(key: &str, value: &[u8], cas: Option<u32>) -> Result<(), u32> {
+        // SAFETY: pointers to `key`'s and `value`'s bytes for the duration of the call.
+        status(unsafe {
+            proxy_set_shared_data(
+                key.as_ptr(),
+                key.len(),
+                value.as_ptr(),
+                value.len(),
+                cas.unwrap_or(0),
+            )
+        })
+    }
+
+    pub fn define_metric(metric_type: MetricType, name: &str) -> Result<u32, u32> {
+        let mut id = 0;
+        // SAFETY: pointers to a live local and to `name`'s bytes for the duration of the call.
+        status(unsafe { proxy_define_metric(metric_type, name.as_ptr(), name.len(), &mut id) })?;
+        Ok(id)
+    }
+
+    pub fn increment_metric(id: u32, offset: i64) -> Result<(), u32> {
+        // SAFETY: no pointers.
+        status(unsafe { proxy_increment_metric(id, offset) })
+    }
+
+    pub fn record_metric(id: u32, value: u64) -> Result<(), u32> {
+        // SAFETY: no pointers.
+        status(unsafe { proxy_record_metric(id, value) })
     }
 }
