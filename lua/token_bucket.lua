@@ -25,6 +25,15 @@
 --   admit if tokens >= cost and deduct cost, else retry_after_ms = ceil((cost - tokens) / refill_per_sec * 1000)
 --   reset_ms  = ceil((capacity - tokens) / refill_per_sec * 1000)     time until full again
 --   the bucket's TTL is the full-refill time plus 1 s: expiring it sooner would hand out budget early.
+--   The bucket is written (HSET + PEXPIRE) only when a decision charges or refunds it, or to re-anchor
+--   a ts in the future; a rejection leaves it as it was (refill is a function of tokens, ts and now,
+--   so the unwritten refill is found again next time), keeping a rejection flood free of writes.
+--
+-- Attempt records: a decision with an attempt leaves `rl:{<key>}:a:<attempt>` holding its answer;
+-- a repeat within the TTL gets that answer back and is not charged again. After a refund the record
+-- keeps its reason and says allowed 0, charged 0: a repeat of a refunded attempt is answered "not
+-- allowed" (the request was rejected as a whole). A request must not name one key twice with one
+-- attempt (the two decisions would share one record); the sidecar refuses that.
 
 local OK, INSUFFICIENT, COST_EXCEEDS_CAPACITY = 0, 1, 2
 local MAX_INT = 9007199254740992 -- 2^53: replies are integers; clamp what cannot be one exactly
@@ -67,13 +76,13 @@ for i = 1, n do
   decisions[i] = d
 end
 
--- The bucket's tokens refilled up to now.
+-- The bucket's tokens refilled up to now, and whether its ts lies in the future (to re-anchor).
 local function refill(d)
   local stored = redis.call('HMGET', d.bucket, 'tokens', 'ts')
   local tokens, ts = tonumber(stored[1]), tonumber(stored[2])
-  if not tokens or not ts or tokens ~= tokens then return d.capacity end
+  if not tokens or not ts or tokens ~= tokens then return d.capacity, false end
   local elapsed_s = math.max(0, now - ts) / 1000000
-  return math.min(d.capacity, math.max(0, tokens) + d.refill_per_sec * elapsed_s)
+  return math.min(d.capacity, math.max(0, tokens) + d.refill_per_sec * elapsed_s), ts > now
 end
 
 -- Store the bucket's tokens as of now (this also re-anchors a future ts to now).
@@ -112,7 +121,7 @@ if mode == 'refund' then
   for _, d in ipairs(decisions) do
     local r = read_record(d)
     if r and r[6] == 1 then
-      local tokens = math.min(d.capacity, refill(d) + d.cost)
+      local tokens = math.min(d.capacity, (refill(d)) + d.cost)
       store(d, tokens)
       r = { 0, int(tokens), r[3], reset_ms(d, tokens), r[5], 0 }
       redis.call('SET', d.record, record_value(r), 'KEEPTTL')
@@ -123,7 +132,8 @@ if mode == 'refund' then
 end
 
 -- apply, pass 1: replay recorded attempts, refill the others and see whether each bucket admits.
--- A key named twice in one request is refilled once and each decision sees what the one before left.
+-- A key named twice in one call is refilled once and each decision sees what the one before left (the
+-- sidecar refuses such requests; this keeps a direct call consistent all the same).
 local request_allowed = true
 local refilled, available = {}, {}
 for _, d in ipairs(decisions) do
@@ -131,8 +141,12 @@ for _, d in ipairs(decisions) do
   if d.replay then
     request_allowed = request_allowed and d.replay[6] == 1
   else
-    d.refilled = refilled[d.bucket] or refill(d)
-    refilled[d.bucket] = d.refilled
+    if refilled[d.bucket] then
+      d.refilled = refilled[d.bucket]
+    else
+      d.refilled, d.future = refill(d)
+      refilled[d.bucket] = d.refilled
+    end
     d.tokens = available[d.bucket] or d.refilled
     if d.cost > d.capacity then
       d.allowed, d.reason, d.retry_after_ms = false, COST_EXCEEDS_CAPACITY, 0
@@ -147,14 +161,15 @@ for _, d in ipairs(decisions) do
   end
 end
 
--- apply, pass 2: deduct only if every decision admitted; always store the refilled state.
+-- apply, pass 2: deduct and store only if every decision admitted; a rejection writes a bucket only
+-- to re-anchor a ts in the future (a clock that went back).
 for _, d in ipairs(decisions) do
   if d.replay then
     answer(d.replay)
   else
     local charged = request_allowed and 1 or 0
     local tokens = request_allowed and d.tokens - d.cost or d.refilled
-    store(d, tokens)
+    if request_allowed or d.future then store(d, tokens) end
     local r = { d.allowed and 1 or 0, int(tokens), d.retry_after_ms, reset_ms(d, tokens), d.reason, charged }
     if d.attempt ~= '' then
       redis.call('SET', d.record, record_value(r), 'PX', string.format('%.0f', attempt_ttl_ms))
