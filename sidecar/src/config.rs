@@ -60,8 +60,9 @@ pub struct Args {
     #[arg(long, env = "RATELIMIT_MAX_BODY_BYTES", default_value_t = 65_536)]
     pub max_body_bytes: usize,
 
-    /// Multiplexed connections to a single Redis, used round-robin (Cluster uses one cluster
-    /// connection that multiplexes one connection per node).
+    /// Multiplexed connections to a single Redis (--redis), used round-robin. Ignored with
+    /// --redis-sentinel (one multiplexed connection to the primary) and --redis-cluster (one
+    /// cluster connection that multiplexes one connection per node).
     #[arg(long, env = "RATELIMIT_REDIS_CONNECTIONS", default_value_t = 2, value_parser = clap::value_parser!(u64).range(1..=64))]
     pub redis_connections: u64,
 }

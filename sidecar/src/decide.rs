@@ -6,23 +6,43 @@
 //! One script call is atomic, but only within one slot. On a single Redis every decision of a
 //! request goes into one call. On a Cluster the decisions are grouped by the slot of their bucket
 //! key and the groups run concurrently; if every group admits, the request is admitted. If some
-//! group rejects, the groups that charged are refunded (`refund` mode of the script, keyed by the
-//! attempt record, idempotent). For that a cross-slot request needs attempt ids: when the caller
-//! gave none, one random id is generated for that request (single-slot requests need none).
+//! group rejects, the request is rejected and the groups that charged are refunded (`refund` mode
+//! of the script, keyed by the attempt record, idempotent). For that a cross-slot request needs
+//! attempt ids: where the caller gave none, one random id is generated for that request, and the
+//! groups that got it are remembered as *generated* (single-slot requests need none).
 //!
-//! The price is a short window (one Redis round trip) in which a charged group holds tokens for a
-//! request that will be rejected: concurrent requests on that bucket may then be rejected although
-//! tokens were about to come back. The window can only over-REJECT, never over-admit. If the
-//! refund itself fails (Redis down), the tokens stay deducted until they refill.
+//! Refunds run in the background: the answer does not wait for them (a caller that gives up, such
+//! as Envoy on its callout timeout, cannot cancel them either). The price is a short window (a
+//! Redis round trip or two) in which a charged group holds tokens for a request that was
+//! rejected: concurrent requests on that bucket may then be rejected although tokens were about
+//! to come back. The window can only over-REJECT, never over-admit. The figures answered for a
+//! refunded decision (`remaining`, `reset_ms`) are computed here as they will be once the refund
+//! lands. If the refund itself fails (Redis down), the tokens stay deducted until they refill.
 //!
-//! When a group fails (timeout, connection), the request answers 503. Groups that charged stay
-//! charged when the caller supplied attempt ids (its retry replays them and completes the rest);
-//! with generated ids no retry can ever replay them, so they are refunded in the background.
+//! When a group fails (timeout, connection) and another group rejected, the request is still
+//! rejected: it answers 200 `allowed: false`, never 503 (a 503 would let the filter's `on_error`
+//! admit a client that is over its limit). The decisions of the failed group are answered
+//! `allowed: false`, `reason: ok`, with `remaining`, `retry_after_ms` and `reset_ms` 0: their
+//! buckets refused nothing, they simply gave no answer, and the request does not pass. The failed
+//! group is refunded along with the charged ones, in case its script ran after all.
+//!
+//! When a group fails and no group rejected, the request answers 503. Every group with generated
+//! attempt ids is refunded in the background, the failed ones included (no one can ever replay
+//! them). Groups with the caller's attempt ids stay charged: a repeat of that attempt would replay
+//! them and run only the rest, but the filter never repeats a callout (it applies `on_error`), so
+//! in practice those tokens stay spent until they refill (over-rejection only). A refund can
+//! overtake a script call that timed out but still runs in Redis; that charge then stays.
+//!
+//! Script errors that retrying cannot cure (`WRONGTYPE`: a key of another type where a bucket or
+//! attempt record should be; the script refusing its arguments; an unreadable reply) answer 500,
+//! not 503: Redis is up, and the failure is this sidecar's or its data's.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
-use ratelimit_wire::{DecideRequest, DecideResponse, DecisionResult, MAX_DECISIONS, MAX_KEY_BYTES};
+use ratelimit_wire::{
+    DecideRequest, DecideResponse, DecisionResult, Reason, MAX_DECISIONS, MAX_KEY_BYTES,
+};
 
 use crate::metrics::Metrics;
 use crate::store::{BucketCall, BucketStore, Outcome, StoreError};
@@ -35,10 +55,24 @@ pub enum DecideError {
     Invalid(String),
     /// Redis did not answer in time or failed (answered 503).
     #[error(transparent)]
-    Unavailable(#[from] StoreError),
+    Unavailable(StoreError),
+    /// Redis answered, but the script failed in a way a retry cannot cure (answered 500).
+    #[error(transparent)]
+    Script(StoreError),
 }
 
-/// Parses a request body; the error names the field (`decisions[0].capacity: invalid type ...`).
+impl From<StoreError> for DecideError {
+    fn from(e: StoreError) -> Self {
+        if e.is_deterministic() {
+            DecideError::Script(e)
+        } else {
+            DecideError::Unavailable(e)
+        }
+    }
+}
+
+/// Parses and validates a request body; the error names the field
+/// (`decisions[0].capacity: invalid type ...`).
 pub fn parse_request(body: &[u8]) -> Result<DecideRequest, DecideError> {
     let mut de = serde_json::Deserializer::from_slice(body);
     let request: DecideRequest = serde_path_to_error::deserialize(&mut de).map_err(|e| {
@@ -55,7 +89,8 @@ pub fn parse_request(body: &[u8]) -> Result<DecideRequest, DecideError> {
     Ok(request)
 }
 
-/// Checks what serde cannot: counts, lengths, and that the bucket parameters are numbers > 0.
+/// Checks what serde cannot: counts, lengths, keys without braces and named once, and that the
+/// bucket parameters are numbers > 0.
 pub fn validate(request: &DecideRequest) -> Result<(), DecideError> {
     let invalid = |s: String| Err(DecideError::Invalid(s));
     if request.decisions.is_empty() {
@@ -67,6 +102,7 @@ pub fn validate(request: &DecideRequest) -> Result<(), DecideError> {
             request.decisions.len()
         ));
     }
+    let mut seen: HashMap<&str, usize> = HashMap::with_capacity(request.decisions.len());
     for (i, d) in request.decisions.iter().enumerate() {
         if d.key.is_empty() || d.key.len() > MAX_KEY_BYTES {
             return invalid(format!(
@@ -74,10 +110,19 @@ pub fn validate(request: &DecideRequest) -> Result<(), DecideError> {
                 d.key.len()
             ));
         }
-        if d.key.starts_with('}') {
-            // `<prefix>{}...` has an empty hash tag: Cluster would hash the whole key, and the
-            // bucket and its attempt records could land in different slots.
-            return invalid(format!("decisions[{i}].key: must not start with '}}'"));
+        if d.key.contains(['{', '}']) {
+            // The key goes between the braces of `<prefix>{<key>}`, the Cluster hash tag: a brace
+            // inside would move the tag (bucket and attempt record in different slots) or make
+            // one key's attempt record another key's name (`k}:a:x` is the record of `k`).
+            return invalid(format!(
+                "decisions[{i}].key: must not contain '{{' or '}}' (escape them, e.g. %7B %7D)"
+            ));
+        }
+        if let Some(j) = seen.insert(d.key.as_str(), i) {
+            // One attempt record per key and attempt: a key named twice would share it.
+            return invalid(format!(
+                "decisions[{i}].key: duplicate of decisions[{j}]; name each bucket once (add the costs)"
+            ));
         }
         if let Some(a) = &d.attempt {
             if a.len() > MAX_KEY_BYTES {
@@ -115,14 +160,29 @@ pub fn cluster_slot(key: &[u8]) -> u16 {
     crc16::State::<crc16::XMODEM>::calculate(tag.unwrap_or(key)) % 16384
 }
 
-/// Indices of the calls grouped by the slot of their bucket key, in slot order.
-pub fn group_by_slot(calls: &[BucketCall]) -> Vec<Vec<usize>> {
-    let mut groups: BTreeMap<u16, Vec<usize>> = BTreeMap::new();
-    for (i, c) in calls.iter().enumerate() {
-        groups
+/// The decisions of one request that share a Cluster slot: one atomic script call.
+#[derive(Debug)]
+pub struct SlotGroup {
+    /// Where each call sits in the request, ascending.
+    pub indices: Vec<usize>,
+    pub calls: Vec<BucketCall>,
+    /// Some call got an attempt id generated by the sidecar (no caller can replay it).
+    pub generated: bool,
+}
+
+/// The calls grouped by the slot of their bucket key, in slot order (moved, not copied).
+pub fn group_by_slot(calls: Vec<BucketCall>) -> Vec<SlotGroup> {
+    let mut groups: BTreeMap<u16, SlotGroup> = BTreeMap::new();
+    for (i, c) in calls.into_iter().enumerate() {
+        let g = groups
             .entry(cluster_slot(c.bucket_key.as_bytes()))
-            .or_default()
-            .push(i);
+            .or_insert_with(|| SlotGroup {
+                indices: Vec::new(),
+                calls: Vec::new(),
+                generated: false,
+            });
+        g.indices.push(i);
+        g.calls.push(c);
     }
     groups.into_values().collect()
 }
@@ -167,103 +227,144 @@ impl<S: BucketStore> Decider<S> {
             .collect()
     }
 
-    /// Decides a validated request (see the module doc for how all-or-nothing holds).
+    /// Decides a request that [`validate`] accepted ([`parse_request`] validates); see the module
+    /// doc for how all-or-nothing holds.
     pub async fn decide(&self, request: &DecideRequest) -> Result<DecideResponse, DecideError> {
-        validate(request)?;
-        let mut calls = self.calls(request);
-        let groups = if self.store.is_cluster() {
-            group_by_slot(&calls)
+        let calls = self.calls(request);
+        let n = calls.len();
+        let mut groups = if self.store.is_cluster() {
+            group_by_slot(calls)
         } else {
-            vec![(0..calls.len()).collect()]
+            vec![SlotGroup {
+                indices: (0..n).collect(),
+                calls,
+                generated: false,
+            }]
         };
-        let mut generated_attempts = false;
-        if groups.len() > 1 && calls.iter().any(|c| c.attempt.is_empty()) {
-            let attempt = format!("gen-{:032x}", rand::random::<u128>());
-            for c in calls.iter_mut().filter(|c| c.attempt.is_empty()) {
-                c.attempt_key.push_str(&attempt);
-                c.attempt = attempt.clone();
+        if groups.len() > 1 {
+            let mut generated: Option<String> = None;
+            for g in &mut groups {
+                for c in g.calls.iter_mut().filter(|c| c.attempt.is_empty()) {
+                    let attempt = generated
+                        .get_or_insert_with(|| format!("gen-{:032x}", rand::random::<u128>()));
+                    c.attempt_key.push_str(attempt);
+                    c.attempt.clone_from(attempt);
+                    g.generated = true;
+                }
             }
-            generated_attempts = true;
         }
-        let batches: Vec<Vec<BucketCall>> = groups
-            .iter()
-            .map(|g| g.iter().map(|&i| calls[i].clone()).collect())
-            .collect();
-        let answers = futures::future::join_all(batches.iter().map(|b| self.store.apply(b))).await;
+        let answers =
+            futures::future::join_all(groups.iter().map(|g| self.store.apply(&g.calls))).await;
 
-        let mut outcomes: Vec<Option<Outcome>> = vec![None; calls.len()];
+        let mut outcomes: Vec<Option<Outcome>> = vec![None; n];
+        // Per group: Some(charged) when it answered, None when it failed.
+        let mut charged: Vec<Option<bool>> = Vec::with_capacity(groups.len());
         let mut failure = None;
-        for (group, answer) in groups.iter().zip(answers) {
+        let mut rejected = false;
+        for (g, answer) in groups.iter().zip(answers) {
             match answer {
-                Ok(o) => {
-                    for (&i, o) in group.iter().zip(o) {
+                Ok(answered) => {
+                    let mut group_charged = false;
+                    for (&i, o) in g.indices.iter().zip(answered) {
+                        group_charged |= o.charged;
+                        rejected |= !o.charged;
                         outcomes[i] = Some(o);
                     }
+                    charged.push(Some(group_charged));
                 }
-                Err(e) => failure = Some(e),
+                Err(e) => {
+                    charged.push(None);
+                    failure = Some(e);
+                }
             }
         }
-        // The groups whose attempt deducted tokens: the ones to refund if the request fails.
-        let charged: Vec<(Vec<usize>, Vec<BucketCall>)> = groups
-            .iter()
-            .zip(&batches)
-            .filter(|(g, _)| g.iter().any(|&i| outcomes[i].is_some_and(|o| o.charged)))
-            .map(|(g, b)| (g.clone(), b.clone()))
-            .collect();
         if let Some(e) = failure {
-            if generated_attempts && !charged.is_empty() {
-                let store = self.store.clone();
-                let metrics = self.metrics.clone();
-                tokio::spawn(async move {
-                    metrics.compensations.inc();
-                    for (_, batch) in charged {
-                        if let Err(e) = store.refund(&batch).await {
-                            tracing::warn!("refund after a failed slot did not complete: {e}");
-                        }
-                    }
-                });
+            if !rejected {
+                // No verdict: 503. Refund what no caller can ever replay.
+                let refunds: Vec<Vec<BucketCall>> = groups
+                    .into_iter()
+                    .filter(|g| g.generated)
+                    .map(|g| g.calls)
+                    .collect();
+                self.refund_in_background(refunds, "a failed slot");
+                return Err(e.into());
             }
-            return Err(e.into());
+            tracing::warn!("a slot failed ({e}) but another rejected: answering the rejection");
         }
-        let mut outcomes: Vec<Outcome> = outcomes.into_iter().flatten().collect();
-        let allowed = outcomes.iter().all(|o| o.charged);
-        if !allowed && !charged.is_empty() {
-            self.metrics.compensations.inc();
-            let refunds =
-                futures::future::join_all(charged.iter().map(|(_, b)| self.store.refund(b))).await;
-            for ((group, _), refund) in charged.iter().zip(refunds) {
-                match refund {
-                    Ok(r) => {
-                        for (&i, r) in group.iter().zip(r) {
-                            outcomes[i].remaining = r.remaining;
-                            outcomes[i].reset_ms = r.reset_ms;
-                            outcomes[i].charged = false;
-                        }
-                    }
-                    Err(e) => tracing::warn!(
-                        "compensation failed, tokens stay deducted until they refill: {e}"
-                    ),
-                }
-            }
-        }
-        for o in &outcomes {
-            self.metrics.decision(o.allowed && allowed);
-        }
-        Ok(DecideResponse {
-            allowed,
-            results: outcomes
+        // Here a failure implies a rejection (the 503 case returned above).
+        let allowed = !rejected;
+        if !allowed {
+            // Rejected: give back what charged, and what a failed slot may have charged.
+            let refunds: Vec<Vec<BucketCall>> = groups
                 .into_iter()
-                .map(|o| DecisionResult {
+                .zip(&charged)
+                .filter(|(_, c)| **c != Some(false))
+                .map(|(g, _)| g.calls)
+                .collect();
+            self.refund_in_background(refunds, "a rejected slot");
+        }
+        let results: Vec<DecisionResult> = outcomes
+            .into_iter()
+            .zip(&request.decisions)
+            .map(|(o, d)| {
+                let mut o = o.unwrap_or(NO_ANSWER);
+                if !allowed && o.charged {
+                    // As it will be once the background refund has given `cost` back.
+                    o.remaining = (o.remaining as f64 + d.cost).min(d.capacity) as u64;
+                    o.reset_ms = o
+                        .reset_ms
+                        .saturating_sub((d.cost / d.refill_per_sec * 1000.0) as u64);
+                }
+                self.metrics.decision(o.allowed && allowed);
+                DecisionResult {
                     allowed: o.allowed,
                     remaining: o.remaining,
                     retry_after_ms: o.retry_after_ms,
                     reset_ms: o.reset_ms,
                     reason: o.reason,
-                })
-                .collect(),
-        })
+                }
+            })
+            .collect();
+        Ok(DecideResponse { allowed, results })
+    }
+
+    /// Refunds `groups` (each one script call) in a task of its own, so neither the answer nor a
+    /// caller that gives up waits for it or cancels it. Counts a compensation once every refund
+    /// completed.
+    fn refund_in_background(&self, groups: Vec<Vec<BucketCall>>, after: &'static str) {
+        if groups.is_empty() {
+            return;
+        }
+        let store = self.store.clone();
+        let metrics = self.metrics.clone();
+        tokio::spawn(async move {
+            let refunds = futures::future::join_all(groups.iter().map(|b| store.refund(b))).await;
+            let mut complete = true;
+            for refund in refunds {
+                if let Err(e) = refund {
+                    complete = false;
+                    tracing::warn!(
+                        "refund after {after} did not complete, tokens stay deducted until they refill: {e}"
+                    );
+                }
+            }
+            if complete {
+                metrics.compensations.inc();
+            }
+        });
     }
 }
+
+/// The answer for a decision whose slot failed while another slot rejected: not allowed (the
+/// request does not pass), but its bucket refused nothing (`ok`), and no figures are known.
+const NO_ANSWER: Outcome = Outcome {
+    allowed: false,
+    remaining: 0,
+    retry_after_ms: 0,
+    reset_ms: 0,
+    reason: Reason::Ok,
+    charged: false,
+};
 
 #[cfg(test)]
 mod tests {
@@ -302,7 +403,7 @@ mod tests {
         let e = err(r#"{"decisions":[{"key":"k","capacity":"10","refill_per_sec":1}]}"#);
         assert!(e.starts_with("decisions[0].capacity:"), "{e}");
         let e = err(
-            r#"{"decisions":[{"key":"k","capacity":1,"refill_per_sec":1},{"key":"k","capacity":0,"refill_per_sec":1}]}"#,
+            r#"{"decisions":[{"key":"k","capacity":1,"refill_per_sec":1},{"key":"j","capacity":0,"refill_per_sec":1}]}"#,
         );
         assert_eq!(e, "decisions[1].capacity: must be a number > 0, got 0");
         let e = err(r#"{"decisions":[{"key":"k","capacity":1,"refill_per_sec":-1}]}"#);
@@ -311,8 +412,22 @@ mod tests {
         assert!(e.starts_with("decisions[0].cost:"), "{e}");
         let e = err(r#"{"decisions":[{"key":"","capacity":1,"refill_per_sec":1}]}"#);
         assert!(e.starts_with("decisions[0].key:"), "{e}");
-        let e = err(r#"{"decisions":[{"key":"}x","capacity":1,"refill_per_sec":1}]}"#);
-        assert!(e.starts_with("decisions[0].key:"), "{e}");
+        for key in ["}x", "k}:a:x", "a{b", "x}", "{}"] {
+            let e = err(&format!(
+                r#"{{"decisions":[{{"key":"{key}","capacity":1,"refill_per_sec":1}}]}}"#
+            ));
+            assert!(
+                e.starts_with("decisions[0].key: must not contain"),
+                "{key}: {e}"
+            );
+        }
+        let e = err(
+            r#"{"decisions":[{"key":"a","capacity":1,"refill_per_sec":1},{"key":"b","capacity":1,"refill_per_sec":1},{"key":"a","capacity":2,"refill_per_sec":1}]}"#,
+        );
+        assert!(
+            e.starts_with("decisions[2].key: duplicate of decisions[0]"),
+            "{e}"
+        );
         let e = err(r#"{"decisions":[{"key":"k","capacity":1,"refill_per_sec":1}]} x"#);
         assert!(e.contains("trailing"), "{e}");
         let e = err(r#"{"decisions":[{"key":"k","capacity":1,"refill_per_sec":1,"colour":1}]}"#);
@@ -322,7 +437,9 @@ mod tests {
     #[test]
     fn limits_on_counts_and_lengths() {
         let mut r = DecideRequest {
-            decisions: vec![decision("k"); MAX_DECISIONS + 1],
+            decisions: (0..=MAX_DECISIONS)
+                .map(|i| decision(&format!("k{i}")))
+                .collect(),
         };
         assert!(validate(&r).is_err());
         r.decisions.truncate(MAX_DECISIONS);
@@ -330,6 +447,7 @@ mod tests {
         r.decisions[3].key = "x".repeat(MAX_KEY_BYTES + 1);
         assert!(validate(&r).is_err());
         r.decisions[3].key = "x".repeat(MAX_KEY_BYTES);
+        assert!(validate(&r).is_ok());
         r.decisions[4].attempt = Some("a".repeat(MAX_KEY_BYTES + 1));
         assert!(validate(&r).is_err());
         r.decisions[4].attempt = None;
@@ -384,32 +502,54 @@ mod tests {
         let r = DecideRequest {
             decisions: keys.iter().map(|k| decision(k)).collect(),
         };
-        let groups = group_by_slot(&d.calls(&r));
-        let mut seen: Vec<usize> = groups.iter().flatten().copied().collect();
+        let calls = d.calls(&r);
+        let groups = group_by_slot(calls.clone());
+        let mut seen: Vec<usize> = groups.iter().flat_map(|g| g.indices.clone()).collect();
         seen.sort();
         assert_eq!(seen, (0..50).collect::<Vec<_>>());
         for g in &groups {
-            assert!(g.windows(2).all(|w| w[0] < w[1]));
-            let slot = cluster_slot(d.calls(&r)[g[0]].bucket_key.as_bytes());
-            assert!(g
-                .iter()
-                .all(|&i| cluster_slot(d.calls(&r)[i].bucket_key.as_bytes()) == slot));
+            assert!(g.indices.windows(2).all(|w| w[0] < w[1]));
+            let slot = cluster_slot(g.calls[0].bucket_key.as_bytes());
+            for (&i, c) in g.indices.iter().zip(&g.calls) {
+                assert_eq!(*c, calls[i]);
+                assert_eq!(cluster_slot(c.bucket_key.as_bytes()), slot);
+            }
         }
         assert!(groups.len() > 1);
     }
 
-    /// A store that admits every bucket except the keys listed in `reject`, and records calls.
+    /// A store that admits every bucket except the keys listed in `reject`, times out on a call
+    /// that holds a key listed in `fail`, and records calls; `refund_hangs` makes refunds never
+    /// finish.
     #[derive(Default)]
     struct Fake {
         cluster: bool,
         reject: Vec<String>,
+        fail: Vec<String>,
+        refund_hangs: bool,
         applied: Mutex<Vec<Vec<BucketCall>>>,
         refunded: Mutex<Vec<Vec<BucketCall>>>,
+    }
+
+    impl Fake {
+        /// The refunds started so far, once `n` have been (they run in the background).
+        async fn refunds(&self, n: usize) -> Vec<Vec<BucketCall>> {
+            for _ in 0..200 {
+                if self.refunded.lock().unwrap().len() >= n {
+                    break;
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+            }
+            self.refunded.lock().unwrap().clone()
+        }
     }
 
     impl BucketStore for Fake {
         async fn apply(&self, calls: &[BucketCall]) -> Result<Vec<Outcome>, StoreError> {
             self.applied.lock().unwrap().push(calls.to_vec());
+            if calls.iter().any(|c| self.fail.contains(&c.bucket_key)) {
+                return Err(StoreError::Timeout { timeout_ms: 50 });
+            }
             let admit = calls.iter().all(|c| !self.reject.contains(&c.bucket_key));
             Ok(calls
                 .iter()
@@ -425,6 +565,9 @@ mod tests {
         }
         async fn refund(&self, calls: &[BucketCall]) -> Result<Vec<Outcome>, StoreError> {
             self.refunded.lock().unwrap().push(calls.to_vec());
+            if self.refund_hangs {
+                std::future::pending::<()>().await;
+            }
             Ok(calls
                 .iter()
                 .map(|_| Outcome {
@@ -473,15 +616,115 @@ mod tests {
         assert!(!r.allowed);
         assert!(r.results[0].allowed && !r.results[1].allowed);
         assert_eq!(r.results[0].remaining, 5, "remaining after the refund");
-        let applied = fake.applied.lock().unwrap();
-        assert_eq!(applied.len(), 2);
-        let attempt = &applied[0][0].attempt;
-        assert!(attempt.starts_with("gen-"), "{attempt}");
-        assert!(applied[0][0].attempt_key.ends_with(attempt.as_str()));
-        let refunded = fake.refunded.lock().unwrap();
+        {
+            let applied = fake.applied.lock().unwrap();
+            assert_eq!(applied.len(), 2);
+            let attempt = &applied[0][0].attempt;
+            assert!(attempt.starts_with("gen-"), "{attempt}");
+            assert!(applied[0][0].attempt_key.ends_with(attempt.as_str()));
+        }
+        let refunded = fake.refunds(1).await;
         assert_eq!(refunded.len(), 1);
         assert_eq!(refunded[0][0].bucket_key, "rl:{a}");
-        assert!(metrics.encode().contains("ratelimit_compensations_total 1"));
+        for _ in 0..100 {
+            if metrics.encode().contains("ratelimit_compensations_total 1") {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+        panic!("the completed refund was never counted");
+    }
+
+    fn three_slots() -> DecideRequest {
+        let slots = [b"rl:{a}", b"rl:{b}", b"rl:{c}"].map(|k| cluster_slot(k));
+        assert!(slots[0] != slots[1] && slots[1] != slots[2] && slots[0] != slots[2]);
+        DecideRequest {
+            decisions: vec![decision("a"), decision("b"), decision("c")],
+        }
+    }
+
+    #[tokio::test]
+    async fn a_failed_slot_does_not_hide_a_rejection_from_another() {
+        let fake = Arc::new(Fake {
+            cluster: true,
+            reject: vec!["rl:{b}".into()],
+            fail: vec!["rl:{c}".into()],
+            ..Fake::default()
+        });
+        let d = Decider::new(fake.clone(), "rl:", Arc::new(Metrics::new()));
+        let r = d
+            .decide(&three_slots())
+            .await
+            .expect("a rejection, not an error");
+        assert!(!r.allowed);
+        assert!(r.results[0].allowed, "a could pay (and is refunded)");
+        assert!(!r.results[1].allowed);
+        let c = &r.results[2];
+        assert!(!c.allowed, "no answer from c: not allowed");
+        assert_eq!(
+            (c.reason, c.remaining, c.retry_after_ms),
+            (Reason::Ok, 0, 0)
+        );
+        // The charged slot (a) and the failed one (c) are refunded, the rejecting one (b) is not.
+        let mut refunded: Vec<String> = fake
+            .refunds(2)
+            .await
+            .iter()
+            .flatten()
+            .map(|c| c.bucket_key.clone())
+            .collect();
+        refunded.sort();
+        assert_eq!(refunded, ["rl:{a}", "rl:{c}"]);
+    }
+
+    #[tokio::test]
+    async fn after_a_failure_every_generated_group_is_refunded_and_caller_attempts_stay() {
+        let fake = Arc::new(Fake {
+            cluster: true,
+            fail: vec!["rl:{b}".into()],
+            ..Fake::default()
+        });
+        let d = Decider::new(fake.clone(), "rl:", Arc::new(Metrics::new()));
+        let mut req = three_slots();
+        req.decisions[0].attempt = Some("r-1".into());
+        assert!(matches!(
+            d.decide(&req).await,
+            Err(DecideError::Unavailable(StoreError::Timeout { .. }))
+        ));
+        // a carries the caller's id (a repeat would replay it): it stays. b (failed) and c
+        // (charged) carry generated ids that nobody can replay: both are refunded.
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        let mut refunded: Vec<String> = fake
+            .refunds(2)
+            .await
+            .iter()
+            .flatten()
+            .map(|c| c.bucket_key.clone())
+            .collect();
+        refunded.sort();
+        assert_eq!(refunded, ["rl:{b}", "rl:{c}"]);
+    }
+
+    #[tokio::test]
+    async fn a_rejection_is_answered_without_waiting_for_the_refund() {
+        let fake = Arc::new(Fake {
+            cluster: true,
+            reject: vec!["rl:{b}".into()],
+            refund_hangs: true,
+            ..Fake::default()
+        });
+        let metrics = Arc::new(Metrics::new());
+        let d = Decider::new(fake.clone(), "rl:", metrics.clone());
+        let r = tokio::time::timeout(std::time::Duration::from_secs(2), d.decide(&two_slots()))
+            .await
+            .expect("answered while the refund hangs")
+            .unwrap();
+        assert!(!r.allowed);
+        assert_eq!(fake.refunds(1).await.len(), 1, "the refund was started");
+        assert!(
+            metrics.encode().contains("ratelimit_compensations_total 0"),
+            "not counted before it completes"
+        );
     }
 
     #[tokio::test]

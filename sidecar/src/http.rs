@@ -14,7 +14,7 @@ use axum::{Json, Router};
 use ratelimit_wire::{ErrorBody, DECIDE_PATH};
 
 use crate::decide::{parse_request, DecideError, Decider};
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, RequestOutcome};
 use crate::store::RedisStore;
 
 /// What the handlers share.
@@ -46,7 +46,7 @@ async fn decide(State(s): State<Arc<AppState>>, body: Result<Bytes, BytesRejecti
     let started = Instant::now();
     let response = match body {
         Err(rejection) => {
-            s.metrics.request("bad_request");
+            s.metrics.request(RequestOutcome::BadRequest);
             let status = rejection.status();
             let text = if status == StatusCode::PAYLOAD_TOO_LARGE {
                 "request body is larger than --max-body-bytes".to_string()
@@ -57,26 +57,31 @@ async fn decide(State(s): State<Arc<AppState>>, body: Result<Bytes, BytesRejecti
         }
         Ok(body) => match parse_request(&body) {
             Err(e) => {
-                s.metrics.request("bad_request");
+                s.metrics.request(RequestOutcome::BadRequest);
                 error(StatusCode::BAD_REQUEST, e.to_string())
             }
             Ok(request) => match s.decider.decide(&request).await {
                 Ok(answer) => {
                     s.metrics.request(if answer.allowed {
-                        "allowed"
+                        RequestOutcome::Allowed
                     } else {
-                        "rejected"
+                        RequestOutcome::Rejected
                     });
                     Json(answer).into_response()
                 }
                 Err(DecideError::Invalid(e)) => {
-                    s.metrics.request("bad_request");
+                    s.metrics.request(RequestOutcome::BadRequest);
                     error(StatusCode::BAD_REQUEST, e)
                 }
                 Err(DecideError::Unavailable(e)) => {
-                    s.metrics.request("unavailable");
+                    s.metrics.request(RequestOutcome::Unavailable);
                     tracing::warn!("decision failed: {e}");
                     error(StatusCode::SERVICE_UNAVAILABLE, e.to_string())
+                }
+                Err(DecideError::Script(e)) => {
+                    s.metrics.request(RequestOutcome::Error);
+                    tracing::error!("decision failed: {e}");
+                    error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string())
                 }
             },
         },

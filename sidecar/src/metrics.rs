@@ -15,7 +15,7 @@ pub struct VerdictLabels {
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct OutcomeLabels {
-    /// `allowed`, `rejected`, `bad_request` or `unavailable`.
+    /// `allowed`, `rejected`, `bad_request`, `unavailable` or `error`.
     pub outcome: &'static str,
 }
 
@@ -37,9 +37,27 @@ pub struct Metrics {
     pub redis_errors: Counter,
     /// `ratelimit_script_loads_total`: script (re)loads (startup, readiness, NOSCRIPT fallback).
     pub script_loads: Counter,
-    /// `ratelimit_compensations_total`: cross-slot requests whose charged slots were refunded.
+    /// `ratelimit_compensations_total`: cross-slot requests whose refunds all completed (counted
+    /// after the refund calls answered, not when they were started).
     pub compensations: Counter,
+    /// Handles onto `decisions`, looked up once: `[rejected, allowed]`.
+    verdicts: [Counter; 2],
+    /// Handles onto `requests`, looked up once, in [`OUTCOMES`] order.
+    outcomes: [Counter; 5],
 }
+
+/// How a `POST /v1/decide` ended: the `outcome` label of `ratelimit_requests_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RequestOutcome {
+    Allowed,
+    Rejected,
+    BadRequest,
+    Unavailable,
+    Error,
+}
+
+/// The labels of [`RequestOutcome`], in its order.
+const OUTCOMES: [&str; 5] = ["allowed", "rejected", "bad_request", "unavailable", "error"];
 
 impl Default for Metrics {
     fn default() -> Self {
@@ -83,10 +101,16 @@ impl Metrics {
         );
         registry.register(
             "ratelimit_compensations",
-            "Cross-slot requests whose charged slots were refunded after another slot rejected",
+            "Cross-slot requests whose charged or failed slots were refunded (counted once the refunds completed)",
             compensations.clone(),
         );
+        let verdicts = ["rejected", "allowed"]
+            .map(|verdict| decisions.get_or_create(&VerdictLabels { verdict }).clone());
+        let outcomes =
+            OUTCOMES.map(|outcome| requests.get_or_create(&OutcomeLabels { outcome }).clone());
         Self {
+            verdicts,
+            outcomes,
             registry,
             decisions,
             requests,
@@ -97,17 +121,14 @@ impl Metrics {
         }
     }
 
-    pub fn request(&self, outcome: &'static str) {
-        self.requests
-            .get_or_create(&OutcomeLabels { outcome })
-            .inc();
+    /// Counts one `POST /v1/decide` by outcome.
+    pub fn request(&self, outcome: RequestOutcome) {
+        self.outcomes[outcome as usize].inc();
     }
 
+    /// Counts one decision by verdict.
     pub fn decision(&self, allowed: bool) {
-        let verdict = if allowed { "allowed" } else { "rejected" };
-        self.decisions
-            .get_or_create(&VerdictLabels { verdict })
-            .inc();
+        self.verdicts[usize::from(allowed)].inc();
     }
 
     /// The metrics in the Prometheus/OpenMetrics text format.
@@ -127,7 +148,7 @@ mod tests {
     fn names_are_the_documented_ones() {
         let m = Metrics::new();
         m.decision(true);
-        m.request("bad_request");
+        m.request(RequestOutcome::BadRequest);
         let text = m.encode();
         for name in [
             "ratelimit_decisions_total{verdict=\"allowed\"} 1",

@@ -10,7 +10,9 @@
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+use futures::future::{BoxFuture, FutureExt, Shared};
 
 use ratelimit_wire::Reason;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig, MultiplexedConnection};
@@ -62,8 +64,36 @@ pub enum StoreError {
     Timeout { timeout_ms: u64 },
     #[error("redis unavailable: {0}")]
     Redis(String),
-    #[error("redis unavailable: unexpected script reply: {0}")]
+    /// Redis ran the script and it failed in a way a retry cannot cure.
+    #[error("bucket script failed: {0}")]
+    Script(String),
+    #[error("bucket script failed: unexpected script reply: {0}")]
     Reply(String),
+}
+
+impl StoreError {
+    /// The same call would fail the same way again: not an outage (answered 500, not 503).
+    pub fn is_deterministic(&self) -> bool {
+        matches!(self, StoreError::Script(_) | StoreError::Reply(_))
+    }
+}
+
+/// Whether an error is the script failing on its data or arguments (`WRONGTYPE`: another type of
+/// value where a bucket or attempt record should be; `ERR invalid decision`, `ERR usage`,
+/// `ERR attempt_ttl_ms`: the script refused its arguments; `ERR user_script...`: a Lua error)
+/// rather than Redis being unreachable, busy, out of memory or failing over.
+fn is_script_failure(e: &RedisError) -> bool {
+    let detail = e.detail().unwrap_or_default();
+    e.code() == Some("WRONGTYPE")
+        || (e.kind() == ErrorKind::Server(ServerErrorKind::ResponseError)
+            && [
+                "invalid decision",
+                "usage:",
+                "attempt_ttl_ms",
+                "user_script",
+            ]
+            .iter()
+            .any(|m| detail.contains(m)))
 }
 
 /// Where buckets live. `apply` charges all calls all-or-nothing (they must share one Cluster
@@ -124,14 +154,20 @@ enum Connection {
 ///
 /// The connection is made on first use (so the sidecar starts while Sentinel is down) and
 /// forgotten when it fails in a way that may mean "this is no longer the primary": an I/O or
-/// connection error, a READONLY answer (a demoted primary is a replica now), or a call that did
-/// not finish in time (a hung or partitioned primary never sends an error). The next call asks
+/// connection error, a READONLY answer (a demoted primary is a replica now), or a command that got
+/// no answer within `--redis-timeout-ms` (a hung or partitioned primary never sends an error).
+/// Each command runs in a task of its own, so a caller that goes away (Envoy's callout timeout
+/// makes hyper drop the handler) neither cancels it nor counts as a timeout. The next call asks
 /// Sentinel again, so after a failover decisions reach the new primary without a restart; the
 /// call that met the error answers 503 like any other Redis error.
+///
+/// Lookups are single-flight: all callers without a primary share the one lookup in flight, and
+/// after a failed lookup callers get its error at once for [`LOOKUP_BACKOFF`] before the next
+/// lookup starts, so a Sentinel outage neither piles up tasks nor floods the Sentinels.
 struct SentinelPrimary {
     /// Asked one lookup at a time (it caches its connections to the Sentinels).
     sentinel: tokio::sync::Mutex<SentinelClient>,
-    current: Mutex<Option<Primary>>,
+    state: Mutex<LookupState>,
     /// Lookups that found a primary so far (each connection's generation).
     lookups: AtomicU64,
     /// Names what is being looked up, in errors and logs.
@@ -139,9 +175,24 @@ struct SentinelPrimary {
     config: AsyncConnectionConfig,
     /// Upper bound of one lookup (Sentinel, the primary's ROLE, the connection to it).
     lookup_timeout: Duration,
+    /// Upper bound of one command on the primary (`--redis-timeout-ms`).
+    command_timeout: Duration,
 }
 
-#[derive(Clone)]
+/// How long callers get a failed lookup's error before a new lookup is started.
+const LOOKUP_BACKOFF: Duration = Duration::from_millis(100);
+
+/// A lookup's result as every waiting caller gets it (a `RedisError` is not `Clone`).
+type SharedLookup = Shared<BoxFuture<'static, Result<Arc<Primary>, String>>>;
+
+#[derive(Default)]
+struct LookupState {
+    current: Option<Arc<Primary>>,
+    in_flight: Option<SharedLookup>,
+    /// When the last lookup failed, and why.
+    failed: Option<(Instant, String)>,
+}
+
 struct Primary {
     connection: MultiplexedConnection,
     address: String,
@@ -149,24 +200,60 @@ struct Primary {
     generation: u64,
 }
 
+fn lookup_error(message: String) -> RedisError {
+    RedisError::from(std::io::Error::other(message))
+}
+
 impl SentinelPrimary {
-    /// The current primary, asking Sentinel when there is none. The lookup runs in its own
-    /// task: a caller that gives up (timeout) does not cancel it, the next caller uses it.
-    async fn primary(self: &Arc<Self>) -> redis::RedisResult<Primary> {
-        if let Some(p) = self.current.lock().expect("not poisoned").clone() {
-            return Ok(p);
-        }
-        let this = self.clone();
-        tokio::spawn(async move { this.look_up().await })
-            .await
-            .map_err(|e| RedisError::from(std::io::Error::other(e.to_string())))?
+    /// The current primary, or the result of the one lookup in flight (started here if none is
+    /// and the last one did not fail within [`LOOKUP_BACKOFF`]). The lookup runs in its own task:
+    /// a caller that gives up (timeout) does not cancel it, the others still get its result.
+    async fn primary(self: &Arc<Self>) -> redis::RedisResult<Arc<Primary>> {
+        let lookup = {
+            let mut state = self.state.lock().expect("not poisoned");
+            if let Some(p) = &state.current {
+                return Ok(p.clone());
+            }
+            match (&state.in_flight, &state.failed) {
+                (Some(lookup), _) => lookup.clone(),
+                (None, Some((at, why))) if at.elapsed() < LOOKUP_BACKOFF => {
+                    return Err(lookup_error(why.clone()));
+                }
+                (None, _) => {
+                    let this = self.clone();
+                    let task = tokio::spawn(async move { this.look_up().await });
+                    let lookup = async move {
+                        task.await
+                            .unwrap_or_else(|e| Err(format!("Sentinel lookup task: {e}")))
+                    }
+                    .boxed()
+                    .shared();
+                    state.in_flight = Some(lookup.clone());
+                    lookup
+                }
+            }
+        };
+        lookup.await.map_err(lookup_error)
     }
 
-    async fn look_up(&self) -> redis::RedisResult<Primary> {
-        let mut sentinel = self.sentinel.lock().await;
-        if let Some(p) = self.current.lock().expect("not poisoned").clone() {
-            return Ok(p); // another caller looked it up meanwhile
+    /// One lookup; records its result in `state` and ends the flight.
+    async fn look_up(&self) -> Result<Arc<Primary>, String> {
+        let result = self.ask_sentinel().await;
+        let mut state = self.state.lock().expect("not poisoned");
+        state.in_flight = None;
+        match &result {
+            Ok(p) => {
+                tracing::info!(primary = %p.address, "{}: connected to the primary", self.what);
+                state.current = Some(p.clone());
+                state.failed = None;
+            }
+            Err(e) => state.failed = Some((Instant::now(), e.clone())),
         }
+        result
+    }
+
+    async fn ask_sentinel(&self) -> Result<Arc<Primary>, String> {
+        let mut sentinel = self.sentinel.lock().await;
         let found = tokio::time::timeout(self.lookup_timeout, async {
             let client = sentinel.async_get_client().await?;
             let address = client.get_connection_info().addr().to_string();
@@ -176,74 +263,55 @@ impl SentinelPrimary {
             Ok::<_, RedisError>((address, connection))
         })
         .await;
-        let (address, connection) = match found {
-            Ok(Ok(found)) => found,
-            Ok(Err(e)) => {
-                return Err(RedisError::from(std::io::Error::other(format!(
-                    "{}: {e}",
-                    self.what
-                ))))
-            }
-            Err(_) => {
-                return Err(RedisError::from(std::io::Error::other(format!(
-                    "{}: no answer within {} ms",
-                    self.what,
-                    self.lookup_timeout.as_millis()
-                ))))
-            }
-        };
-        let generation = self.lookups.fetch_add(1, Ordering::Relaxed) + 1;
-        let mut current = self.current.lock().expect("not poisoned");
-        tracing::info!(primary = %address, "{}: connected to the primary", self.what);
-        let p = Primary {
-            connection,
-            address,
-            generation,
-        };
-        *current = Some(p.clone());
-        Ok(p)
+        match found {
+            Ok(Ok((address, connection))) => Ok(Arc::new(Primary {
+                connection,
+                address,
+                generation: self.lookups.fetch_add(1, Ordering::Relaxed) + 1,
+            })),
+            Ok(Err(e)) => Err(format!("{}: {e}", self.what)),
+            Err(_) => Err(format!(
+                "{}: no answer within {} ms",
+                self.what,
+                self.lookup_timeout.as_millis()
+            )),
+        }
     }
 
     /// Forgets the connection of `generation` (if still current): the next call asks Sentinel.
     fn forget(&self, generation: u64, why: &str) {
-        let mut current = self.current.lock().expect("not poisoned");
-        if let Some(p) = current.as_ref().filter(|p| p.generation == generation) {
+        let mut state = self.state.lock().expect("not poisoned");
+        if let Some(p) = state
+            .current
+            .as_ref()
+            .filter(|p| p.generation == generation)
+        {
             tracing::warn!(primary = %p.address, "{}: {why}; asking Sentinel again", self.what);
-            *current = None;
+            state.current = None;
         }
     }
 
-    async fn query(self: &Arc<Self>, cmd: &Cmd) -> redis::RedisResult<Value> {
-        let mut primary = self.primary().await?;
-        // Dropped unfinished (the caller timed out): the primary may be hung, forget it.
-        let mut pending = ForgetUnlessDone {
-            sentinel: self,
-            generation: primary.generation,
-            done: false,
-        };
-        let result = cmd.query_async(&mut primary.connection).await;
-        pending.done = true;
-        if let Err(e) = &result {
-            if moves_the_primary(e) {
-                self.forget(primary.generation, &e.to_string());
+    async fn query(self: &Arc<Self>, cmd: Cmd) -> redis::RedisResult<Value> {
+        let primary = self.primary().await?;
+        let this = self.clone();
+        tokio::spawn(async move {
+            let mut connection = primary.connection.clone();
+            match tokio::time::timeout(this.command_timeout, cmd.query_async(&mut connection)).await
+            {
+                Ok(Err(e)) if moves_the_primary(&e) => {
+                    this.forget(primary.generation, &e.to_string());
+                    Err(e)
+                }
+                Ok(result) => result,
+                Err(_) => {
+                    let why = format!("no answer within {} ms", this.command_timeout.as_millis());
+                    this.forget(primary.generation, &why);
+                    Err(lookup_error(format!("{}: {why}", primary.address)))
+                }
             }
-        }
-        result
-    }
-}
-
-struct ForgetUnlessDone<'a> {
-    sentinel: &'a SentinelPrimary,
-    generation: u64,
-    done: bool,
-}
-
-impl Drop for ForgetUnlessDone<'_> {
-    fn drop(&mut self) {
-        if !self.done {
-            self.sentinel
-                .forget(self.generation, "no answer within the timeout");
-        }
+        })
+        .await
+        .map_err(|e| lookup_error(format!("Sentinel command task: {e}")))?
     }
 }
 
@@ -322,11 +390,12 @@ impl RedisStore {
         Ok(Self::new(
             Connection::Sentinel(Arc::new(SentinelPrimary {
                 sentinel: tokio::sync::Mutex::new(client),
-                current: Mutex::new(None),
+                state: Mutex::new(LookupState::default()),
                 lookups: AtomicU64::new(0),
                 what,
                 config,
                 lookup_timeout,
+                command_timeout: Duration::from_millis(timeout_ms),
             })),
             timeout_ms,
             attempt_ttl_ms,
@@ -366,7 +435,7 @@ impl RedisStore {
     }
 
     /// Sends one command to the node of its key (or any node for keyless commands).
-    async fn query(&self, cmd: &Cmd) -> redis::RedisResult<Value> {
+    async fn query(&self, cmd: Cmd) -> redis::RedisResult<Value> {
         match &self.connection {
             Connection::Single { connections, next } => {
                 let i = next.fetch_add(1, Ordering::Relaxed) % connections.len();
@@ -385,7 +454,7 @@ impl RedisStore {
         policy: Option<ResponsePolicy>,
     ) -> redis::RedisResult<Value> {
         match &self.connection {
-            Connection::Single { .. } | Connection::Sentinel(_) => self.query(&cmd).await,
+            Connection::Single { .. } | Connection::Sentinel(_) => self.query(cmd).await,
             Connection::Cluster(c) => {
                 let routing = RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, policy));
                 c.clone().route_command(cmd, routing).await
@@ -399,6 +468,7 @@ impl RedisStore {
     ) -> Result<T, StoreError> {
         let result = match tokio::time::timeout(self.timeout, f).await {
             Ok(Ok(v)) => return Ok(v),
+            Ok(Err(e)) if is_script_failure(&e) => StoreError::Script(e.to_string()),
             Ok(Err(e)) => StoreError::Redis(e.to_string()),
             Err(_) => StoreError::Timeout {
                 timeout_ms: self.timeout.as_millis() as u64,
@@ -429,13 +499,13 @@ impl RedisStore {
         let evalsha = self.script_cmd("EVALSHA", &self.sha1, mode, calls);
         let reply = self
             .bounded(async {
-                match self.query(&evalsha).await {
+                match self.query(evalsha).await {
                     Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
                         // The node lost its script cache (restart, failover): EVAL caches it again.
                         // Built only here: the hot path never copies the script.
                         self.metrics.script_loads.inc();
                         tracing::info!("NOSCRIPT from redis, reloading the bucket script by EVAL");
-                        self.query(&self.script_cmd("EVAL", SCRIPT, mode, calls))
+                        self.query(self.script_cmd("EVAL", SCRIPT, mode, calls))
                             .await
                     }
                     other => other,
@@ -626,6 +696,35 @@ mod tests {
         assert!(moves_the_primary(&refused));
         let noscript = RedisError::from((ErrorKind::Server(ServerErrorKind::NoScript), "NOSCRIPT"));
         assert!(!moves_the_primary(&noscript));
+    }
+
+    #[test]
+    fn script_failures_are_told_from_outages() {
+        let ext = |code: &str, detail: &str| {
+            redis::make_extension_error(code.to_string(), Some(detail.to_string()))
+        };
+        assert!(is_script_failure(&ext(
+            "WRONGTYPE",
+            "Operation against a key holding the wrong kind of value"
+        )));
+        let err = |detail: &'static str| {
+            RedisError::from((
+                ErrorKind::Server(ServerErrorKind::ResponseError),
+                "ERR",
+                detail.to_string(),
+            ))
+        };
+        assert!(is_script_failure(&err(
+            "invalid decision 1: cost must be a number > 0 script: ..."
+        )));
+        assert!(!is_script_failure(&err("max number of clients reached")));
+        assert!(!is_script_failure(&ext("OOM", "command not allowed")));
+        assert!(!is_script_failure(&ext(
+            "BUSY",
+            "Redis is busy running a script"
+        )));
+        let refused = RedisError::from(std::io::Error::from(std::io::ErrorKind::ConnectionRefused));
+        assert!(!is_script_failure(&refused));
     }
 
     #[test]

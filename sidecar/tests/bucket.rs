@@ -275,3 +275,99 @@ async fn refill_follows_the_elapsed_server_time_and_the_ttl_is_the_full_refill_t
     let ttl: i64 = c.pttl(&bucket).unwrap();
     assert!((10_900..=11_000).contains(&ttl), "{ttl}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rejection_writes_nothing_unless_the_clock_went_back() {
+    let redis = Redis::start();
+    let sidecar = Sidecar::on_redis(&redis).await;
+    let key = unique("quiet");
+    let bucket = format!("rl:{{{key}}}");
+    let one = json!([decision(&key, 5.0, 0.001, 3.0)]);
+    let (_, a) = sidecar.decide(one.clone()).await;
+    assert_eq!(a["allowed"], true, "{a}");
+    let mut c = redis.connection();
+    let before: (String, String) = redis::cmd("HMGET")
+        .arg(&bucket)
+        .arg("tokens")
+        .arg("ts")
+        .query(&mut c)
+        .unwrap();
+    let ttl_before: i64 = c.pttl(&bucket).unwrap();
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let (_, a) = sidecar.decide(one.clone()).await;
+    assert_eq!(a["allowed"], false, "2 left < 3: {a}");
+    let after: (String, String) = redis::cmd("HMGET")
+        .arg(&bucket)
+        .arg("tokens")
+        .arg("ts")
+        .query(&mut c)
+        .unwrap();
+    assert_eq!(
+        before, after,
+        "a rejection leaves tokens and ts as they were"
+    );
+    let ttl_after: i64 = c.pttl(&bucket).unwrap();
+    assert!(ttl_after <= ttl_before, "nor refreshes the TTL");
+
+    // A timestamp in the future is re-anchored even by a rejection.
+    let (now_s, _): (u64, u64) = redis::cmd("TIME").query(&mut c).unwrap();
+    let future_us = (now_s + 3600) * 1_000_000;
+    let _: () = c
+        .hset_multiple(
+            &bucket,
+            &[("tokens", "0".to_string()), ("ts", future_us.to_string())],
+        )
+        .unwrap();
+    let (_, a) = sidecar.decide(one).await;
+    assert_eq!(a["allowed"], false, "{a}");
+    let ts: u64 = c.hget(&bucket, "ts").unwrap();
+    assert!(ts < future_us, "re-anchored to the server's now");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_with_braces_or_named_twice_are_refused_with_400() {
+    let redis = Redis::start();
+    let sidecar = Sidecar::on_redis(&redis).await;
+    // `k}:a:x` would be the attempt record of key `k`.
+    for key in ["k}:a:x", "a{b}", "{x"] {
+        let (status, a) = sidecar.decide(json!([decision(key, 5.0, 1.0, 1.0)])).await;
+        assert_eq!(status, 400, "{key}: {a}");
+        let e = a["error"].as_str().unwrap();
+        assert!(e.starts_with("decisions[0].key: must not contain"), "{e}");
+    }
+    let key = unique("twice");
+    let mut d = decision(&key, 5.0, 1.0, 1.0);
+    d["attempt"] = json!("r-1");
+    let (status, a) = sidecar.decide(json!([d.clone(), d])).await;
+    assert_eq!(status, 400, "{a}");
+    assert_eq!(
+        a["error"].as_str().unwrap(),
+        "decisions[1].key: duplicate of decisions[0]; name each bucket once (add the costs)"
+    );
+    let exists: bool = redis.connection().exists(format!("rl:{{{key}}}")).unwrap();
+    assert!(!exists, "nothing charged");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_of_another_type_answers_500_not_redis_unavailable() {
+    let redis = Redis::start();
+    let sidecar = Sidecar::on_redis(&redis).await;
+    let key = unique("wrongtype");
+    let _: () = redis
+        .connection()
+        .set(format!("rl:{{{key}}}"), "not a bucket")
+        .unwrap();
+    let (status, a) = sidecar.decide(json!([decision(&key, 5.0, 1.0, 1.0)])).await;
+    assert_eq!(status, 500, "{a}");
+    let e = a["error"].as_str().unwrap();
+    assert!(
+        e.starts_with("bucket script failed:") && e.contains("WRONGTYPE"),
+        "{e}"
+    );
+    assert_eq!(
+        sidecar
+            .metric("ratelimit_requests_total{outcome=\"error\"}")
+            .await,
+        1.0
+    );
+}

@@ -2,6 +2,8 @@
 
 mod support;
 
+use std::time::{Duration, Instant};
+
 use ratelimit_e2e::RedisCluster;
 use redis::Commands;
 use serde_json::json;
@@ -74,8 +76,21 @@ async fn a_cross_slot_rejection_refunds_the_slot_that_charged() {
     assert_eq!(a["results"][0]["allowed"], true);
     assert_eq!(a["results"][0]["remaining"], 10, "refunded: {a}");
     assert_eq!(a["results"][1]["reason"], "insufficient");
+    // The refund runs after the answer: poll for it.
     let mut c = cluster.client();
-    let tokens: f64 = c.hget(&rich_key, "tokens").unwrap();
+    let refunded = |c: &mut redis::cluster::ClusterConnection| {
+        let tokens: f64 = c.hget(&rich_key, "tokens").unwrap();
+        tokens
+    };
+    let started = Instant::now();
+    while sidecar.metric("ratelimit_compensations_total").await < 1.0 {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "never refunded"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let tokens = refunded(&mut c);
     assert!((9.99..=10.0).contains(&tokens), "refunded: {tokens}");
     assert_eq!(sidecar.metric("ratelimit_compensations_total").await, 1.0);
 
@@ -88,10 +103,20 @@ async fn a_cross_slot_rejection_refunds_the_slot_that_charged() {
         d["attempt"] = json!("r-7");
     }
     let (_, first) = sidecar.decide(decisions.clone()).await;
+    while sidecar.metric("ratelimit_compensations_total").await < 2.0 {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "never refunded"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     let (_, second) = sidecar.decide(decisions).await;
     assert_eq!(first["allowed"], false);
-    assert_eq!(second["allowed"], false);
-    let tokens: f64 = c.hget(&rich_key, "tokens").unwrap();
+    // A repeat of a refunded attempt replays it: not allowed, not charged again.
+    assert_eq!(second["allowed"], false, "{second}");
+    assert_eq!(second["results"][0]["allowed"], false, "{second}");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let tokens = refunded(&mut c);
     assert!(
         (9.99..=10.0).contains(&tokens),
         "never double-refunded: {tokens}"

@@ -136,3 +136,122 @@ async fn the_sidecar_starts_while_the_sentinels_are_unreachable_and_is_not_ready
         .unwrap()
         .starts_with("redis unavailable"));
 }
+
+/// A "Sentinel" that accepts connections and counts them: `hang` keeps each one open without a
+/// word (a lookup then times out), otherwise it is closed at once (a lookup fails at once).
+fn counting_listener(hang: bool) -> (String, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("redis://{}", listener.local_addr().unwrap());
+    let accepted = std::sync::Arc::new(AtomicUsize::new(0));
+    let count = accepted.clone();
+    std::thread::spawn(move || {
+        let mut open = Vec::new();
+        for stream in listener.incoming().flatten() {
+            count.fetch_add(1, Ordering::SeqCst);
+            if hang {
+                open.push(stream);
+            }
+        }
+    });
+    (url, accepted)
+}
+
+fn store_on(
+    sentinel_url: &str,
+    timeout_ms: u64,
+) -> std::sync::Arc<ratelimit_sidecar::store::RedisStore> {
+    std::sync::Arc::new(
+        ratelimit_sidecar::store::RedisStore::sentinel(
+            &[sentinel_url.to_string()],
+            MASTER,
+            timeout_ms,
+            10_000,
+            std::sync::Arc::new(ratelimit_sidecar::metrics::Metrics::new()),
+        )
+        .unwrap(),
+    )
+}
+
+fn call(key: &str) -> Vec<ratelimit_sidecar::store::BucketCall> {
+    vec![ratelimit_sidecar::store::BucketCall {
+        bucket_key: format!("rl:{{{key}}}"),
+        attempt_key: format!("rl:{{{key}}}:a:"),
+        capacity: 10.0,
+        refill_per_sec: 1.0,
+        cost: 1.0,
+        attempt: String::new(),
+    }]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn callers_without_a_primary_share_one_lookup_and_a_failed_one_backs_off() {
+    use ratelimit_sidecar::store::BucketStore;
+    use std::sync::atomic::Ordering;
+    // A hung Sentinel: 50 concurrent callers give up after 50 ms; one lookup (1 s) runs, no
+    // queue of 50 lookups behind it.
+    let (url, accepted) = counting_listener(true);
+    let store = store_on(&url, 50);
+    let calls = call("flight");
+    let answers = futures::future::join_all((0..50).map(|_| store.apply(&calls))).await;
+    assert!(answers.iter().all(Result::is_err));
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert_eq!(
+        accepted.load(Ordering::SeqCst),
+        1,
+        "one lookup for 50 callers"
+    );
+
+    // A Sentinel that fails at once: callers in a tight loop for 1 s start at most one lookup
+    // per 100 ms back-off, not one each.
+    let (url, accepted) = counting_listener(false);
+    let store = store_on(&url, 50);
+    let started = Instant::now();
+    let mut n = 0;
+    while started.elapsed() < Duration::from_secs(1) {
+        assert!(store.apply(&calls).await.is_err());
+        n += 1;
+    }
+    let lookups = accepted.load(Ordering::SeqCst);
+    println!("{n} calls in 1 s started {lookups} lookups");
+    assert!(n > 50, "callers got the error at once: {n}");
+    assert!(lookups <= 15, "{lookups} lookups for {n} calls");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_caller_that_gives_up_does_not_make_the_store_forget_the_primary() {
+    use ratelimit_sidecar::store::BucketStore;
+    let primary = Redis::start();
+    let sentinel = Sentinel::start(MASTER, primary.port, 1);
+    let store = store_on(&sentinel.url(), 2000);
+    let calls = call(&unique("dropped"));
+    store
+        .apply(&calls)
+        .await
+        .expect("a first call finds the primary");
+    let connections = || -> u64 {
+        primary
+            .cli(&["INFO", "stats"])
+            .lines()
+            .find_map(|l| l.strip_prefix("total_connections_received:"))
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap()
+    };
+    let before = connections();
+    // Callers that go away mid-call (as hyper drops a handler when Envoy gives up).
+    for _ in 0..10 {
+        let _ = tokio::time::timeout(Duration::from_micros(1), store.apply(&calls)).await;
+    }
+    store.apply(&calls).await.expect("still decides");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    store.apply(&calls).await.expect("still decides");
+    // The only new connection is the one redis-cli makes to read INFO: no lookup happened (a
+    // lookup connects twice, to check ROLE and to decide).
+    assert_eq!(
+        connections(),
+        before + 1,
+        "no new lookup: the primary was not forgotten"
+    );
+}

@@ -3,7 +3,7 @@
 //!
 //! Request:  `{"decisions":[{"key":"app:alpha","capacity":100,"refill_per_sec":10,"cost":1,"attempt":"r-1"}]}`
 //! Answer:   `{"allowed":true,"results":[{"allowed":true,"remaining":99,"retry_after_ms":0,"reset_ms":100}]}`
-//! Error:    `{"error":"decisions[0].capacity: must be a number greater than 0"}` (400 or 503)
+//! Error:    `{"error":"decisions[0].capacity: must be a number > 0, got 0"}` (400, 500 or 503)
 
 use serde::{Deserialize, Serialize};
 
@@ -32,6 +32,8 @@ pub struct DecideRequest {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Decision {
+    /// The bucket's name: 1 to [`MAX_KEY_BYTES`] bytes, without `{` or `}`, at most once per
+    /// request (the sidecar answers 400 otherwise).
     pub key: String,
     pub capacity: f64,
     pub refill_per_sec: f64,
@@ -39,7 +41,8 @@ pub struct Decision {
     #[serde(default = "default_cost")]
     pub cost: f64,
     /// Identifies this attempt: a repeat of the same attempt on the same key within its TTL gets the
-    /// first verdict back and is not charged again.
+    /// first verdict back and is not charged again; if that attempt was refunded (its request was
+    /// rejected by another Cluster slot), the repeat is answered `allowed: false`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub attempt: Option<String>,
 }
@@ -48,7 +51,8 @@ pub struct Decision {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Reason {
-    /// The bucket held `cost` tokens.
+    /// The bucket held `cost` tokens; with `allowed: false`, the bucket refused nothing but the
+    /// request was rejected without its answer (its Cluster slot failed while another rejected).
     Ok,
     /// Not enough tokens now; `retry_after_ms` says when there will be.
     Insufficient,
