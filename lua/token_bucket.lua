@@ -1,180 +1,413 @@
+#!lua flags=allow-cross-slot-keys
 -- token_bucket.lua: the token bucket of the rate limiter, the only code that runs inside Redis.
 --
--- Why an EVAL script and not a Redis 7 FUNCTION library: the sidecar calls EVALSHA and, on a
--- NOSCRIPT error, EVAL with the same keys and arguments, which also caches the script on that node.
--- So every node heals by itself (restart, failover, a new Cluster primary) with plain routing by key,
--- and there is no per-node FUNCTION LOAD bookkeeping to keep in step with the topology.
---
--- Calling convention (one call = the decisions of one request that live in one Cluster slot):
---   KEYS[2i-1]  bucket key of decision i, `rl:{<key>}` (a hash: tokens, ts)
---   KEYS[2i]    attempt key of decision i, `rl:{<key>}:a:<attempt>`; when the decision has no
---               attempt, pass `rl:{<key>}:a:` and "" as attempt: the key is then never touched.
---               Both keys start with `rl:{<key>`, and Cluster hashes only the text between the
---               first `{` and the next `}`, so a bucket and its attempt records share one slot.
---   ARGV[1]     mode: "apply" (charge the decisions all-or-nothing) or "refund" (give back what
---               an attempt charged; used by the sidecar to compensate a cross-slot request)
---   ARGV[2]     attempt record TTL, milliseconds
---   ARGV[3+4(i-1) .. 6+4(i-1)]  capacity, refill_per_sec, cost, attempt ("" = none) of decision i
--- Reply: a flat array, 6 integers per decision:
---   allowed (0/1), remaining, retry_after_ms, reset_ms, reason (0 ok, 1 insufficient,
---   2 cost_exceeds_capacity), charged (0/1: this call's attempt deducted cost from the bucket)
+-- One call decides a BATCH: the requests of one or more gateway calls whose buckets live on this
+-- Redis node. Each request is all-or-nothing on its own; the requests are decided in order, each
+-- seeing what the previous ones left.
 --
 -- The bucket, with time from the Redis server (TIME, microseconds):
---   elapsed_s = max(0, now - ts) / 1e6         a ts in the future (clock went back) is no time
---   tokens    = min(capacity, tokens + refill_per_sec * elapsed_s)     a missing bucket is full
---   admit if tokens >= cost and deduct cost, else retry_after_ms = ceil((cost - tokens) / refill_per_sec * 1000)
---   reset_ms  = ceil((capacity - tokens) / refill_per_sec * 1000)     time until full again
---   the bucket's TTL is the full-refill time plus 1 s: expiring it sooner would hand out budget early.
---   The bucket is written (HSET + PEXPIRE) only when a decision charges or refunds it, or to re-anchor
---   a ts in the future; a rejection leaves it as it was (refill is a function of tokens, ts and now,
---   so the unwritten refill is found again next time), keeping a rejection flood free of writes.
+--   elapsed_s   = max(0, now - ts) / 1e6        a ts in the future (clock went back) is no time
+--   leased      = sum of the amounts of the bucket's unexpired leases
+--   tokens      = min(capacity - leased, tokens + refill_per_sec * elapsed_s)   missing = full
+--   admit cost if tokens >= cost: tokens -= cost
+--   else retry_after_ms = ceil((cost - tokens) / refill_per_sec * 1000)   (a lower bound of the wait)
+--   reset_ms    = ceil((capacity - tokens) / refill_per_sec * 1000)       (time until full again)
 --
--- Attempt records: a decision with an attempt leaves `rl:{<key>}:a:<attempt>` holding its answer;
--- a repeat within the TTL gets that answer back and is not charged again. After a refund the record
--- keeps its reason and says allowed 0, charged 0: a repeat of a refunded attempt is answered "not
--- allowed" (the request was rejected as a whole). A request must not name one key twice with one
--- attempt (the two decisions would share one record); the sidecar refuses that.
+-- Leases: a decision may ask for `want` tokens more than its cost, held by the gateway for `ttl_ms`
+-- under a lease id. They are deducted now and the lease is recorded in the bucket; while it is
+-- unexpired the bucket's ceiling is lowered by its amount, so tokens held by gateways plus tokens
+-- in Redis never exceed the capacity (leases never create tokens: over-admission stays 0). A grant
+-- is at most max_share * capacity and at most what the bucket holds after the cost. A return gives
+-- the unused part of a lease back and removes the lease. An unreturned lease simply expires (its
+-- unused tokens are lost: under-admission, bounded by the grant).
+--
+-- Storage: one key per bucket, a string of packed doubles (struct.pack, no decimal formatting):
+--   tokens, ts (us), exp (ms, the PXAT the key carries), then per lease: id, amount, expiry (us).
+-- The key expires once the bucket would be full again and every lease has expired, plus 1 to 3 s:
+-- a missing bucket is a full one, so expiring sooner would hand out budget early. The TTL is
+-- rewritten (PXAT) only when the needed expiry passes the one the key carries; otherwise the write
+-- keeps it (KEEPTTL), which is cheaper. A rejected request writes nothing (but re-anchors a ts in
+-- the future).
+--
+-- Records (deduplication and compensation): a group of requests (one gateway call's requests on
+-- this node) may name a record key `<bucket key of its first decision>:a:<attempt>`. When the key
+-- exists, the group is a repeat: its recorded answers are replayed and nothing is charged. The
+-- record is written only when some request of the group charged. In "refund" mode a record's
+-- charged requests (those listed) are given back: costs and lease grants return to their buckets,
+-- the leases are removed, and the record marks them refunded (a second refund does nothing).
+--
+-- Cluster: keys of one call may live in several slots of this node (flag allow-cross-slot-keys).
+-- KEYS[1] is one bucket of the call, for routing; every key is named in ARGV. All reads (buckets,
+-- records) happen before any write, so a key this node does not serve fails the call before it
+-- changes anything.
+--
+-- ARGV (all numbers as decimal strings):
+--   1 mode ("apply" | "refund"), 2 record_ttl_ms, 3 max_share (lease cap as a fraction of capacity),
+--   4 cluster (1: one key per command, as a Cluster requires; 0: MGET the buckets at once)
+--   5 B, then B bucket key names
+--   then L, then L x (capacity, refill_per_sec)
+--   then G, then per group: record key ("" = none), R, then per request: D, then D x
+--        (bucket index, limit index, cost, shadow 0/1, lease id, lease want, lease ttl_ms)
+--   then N returns: N x (bucket index, limit index, lease id, tokens)
+--   refund mode only, then per group: K, then K request indices (1-based) to refund
+-- In refund mode the reply is one integer per group: 1 when something was refunded, else 0.
+-- Reply, flat integers, per group, per request: status (0 rejected, 1 charged; plus 10 when replayed
+-- from a record, where 12 is a refunded request), then per
+-- decision: allowed, remaining, retry_after_ms, reset_ms, reason (0 ok, 1 insufficient,
+-- 2 cost_exceeds_capacity), leased (tokens granted under the lease).
 
 local OK, INSUFFICIENT, COST_EXCEEDS_CAPACITY = 0, 1, 2
 local MAX_INT = 9007199254740992 -- 2^53: replies are integers; clamp what cannot be one exactly
-local MAX_TTL_MS = 315360000000 -- 10 years: PEXPIRE needs a finite value
+local MAX_LEASES = 16            -- lease entries one bucket holds; more asks get no grant
+local MARGIN_MS = 1000           -- expiry margin past the time the bucket is full again
 
-local mode = ARGV[1]
-local attempt_ttl_ms = tonumber(ARGV[2])
-local n = #KEYS / 2
-if (mode ~= 'apply' and mode ~= 'refund') or #KEYS % 2 ~= 0 or #ARGV ~= 2 + 4 * n then
-  return redis.error_reply('ERR usage: KEYS = bucket, attempt per decision; ARGV = mode (apply|refund), attempt_ttl_ms, then capacity, refill_per_sec, cost, attempt per decision')
+local pos = 0
+local function nextarg()
+  pos = pos + 1
+  return ARGV[pos]
 end
-if not attempt_ttl_ms or attempt_ttl_ms ~= attempt_ttl_ms or attempt_ttl_ms < 1 or attempt_ttl_ms == math.huge then
-  return redis.error_reply('ERR attempt_ttl_ms must be a number >= 1')
+local function num()
+  local v = tonumber(nextarg())
+  if not v or v ~= v or v == math.huge or v == -math.huge then
+    error('ERR usage: argument ' .. pos .. ' must be a finite number')
+  end
+  return v
 end
+
+local mode = nextarg()
+if mode ~= 'apply' and mode ~= 'refund' then
+  return redis.error_reply('ERR usage: mode must be apply or refund')
+end
+local record_ttl_ms = num()
+local max_share = num()
+local one_slot_per_command = num()
+if record_ttl_ms < 1 or max_share < 0 or max_share > 1 then
+  return redis.error_reply('ERR usage: record_ttl_ms >= 1 and 0 <= max_share <= 1')
+end
+
+local nb = num()
+local bkeys = {}
+for i = 1, nb do bkeys[i] = nextarg() end
+local nl = num()
+local limits = {}
+for i = 1, nl do
+  local capacity, refill = num(), num()
+  if capacity <= 0 or refill <= 0 then
+    return redis.error_reply('ERR invalid limit ' .. i .. ': capacity and refill_per_sec must be > 0')
+  end
+  limits[i] = { capacity = capacity, refill = refill }
+end
+local ng = num()
+local groups = {}
+for g = 1, ng do
+  local group = { record = nextarg(), requests = {} }
+  local nr = num()
+  for r = 1, nr do
+    local request = {}
+    local nd = num()
+    for d = 1, nd do
+      local b, l, cost, shadow = num(), num(), num(), num()
+      local id, want, ttl = num(), num(), num()
+      if not bkeys[b] or not limits[l] or cost < 1 then
+        return redis.error_reply('ERR usage: bad bucket, limit or cost in group ' .. g)
+      end
+      request[d] = { b = b, limit = limits[l], cost = cost, shadow = shadow == 1,
+                     lease_id = id, want = want, ttl_ms = ttl }
+    end
+    group.requests[r] = request
+  end
+  groups[g] = group
+end
+local nret = num()
+local returns = {}
+for i = 1, nret do
+  local b, l, id, tokens = num(), num(), num(), num()
+  if not bkeys[b] or not limits[l] then return redis.error_reply('ERR usage: bad return') end
+  returns[i] = { b = b, limit = limits[l], id = id, tokens = tokens }
+end
+local refunds = {}
+if mode == 'refund' then
+  for g = 1, ng do
+    local k = num()
+    refunds[g] = {}
+    for i = 1, k do refunds[g][num()] = true end
+  end
+end
+
+if nb == 0 then return {} end
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local now_ms = math.floor(now / 1000)
 
-local function int(x) -- a non-negative integer for the reply
-  if x ~= x or x <= 0 then return 0 end
-  return math.min(math.floor(x), MAX_INT)
+-- Reads first (see Cluster above). On a Cluster each command must stay in one slot (the flag
+-- lets the script, not a command, span slots): one GET per bucket there, one MGET elsewhere.
+local raw
+if one_slot_per_command == 1 then
+  raw = {}
+  for i = 1, nb do
+    local v = redis.pcall('GET', bkeys[i])
+    if type(v) == 'table' and v.err then
+      if string.find(v.err, 'WRONGTYPE', 1, true) then v = false else return v end
+    end
+    raw[i] = v
+  end
+else
+  raw = redis.call('MGET', unpack(bkeys))
+end
+local records = {}
+for g = 1, ng do
+  if groups[g].record ~= '' then
+    records[g] = redis.call('MGET', groups[g].record)[1]
+  end
 end
 
+-- Bucket states, decoded once and written once at the end if changed.
+local states = {}
+local function state(b, limit)
+  local s = states[b]
+  if s then return s end
+  s = { limit = limit, tokens = limit.capacity, ts = now, exp = 0, leases = {}, dirty = false,
+        future = false }
+  local v = raw[b]
+  if v and #v >= 24 and (#v - 24) % 24 == 0 then
+    local n = (#v - 24) / 24
+    local all = { struct.unpack('<' .. string.rep('d', 3 + 3 * n), v) }
+    s.tokens, s.ts, s.exp = all[1], all[2], all[3]
+    for i = 0, n - 1 do
+      local expiry = all[6 + 3 * i]
+      if expiry > now then
+        s.leases[#s.leases + 1] = { id = all[4 + 3 * i], amount = all[5 + 3 * i], expiry = expiry }
+      end
+    end
+    if s.tokens ~= s.tokens or s.tokens < 0 then s.tokens = 0 end
+    if s.ts > now then s.future = true end
+  end
+  states[b] = s
+  return s
+end
+
+local function leased(s)
+  local sum = 0
+  for _, l in ipairs(s.leases) do sum = sum + l.amount end
+  return sum
+end
+
+-- The bucket's tokens now (refilled, capped by capacity minus unexpired leases).
+local function tokens_now(s, limit)
+  local elapsed = now - s.ts
+  if elapsed < 0 then elapsed = 0 end
+  local tokens = s.tokens + limit.refill * elapsed / 1000000
+  local ceiling = limit.capacity - leased(s)
+  if tokens > ceiling then tokens = ceiling end
+  if tokens < 0 then tokens = 0 end
+  return tokens
+end
+
+local function set_tokens(s, tokens)
+  s.tokens, s.ts, s.dirty = tokens, now, true
+end
+
+local function int(x)
+  if x ~= x or x <= 0 then return 0 end
+  if x >= MAX_INT then return MAX_INT end
+  return math.floor(x)
+end
 local function ms_ceil(x) -- ceil of milliseconds, forgiving float noise such as 100.00000000000001
   return int(math.ceil(x - 1e-6))
 end
 
--- Validate every decision before touching anything (the sidecar validates first; this is defense in depth).
-local decisions = {}
-for i = 1, n do
-  local base = 2 + 4 * (i - 1)
-  local d = { bucket = KEYS[2 * i - 1], record = KEYS[2 * i], attempt = ARGV[base + 4] }
-  for j, name in ipairs({ 'capacity', 'refill_per_sec', 'cost' }) do
-    local v = tonumber(ARGV[base + j])
-    if not v or v ~= v or v <= 0 or v == math.huge then
-      return redis.error_reply('ERR invalid decision ' .. i .. ': ' .. name .. ' must be a number > 0')
+local function remove_lease(s, id)
+  for i, l in ipairs(s.leases) do
+    if l.id == id then
+      table.remove(s.leases, i)
+      s.dirty = true
+      return l
     end
-    d[name] = v
   end
-  decisions[i] = d
+  return nil
 end
 
--- The bucket's tokens refilled up to now, and whether its ts lies in the future (to re-anchor).
-local function refill(d)
-  local stored = redis.call('HMGET', d.bucket, 'tokens', 'ts')
-  local tokens, ts = tonumber(stored[1]), tonumber(stored[2])
-  if not tokens or not ts or tokens ~= tokens then return d.capacity, false end
-  local elapsed_s = math.max(0, now - ts) / 1000000
-  return math.min(d.capacity, math.max(0, tokens) + d.refill_per_sec * elapsed_s), ts > now
-end
-
--- Store the bucket's tokens as of now (this also re-anchors a future ts to now).
-local function store(d, tokens)
-  redis.call('HSET', d.bucket, 'tokens', string.format('%.17g', tokens), 'ts', string.format('%.0f', now))
-  local ttl_ms = math.min(MAX_TTL_MS, math.ceil(d.capacity / d.refill_per_sec * 1000) + 1000)
-  redis.call('PEXPIRE', d.bucket, string.format('%.0f', ttl_ms))
-end
-
-local function reset_ms(d, tokens)
-  return ms_ceil((d.capacity - tokens) / d.refill_per_sec * 1000)
-end
-
--- An attempt record is one string, "allowed remaining retry_after_ms reset_ms reason charged":
--- one GET to replay it, one SET ... PX to write it (cheaper than a hash and its PEXPIRE).
-local function read_record(d)
-  if d.attempt == '' then return nil end
-  local s = redis.call('GET', d.record)
-  if not s then return nil end
-  local r = {}
-  for v in string.gmatch(s, '%S+') do r[#r + 1] = tonumber(v) or 0 end
-  for j = #r + 1, 6 do r[j] = 0 end
-  return r
-end
-
-local function record_value(r)
-  return string.format('%d %d %d %d %d %d', r[1], r[2], r[3], r[4], r[5], r[6])
+-- Returns: the unused part of a lease goes back, the lease is removed.
+for _, r in ipairs(returns) do
+  local s = state(r.b, r.limit)
+  local tokens = tokens_now(s, r.limit)
+  local lease = remove_lease(s, r.id)
+  if lease then
+    local back = math.min(r.tokens, lease.amount)
+    set_tokens(s, math.min(tokens + back, r.limit.capacity - leased(s)))
+  end
 end
 
 local reply = {}
-local function answer(r)
-  for j = 1, 6 do reply[#reply + 1] = r[j] end
+local function push(x) reply[#reply + 1] = x end
+
+local function pack_record(answers)
+  -- answers: per request { status, decision count, per decision {allowed, remaining, retry, reset,
+  -- reason, leased, charged_tokens, lease_id} }, flattened as doubles.
+  local flat = {}
+  for _, a in ipairs(answers) do
+    flat[#flat + 1] = a.status
+    flat[#flat + 1] = #a.decisions
+    for _, d in ipairs(a.decisions) do
+      for j = 1, 8 do flat[#flat + 1] = d[j] end
+    end
+  end
+  return struct.pack('<' .. string.rep('d', #flat), unpack(flat))
+end
+
+-- A record of another shape is not this group's (an attempt id reused for other requests): nil,
+-- and the group is decided as new.
+local function unpack_record(v, group)
+  local expected = 0
+  for _, request in ipairs(group.requests) do expected = expected + 2 + 8 * #request end
+  if not v or #v ~= 8 * expected then return nil end
+  local flat = { struct.unpack('<' .. string.rep('d', expected), v) }
+  local answers, i = {}, 1
+  for r, request in ipairs(group.requests) do
+    if flat[i + 1] ~= #request then return nil end
+    local a = { status = flat[i], decisions = {} }
+    i = i + 2
+    for d = 1, #request do
+      local x = {}
+      for j = 1, 8 do x[j] = flat[i]; i = i + 1 end
+      a.decisions[d] = x
+    end
+    answers[r] = a
+  end
+  return answers
+end
+
+local function reply_answers(answers, replayed)
+  for _, a in ipairs(answers) do
+    push((replayed and 10 or 0) + a.status)
+    for _, d in ipairs(a.decisions) do
+      for j = 1, 6 do push(d[j]) end
+    end
+  end
+end
+
+local function reset_ms(s, limit, tokens)
+  return ms_ceil((limit.capacity - tokens) / limit.refill * 1000)
 end
 
 if mode == 'refund' then
-  for _, d in ipairs(decisions) do
-    local r = read_record(d)
-    if r and r[6] == 1 then
-      local tokens = math.min(d.capacity, (refill(d)) + d.cost)
-      store(d, tokens)
-      r = { 0, int(tokens), r[3], reset_ms(d, tokens), r[5], 0 }
-      redis.call('SET', d.record, record_value(r), 'KEEPTTL')
+  for g, group in ipairs(groups) do
+    local answers = unpack_record(records[g], group)
+    local changed = false
+    if answers then
+      for r, request in ipairs(group.requests) do
+        local a = answers[r]
+        if refunds[g][r] and a.status == 1 then
+          for d, dec in ipairs(request) do
+            local x = a.decisions[d]
+            local charged, lease_id = x[7], x[8]
+            if charged > 0 then
+              local s = state(dec.b, dec.limit)
+              local tokens = tokens_now(s, dec.limit)
+              -- The lease's part comes back only while the lease is still held (a returned or
+              -- expired lease gave its tokens back, or lost them, already).
+              if x[6] > 0 and not remove_lease(s, lease_id) then charged = charged - x[6] end
+              tokens = math.min(tokens + charged, dec.limit.capacity - leased(s))
+              set_tokens(s, tokens)
+              x[1], x[2], x[4], x[6] = 0, int(tokens), reset_ms(s, dec.limit, tokens), 0
+            end
+          end
+          a.status = 2
+          changed = true
+        end
+      end
+      if changed then redis.call('SET', group.record, pack_record(answers), 'KEEPTTL') end
     end
-    answer(r or { 0, 0, 0, 0, OK, 0 })
+    push(changed and 1 or 0)
   end
-  return reply
+else
+  for g, group in ipairs(groups) do
+    local recorded = group.record ~= '' and unpack_record(records[g], group)
+    if recorded then
+      reply_answers(recorded, true)
+    else
+      local answers, any_charged = {}, false
+      for r, request in ipairs(group.requests) do
+        -- Pass 1: does every (non-shadow) decision admit? Decisions of one request on one bucket
+        -- see what the ones before them would take.
+        local admit = true
+        local avail = {}
+        local results = {}
+        for d, dec in ipairs(request) do
+          local s = state(dec.b, dec.limit)
+          local tokens = avail[dec.b] or tokens_now(s, dec.limit)
+          local x = { 0, 0, 0, 0, OK, 0, 0, 0 }
+          if dec.cost > dec.limit.capacity then
+            x[5] = COST_EXCEEDS_CAPACITY
+          elseif tokens < dec.cost then
+            x[5] = INSUFFICIENT
+            x[3] = ms_ceil((dec.cost - tokens) / dec.limit.refill * 1000)
+          else
+            x[1] = 1
+            tokens = tokens - dec.cost
+          end
+          avail[dec.b] = tokens
+          if x[1] == 0 and not dec.shadow then admit = false end
+          results[d] = x
+        end
+        -- Pass 2: charge (and grant leases) only if the request is admitted.
+        for d, dec in ipairs(request) do
+          local s = state(dec.b, dec.limit)
+          local x = results[d]
+          local tokens = tokens_now(s, dec.limit)
+          if admit and x[1] == 1 then
+            tokens = tokens - dec.cost
+            local grant = 0
+            if dec.want > 0 and #s.leases < MAX_LEASES then
+              local cap = math.floor(max_share * dec.limit.capacity)
+              grant = math.min(dec.want, cap, math.floor(tokens))
+              if grant < 0 then grant = 0 end
+              if grant > 0 then
+                -- A new lease under an id already held replaces it (its holder gave it up).
+                remove_lease(s, dec.lease_id)
+                tokens = tokens - grant
+                s.leases[#s.leases + 1] = { id = dec.lease_id, amount = grant,
+                                            expiry = now + dec.ttl_ms * 1000 }
+              end
+            end
+            set_tokens(s, tokens)
+            x[6], x[7], x[8] = grant, dec.cost + grant, dec.lease_id
+          elseif s.future then
+            set_tokens(s, tokens) -- re-anchor a ts in the future
+          end
+          x[2] = int(tokens)
+          x[4] = reset_ms(s, dec.limit, tokens)
+        end
+        answers[r] = { status = admit and 1 or 0, decisions = results }
+        any_charged = any_charged or admit
+      end
+      if group.record ~= '' and any_charged then
+        redis.call('SET', group.record, pack_record(answers), 'PX', record_ttl_ms)
+      end
+      reply_answers(answers, false)
+    end
+  end
 end
 
--- apply, pass 1: replay recorded attempts, refill the others and see whether each bucket admits.
--- A key named twice in one call is refilled once and each decision sees what the one before left (the
--- sidecar refuses such requests; this keeps a direct call consistent all the same).
-local request_allowed = true
-local refilled, available = {}, {}
-for _, d in ipairs(decisions) do
-  d.replay = read_record(d)
-  if d.replay then
-    request_allowed = request_allowed and d.replay[6] == 1
-  else
-    if refilled[d.bucket] then
-      d.refilled = refilled[d.bucket]
+-- Writes: each changed bucket once (a bucket that only lost expired leases is left alone).
+for b, s in pairs(states) do
+  if s.dirty then
+    local limit = s.limit
+    local last_lease = now
+    for _, l in ipairs(s.leases) do if l.expiry > last_lease then last_lease = l.expiry end end
+    local full_ms = math.ceil(((limit.capacity - s.tokens) / limit.refill * 1000000 + (last_lease - now)) / 1000)
+    local need = now_ms + full_ms + MARGIN_MS
+    local parts = { s.tokens, s.ts, s.exp }
+    for _, l in ipairs(s.leases) do
+      parts[#parts + 1] = l.id; parts[#parts + 1] = l.amount; parts[#parts + 1] = l.expiry
+    end
+    if s.exp >= need and s.exp <= need + 2 * MARGIN_MS then
+      redis.call('SET', bkeys[b], struct.pack('<' .. string.rep('d', #parts), unpack(parts)), 'KEEPTTL')
     else
-      d.refilled, d.future = refill(d)
-      refilled[d.bucket] = d.refilled
+      parts[3] = need + MARGIN_MS
+      redis.call('SET', bkeys[b], struct.pack('<' .. string.rep('d', #parts), unpack(parts)), 'PXAT', parts[3])
     end
-    d.tokens = available[d.bucket] or d.refilled
-    if d.cost > d.capacity then
-      d.allowed, d.reason, d.retry_after_ms = false, COST_EXCEEDS_CAPACITY, 0
-    elseif d.tokens < d.cost then
-      d.allowed, d.reason = false, INSUFFICIENT
-      d.retry_after_ms = ms_ceil((d.cost - d.tokens) / d.refill_per_sec * 1000)
-    else
-      d.allowed, d.reason, d.retry_after_ms = true, OK, 0
-    end
-    available[d.bucket] = d.allowed and d.tokens - d.cost or d.tokens
-    request_allowed = request_allowed and d.allowed
-  end
-end
-
--- apply, pass 2: deduct and store only if every decision admitted; a rejection writes a bucket only
--- to re-anchor a ts in the future (a clock that went back).
-for _, d in ipairs(decisions) do
-  if d.replay then
-    answer(d.replay)
-  else
-    local charged = request_allowed and 1 or 0
-    local tokens = request_allowed and d.tokens - d.cost or d.refilled
-    if request_allowed or d.future then store(d, tokens) end
-    local r = { d.allowed and 1 or 0, int(tokens), d.retry_after_ms, reset_ms(d, tokens), d.reason, charged }
-    if d.attempt ~= '' then
-      redis.call('SET', d.record, record_value(r), 'PX', string.format('%.0f', attempt_ttl_ms))
-    end
-    answer(r)
   end
 end
 return reply

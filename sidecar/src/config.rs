@@ -2,6 +2,7 @@
 //! written once, here, next to its field.
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 
 use clap::Parser;
 
@@ -12,6 +13,30 @@ pub struct Args {
     /// Address to serve HTTP on.
     #[arg(long, env = "RATELIMIT_LISTEN", default_value = "127.0.0.1:8081")]
     pub listen: SocketAddr,
+
+    /// The policy file(s), comma separated: the limits per rule (this sidecar's format) or
+    /// envoyproxy/ratelimit's configuration. Reloaded when they change and on SIGHUP.
+    #[arg(long, env = "RATELIMIT_LIMITS", value_delimiter = ',', num_args = 1.., required = true)]
+    pub limits: Vec<PathBuf>,
+
+    /// The longest full refill (capacity / refill_per_sec) a policy may set, in seconds: it bounds
+    /// how long any bucket key lives in Redis.
+    #[arg(long, env = "RATELIMIT_MAX_REFILL_SECONDS", default_value_t = 31_536_000.0, value_parser = positive_f64)]
+    pub max_refill_seconds: f64,
+
+    /// The largest lease a gateway may hold on one bucket, as a fraction of its capacity
+    /// (0 turns leases off).
+    #[arg(long, env = "RATELIMIT_LEASE_MAX_SHARE", default_value_t = 0.1, value_parser = share)]
+    pub lease_max_share: f64,
+
+    /// Bucket script calls in flight per Redis node; work that arrives meanwhile is batched into
+    /// the next call.
+    #[arg(long, env = "RATELIMIT_REDIS_PIPELINE", default_value_t = 4, value_parser = clap::value_parser!(u64).range(1..=64))]
+    pub redis_pipeline: u64,
+
+    /// Log line format: `text` or `json`.
+    #[arg(long, env = "RATELIMIT_LOG_FORMAT", default_value = "text", value_parser = ["text", "json"])]
+    pub log_format: String,
 
     /// URL of one Redis (a primary). Mutually exclusive with --redis-cluster and
     /// --redis-sentinel.
@@ -52,7 +77,8 @@ pub struct Args {
     #[arg(long, env = "RATELIMIT_KEY_PREFIX", default_value = "rl:")]
     pub key_prefix: String,
 
-    /// How long an attempt id is remembered (deduplication window), in milliseconds.
+    /// How long a call's attempt id is remembered (deduplication window, and how long a
+    /// cross-node request can be refunded), in milliseconds.
     #[arg(long, env = "RATELIMIT_ATTEMPT_TTL_MS", default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(1..))]
     pub attempt_ttl_ms: u64,
 
@@ -68,9 +94,23 @@ pub struct Args {
 }
 
 impl Args {
-    /// The arguments as if given nothing but `redis` (handy for embedding and tests).
-    pub fn with_redis(url: &str) -> Self {
-        Self::parse_from(["ratelimit-sidecar", "--redis", url])
+    /// The arguments as if given nothing but `redis` and `limits` (handy for embedding and tests).
+    pub fn with_redis(url: &str, limits: &str) -> Self {
+        Self::parse_from(["ratelimit-sidecar", "--redis", url, "--limits", limits])
+    }
+}
+
+fn positive_f64(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v.is_finite() && v > 0.0 => Ok(v),
+        _ => Err(format!("{s:?} is not a number > 0")),
+    }
+}
+
+fn share(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if (0.0..=1.0).contains(&v) => Ok(v),
+        _ => Err(format!("{s:?} is not a fraction between 0 and 1")),
     }
 }
 
@@ -80,7 +120,14 @@ mod tests {
 
     #[test]
     fn defaults() {
-        let a = Args::try_parse_from(["ratelimit-sidecar"]).unwrap();
+        let a = Args::try_parse_from(["ratelimit-sidecar", "--limits", "l.yaml"]).unwrap();
+        assert_eq!(a.limits, [PathBuf::from("l.yaml")]);
+        assert_eq!(a.max_refill_seconds, 31_536_000.0);
+        assert_eq!(a.lease_max_share, 0.1);
+        assert_eq!(a.redis_pipeline, 4);
+        assert_eq!(a.log_format, "text");
+        assert!(Args::try_parse_from(["ratelimit-sidecar"]).is_err(), "--limits is required");
+        assert!(Args::try_parse_from(["ratelimit-sidecar", "--limits", "l", "--lease-max-share", "2"]).is_err());
         assert_eq!(a.listen.to_string(), "127.0.0.1:8081");
         assert_eq!(a.redis, "redis://127.0.0.1:6379");
         assert!(a.redis_cluster.is_empty());
@@ -97,6 +144,8 @@ mod tests {
     fn cluster_seeds_are_comma_separated_and_exclude_redis() {
         let a = Args::try_parse_from([
             "ratelimit-sidecar",
+            "--limits",
+            "l.yaml",
             "--redis-cluster",
             "redis://127.0.0.1:7000,redis://127.0.0.1:7001",
         ])
@@ -104,6 +153,8 @@ mod tests {
         assert_eq!(a.redis_cluster.len(), 2);
         assert!(Args::try_parse_from([
             "ratelimit-sidecar",
+            "--limits",
+            "l.yaml",
             "--redis",
             "redis://x",
             "--redis-cluster",
@@ -116,6 +167,8 @@ mod tests {
     fn sentinels_are_comma_separated_and_exclude_redis_and_cluster() {
         let a = Args::try_parse_from([
             "ratelimit-sidecar",
+            "--limits",
+            "l.yaml",
             "--redis-sentinel",
             "redis://127.0.0.1:26379,redis://127.0.0.1:26380",
             "--sentinel-master",
@@ -130,6 +183,8 @@ mod tests {
         let with = |other: &str| {
             Args::try_parse_from([
                 "ratelimit-sidecar",
+                "--limits",
+                "l.yaml",
                 other,
                 "redis://x",
                 "--redis-sentinel",

@@ -1,78 +1,73 @@
-//! The decision: validate a [`DecideRequest`], split it by Redis Cluster slot, run the bucket
-//! script once per slot, and merge the answers in request order.
+//! The decision: validate a call, resolve each decision's limit in the policy, build its bucket
+//! key, send the work to the Redis node(s) that hold the buckets, and answer each request.
 //!
-//! # All-or-nothing across Cluster slots (compensation)
+//! A call carries many requests (the filter coalesces them); each is all-or-nothing on its own.
+//! Its decisions resolve to a limit (or to "unlimited" / "blocked", answered without Redis, or to
+//! an unknown rule: a configuration error answered for that request, which the gateway handles
+//! with its failure policy). The rest become charges, grouped by the node that holds their bucket.
 //!
-//! One script call is atomic, but only within one slot. On a single Redis every decision of a
-//! request goes into one call. On a Cluster the decisions are grouped by the slot of their bucket
-//! key and the groups run concurrently; if every group admits, the request is admitted. If some
-//! group rejects, the request is rejected and the groups that charged are refunded (`refund` mode
-//! of the script, keyed by the attempt record, idempotent). For that a cross-slot request needs
-//! attempt ids: where the caller gave none, one random id is generated for that request, and the
-//! groups that got it are remembered as *generated* (single-slot requests need none).
+//! # All-or-nothing across nodes (compensation)
 //!
-//! Refunds run in the background: the answer does not wait for them (a caller that gives up, such
-//! as Envoy on its callout timeout, cannot cancel them either). The price is a short window (a
-//! Redis round trip or two) in which a charged group holds tokens for a request that was
-//! rejected: concurrent requests on that bucket may then be rejected although tokens were about
-//! to come back. The window can only over-REJECT, never over-admit. The figures answered for a
-//! refunded decision (`remaining`, `reset_ms`) are computed here as they will be once the refund
-//! lands. If the refund itself fails (Redis down), the tokens stay deducted until they refill.
+//! One script call is atomic, but only on one node. On a single Redis (or the primary Sentinel
+//! names) every request goes into one call. On a Cluster a request whose buckets live on several
+//! nodes is decided by one call per node, concurrently; if every part admits, the request is
+//! admitted. If some part rejects, the request is rejected and the parts that charged are
+//! refunded through their group's record (idempotent). For that, a group holding such a request
+//! always has a record: when the caller gave no attempt id, one is generated for the call.
 //!
-//! When a group fails (timeout, connection) and another group rejected, the request is still
-//! rejected: it answers 200 `allowed: false`, never 503 (a 503 would let the filter's `on_error`
-//! admit a client that is over its limit). The decisions of the failed group are answered
-//! `allowed: false`, `reason: ok`, with `remaining`, `retry_after_ms` and `reset_ms` 0: their
-//! buckets refused nothing, they simply gave no answer, and the request does not pass. The failed
-//! group is refunded along with the charged ones, in case its script ran after all.
+//! Refunds run in the background: the answer does not wait for them. The price is a short window
+//! (a round trip or two) in which a charged part holds tokens for a rejected request: concurrent
+//! requests on that bucket may then be rejected although tokens were about to come back. The
+//! window can only over-REJECT, never over-admit. The figures answered for a refunded decision
+//! (`remaining`, `reset_ms`) are as they will be once the refund lands. If the refund itself fails,
+//! the tokens stay deducted until they refill.
 //!
-//! When a group fails and no group rejected, the request answers 503. Every group with generated
-//! attempt ids is refunded in the background, the failed ones included (no one can ever replay
-//! them). Groups with the caller's attempt ids stay charged: a repeat of that attempt would replay
-//! them and run only the rest, but the filter never repeats a callout (it applies `on_error`), so
-//! in practice those tokens stay spent until they refill (over-rejection only). A refund can
-//! overtake a script call that timed out but still runs in Redis; that charge then stays.
+//! When a part fails (timeout, connection) and another part rejected, the request is still
+//! rejected (never "unavailable", which a gateway's `on_error` might admit). The failed part's
+//! decisions are answered `allowed: false`, `reason: ok`, with no figures: their buckets refused
+//! nothing, they gave no answer. The failed part is refunded too, in case its script ran.
 //!
-//! Script errors that retrying cannot cure (`WRONGTYPE`: a key of another type where a bucket or
-//! attempt record should be; the script refusing its arguments; an unreadable reply) answer 500,
-//! not 503: Redis is up, and the failure is this sidecar's or its data's.
+//! When a part fails and none rejected, the request is answered "unavailable". Parts with
+//! generated attempt ids are refunded (the failed ones included: no one can replay them); parts
+//! with the caller's attempt id stay charged (a repeat of the call would replay them).
+//!
+//! A Cluster node that no longer serves a key answers before writing anything; the slot map is
+//! then read again and that node's work is regrouped and sent once more.
+//!
+//! The whole decision runs in a task of its own (see [`crate::http`]), so a caller that hangs up
+//! cancels neither the calls in flight nor the refunds that follow them.
 
-use std::collections::{BTreeMap, HashMap};
-use std::sync::Arc;
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::{Arc, Mutex};
 
 use ratelimit_wire::{
-    DecideRequest, DecideResponse, DecisionResult, Reason, MAX_DECISIONS, MAX_KEY_BYTES,
+    AppliedLimit, DecideRequest, DecideResponse, DecisionResult, ErrorCode, LeaseAsk, Reason,
+    RequestAnswer, RequestError, MAX_CALL_DECISIONS, MAX_DECISIONS, MAX_LEASE_ID, MAX_NAME_BYTES,
+    MAX_REQUESTS, MAX_RETURNS, MAX_VALUE_BYTES,
 };
 
-use crate::metrics::Metrics;
-use crate::store::{BucketCall, BucketStore, Outcome, StoreError};
+use crate::keys::{bucket_key, record_key};
+use crate::metrics::{Metrics, Verdict};
+use crate::policy::own_format::RULE_KEY;
+use crate::policy::reload::PolicyHandle;
+use crate::policy::{Limit, LimitKind, Policy, Resolution, MAX_CAPACITY};
+use crate::store::{
+    Bucket, BucketStore, Charge, Group, NodeId, Outcome, RequestOutcome, Return, StoreError, Work,
+};
 
-/// Why a request got no verdict.
+/// The longest lease a caller may ask for, in milliseconds.
+pub const MAX_LEASE_TTL_MS: u64 = 60_000;
+
+/// Why a call got no answers at all.
 #[derive(Debug, thiserror::Error)]
 pub enum DecideError {
-    /// The request is malformed; the message names the field (answered 400).
+    /// The call is malformed; the message names the field (answered 400).
     #[error("{0}")]
     Invalid(String),
-    /// Redis did not answer in time or failed (answered 503).
-    #[error(transparent)]
-    Unavailable(StoreError),
-    /// Redis answered, but the script failed in a way a retry cannot cure (answered 500).
-    #[error(transparent)]
-    Script(StoreError),
 }
 
-impl From<StoreError> for DecideError {
-    fn from(e: StoreError) -> Self {
-        if e.is_deterministic() {
-            DecideError::Script(e)
-        } else {
-            DecideError::Unavailable(e)
-        }
-    }
-}
-
-/// Parses and validates a request body; the error names the field
-/// (`decisions[0].capacity: invalid type ...`).
+/// Parses and validates a call body; the error names the field
+/// (`requests[0].decisions[1].rule: ...`).
 pub fn parse_request(body: &[u8]) -> Result<DecideRequest, DecideError> {
     let mut de = serde_json::Deserializer::from_slice(body);
     let request: DecideRequest = serde_path_to_error::deserialize(&mut de).map_err(|e| {
@@ -89,117 +84,182 @@ pub fn parse_request(body: &[u8]) -> Result<DecideRequest, DecideError> {
     Ok(request)
 }
 
-/// Checks what serde cannot: counts, lengths, keys without braces and named once, and that the
-/// bucket parameters are numbers > 0.
-pub fn validate(request: &DecideRequest) -> Result<(), DecideError> {
+/// Checks what serde cannot: counts, lengths, names, costs, lease asks.
+pub fn validate(call: &DecideRequest) -> Result<(), DecideError> {
     let invalid = |s: String| Err(DecideError::Invalid(s));
-    if request.decisions.is_empty() {
-        return invalid("decisions: must hold at least one decision".into());
+    if call.domain.is_empty() || call.domain.len() > MAX_NAME_BYTES {
+        return invalid(format!("domain: must be 1 to {MAX_NAME_BYTES} bytes"));
     }
-    if request.decisions.len() > MAX_DECISIONS {
+    if let Some(a) = &call.attempt {
+        if a.is_empty() || a.len() > MAX_NAME_BYTES {
+            return invalid(format!("attempt: must be 1 to {MAX_NAME_BYTES} bytes"));
+        }
+    }
+    if call.requests.is_empty() && call.returns.is_empty() {
+        return invalid("requests: must hold at least one request".into());
+    }
+    if call.requests.len() > MAX_REQUESTS {
         return invalid(format!(
-            "decisions: {} decisions, at most {MAX_DECISIONS} are accepted",
-            request.decisions.len()
+            "requests: {} requests, at most {MAX_REQUESTS} are accepted",
+            call.requests.len()
         ));
     }
-    let mut seen: HashMap<&str, usize> = HashMap::with_capacity(request.decisions.len());
-    for (i, d) in request.decisions.iter().enumerate() {
-        if d.key.is_empty() || d.key.len() > MAX_KEY_BYTES {
+    let mut total = 0;
+    for (r, request) in call.requests.iter().enumerate() {
+        let n = request.decisions.len();
+        if n == 0 || n > MAX_DECISIONS {
             return invalid(format!(
-                "decisions[{i}].key: must be 1 to {MAX_KEY_BYTES} bytes, got {}",
-                d.key.len()
+                "requests[{r}].decisions: must hold 1 to {MAX_DECISIONS} decisions, got {n}"
             ));
         }
-        if d.key.contains(['{', '}']) {
-            // The key goes between the braces of `<prefix>{<key>}`, the Cluster hash tag: a brace
-            // inside would move the tag (bucket and attempt record in different slots) or make
-            // one key's attempt record another key's name (`k}:a:x` is the record of `k`).
-            return invalid(format!(
-                "decisions[{i}].key: must not contain '{{' or '}}' (escape them, e.g. %7B %7D)"
-            ));
-        }
-        if let Some(j) = seen.insert(d.key.as_str(), i) {
-            // One attempt record per key and attempt: a key named twice would share it.
-            return invalid(format!(
-                "decisions[{i}].key: duplicate of decisions[{j}]; name each bucket once (add the costs)"
-            ));
-        }
-        if let Some(a) = &d.attempt {
-            if a.len() > MAX_KEY_BYTES {
-                return invalid(format!(
-                    "decisions[{i}].attempt: must be at most {MAX_KEY_BYTES} bytes, got {}",
-                    a.len()
-                ));
+        total += n;
+        for (d, decision) in request.decisions.iter().enumerate() {
+            let at = format!("requests[{r}].decisions[{d}]");
+            check_rule_and_subject(&at, &decision.rule, &decision.subject)?;
+            if decision.cost == 0 || decision.cost > MAX_CAPACITY {
+                return invalid(format!("{at}.cost: must be 1 to {MAX_CAPACITY}"));
+            }
+            if let Some(l) = &decision.lease {
+                check_lease(&format!("{at}.lease"), l)?;
             }
         }
-        for (name, v) in [
-            ("capacity", d.capacity),
-            ("refill_per_sec", d.refill_per_sec),
-            ("cost", d.cost),
-        ] {
-            if !(v.is_finite() && v > 0.0) {
-                return invalid(format!(
-                    "decisions[{i}].{name}: must be a number > 0, got {v}"
-                ));
-            }
+    }
+    if total > MAX_CALL_DECISIONS {
+        return invalid(format!(
+            "requests: {total} decisions in all, at most {MAX_CALL_DECISIONS} are accepted"
+        ));
+    }
+    if call.returns.len() > MAX_RETURNS {
+        return invalid(format!("returns: at most {MAX_RETURNS} are accepted"));
+    }
+    for (i, r) in call.returns.iter().enumerate() {
+        let at = format!("returns[{i}]");
+        check_rule_and_subject(&at, &r.rule, &r.subject)?;
+        if r.id > MAX_LEASE_ID {
+            return invalid(format!("{at}.id: must be at most {MAX_LEASE_ID}"));
+        }
+        if r.tokens > MAX_CAPACITY {
+            return invalid(format!("{at}.tokens: must be at most {MAX_CAPACITY}"));
         }
     }
     Ok(())
 }
 
-/// The Redis Cluster hash slot of a key: CRC16 (XMODEM) of its hash tag (the text between the
-/// first `{` and the next `}`, when not empty) or of the whole key, modulo 16384.
-pub fn cluster_slot(key: &[u8]) -> u16 {
-    let tag = key.iter().position(|b| *b == b'{').and_then(|open| {
-        let rest = &key[open + 1..];
-        rest.iter()
-            .position(|b| *b == b'}')
-            .filter(|close| *close > 0)
-            .map(|close| &rest[..close])
-    });
-    crc16::State::<crc16::XMODEM>::calculate(tag.unwrap_or(key)) % 16384
-}
-
-/// The decisions of one request that share a Cluster slot: one atomic script call.
-#[derive(Debug)]
-pub struct SlotGroup {
-    /// Where each call sits in the request, ascending.
-    pub indices: Vec<usize>,
-    pub calls: Vec<BucketCall>,
-    /// Some call got an attempt id generated by the sidecar (no caller can replay it).
-    pub generated: bool,
-}
-
-/// The calls grouped by the slot of their bucket key, in slot order (moved, not copied).
-pub fn group_by_slot(calls: Vec<BucketCall>) -> Vec<SlotGroup> {
-    let mut groups: BTreeMap<u16, SlotGroup> = BTreeMap::new();
-    for (i, c) in calls.into_iter().enumerate() {
-        let g = groups
-            .entry(cluster_slot(c.bucket_key.as_bytes()))
-            .or_insert_with(|| SlotGroup {
-                indices: Vec::new(),
-                calls: Vec::new(),
-                generated: false,
-            });
-        g.indices.push(i);
-        g.calls.push(c);
+fn check_rule_and_subject(
+    at: &str,
+    rule: &str,
+    subject: &ratelimit_wire::Subject,
+) -> Result<(), DecideError> {
+    let invalid = |s: String| Err(DecideError::Invalid(s));
+    if rule.is_empty() || rule.len() > MAX_NAME_BYTES {
+        return invalid(format!("{at}.rule: must be 1 to {MAX_NAME_BYTES} bytes"));
     }
-    groups.into_values().collect()
+    let mut seen = HashSet::new();
+    for (k, v) in subject.iter() {
+        if k.is_empty() || k.len() > MAX_NAME_BYTES || k == RULE_KEY {
+            return invalid(format!(
+                "{at}.subject: {k:?} is not a dimension name (1 to {MAX_NAME_BYTES} bytes, not \"rule\")"
+            ));
+        }
+        if !seen.insert(k) {
+            return invalid(format!("{at}.subject.{k}: named twice"));
+        }
+        if v.is_some_and(|v| v.len() > MAX_VALUE_BYTES) {
+            return invalid(format!(
+                "{at}.subject.{k}: the value is longer than {MAX_VALUE_BYTES} bytes"
+            ));
+        }
+    }
+    Ok(())
 }
 
-/// Runs decisions against a [`BucketStore`].
+fn check_lease(at: &str, l: &LeaseAsk) -> Result<(), DecideError> {
+    if l.id > MAX_LEASE_ID {
+        return Err(DecideError::Invalid(format!(
+            "{at}.id: must be at most {MAX_LEASE_ID}"
+        )));
+    }
+    if l.ttl_ms == 0 || l.ttl_ms > MAX_LEASE_TTL_MS {
+        return Err(DecideError::Invalid(format!(
+            "{at}.ttl_ms: must be 1 to {MAX_LEASE_TTL_MS}"
+        )));
+    }
+    if l.tokens > MAX_CAPACITY {
+        return Err(DecideError::Invalid(format!(
+            "{at}.tokens: must be at most {MAX_CAPACITY}"
+        )));
+    }
+    Ok(())
+}
+
+/// One decision in the generic form both APIs share: descriptor entries, a cost, a lease ask.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Item {
+    pub entries: Vec<(String, Option<String>)>,
+    pub cost: u64,
+    pub lease: Option<LeaseAsk>,
+}
+
+/// Who asks: the wasm filter names rules (a rule the policy lacks is a configuration error), Envoy's
+/// rate limit API sends descriptors (one that matches no limit is simply not limited).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Caller {
+    Filter,
+    RateLimitService,
+}
+
+/// A resolved decision.
+enum Plan {
+    /// Counted in Redis.
+    Charge { limit: Arc<Limit>, key: Arc<str> },
+    /// Answered here: unlimited (or not limited at all, for Envoy's API).
+    Unlimited { limit: Option<Arc<Limit>> },
+    /// Answered here: never admitted.
+    Blocked { limit: Arc<Limit> },
+}
+
+/// Where one decision of a request went: its node group and position there.
+#[derive(Clone, Copy)]
+struct Placement {
+    group: usize,
+    request: usize,
+    decision: usize,
+}
+
+/// One node's share of the call.
+struct NodeGroup {
+    node: NodeId,
+    group: Group,
+    /// Which call request each of the group's requests is.
+    requests: Vec<usize>,
+    /// The record's attempt was generated here (no caller can replay it).
+    generated: bool,
+}
+
+/// Runs decisions against a [`BucketStore`] under the policy in force.
 pub struct Decider<S> {
     store: Arc<S>,
+    policy: Arc<PolicyHandle>,
     key_prefix: String,
     metrics: Arc<Metrics>,
+    /// Unknown (domain, rule) pairs already logged, so a misconfigured gateway does not flood the
+    /// log (bounded; every occurrence is still counted).
+    logged_unknown: Mutex<HashSet<(String, String)>>,
 }
 
 impl<S: BucketStore> Decider<S> {
-    pub fn new(store: Arc<S>, key_prefix: impl Into<String>, metrics: Arc<Metrics>) -> Self {
+    pub fn new(
+        store: Arc<S>,
+        policy: Arc<PolicyHandle>,
+        key_prefix: impl Into<String>,
+        metrics: Arc<Metrics>,
+    ) -> Self {
         Self {
             store,
+            policy,
             key_prefix: key_prefix.into(),
             metrics,
+            logged_unknown: Mutex::new(HashSet::new()),
         }
     }
 
@@ -207,438 +267,923 @@ impl<S: BucketStore> Decider<S> {
         &self.store
     }
 
-    /// The script's calls for a validated request, keys built from the prefix.
-    pub fn calls(&self, request: &DecideRequest) -> Vec<BucketCall> {
-        request
-            .decisions
-            .iter()
-            .map(|d| {
-                let bucket_key = format!("{}{{{}}}", self.key_prefix, d.key);
-                let attempt = d.attempt.clone().unwrap_or_default();
-                BucketCall {
-                    attempt_key: format!("{bucket_key}:a:{attempt}"),
-                    bucket_key,
-                    capacity: d.capacity,
-                    refill_per_sec: d.refill_per_sec,
-                    cost: d.cost,
-                    attempt,
+    pub fn policy(&self) -> &Arc<PolicyHandle> {
+        &self.policy
+    }
+
+    /// Decides a call that [`validate`] accepted ([`parse_request`] validates).
+    pub async fn decide(&self, call: DecideRequest) -> DecideResponse {
+        let requests: Vec<Vec<Item>> = call
+            .requests
+            .into_iter()
+            .map(|r| {
+                r.decisions
+                    .into_iter()
+                    .map(|d| Item {
+                        entries: rule_entries(d.rule, d.subject),
+                        cost: d.cost,
+                        lease: d.lease,
+                    })
+                    .collect()
+            })
+            .collect();
+        let returns: Vec<(Vec<(String, Option<String>)>, u64, u64)> = call
+            .returns
+            .into_iter()
+            .map(|r| (rule_entries(r.rule, r.subject), r.id, r.tokens))
+            .collect();
+        let answers = self
+            .run(
+                &call.domain,
+                call.attempt.as_deref(),
+                requests,
+                returns,
+                Caller::Filter,
+            )
+            .await;
+        DecideResponse { answers }
+    }
+
+    /// Decides requests of generic items (both APIs end here).
+    pub async fn run(
+        &self,
+        domain: &str,
+        attempt: Option<&str>,
+        requests: Vec<Vec<Item>>,
+        returns: Vec<(Vec<(String, Option<String>)>, u64, u64)>,
+        caller: Caller,
+    ) -> Vec<RequestAnswer> {
+        let policy = self.policy.current().clone();
+        let mut answers: Vec<Option<RequestAnswer>> = vec![None; requests.len()];
+        let mut plans: Vec<Vec<Plan>> = Vec::with_capacity(requests.len());
+        for (r, items) in requests.iter().enumerate() {
+            match self.plan(&policy, domain, items, caller) {
+                Ok(p) => plans.push(p),
+                Err(e) => {
+                    answers[r] = Some(error_answer(e));
+                    plans.push(Vec::new());
                 }
+            }
+        }
+        let return_work = self.plan_returns(&policy, domain, &returns);
+        drop(policy);
+
+        // Requests a blocked limit rejects are answered here; the others go to Redis.
+        let mut node_groups: Vec<NodeGroup> = Vec::new();
+        let mut by_node: BTreeMap<NodeId, usize> = BTreeMap::new();
+        let mut placements: Vec<Vec<Option<Placement>>> = Vec::with_capacity(requests.len());
+        let mut generated: Option<String> = None;
+        for (r, plan) in plans.iter().enumerate() {
+            let mut placed = vec![None; plan.len()];
+            if answers[r].is_some() || blocked(plan) {
+                placements.push(placed);
+                continue;
+            }
+            let nodes: HashSet<NodeId> = plan
+                .iter()
+                .filter_map(|p| match p {
+                    Plan::Charge { key, .. } => Some(self.store.node_of(key)),
+                    _ => None,
+                })
+                .collect();
+            let cross_node = nodes.len() > 1;
+            for (d, p) in plan.iter().enumerate() {
+                let Plan::Charge { limit, key } = p else {
+                    continue;
+                };
+                let node = self.store.node_of(key);
+                let g = *by_node.entry(node.clone()).or_insert_with(|| {
+                    node_groups.push(NodeGroup {
+                        node,
+                        group: Group {
+                            record: None,
+                            requests: Vec::new(),
+                        },
+                        requests: Vec::new(),
+                        generated: false,
+                    });
+                    node_groups.len() - 1
+                });
+                let ng = &mut node_groups[g];
+                if ng.requests.last() != Some(&r) {
+                    ng.requests.push(r);
+                    ng.group.requests.push(Vec::new());
+                }
+                let request = ng.group.requests.len() - 1;
+                let charges = &mut ng.group.requests[request];
+                charges.push(charge(limit, key.clone(), &requests[r][d]));
+                placed[d] = Some(Placement {
+                    group: g,
+                    request,
+                    decision: charges.len() - 1,
+                });
+                if (cross_node || attempt.is_some()) && ng.group.record.is_none() {
+                    let (id, gen) = match attempt {
+                        Some(a) => (a.to_string(), false),
+                        None => (
+                            generated
+                                .get_or_insert_with(|| {
+                                    format!("gen-{:032x}", rand::random::<u128>())
+                                })
+                                .clone(),
+                            true,
+                        ),
+                    };
+                    ng.group.record = Some(record_key(key, &id));
+                    ng.generated = gen;
+                }
+            }
+            placements.push(placed);
+        }
+
+        let outcomes = self.send(node_groups, return_work).await;
+        let (node_groups, results) = outcomes;
+
+        // Merge the parts of each request.
+        let mut refunds: HashMap<usize, Vec<usize>> = HashMap::new();
+        for (r, plan) in plans.iter().enumerate() {
+            if answers[r].is_some() {
+                continue;
+            }
+            let parts: Vec<usize> = {
+                let mut g: Vec<usize> = placements[r].iter().flatten().map(|p| p.group).collect();
+                g.sort_unstable();
+                g.dedup();
+                g
+            };
+            let part = |g: usize| -> Result<&RequestOutcome, &StoreError> {
+                let index = node_groups[g]
+                    .requests
+                    .iter()
+                    .position(|&x| x == r)
+                    .expect("the request is in its group");
+                results[g].as_ref().map(|v| &v[index])
+            };
+            let failure = parts.iter().find_map(|&g| part(g).err()).cloned();
+            let rejected = blocked(plan)
+                || parts
+                    .iter()
+                    .any(|&g| part(g).is_ok_and(|o| !o.charged()));
+            if let (Some(e), false) = (&failure, rejected) {
+                // No verdict. Refund what no caller can replay.
+                for &g in &parts {
+                    if node_groups[g].generated {
+                        refunds.entry(g).or_default().push(index_in(&node_groups[g], r));
+                    }
+                }
+                answers[r] = Some(error_answer(from_store(e)));
+                continue;
+            }
+            let allowed = !rejected;
+            if !allowed {
+                for &g in &parts {
+                    if part(g).map_or(true, RequestOutcome::charged) {
+                        refunds.entry(g).or_default().push(index_in(&node_groups[g], r));
+                    }
+                }
+            }
+            let results_r: Vec<DecisionResult> = plan
+                .iter()
+                .zip(&placements[r])
+                .zip(&requests[r])
+                .map(|((p, placed), item)| {
+                    let sent = placed.and_then(|pl| {
+                        let part = results[pl.group].as_ref().ok()?;
+                        let request = &part[pl.request];
+                        Some((request.decisions[pl.decision], request.charged()))
+                    });
+                    self.result(p, sent, allowed, item.cost)
+                })
+                .collect();
+            answers[r] = Some(RequestAnswer {
+                allowed,
+                results: results_r,
+                error: None,
+            });
+        }
+        self.refund_in_background(node_groups, refunds);
+        answers
+            .into_iter()
+            .map(|a| a.expect("every request answered"))
+            .collect()
+    }
+
+    /// Resolves a request's items; an unknown rule (filter) fails the request.
+    fn plan(
+        &self,
+        policy: &Policy,
+        domain: &str,
+        items: &[Item],
+        caller: Caller,
+    ) -> Result<Vec<Plan>, RequestError> {
+        let mut plans = Vec::with_capacity(items.len());
+        for item in items {
+            let entries: Vec<(&str, Option<&str>)> = item
+                .entries
+                .iter()
+                .map(|(k, v)| (k.as_str(), v.as_deref()))
+                .collect();
+            let plan = match policy.resolve(domain, &entries) {
+                Resolution::Limit(limit) => {
+                    let limit = Arc::new(limit.clone());
+                    match limit.kind {
+                        LimitKind::Bucket { .. } => Plan::Charge {
+                            key: Arc::from(bucket_key(&self.key_prefix, domain, &entries)),
+                            limit,
+                        },
+                        LimitKind::Unlimited => Plan::Unlimited { limit: Some(limit) },
+                        LimitKind::Blocked => Plan::Blocked { limit },
+                    }
+                }
+                Resolution::NoLimit if caller == Caller::RateLimitService => {
+                    Plan::Unlimited { limit: None }
+                }
+                Resolution::NoLimit | Resolution::UnknownDomain => {
+                    let rule = entries
+                        .first()
+                        .filter(|(k, _)| *k == RULE_KEY)
+                        .and_then(|(_, v)| *v)
+                        .unwrap_or("");
+                    self.metrics.unknown_rule();
+                    let first = self
+                        .logged_unknown
+                        .lock()
+                        .map(|mut seen| {
+                            seen.len() < 1000 && seen.insert((domain.into(), rule.into()))
+                        })
+                        .unwrap_or(false);
+                    let message = if matches!(
+                        policy.resolve(domain, &[]),
+                        Resolution::UnknownDomain
+                    ) {
+                        format!("unknown domain {domain:?}: no policy file defines it")
+                    } else {
+                        format!("unknown rule {rule:?} in domain {domain:?} (or no limit matches its subject)")
+                    };
+                    if first {
+                        tracing::error!("configuration error: {message}");
+                    }
+                    return Err(RequestError {
+                        code: ErrorCode::UnknownRule,
+                        message,
+                    });
+                }
+            };
+            plans.push(plan);
+        }
+        // envoyproxy/ratelimit's `replaces`: a limit named by another applicable limit's
+        // `replaces` does not apply to this request.
+        let replaced: HashSet<String> = plans
+            .iter()
+            .filter_map(plan_limit)
+            .flat_map(|l| l.replaces.iter().cloned())
+            .collect();
+        if !replaced.is_empty() {
+            for p in &mut plans {
+                if plan_limit(p).is_some_and(|l| replaced.contains(&l.name)) {
+                    *p = Plan::Unlimited { limit: None };
+                }
+            }
+        }
+        Ok(plans)
+    }
+
+    fn plan_returns(
+        &self,
+        policy: &Policy,
+        domain: &str,
+        returns: &[(Vec<(String, Option<String>)>, u64, u64)],
+    ) -> Vec<(NodeId, Return)> {
+        returns
+            .iter()
+            .filter_map(|(entries, id, tokens)| {
+                let entries: Vec<(&str, Option<&str>)> =
+                    entries.iter().map(|(k, v)| (k.as_str(), v.as_deref())).collect();
+                let Resolution::Limit(limit) = policy.resolve(domain, &entries) else {
+                    return None;
+                };
+                let LimitKind::Bucket {
+                    capacity,
+                    refill_per_sec,
+                } = limit.kind
+                else {
+                    return None;
+                };
+                let key: Arc<str> = Arc::from(bucket_key(&self.key_prefix, domain, &entries));
+                Some((
+                    self.store.node_of(&key),
+                    Return {
+                        key,
+                        bucket: Bucket {
+                            capacity,
+                            refill_per_sec,
+                        },
+                        lease_id: *id,
+                        tokens: *tokens,
+                    },
+                ))
             })
             .collect()
     }
 
-    /// Decides a request that [`validate`] accepted ([`parse_request`] validates); see the module
-    /// doc for how all-or-nothing holds.
-    pub async fn decide(&self, request: &DecideRequest) -> Result<DecideResponse, DecideError> {
-        let calls = self.calls(request);
-        let n = calls.len();
-        let mut groups = if self.store.is_cluster() {
-            group_by_slot(calls)
-        } else {
-            vec![SlotGroup {
-                indices: (0..n).collect(),
-                calls,
-                generated: false,
-            }]
-        };
-        if groups.len() > 1 {
-            let mut generated: Option<String> = None;
-            for g in &mut groups {
-                for c in g.calls.iter_mut().filter(|c| c.attempt.is_empty()) {
-                    let attempt = generated
-                        .get_or_insert_with(|| format!("gen-{:032x}", rand::random::<u128>()));
-                    c.attempt_key.push_str(attempt);
-                    c.attempt.clone_from(attempt);
-                    g.generated = true;
-                }
-            }
+    /// Sends each node its work (concurrently); retries once, regrouped, what a moved slot
+    /// refused. Returns the groups as finally sent and one result per group.
+    async fn send(
+        &self,
+        groups: Vec<NodeGroup>,
+        returns: Vec<(NodeId, Return)>,
+    ) -> (Vec<NodeGroup>, Vec<Result<Vec<RequestOutcome>, StoreError>>) {
+        let mut returns_by_node: BTreeMap<NodeId, Vec<Return>> = BTreeMap::new();
+        for (node, r) in returns {
+            returns_by_node.entry(node).or_default().push(r);
         }
-        let answers =
-            futures::future::join_all(groups.iter().map(|g| self.store.apply(&g.calls))).await;
-
-        let mut outcomes: Vec<Option<Outcome>> = vec![None; n];
-        // Per group: Some(charged) when it answered, None when it failed.
-        let mut charged: Vec<Option<bool>> = Vec::with_capacity(groups.len());
-        let mut failure = None;
-        let mut rejected = false;
-        for (g, answer) in groups.iter().zip(answers) {
-            match answer {
-                Ok(answered) => {
-                    let mut group_charged = false;
-                    for (&i, o) in g.indices.iter().zip(answered) {
-                        group_charged |= o.charged;
-                        rejected |= !o.charged;
-                        outcomes[i] = Some(o);
-                    }
-                    charged.push(Some(group_charged));
-                }
-                Err(e) => {
-                    charged.push(None);
-                    failure = Some(e);
-                }
-            }
+        let mut calls = Vec::new();
+        for ng in &groups {
+            calls.push((
+                ng.node.clone(),
+                Work {
+                    groups: vec![ng.group.clone()],
+                    returns: returns_by_node.remove(&ng.node).unwrap_or_default(),
+                },
+            ));
         }
-        if let Some(e) = failure {
-            if !rejected {
-                // No verdict: 503. Refund what no caller can ever replay.
-                let refunds: Vec<Vec<BucketCall>> = groups
-                    .into_iter()
-                    .filter(|g| g.generated)
-                    .map(|g| g.calls)
-                    .collect();
-                self.refund_in_background(refunds, "a failed slot");
-                return Err(e.into());
-            }
-            tracing::warn!("a slot failed ({e}) but another rejected: answering the rejection");
+        for (node, rs) in returns_by_node {
+            calls.push((
+                node,
+                Work {
+                    groups: Vec::new(),
+                    returns: rs,
+                },
+            ));
         }
-        // Here a failure implies a rejection (the 503 case returned above).
-        let allowed = !rejected;
-        if !allowed {
-            // Rejected: give back what charged, and what a failed slot may have charged.
-            let refunds: Vec<Vec<BucketCall>> = groups
+        let answers = futures::future::join_all(
+            calls
                 .into_iter()
-                .zip(&charged)
-                .filter(|(_, c)| **c != Some(false))
-                .map(|(g, _)| g.calls)
-                .collect();
-            self.refund_in_background(refunds, "a rejected slot");
-        }
-        let results: Vec<DecisionResult> = outcomes
+                .map(|(node, work)| self.store.apply(node, work)),
+        )
+        .await;
+        let mut results: Vec<Result<Vec<RequestOutcome>, StoreError>> = answers
             .into_iter()
-            .zip(&request.decisions)
-            .map(|(o, d)| {
-                let mut o = o.unwrap_or(NO_ANSWER);
-                if !allowed && o.charged {
-                    // As it will be once the background refund has given `cost` back.
-                    o.remaining = (o.remaining as f64 + d.cost).min(d.capacity) as u64;
+            .take(groups.len())
+            .map(|a| a.map(|mut g| if g.is_empty() { Vec::new() } else { g.remove(0) }))
+            .collect();
+        // A moved slot: nothing was written on that node. Read the slot map again and resend
+        // that group's work to where its keys live now (once).
+        let moved: Vec<usize> = results
+            .iter()
+            .enumerate()
+            .filter(|(_, r)| matches!(r, Err(StoreError::Moved(_))))
+            .map(|(i, _)| i)
+            .collect();
+        if moved.is_empty() {
+            return (groups, results);
+        }
+        self.store.refresh_topology().await;
+        let mut groups = groups;
+        for g in moved {
+            let regrouped = self.regroup(&groups[g]);
+            if regrouped.len() != 1 {
+                // The group's keys now live on several nodes: answer it as unavailable this time
+                // (nothing was charged); the next call is grouped by the new map.
+                continue;
+            }
+            let (node, group) = regrouped.into_iter().next().expect("one group");
+            let answer = self
+                .store
+                .apply(
+                    node.clone(),
+                    Work {
+                        groups: vec![group.clone()],
+                        returns: Vec::new(),
+                    },
+                )
+                .await;
+            groups[g].node = node;
+            groups[g].group = group;
+            results[g] = answer.map(|mut v| if v.is_empty() { Vec::new() } else { v.remove(0) });
+        }
+        (groups, results)
+    }
+
+    /// A group's requests by the node that serves their keys now.
+    fn regroup(&self, ng: &NodeGroup) -> Vec<(NodeId, Group)> {
+        let mut by: BTreeMap<NodeId, Group> = BTreeMap::new();
+        for request in &ng.group.requests {
+            let Some(first) = request.first() else {
+                continue;
+            };
+            let node = self.store.node_of(&first.key);
+            if request.iter().any(|c| self.store.node_of(&c.key) != node) {
+                return Vec::new();
+            }
+            by.entry(node)
+                .or_insert_with(|| Group {
+                    record: ng.group.record.as_ref().map(|rec| {
+                        let attempt = rec.rsplit_once(":a:").map_or("", |(_, a)| a);
+                        record_key(&first.key, attempt)
+                    }),
+                    requests: Vec::new(),
+                })
+                .requests
+                .push(request.clone());
+        }
+        by.into_iter().collect()
+    }
+
+    /// The wire result of one decision: `sent` is its bucket's outcome and whether its part
+    /// charged, when it has one.
+    fn result(
+        &self,
+        plan: &Plan,
+        sent: Option<(Outcome, bool)>,
+        request_allowed: bool,
+        cost: u64,
+    ) -> DecisionResult {
+        match plan {
+            Plan::Unlimited { limit } => {
+                if let Some(l) = limit {
+                    self.metrics.decision(&l.name, Verdict::Unlimited);
+                }
+                DecisionResult {
+                    allowed: true,
+                    remaining: 0,
+                    retry_after_ms: 0,
+                    reset_ms: 0,
+                    reason: Reason::Unlimited,
+                    limit: None,
+                    shadow: false,
+                    leased: 0,
+                }
+            }
+            Plan::Blocked { limit } => {
+                self.metrics.decision(
+                    &limit.name,
+                    if limit.shadow {
+                        Verdict::ShadowRejected
+                    } else {
+                        Verdict::Blocked
+                    },
+                );
+                DecisionResult {
+                    allowed: limit.shadow,
+                    remaining: 0,
+                    retry_after_ms: 0,
+                    reset_ms: 0,
+                    reason: Reason::Blocked,
+                    limit: Some(AppliedLimit {
+                        name: limit.name.clone(),
+                        capacity: 0,
+                        refill_per_sec: 0.0,
+                    }),
+                    shadow: limit.shadow,
+                    leased: 0,
+                }
+            }
+            Plan::Charge { limit, .. } => {
+                let LimitKind::Bucket {
+                    capacity,
+                    refill_per_sec,
+                } = limit.kind
+                else {
+                    unreachable!("a charge has a bucket limit")
+                };
+                let applied = Some(AppliedLimit {
+                    name: limit.name.clone(),
+                    capacity,
+                    refill_per_sec,
+                });
+                let Some((mut o, part_charged)) = sent else {
+                    // Its part failed while another rejected, or the request was rejected
+                    // before it was sent: no figures.
+                    return DecisionResult {
+                        allowed: false,
+                        remaining: 0,
+                        retry_after_ms: 0,
+                        reset_ms: 0,
+                        reason: Reason::Ok,
+                        limit: applied,
+                        shadow: limit.shadow,
+                        leased: 0,
+                    };
+                };
+                let verdict = match (o.allowed, limit.shadow) {
+                    (true, _) if request_allowed => Verdict::Allowed,
+                    (true, _) => Verdict::NotCharged,
+                    (false, true) => Verdict::ShadowRejected,
+                    (false, false) => Verdict::Rejected,
+                };
+                self.metrics.decision(&limit.name, verdict);
+                if !request_allowed && part_charged && o.allowed {
+                    // Another node rejected: as it will be once the refund has given the cost
+                    // and the lease back.
+                    let back = cost + o.leased;
+                    o.remaining = o.remaining.saturating_add(back).min(capacity);
                     o.reset_ms = o
                         .reset_ms
-                        .saturating_sub((d.cost / d.refill_per_sec * 1000.0) as u64);
+                        .saturating_sub((back as f64 / refill_per_sec * 1000.0) as u64);
                 }
-                self.metrics.decision(o.allowed && allowed);
                 DecisionResult {
-                    allowed: o.allowed,
+                    allowed: o.allowed || limit.shadow,
                     remaining: o.remaining,
                     retry_after_ms: o.retry_after_ms,
                     reset_ms: o.reset_ms,
                     reason: o.reason,
+                    limit: applied,
+                    shadow: limit.shadow,
+                    leased: if request_allowed { o.leased } else { 0 },
                 }
-            })
-            .collect();
-        Ok(DecideResponse { allowed, results })
+            }
+        }
     }
 
-    /// Refunds `groups` (each one script call) in a task of its own, so neither the answer nor a
-    /// caller that gives up waits for it or cancels it. Counts a compensation once every refund
-    /// completed.
-    fn refund_in_background(&self, groups: Vec<Vec<BucketCall>>, after: &'static str) {
-        if groups.is_empty() {
+    /// Refunds the listed requests of each group in a task of its own, so neither the answer nor
+    /// a caller that gives up waits for it or cancels it. Counts a compensation per group once
+    /// its refund completed.
+    fn refund_in_background(&self, groups: Vec<NodeGroup>, refunds: HashMap<usize, Vec<usize>>) {
+        if refunds.is_empty() {
+            return;
+        }
+        let work: Vec<(NodeId, Group, Vec<usize>)> = groups
+            .into_iter()
+            .enumerate()
+            .filter_map(|(g, ng)| {
+                let list = refunds.get(&g)?.clone();
+                ng.group.record.is_some().then_some((ng.node, ng.group, list))
+            })
+            .collect();
+        if work.is_empty() {
             return;
         }
         let store = self.store.clone();
         let metrics = self.metrics.clone();
         tokio::spawn(async move {
-            let refunds = futures::future::join_all(groups.iter().map(|b| store.refund(b))).await;
-            let mut complete = true;
-            for refund in refunds {
-                if let Err(e) = refund {
-                    complete = false;
-                    tracing::warn!(
-                        "refund after {after} did not complete, tokens stay deducted until they refill: {e}"
-                    );
+            let done = futures::future::join_all(
+                work.into_iter()
+                    .map(|(node, group, list)| store.refund(node, group, list)),
+            )
+            .await;
+            for r in done {
+                match r {
+                    Ok(_) => {
+                        metrics.compensations.inc();
+                    }
+                    Err(e) => tracing::warn!(
+                        "refund did not complete, tokens stay deducted until they refill: {e}"
+                    ),
                 }
-            }
-            if complete {
-                metrics.compensations.inc();
             }
         });
     }
 }
 
-/// The answer for a decision whose slot failed while another slot rejected: not allowed (the
-/// request does not pass), but its bucket refused nothing (`ok`), and no figures are known.
-const NO_ANSWER: Outcome = Outcome {
-    allowed: false,
-    remaining: 0,
-    retry_after_ms: 0,
-    reset_ms: 0,
-    reason: Reason::Ok,
-    charged: false,
-};
+/// The entries of a filter decision: `rule=<name>`, then the subject.
+fn rule_entries(rule: String, subject: ratelimit_wire::Subject) -> Vec<(String, Option<String>)> {
+    let mut entries = Vec::with_capacity(1 + subject.0.len());
+    entries.push((RULE_KEY.to_string(), Some(rule)));
+    entries.extend(subject.0);
+    entries
+}
+
+fn charge(limit: &Limit, key: Arc<str>, item: &Item) -> Charge {
+    let LimitKind::Bucket {
+        capacity,
+        refill_per_sec,
+    } = limit.kind
+    else {
+        unreachable!("only bucket limits are charged")
+    };
+    Charge {
+        key,
+        bucket: Bucket {
+            capacity,
+            refill_per_sec,
+        },
+        cost: item.cost,
+        shadow: limit.shadow,
+        lease: item.lease.filter(|l| l.tokens > 0),
+    }
+}
+
+fn plan_limit(p: &Plan) -> Option<&Limit> {
+    match p {
+        Plan::Charge { limit, .. } | Plan::Blocked { limit } => Some(limit),
+        Plan::Unlimited { limit } => limit.as_deref(),
+    }
+}
+
+/// A non-shadow blocked limit rejects the request before anything is sent.
+fn blocked(plan: &[Plan]) -> bool {
+    plan.iter()
+        .any(|p| matches!(p, Plan::Blocked { limit } if !limit.shadow))
+}
+
+fn index_in(ng: &NodeGroup, r: usize) -> usize {
+    ng.requests
+        .iter()
+        .position(|&x| x == r)
+        .expect("the request is in its group")
+}
+
+fn error_answer(e: RequestError) -> RequestAnswer {
+    RequestAnswer {
+        allowed: false,
+        results: Vec::new(),
+        error: Some(e),
+    }
+}
+
+fn from_store(e: &StoreError) -> RequestError {
+    RequestError {
+        code: if e.is_deterministic() {
+            ErrorCode::ScriptFailed
+        } else {
+            ErrorCode::Unavailable
+        },
+        message: e.to_string(),
+    }
+}
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Mutex;
+    use std::sync::Mutex as StdMutex;
 
-    use ratelimit_wire::{Decision, Reason};
+    use ratelimit_wire::{Decision, RequestDecisions, Subject};
 
     use super::*;
+    use crate::policy::Bounds;
+    use crate::store::memory::MemoryStore;
 
-    fn decision(key: &str) -> Decision {
-        Decision {
-            key: key.into(),
-            capacity: 10.0,
-            refill_per_sec: 1.0,
-            cost: 1.0,
-            attempt: None,
+    const T0: u64 = 1_700_000_000_000_000;
+
+    const POLICY: &str = r#"
+rules:
+  per-app:
+    capacity: 5
+    refill_per_sec: 1
+    overrides:
+      - when: {app: vip}
+        unlimited: true
+      - when: {app: banned}
+        blocked: true
+  per-ip: {capacity: 2, refill_per_sec: 1}
+  trial: {capacity: 1, refill_per_sec: 1, shadow_mode: true}
+"#;
+
+    fn policy(metrics: &Arc<Metrics>) -> Arc<PolicyHandle> {
+        let p = Policy::from_sources(&[("limits.yaml".into(), POLICY.into())], &Bounds::default())
+            .unwrap();
+        PolicyHandle::fixed(p, metrics.clone())
+    }
+
+    fn decision(rule: &str, dims: &[(&str, Option<&str>)]) -> Decision {
+        let mut subject = Subject::new();
+        for (k, v) in dims {
+            subject.push(*k, v.map(String::from));
         }
+        Decision {
+            rule: rule.into(),
+            subject,
+            cost: 1,
+            lease: None,
+        }
+    }
+
+    fn call(requests: Vec<Vec<Decision>>) -> DecideRequest {
+        DecideRequest {
+            domain: "ratelimit".into(),
+            attempt: None,
+            requests: requests
+                .into_iter()
+                .map(|decisions| RequestDecisions { decisions })
+                .collect(),
+            returns: Vec::new(),
+        }
+    }
+
+    fn decider<S: BucketStore>(store: Arc<S>) -> (Decider<S>, Arc<Metrics>) {
+        let metrics = Arc::new(Metrics::new());
+        (
+            Decider::new(store, policy(&metrics), "rl:", metrics.clone()),
+            metrics,
+        )
     }
 
     fn err(body: &str) -> String {
         match parse_request(body.as_bytes()) {
             Err(DecideError::Invalid(e)) => e,
-            other => panic!("{body} should be invalid, got {other:?}"),
+            Ok(_) => panic!("{body} should be invalid"),
         }
     }
 
     #[test]
     fn validation_names_the_field() {
         assert!(err("nope").contains("expected"));
-        assert!(err(r#"{"decisions":[]}"#).starts_with("decisions:"));
-        let e = err(r#"{"decisions":[{"key":"k","refill_per_sec":1}]}"#);
-        assert!(
-            e.starts_with("decisions[0]") && e.contains("capacity"),
-            "{e}"
-        );
-        let e = err(r#"{"decisions":[{"key":"k","capacity":"10","refill_per_sec":1}]}"#);
-        assert!(e.starts_with("decisions[0].capacity:"), "{e}");
-        let e = err(
-            r#"{"decisions":[{"key":"k","capacity":1,"refill_per_sec":1},{"key":"j","capacity":0,"refill_per_sec":1}]}"#,
-        );
-        assert_eq!(e, "decisions[1].capacity: must be a number > 0, got 0");
-        let e = err(r#"{"decisions":[{"key":"k","capacity":1,"refill_per_sec":-1}]}"#);
-        assert!(e.starts_with("decisions[0].refill_per_sec:"), "{e}");
-        let e = err(r#"{"decisions":[{"key":"k","capacity":1,"refill_per_sec":1,"cost":0}]}"#);
-        assert!(e.starts_with("decisions[0].cost:"), "{e}");
-        let e = err(r#"{"decisions":[{"key":"","capacity":1,"refill_per_sec":1}]}"#);
-        assert!(e.starts_with("decisions[0].key:"), "{e}");
-        for key in ["}x", "k}:a:x", "a{b", "x}", "{}"] {
-            let e = err(&format!(
-                r#"{{"decisions":[{{"key":"{key}","capacity":1,"refill_per_sec":1}}]}}"#
-            ));
-            assert!(
-                e.starts_with("decisions[0].key: must not contain"),
-                "{key}: {e}"
-            );
-        }
-        let e = err(
-            r#"{"decisions":[{"key":"a","capacity":1,"refill_per_sec":1},{"key":"b","capacity":1,"refill_per_sec":1},{"key":"a","capacity":2,"refill_per_sec":1}]}"#,
-        );
-        assert!(
-            e.starts_with("decisions[2].key: duplicate of decisions[0]"),
-            "{e}"
-        );
-        let e = err(r#"{"decisions":[{"key":"k","capacity":1,"refill_per_sec":1}]} x"#);
+        assert!(err(r#"{"requests":[]}"#).starts_with("requests:"));
+        assert!(err(r#"{"requests":[{"decisions":[]}]}"#).starts_with("requests[0].decisions:"));
+        let e = err(r#"{"requests":[{"decisions":[{"rule":""}]}]}"#);
+        assert!(e.starts_with("requests[0].decisions[0].rule:"), "{e}");
+        let e = err(r#"{"requests":[{"decisions":[{"rule":"r","cost":0}]}]}"#);
+        assert!(e.starts_with("requests[0].decisions[0].cost:"), "{e}");
+        let e = err(r#"{"requests":[{"decisions":[{"rule":"r","subject":{"rule":"x"}}]}]}"#);
+        assert!(e.starts_with("requests[0].decisions[0].subject:"), "{e}");
+        let e = err(r#"{"requests":[{"decisions":[{"rule":"r","subject":{"a":"x","a":"y"}}]}]}"#);
+        assert!(e.contains("subject.a: named twice"), "{e}");
+        let e = err(r#"{"requests":[{"decisions":[{"rule":"r","capacity":5}]}]}"#);
+        assert!(e.contains("capacity"), "{e}");
+        let e = err(r#"{"requests":[{"decisions":[{"rule":"r","lease":{"id":1,"tokens":5,"ttl_ms":0}}]}]}"#);
+        assert!(e.starts_with("requests[0].decisions[0].lease.ttl_ms:"), "{e}");
+        let e = err(r#"{"requests":[{"decisions":[{"rule":"r"}]}]} x"#);
         assert!(e.contains("trailing"), "{e}");
-        let e = err(r#"{"decisions":[{"key":"k","capacity":1,"refill_per_sec":1,"colour":1}]}"#);
-        assert!(e.contains("colour"), "{e}");
-    }
-
-    #[test]
-    fn limits_on_counts_and_lengths() {
-        let mut r = DecideRequest {
-            decisions: (0..=MAX_DECISIONS)
-                .map(|i| decision(&format!("k{i}")))
-                .collect(),
-        };
-        assert!(validate(&r).is_err());
-        r.decisions.truncate(MAX_DECISIONS);
-        assert!(validate(&r).is_ok());
-        r.decisions[3].key = "x".repeat(MAX_KEY_BYTES + 1);
-        assert!(validate(&r).is_err());
-        r.decisions[3].key = "x".repeat(MAX_KEY_BYTES);
-        assert!(validate(&r).is_ok());
-        r.decisions[4].attempt = Some("a".repeat(MAX_KEY_BYTES + 1));
-        assert!(validate(&r).is_err());
-        r.decisions[4].attempt = None;
-        r.decisions[5].cost = f64::INFINITY;
-        assert!(validate(&r).is_err());
-        r.decisions[5].cost = f64::NAN;
-        assert!(validate(&r).is_err());
-    }
-
-    #[test]
-    fn slots_follow_the_cluster_spec() {
-        // Values from the Redis Cluster specification and `CLUSTER KEYSLOT`.
-        assert_eq!(cluster_slot(b"123456789"), 0x31C3);
-        assert_eq!(cluster_slot(b"foo"), 12182);
-        assert_eq!(
-            cluster_slot(b"{user1000}.following"),
-            cluster_slot(b"{user1000}.followers")
+        let many = format!(
+            r#"{{"requests":[{}]}}"#,
+            vec![r#"{"decisions":[{"rule":"r"}]}"#; MAX_REQUESTS + 1].join(",")
         );
-        assert_eq!(cluster_slot(b"foo{}{bar}"), cluster_slot(b"foo{}{bar}"));
-        assert_ne!(cluster_slot(b"foo{}{bar}"), cluster_slot(b"bar"));
-        assert_eq!(cluster_slot(b"foo{{bar}}zap"), cluster_slot(b"{bar"));
-        for key in ["a", "rl:{app:alpha}", "x{y}z", "{}", "{", "}{a}"] {
-            assert_eq!(
-                redis::cluster_routing::Slot::for_key(key),
-                redis::cluster_routing::Slot::new(cluster_slot(key.as_bytes())).unwrap(),
-                "{key}"
-            );
-        }
+        assert!(err(&many).contains("at most"));
     }
 
-    #[test]
-    fn a_bucket_and_its_attempt_records_share_a_slot() {
-        let d = Decider::new(Arc::new(Fake::default()), "rl:", Arc::new(Metrics::new()));
-        for key in ["alpha", "a}b", "{x", "weird{}key", "x}", "{}"] {
-            let mut r = DecideRequest {
-                decisions: vec![decision(key)],
-            };
-            r.decisions[0].attempt = Some("r-1".into());
-            let c = &d.calls(&r)[0];
+    #[tokio::test]
+    async fn a_bucket_admits_its_capacity_and_answers_with_the_limit_it_applied() {
+        let store = Arc::new(MemoryStore::new(T0, 0.1, 10_000));
+        let (d, _) = decider(store);
+        for i in 0..5 {
+            let a = d
+                .decide(call(vec![vec![decision("per-app", &[("app", Some("a"))])]]))
+                .await;
+            assert!(a.answers[0].allowed, "request {i}");
+            let r = &a.answers[0].results[0];
+            assert_eq!(r.remaining, 4 - i);
             assert_eq!(
-                cluster_slot(c.bucket_key.as_bytes()),
-                cluster_slot(c.attempt_key.as_bytes()),
-                "{c:?}"
+                r.limit,
+                Some(AppliedLimit {
+                    name: "per-app".into(),
+                    capacity: 5,
+                    refill_per_sec: 1.0
+                })
             );
         }
+        let a = d
+            .decide(call(vec![vec![decision("per-app", &[("app", Some("a"))])]]))
+            .await;
+        assert!(!a.answers[0].allowed);
+        assert_eq!(a.answers[0].results[0].reason, Reason::Insufficient);
+        assert_eq!(a.answers[0].results[0].retry_after_ms, 1000);
     }
 
-    #[test]
-    fn grouping_keeps_request_order_within_a_slot() {
-        let d = Decider::new(Arc::new(Fake::default()), "rl:", Arc::new(Metrics::new()));
-        let keys: Vec<String> = (0..50).map(|i| format!("k{i}")).collect();
-        let r = DecideRequest {
-            decisions: keys.iter().map(|k| decision(k)).collect(),
+    #[tokio::test]
+    async fn requests_of_one_call_are_decided_in_order_each_all_or_nothing() {
+        let store = Arc::new(MemoryStore::new(T0, 0.1, 10_000));
+        let (d, _) = decider(store.clone());
+        let both = || {
+            vec![
+                decision("per-app", &[("app", Some("a"))]),
+                decision("per-ip", &[("ip", Some("1.2.3.4"))]),
+            ]
         };
-        let calls = d.calls(&r);
-        let groups = group_by_slot(calls.clone());
-        let mut seen: Vec<usize> = groups.iter().flat_map(|g| g.indices.clone()).collect();
-        seen.sort();
-        assert_eq!(seen, (0..50).collect::<Vec<_>>());
-        for g in &groups {
-            assert!(g.indices.windows(2).all(|w| w[0] < w[1]));
-            let slot = cluster_slot(g.calls[0].bucket_key.as_bytes());
-            for (&i, c) in g.indices.iter().zip(&g.calls) {
-                assert_eq!(*c, calls[i]);
-                assert_eq!(cluster_slot(c.bucket_key.as_bytes()), slot);
+        let a = d.decide(call(vec![both(), both(), both()])).await;
+        let allowed: Vec<bool> = a.answers.iter().map(|a| a.allowed).collect();
+        assert_eq!(allowed, [true, true, false], "per-ip holds 2");
+        // The third request's per-app decision could pay but was not charged.
+        assert!(a.answers[2].results[0].allowed);
+        assert_eq!(
+            store.stored_tokens("rl:{ratelimit|rule=per-app|app=a}"),
+            Some(3.0)
+        );
+    }
+
+    #[tokio::test]
+    async fn overrides_unknown_rules_and_shadow_mode() {
+        let store = Arc::new(MemoryStore::new(T0, 0.1, 10_000));
+        let (d, metrics) = decider(store.clone());
+        let a = d
+            .decide(call(vec![
+                vec![decision("per-app", &[("app", Some("vip"))])],
+                vec![decision("per-app", &[("app", Some("banned"))])],
+                vec![decision("nope", &[])],
+                vec![decision("trial", &[]), decision("trial", &[])],
+            ]))
+            .await;
+        assert!(a.answers[0].allowed);
+        assert_eq!(a.answers[0].results[0].reason, Reason::Unlimited);
+        assert!(!a.answers[1].allowed);
+        assert_eq!(a.answers[1].results[0].reason, Reason::Blocked);
+        let e = a.answers[2].error.as_ref().expect("unknown rule");
+        assert_eq!(e.code, ErrorCode::UnknownRule);
+        assert!(e.message.contains("\"nope\""), "{}", e.message);
+        // Shadow mode: the second decision finds the bucket empty but does not reject.
+        assert!(a.answers[3].allowed);
+        assert!(a.answers[3].results[1].shadow);
+        assert_eq!(a.answers[3].results[1].reason, Reason::Insufficient);
+        assert_eq!(store.stored_tokens("rl:{ratelimit|rule=per-app|app=vip}"), None);
+        let text = metrics.encode();
+        assert!(text.contains("ratelimit_unknown_rule_total 1"), "{text}");
+        assert!(
+            text.contains("ratelimit_decisions_total{limit=\"trial\",verdict=\"shadow_rejected\"} 1"),
+            "{text}"
+        );
+    }
+
+    #[tokio::test]
+    async fn unknown_subjects_share_one_bucket() {
+        let store = Arc::new(MemoryStore::new(T0, 0.1, 10_000));
+        let (d, _) = decider(store.clone());
+        for _ in 0..2 {
+            let a = d
+                .decide(call(vec![vec![decision("per-ip", &[("ip", None)])]]))
+                .await;
+            assert!(a.answers[0].allowed);
+        }
+        let a = d
+            .decide(call(vec![vec![decision("per-ip", &[("ip", None)])]]))
+            .await;
+        assert!(!a.answers[0].allowed);
+        assert_eq!(store.stored_tokens("rl:{ratelimit|rule=per-ip|ip~}"), Some(0.0));
+    }
+
+    /// Two in-memory nodes: keys containing "=n2" live on node 2. Records the refunds.
+    struct TwoNodes {
+        n1: MemoryStore,
+        n2: MemoryStore,
+        fail_n2: bool,
+        refunds: StdMutex<Vec<(NodeId, Vec<usize>)>>,
+    }
+
+    impl TwoNodes {
+        fn new(fail_n2: bool) -> Self {
+            TwoNodes {
+                n1: MemoryStore::new(T0, 0.1, 10_000),
+                n2: MemoryStore::new(T0, 0.1, 10_000),
+                fail_n2,
+                refunds: StdMutex::new(Vec::new()),
             }
         }
-        assert!(groups.len() > 1);
-    }
-
-    /// A store that admits every bucket except the keys listed in `reject`, times out on a call
-    /// that holds a key listed in `fail`, and records calls; `refund_hangs` makes refunds never
-    /// finish.
-    #[derive(Default)]
-    struct Fake {
-        cluster: bool,
-        reject: Vec<String>,
-        fail: Vec<String>,
-        refund_hangs: bool,
-        applied: Mutex<Vec<Vec<BucketCall>>>,
-        refunded: Mutex<Vec<Vec<BucketCall>>>,
-    }
-
-    impl Fake {
-        /// The refunds started so far, once `n` have been (they run in the background).
-        async fn refunds(&self, n: usize) -> Vec<Vec<BucketCall>> {
+        fn node(&self, n: &NodeId) -> &MemoryStore {
+            if &*n.0 == "n2" {
+                &self.n2
+            } else {
+                &self.n1
+            }
+        }
+        async fn refunds(&self, n: usize) -> Vec<(NodeId, Vec<usize>)> {
             for _ in 0..200 {
-                if self.refunded.lock().unwrap().len() >= n {
+                if self.refunds.lock().unwrap().len() >= n {
                     break;
                 }
                 tokio::time::sleep(std::time::Duration::from_millis(5)).await;
             }
-            self.refunded.lock().unwrap().clone()
-        }
-
-        /// The bucket keys refunded once at least `n` refunds arrived, sorted.
-        async fn refunded_keys(&self, n: usize) -> Vec<String> {
-            let mut keys: Vec<String> = self
-                .refunds(n)
-                .await
-                .iter()
-                .flatten()
-                .map(|c| c.bucket_key.clone())
-                .collect();
-            keys.sort();
-            keys
+            self.refunds.lock().unwrap().clone()
         }
     }
 
-    impl BucketStore for Fake {
-        async fn apply(&self, calls: &[BucketCall]) -> Result<Vec<Outcome>, StoreError> {
-            self.applied.lock().unwrap().push(calls.to_vec());
-            if calls.iter().any(|c| self.fail.contains(&c.bucket_key)) {
-                return Err(StoreError::Timeout { timeout_ms: 50 });
+    impl BucketStore for TwoNodes {
+        fn node_of(&self, key: &str) -> NodeId {
+            NodeId(Arc::from(if key.contains("=n2") { "n2" } else { "n1" }))
+        }
+        async fn apply(
+            &self,
+            node: NodeId,
+            work: Work,
+        ) -> Result<Vec<Vec<RequestOutcome>>, StoreError> {
+            if self.fail_n2 && &*node.0 == "n2" {
+                return Err(StoreError::Timeout { timeout_ms: 5 });
             }
-            let admit = calls.iter().all(|c| !self.reject.contains(&c.bucket_key));
-            Ok(calls
-                .iter()
-                .map(|c| Outcome {
-                    allowed: !self.reject.contains(&c.bucket_key),
-                    remaining: if admit { 4 } else { 5 },
-                    retry_after_ms: 0,
-                    reset_ms: 0,
-                    reason: Reason::Ok,
-                    charged: admit,
-                })
-                .collect())
+            Ok(self.node(&node).run(&work))
         }
-        async fn refund(&self, calls: &[BucketCall]) -> Result<Vec<Outcome>, StoreError> {
-            self.refunded.lock().unwrap().push(calls.to_vec());
-            if self.refund_hangs {
-                std::future::pending::<()>().await;
-            }
-            Ok(calls
-                .iter()
-                .map(|_| Outcome {
-                    allowed: false,
-                    remaining: 5,
-                    retry_after_ms: 0,
-                    reset_ms: 0,
-                    reason: Reason::Ok,
-                    charged: false,
-                })
-                .collect())
-        }
-        fn is_cluster(&self) -> bool {
-            self.cluster
-        }
-    }
-
-    fn two_slots() -> DecideRequest {
-        assert_ne!(cluster_slot(b"rl:{a}"), cluster_slot(b"rl:{b}"));
-        DecideRequest {
-            decisions: vec![decision("a"), decision("b")],
+        async fn refund(
+            &self,
+            node: NodeId,
+            group: Group,
+            requests: Vec<usize>,
+        ) -> Result<bool, StoreError> {
+            self.refunds
+                .lock()
+                .unwrap()
+                .push((node.clone(), requests.clone()));
+            Ok(self.node(&node).refund_now(&group, &requests))
         }
     }
 
     #[tokio::test]
-    async fn single_node_sends_one_call_without_generated_attempts() {
-        let fake = Arc::new(Fake::default());
-        let d = Decider::new(fake.clone(), "rl:", Arc::new(Metrics::new()));
-        let r = d.decide(&two_slots()).await.unwrap();
-        assert!(r.allowed);
-        let applied = fake.applied.lock().unwrap();
-        assert_eq!(applied.len(), 1);
-        assert!(applied[0].iter().all(|c| c.attempt.is_empty()));
-    }
-
-    #[tokio::test]
-    async fn cross_slot_rejection_refunds_the_slots_that_charged() {
-        let fake = Arc::new(Fake {
-            cluster: true,
-            reject: vec!["rl:{b}".into()],
-            ..Fake::default()
-        });
-        let metrics = Arc::new(Metrics::new());
-        let d = Decider::new(fake.clone(), "rl:", metrics.clone());
-        let r = d.decide(&two_slots()).await.unwrap();
-        assert!(!r.allowed);
-        assert!(r.results[0].allowed && !r.results[1].allowed);
-        assert_eq!(r.results[0].remaining, 5, "remaining after the refund");
-        {
-            let applied = fake.applied.lock().unwrap();
-            assert_eq!(applied.len(), 2);
-            let attempt = &applied[0][0].attempt;
-            assert!(attempt.starts_with("gen-"), "{attempt}");
-            assert!(applied[0][0].attempt_key.ends_with(attempt.as_str()));
-        }
-        let refunded = fake.refunds(1).await;
-        assert_eq!(refunded.len(), 1);
-        assert_eq!(refunded[0][0].bucket_key, "rl:{a}");
+    async fn a_rejection_on_one_node_refunds_what_another_node_charged() {
+        let store = Arc::new(TwoNodes::new(false));
+        let (d, metrics) = decider(store.clone());
+        let req = || {
+            vec![
+                decision("per-app", &[("app", Some("n1"))]),
+                decision("per-ip", &[("ip", Some("n2"))]),
+            ]
+        };
+        // per-ip (on n2) holds 2: the third request is rejected there, and its per-app charge on
+        // n1 is given back.
+        let a = d.decide(call(vec![req(), req(), req()])).await;
+        let allowed: Vec<bool> = a.answers.iter().map(|a| a.allowed).collect();
+        assert_eq!(allowed, [true, true, false]);
+        assert_eq!(a.answers[2].results[0].remaining, 3, "as it will be after the refund");
+        let refunds = store.refunds(1).await;
+        assert_eq!(refunds, vec![(NodeId(Arc::from("n1")), vec![2])]);
+        assert_eq!(
+            store.n1.stored_tokens("rl:{ratelimit|rule=per-app|app=n1}"),
+            Some(3.0)
+        );
         for _ in 0..100 {
             if metrics.encode().contains("ratelimit_compensations_total 1") {
                 return;
@@ -648,97 +1193,84 @@ mod tests {
         panic!("the completed refund was never counted");
     }
 
-    fn three_slots() -> DecideRequest {
-        let slots = [b"rl:{a}", b"rl:{b}", b"rl:{c}"].map(|k| cluster_slot(k));
-        assert!(slots[0] != slots[1] && slots[1] != slots[2] && slots[0] != slots[2]);
-        DecideRequest {
-            decisions: vec![decision("a"), decision("b"), decision("c")],
-        }
-    }
-
     #[tokio::test]
-    async fn a_failed_slot_does_not_hide_a_rejection_from_another() {
-        let fake = Arc::new(Fake {
-            cluster: true,
-            reject: vec!["rl:{b}".into()],
-            fail: vec!["rl:{c}".into()],
-            ..Fake::default()
-        });
-        let d = Decider::new(fake.clone(), "rl:", Arc::new(Metrics::new()));
-        let r = d
-            .decide(&three_slots())
-            .await
-            .expect("a rejection, not an error");
-        assert!(!r.allowed);
-        assert!(r.results[0].allowed, "a could pay (and is refunded)");
-        assert!(!r.results[1].allowed);
-        let c = &r.results[2];
-        assert!(!c.allowed, "no answer from c: not allowed");
+    async fn a_failed_node_makes_a_request_unavailable_unless_another_rejected() {
+        let store = Arc::new(TwoNodes::new(true));
+        let (d, _) = decider(store.clone());
+        let a = d
+            .decide(call(vec![
+                vec![
+                    decision("per-app", &[("app", Some("n1"))]),
+                    decision("per-ip", &[("ip", Some("n2"))]),
+                ],
+                vec![decision("per-app", &[("app", Some("n1"))])],
+            ]))
+            .await;
         assert_eq!(
-            (c.reason, c.remaining, c.retry_after_ms),
-            (Reason::Ok, 0, 0)
+            a.answers[0].error.as_ref().map(|e| e.code),
+            Some(ErrorCode::Unavailable)
         );
-        // The charged slot (a) and the failed one (c) are refunded, the rejecting one (b) is not.
-        assert_eq!(fake.refunded_keys(2).await, ["rl:{a}", "rl:{c}"]);
+        assert!(a.answers[1].allowed, "a request on the healthy node is decided");
+        // The generated record lets the charged part on n1 be refunded.
+        assert_eq!(store.refunds(2).await.len(), 2);
+        assert_eq!(
+            store.n1.stored_tokens("rl:{ratelimit|rule=per-app|app=n1}"),
+            Some(4.0),
+            "only the second request's charge stays"
+        );
+        // With a rejecting part on n1, the failed part does not turn the rejection into an error.
+        let banned = d
+            .decide(call(vec![vec![
+                decision("per-app", &[("app", Some("banned"))]),
+                decision("per-ip", &[("ip", Some("n2"))]),
+            ]]))
+            .await;
+        assert!(!banned.answers[0].allowed);
+        assert!(banned.answers[0].error.is_none());
     }
 
     #[tokio::test]
-    async fn after_a_failure_every_generated_group_is_refunded_and_caller_attempts_stay() {
-        let fake = Arc::new(Fake {
-            cluster: true,
-            fail: vec!["rl:{b}".into()],
-            ..Fake::default()
-        });
-        let d = Decider::new(fake.clone(), "rl:", Arc::new(Metrics::new()));
-        let mut req = three_slots();
-        req.decisions[0].attempt = Some("r-1".into());
-        assert!(matches!(
-            d.decide(&req).await,
-            Err(DecideError::Unavailable(StoreError::Timeout { .. }))
-        ));
-        // a carries the caller's id (a repeat would replay it): it stays. b (failed) and c
-        // (charged) carry generated ids that nobody can replay: both are refunded.
-        // The pause lets a wrong third refund (of a) arrive before the exact comparison.
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-        assert_eq!(fake.refunded_keys(2).await, ["rl:{b}", "rl:{c}"]);
-    }
-
-    #[tokio::test]
-    async fn a_rejection_is_answered_without_waiting_for_the_refund() {
-        let fake = Arc::new(Fake {
-            cluster: true,
-            reject: vec!["rl:{b}".into()],
-            refund_hangs: true,
-            ..Fake::default()
-        });
-        let metrics = Arc::new(Metrics::new());
-        let d = Decider::new(fake.clone(), "rl:", metrics.clone());
-        let r = tokio::time::timeout(std::time::Duration::from_secs(2), d.decide(&two_slots()))
-            .await
-            .expect("answered while the refund hangs")
-            .unwrap();
-        assert!(!r.allowed);
-        assert_eq!(fake.refunds(1).await.len(), 1, "the refund was started");
-        assert!(
-            metrics.encode().contains("ratelimit_compensations_total 0"),
-            "not counted before it completes"
+    async fn a_repeated_attempt_is_charged_once() {
+        let store = Arc::new(MemoryStore::new(T0, 0.1, 10_000));
+        let (d, _) = decider(store.clone());
+        let mut c = call(vec![vec![decision("per-app", &[("app", Some("a"))])]]);
+        c.attempt = Some("c-1".into());
+        let first = d.decide(c.clone()).await;
+        let again = d.decide(c).await;
+        assert_eq!(first, again);
+        assert_eq!(
+            store.stored_tokens("rl:{ratelimit|rule=per-app|app=a}"),
+            Some(4.0)
         );
     }
 
     #[tokio::test]
-    async fn cross_slot_admission_refunds_nothing_and_keeps_caller_attempts() {
-        let fake = Arc::new(Fake {
-            cluster: true,
-            ..Fake::default()
+    async fn a_lease_is_granted_and_given_back() {
+        let store = Arc::new(MemoryStore::new(T0, 0.5, 10_000));
+        let (d, _) = decider(store.clone());
+        let mut ask = decision("per-app", &[("app", Some("a"))]);
+        ask.lease = Some(LeaseAsk {
+            id: 9,
+            tokens: 10,
+            ttl_ms: 1000,
         });
-        let d = Decider::new(fake.clone(), "rl:", Arc::new(Metrics::new()));
-        let mut req = two_slots();
-        for x in &mut req.decisions {
-            x.attempt = Some("r-1".into());
-        }
-        assert!(d.decide(&req).await.unwrap().allowed);
-        assert!(fake.refunded.lock().unwrap().is_empty());
-        let applied = fake.applied.lock().unwrap();
-        assert!(applied.iter().flatten().all(|c| c.attempt == "r-1"));
+        let a = d.decide(call(vec![vec![ask]])).await;
+        assert_eq!(a.answers[0].results[0].leased, 2, "half of 5, rounded down");
+        assert_eq!(
+            store.stored_tokens("rl:{ratelimit|rule=per-app|app=a}"),
+            Some(2.0)
+        );
+        let mut give = call(vec![]);
+        give.returns.push(ratelimit_wire::LeaseReturn {
+            rule: "per-app".into(),
+            subject: decision("per-app", &[("app", Some("a"))]).subject,
+            id: 9,
+            tokens: 2,
+        });
+        d.decide(give).await;
+        assert_eq!(
+            store.stored_tokens("rl:{ratelimit|rule=per-app|app=a}"),
+            Some(4.0)
+        );
     }
 }

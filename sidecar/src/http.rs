@@ -11,25 +11,23 @@ use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use ratelimit_wire::{ErrorBody, DECIDE_PATH};
+use ratelimit_wire::{DecideResponse, ErrorBody, ErrorCode, DECIDE_PATH};
 
-use crate::decide::{parse_request, DecideError, Decider};
-use crate::metrics::{Metrics, RequestOutcome};
-use crate::store::RedisStore;
+use crate::decide::{parse_request, Decider};
+use crate::metrics::{CallOutcome, Metrics};
+use crate::store::BucketStore;
 
 /// What the handlers share.
-pub struct AppState {
-    pub decider: Decider<RedisStore>,
+pub struct AppState<S> {
+    pub decider: Arc<Decider<S>>,
     pub metrics: Arc<Metrics>,
 }
 
 /// The sidecar's routes.
-pub fn router(state: Arc<AppState>, max_body_bytes: usize) -> Router {
+pub fn router<S: BucketStore>(state: Arc<AppState<S>>, max_body_bytes: usize) -> Router {
     Router::new()
-        .route(DECIDE_PATH, post(decide))
-        .route("/healthz", get(|| async { "ok" }))
-        .route("/readyz", get(readyz))
-        .route("/metrics", get(metrics))
+        .route(DECIDE_PATH, post(decide::<S>))
+        .merge(health_router(state.clone()))
         .fallback(|| async { error(StatusCode::NOT_FOUND, "no such path".into()) })
         .method_not_allowed_fallback(|| async {
             error(StatusCode::METHOD_NOT_ALLOWED, "method not allowed".into())
@@ -38,15 +36,27 @@ pub fn router(state: Arc<AppState>, max_body_bytes: usize) -> Router {
         .with_state(state)
 }
 
+/// `/healthz`, `/readyz`, `/metrics` only (the admin listener).
+pub fn health_router<S: BucketStore>(state: Arc<AppState<S>>) -> Router<Arc<AppState<S>>> {
+    let _ = &state;
+    Router::new()
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/readyz", get(readyz::<S>))
+        .route("/metrics", get(metrics::<S>))
+}
+
 fn error(status: StatusCode, error: String) -> Response {
     (status, Json(ErrorBody { error })).into_response()
 }
 
-async fn decide(State(s): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Response {
+async fn decide<S: BucketStore>(
+    State(s): State<Arc<AppState<S>>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
     let started = Instant::now();
     let response = match body {
         Err(rejection) => {
-            s.metrics.request(RequestOutcome::BadRequest);
+            s.metrics.call("http", CallOutcome::BadRequest);
             let status = rejection.status();
             let text = if status == StatusCode::PAYLOAD_TOO_LARGE {
                 "request body is larger than --max-body-bytes".to_string()
@@ -57,33 +67,23 @@ async fn decide(State(s): State<Arc<AppState>>, body: Result<Bytes, BytesRejecti
         }
         Ok(body) => match parse_request(&body) {
             Err(e) => {
-                s.metrics.request(RequestOutcome::BadRequest);
+                s.metrics.call("http", CallOutcome::BadRequest);
                 error(StatusCode::BAD_REQUEST, e.to_string())
             }
-            Ok(request) => match s.decider.decide(&request).await {
-                Ok(answer) => {
-                    s.metrics.request(if answer.allowed {
-                        RequestOutcome::Allowed
-                    } else {
-                        RequestOutcome::Rejected
-                    });
-                    Json(answer).into_response()
+            Ok(call) => {
+                // The decision runs in a task of its own: a caller that hangs up (Envoy's
+                // callout timeout resets the stream) cancels neither its Redis calls nor the
+                // refunds that follow them.
+                let decider = s.decider.clone();
+                match tokio::spawn(async move { decider.decide(call).await }).await {
+                    Ok(answer) => respond(&s.metrics, answer),
+                    Err(e) => {
+                        s.metrics.call("http", CallOutcome::Error);
+                        tracing::error!("decision task failed: {e}");
+                        error(StatusCode::INTERNAL_SERVER_ERROR, "decision failed".into())
+                    }
                 }
-                Err(DecideError::Invalid(e)) => {
-                    s.metrics.request(RequestOutcome::BadRequest);
-                    error(StatusCode::BAD_REQUEST, e)
-                }
-                Err(DecideError::Unavailable(e)) => {
-                    s.metrics.request(RequestOutcome::Unavailable);
-                    tracing::warn!("decision failed: {e}");
-                    error(StatusCode::SERVICE_UNAVAILABLE, e.to_string())
-                }
-                Err(DecideError::Script(e)) => {
-                    s.metrics.request(RequestOutcome::Error);
-                    tracing::error!("decision failed: {e}");
-                    error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string())
-                }
-            },
+            }
         },
     };
     s.metrics
@@ -92,7 +92,56 @@ async fn decide(State(s): State<Arc<AppState>>, body: Result<Bytes, BytesRejecti
     response
 }
 
-async fn readyz(State(s): State<Arc<AppState>>) -> Response {
+/// 200 with the answers, unless every request failed for one reason: then 503 (Redis
+/// unavailable) or 500 (the script failed), so a simple caller sees the outage in the status.
+fn respond(metrics: &Metrics, answer: DecideResponse) -> Response {
+    for a in &answer.answers {
+        metrics.request(match &a.error {
+            None if a.allowed => "allowed",
+            None => "rejected",
+            Some(e) => match e.code {
+                ErrorCode::UnknownRule => "unknown_rule",
+                ErrorCode::Unavailable => "unavailable",
+                ErrorCode::ScriptFailed => "error",
+            },
+        });
+        for r in &a.results {
+            if r.leased > 0 {
+                metrics.lease_granted(r.leased);
+            }
+        }
+    }
+    let all = |code: ErrorCode| {
+        !answer.answers.is_empty()
+            && answer
+                .answers
+                .iter()
+                .all(|a| a.error.as_ref().is_some_and(|e| e.code == code))
+    };
+    let first_error = || {
+        answer
+            .answers
+            .iter()
+            .find_map(|a| a.error.as_ref().map(|e| e.message.clone()))
+            .unwrap_or_default()
+    };
+    if all(ErrorCode::Unavailable) {
+        metrics.call("http", CallOutcome::Unavailable);
+        let e = first_error();
+        tracing::warn!("decision failed: {e}");
+        return error(StatusCode::SERVICE_UNAVAILABLE, e);
+    }
+    if all(ErrorCode::ScriptFailed) {
+        metrics.call("http", CallOutcome::Error);
+        let e = first_error();
+        tracing::error!("decision failed: {e}");
+        return error(StatusCode::INTERNAL_SERVER_ERROR, e);
+    }
+    metrics.call("http", CallOutcome::Answered);
+    Json(answer).into_response()
+}
+
+async fn readyz<S: BucketStore>(State(s): State<Arc<AppState<S>>>) -> Response {
     let r = s.decider.store().readiness().await;
     let status = if r.redis_ok && r.script_loaded {
         StatusCode::OK
@@ -102,7 +151,7 @@ async fn readyz(State(s): State<Arc<AppState>>) -> Response {
     (status, Json(r)).into_response()
 }
 
-async fn metrics(State(s): State<Arc<AppState>>) -> Response {
+async fn metrics<S: BucketStore>(State(s): State<Arc<AppState<S>>>) -> Response {
     (
         [(
             header::CONTENT_TYPE,

@@ -2,13 +2,16 @@
 //! (the contract of `ratelimit-wire`) by running the token bucket of `lua/token_bucket.lua` in
 //! Redis (one node, a primary found through Sentinel, or a Cluster), and serves `/healthz`, `/readyz` and `/metrics`.
 //!
-//! Pure core, thin edges: [`decide`] validates and splits requests and merges answers, behind the
-//! [`store::BucketStore`] trait; [`http`] and `main` only adapt.
+//! Pure core, thin edges: [`policy`] owns the limits, [`decide`] validates calls, resolves limits,
+//! splits the work by Redis node and merges answers, behind the [`store::BucketStore`] trait;
+//! [`http`] and `main` only adapt.
 
 pub mod config;
 pub mod decide;
 pub mod http;
+pub mod keys;
 pub mod metrics;
+pub mod policy;
 pub mod store;
 
 use std::future::Future;
@@ -21,6 +24,9 @@ use tokio::net::TcpListener;
 use crate::decide::Decider;
 use crate::http::AppState;
 use crate::metrics::Metrics;
+use crate::policy::reload::PolicyHandle;
+use crate::policy::{Bounds, PolicyError};
+use crate::store::redis_store::StoreOptions;
 use crate::store::{RedisStore, StoreError};
 
 /// Why the sidecar could not serve.
@@ -28,6 +34,8 @@ use crate::store::{RedisStore, StoreError};
 pub enum ServeError {
     #[error("bad redis configuration: {0}")]
     Store(#[from] StoreError),
+    #[error("invalid policy: {0}")]
+    Policy(#[from] PolicyError),
     #[error("http server failed: {0}")]
     Io(#[from] std::io::Error),
 }
@@ -43,33 +51,47 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
     let metrics = Arc::new(Metrics::new());
+    let policy = PolicyHandle::load(
+        args.limits.clone(),
+        Bounds {
+            max_refill_s: args.max_refill_seconds,
+        },
+        metrics.clone(),
+    )?;
+    let _reloads = policy.watch();
+    let options = StoreOptions {
+        timeout_ms: args.redis_timeout_ms,
+        record_ttl_ms: args.attempt_ttl_ms,
+        lease_max_share: args.lease_max_share,
+        max_in_flight: args.redis_pipeline as usize,
+        max_call_decisions: ratelimit_wire::MAX_CALL_DECISIONS,
+    };
     let store = Arc::new(if !args.redis_sentinel.is_empty() {
         RedisStore::sentinel(
             &args.redis_sentinel,
             &args.sentinel_master,
-            args.redis_timeout_ms,
-            args.attempt_ttl_ms,
+            options,
             metrics.clone(),
         )?
     } else if args.redis_cluster.is_empty() {
         RedisStore::single(
             &args.redis,
             args.redis_connections as usize,
-            args.redis_timeout_ms,
-            args.attempt_ttl_ms,
+            options,
             metrics.clone(),
         )?
     } else {
-        RedisStore::cluster(
-            &args.redis_cluster,
-            args.redis_timeout_ms,
-            args.attempt_ttl_ms,
-            metrics.clone(),
-        )?
+        RedisStore::cluster(&args.redis_cluster, options, metrics.clone())?
     });
+    store.start_background();
     let startup_check = tokio::spawn(check_redis_until_ready(store.clone()));
     let state = Arc::new(AppState {
-        decider: Decider::new(store, args.key_prefix.clone(), metrics.clone()),
+        decider: Arc::new(Decider::new(
+            store,
+            policy,
+            args.key_prefix.clone(),
+            metrics.clone(),
+        )),
         metrics,
     });
     let app = http::router(state, args.max_body_bytes);
@@ -85,7 +107,7 @@ pub async fn serve(
 async fn check_redis_until_ready(store: Arc<RedisStore>) {
     let mut logged_down = false;
     loop {
-        let r = store.readiness().await;
+        let r = store.check_readiness().await;
         if r.redis_ok {
             tracing::info!(
                 script_loaded = r.script_loaded,

@@ -1,22 +1,93 @@
-//! The sidecar's Prometheus metrics, served as text on `GET /metrics`.
+//! The sidecar's Prometheus metrics, served as text on `GET /metrics`. Labels never carry subject
+//! values (cardinality): decisions are labelled by the limit's name, which the policy bounds.
 
 use prometheus_client::encoding::text::encode;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct VerdictLabels {
-    /// `allowed` or `rejected`.
+pub struct DecisionLabels {
+    /// The limit's (rule's or override's) name.
+    pub limit: String,
+    /// See [`Verdict`].
     pub verdict: &'static str,
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct OutcomeLabels {
-    /// `allowed`, `rejected`, `bad_request`, `unavailable` or `error`.
+pub struct CallLabels {
+    /// `http` (`POST /v1/decide`) or `grpc` (Envoy's rate limit service).
+    pub api: &'static str,
+    /// See [`CallOutcome`].
     pub outcome: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OutcomeLabels {
+    pub outcome: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ResultLabels {
+    pub result: &'static str,
+}
+
+/// What one decision came to: the `verdict` label of `ratelimit_decisions_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    /// Admitted and charged.
+    Allowed,
+    /// The bucket refused.
+    Rejected,
+    /// A shadow-mode limit refused (the request was not rejected for it).
+    ShadowRejected,
+    /// The bucket could pay, but another decision of the request rejected: not charged.
+    NotCharged,
+    /// An unlimited override: admitted without counting.
+    Unlimited,
+    /// A blocking override: refused without counting.
+    Blocked,
+}
+
+impl Verdict {
+    fn label(self) -> &'static str {
+        match self {
+            Verdict::Allowed => "allowed",
+            Verdict::Rejected => "rejected",
+            Verdict::ShadowRejected => "shadow_rejected",
+            Verdict::NotCharged => "not_charged",
+            Verdict::Unlimited => "unlimited",
+            Verdict::Blocked => "blocked",
+        }
+    }
+}
+
+/// How one call ended: the `outcome` label of `ratelimit_calls_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CallOutcome {
+    /// Answered (each request has its verdict or its own error).
+    Answered,
+    BadRequest,
+    Unauthorized,
+    /// Every request failed because Redis was unavailable (503).
+    Unavailable,
+    /// The script failed (500).
+    Error,
+}
+
+impl CallOutcome {
+    fn label(self) -> &'static str {
+        match self {
+            CallOutcome::Answered => "answered",
+            CallOutcome::BadRequest => "bad_request",
+            CallOutcome::Unauthorized => "unauthorized",
+            CallOutcome::Unavailable => "unavailable",
+            CallOutcome::Error => "error",
+        }
+    }
 }
 
 /// Decision latency buckets, seconds: 100 µs to 1 s.
@@ -24,40 +95,38 @@ const DURATION_BUCKETS_S: [f64; 13] = [
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 ];
 
+/// Decisions per script call: 1 to 512.
+const BATCH_BUCKETS: [f64; 10] = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0];
+
 /// Every metric of the sidecar. Cheap to share: each field is a handle onto shared state.
 pub struct Metrics {
     registry: Registry,
-    /// `ratelimit_decisions_total{verdict}`: one per decision (bucket) answered.
-    pub decisions: Family<VerdictLabels, Counter>,
-    /// `ratelimit_requests_total{outcome}`: one per `POST /v1/decide`.
+    /// `ratelimit_decisions_total{limit, verdict}`: one per decision answered.
+    pub decisions: Family<DecisionLabels, Counter>,
+    /// `ratelimit_calls_total{api, outcome}`: one per call (HTTP request or gRPC call).
+    pub calls: Family<CallLabels, Counter>,
+    /// `ratelimit_requests_total{outcome}`: gateway requests by outcome (`allowed`, `rejected`,
+    /// `unknown_rule`, `unavailable`, `error`).
     pub requests: Family<OutcomeLabels, Counter>,
-    /// `ratelimit_decision_duration_seconds`: time to answer a `POST /v1/decide`, Redis included.
+    /// `ratelimit_decision_duration_seconds`: time to answer a call, Redis included.
     pub decision_duration: Histogram,
+    /// `ratelimit_script_call_decisions`: decisions per script call (the batching at work).
+    pub script_call_decisions: Histogram,
     /// `ratelimit_redis_errors_total`: failed or timed-out Redis calls.
     pub redis_errors: Counter,
     /// `ratelimit_script_loads_total`: script (re)loads (startup, readiness, NOSCRIPT fallback).
     pub script_loads: Counter,
-    /// `ratelimit_compensations_total`: cross-slot requests whose refunds all completed (counted
-    /// after the refund calls answered, not when they were started).
+    /// `ratelimit_compensations_total`: cross-node refunds that completed.
     pub compensations: Counter,
-    /// Handles onto `decisions`, looked up once: `[rejected, allowed]`.
-    verdicts: [Counter; 2],
-    /// Handles onto `requests`, looked up once, in [`OUTCOMES`] order.
-    outcomes: [Counter; 5],
+    /// `ratelimit_unknown_rule_total`: decisions naming a rule or domain the policy lacks.
+    pub unknown_rules: Counter,
+    /// `ratelimit_policy_reloads_total{result}`: `ok` or `invalid` (the old policy stayed).
+    pub policy_reloads: Family<ResultLabels, Counter>,
+    /// `ratelimit_policy_limits`: limits (defaults and overrides) in the policy in force.
+    pub policy_limits: Gauge,
+    /// `ratelimit_lease_tokens_total{result}`: tokens `granted` to gateways as leases.
+    pub lease_tokens: Family<ResultLabels, Counter>,
 }
-
-/// How a `POST /v1/decide` ended: the `outcome` label of `ratelimit_requests_total`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RequestOutcome {
-    Allowed,
-    Rejected,
-    BadRequest,
-    Unavailable,
-    Error,
-}
-
-/// The labels of [`RequestOutcome`], in its order.
-const OUTCOMES: [&str; 5] = ["allowed", "rejected", "bad_request", "unavailable", "error"];
 
 impl Default for Metrics {
     fn default() -> Self {
@@ -68,26 +137,42 @@ impl Default for Metrics {
 impl Metrics {
     pub fn new() -> Self {
         let mut registry = Registry::default();
-        let decisions = Family::<VerdictLabels, Counter>::default();
+        let decisions = Family::<DecisionLabels, Counter>::default();
+        let calls = Family::<CallLabels, Counter>::default();
         let requests = Family::<OutcomeLabels, Counter>::default();
         let decision_duration = Histogram::new(DURATION_BUCKETS_S);
+        let script_call_decisions = Histogram::new(BATCH_BUCKETS);
         let redis_errors = Counter::default();
         let script_loads = Counter::default();
         let compensations = Counter::default();
+        let unknown_rules = Counter::default();
+        let policy_reloads = Family::<ResultLabels, Counter>::default();
+        let policy_limits = Gauge::default();
+        let lease_tokens = Family::<ResultLabels, Counter>::default();
         registry.register(
             "ratelimit_decisions",
-            "Decisions (buckets) answered, by verdict",
+            "Decisions answered, by limit name and verdict",
             decisions.clone(),
         );
         registry.register(
+            "ratelimit_calls",
+            "Calls to the decision APIs, by API and outcome",
+            calls.clone(),
+        );
+        registry.register(
             "ratelimit_requests",
-            "POST /v1/decide requests, by outcome",
+            "Gateway requests decided, by outcome",
             requests.clone(),
         );
         registry.register(
             "ratelimit_decision_duration_seconds",
-            "Time to answer POST /v1/decide, Redis included",
+            "Time to answer a call, Redis included",
             decision_duration.clone(),
+        );
+        registry.register(
+            "ratelimit_script_call_decisions",
+            "Decisions per bucket script call",
+            script_call_decisions.clone(),
         );
         registry.register(
             "ratelimit_redis_errors",
@@ -101,34 +186,97 @@ impl Metrics {
         );
         registry.register(
             "ratelimit_compensations",
-            "Cross-slot requests whose charged or failed slots were refunded (counted once the refunds completed)",
+            "Cross-node refunds of rejected requests that completed",
             compensations.clone(),
         );
-        let verdicts = ["rejected", "allowed"]
-            .map(|verdict| decisions.get_or_create(&VerdictLabels { verdict }).clone());
-        let outcomes =
-            OUTCOMES.map(|outcome| requests.get_or_create(&OutcomeLabels { outcome }).clone());
+        registry.register(
+            "ratelimit_unknown_rule",
+            "Decisions naming a rule or domain the policy does not define (a configuration error)",
+            unknown_rules.clone(),
+        );
+        registry.register(
+            "ratelimit_policy_reloads",
+            "Policy reloads, by result (invalid: the previous policy stayed in force)",
+            policy_reloads.clone(),
+        );
+        registry.register(
+            "ratelimit_policy_limits",
+            "Limits (defaults and overrides) in the policy in force",
+            policy_limits.clone(),
+        );
+        registry.register(
+            "ratelimit_lease_tokens",
+            "Tokens granted to gateways as leases",
+            lease_tokens.clone(),
+        );
+        for result in ["ok", "invalid"] {
+            let _ = policy_reloads.get_or_create(&ResultLabels { result });
+        }
         Self {
-            verdicts,
-            outcomes,
             registry,
             decisions,
+            calls,
             requests,
             decision_duration,
+            script_call_decisions,
             redis_errors,
             script_loads,
             compensations,
+            unknown_rules,
+            policy_reloads,
+            policy_limits,
+            lease_tokens,
         }
     }
 
-    /// Counts one `POST /v1/decide` by outcome.
-    pub fn request(&self, outcome: RequestOutcome) {
-        self.outcomes[outcome as usize].inc();
+    /// Counts one decision.
+    pub fn decision(&self, limit: &str, verdict: Verdict) {
+        self.decisions
+            .get_or_create(&DecisionLabels {
+                limit: limit.to_string(),
+                verdict: verdict.label(),
+            })
+            .inc();
     }
 
-    /// Counts one decision by verdict.
-    pub fn decision(&self, allowed: bool) {
-        self.verdicts[usize::from(allowed)].inc();
+    /// Counts one call.
+    pub fn call(&self, api: &'static str, outcome: CallOutcome) {
+        self.calls
+            .get_or_create(&CallLabels {
+                api,
+                outcome: outcome.label(),
+            })
+            .inc();
+    }
+
+    /// Counts one gateway request by outcome.
+    pub fn request(&self, outcome: &'static str) {
+        self.requests.get_or_create(&OutcomeLabels { outcome }).inc();
+    }
+
+    pub fn unknown_rule(&self) {
+        self.unknown_rules.inc();
+    }
+
+    pub fn lease_granted(&self, tokens: u64) {
+        self.lease_tokens
+            .get_or_create(&ResultLabels { result: "granted" })
+            .inc_by(tokens);
+    }
+
+    /// A policy was loaded (at start or by a reload).
+    pub fn policy_loaded(&self, limits: usize) {
+        self.policy_reloads
+            .get_or_create(&ResultLabels { result: "ok" })
+            .inc();
+        self.policy_limits.set(limits as i64);
+    }
+
+    /// A reload was refused (invalid files); the old policy stays.
+    pub fn policy_refused(&self) {
+        self.policy_reloads
+            .get_or_create(&ResultLabels { result: "invalid" })
+            .inc();
     }
 
     /// The metrics in the Prometheus/OpenMetrics text format.
@@ -147,16 +295,22 @@ mod tests {
     #[test]
     fn names_are_the_documented_ones() {
         let m = Metrics::new();
-        m.decision(true);
-        m.request(RequestOutcome::BadRequest);
+        m.decision("per-app", Verdict::Allowed);
+        m.call("http", CallOutcome::BadRequest);
+        m.request("unknown_rule");
         let text = m.encode();
         for name in [
-            "ratelimit_decisions_total{verdict=\"allowed\"} 1",
-            "ratelimit_requests_total{outcome=\"bad_request\"} 1",
+            "ratelimit_decisions_total{limit=\"per-app\",verdict=\"allowed\"} 1",
+            "ratelimit_calls_total{api=\"http\",outcome=\"bad_request\"} 1",
+            "ratelimit_requests_total{outcome=\"unknown_rule\"} 1",
             "ratelimit_decision_duration_seconds_bucket{le=\"0.0001\"}",
+            "ratelimit_script_call_decisions_bucket{le=\"1.0\"}",
             "ratelimit_redis_errors_total",
             "ratelimit_script_loads_total",
             "ratelimit_compensations_total",
+            "ratelimit_unknown_rule_total",
+            "ratelimit_policy_reloads_total{result=\"invalid\"} 0",
+            "ratelimit_policy_limits",
         ] {
             assert!(text.contains(name), "{name} missing in\n{text}");
         }

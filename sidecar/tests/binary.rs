@@ -22,9 +22,13 @@ impl Drop for Process {
 fn the_binary_reads_its_flags_and_environment() {
     let redis = Redis::start();
     let port = free_port();
+    let dir = tempfile::tempdir().unwrap();
+    let limits = dir.path().join("limits.yaml");
+    std::fs::write(&limits, "rules:\n  per-app: {capacity: 100, refill_per_sec: 10}\n").unwrap();
     let _sidecar = Process(
         Command::new(env!("CARGO_BIN_EXE_ratelimit-sidecar"))
             .env("RATELIMIT_LISTEN", format!("127.0.0.1:{port}"))
+            .env("RATELIMIT_LIMITS", &limits)
             .env("RATELIMIT_REDIS", redis.url())
             .env("RATELIMIT_KEY_PREFIX", "bin:")
             .args(["--redis-timeout-ms", "2000"])
@@ -40,20 +44,23 @@ fn the_binary_reads_its_flags_and_environment() {
             .send()
             .is_ok_and(|r| r.status() == 200)
     });
-    let key = unique("bin");
+    let app = unique("bin");
     let answer: serde_json::Value = http
         .post(format!("{base}/v1/decide"))
-        .body(json!({"decisions":[{"key": key, "capacity": 100, "refill_per_sec": 10, "cost": 1, "attempt": "r-1"}]}).to_string())
+        .body(json!({"requests":[{"decisions":[{"rule": "per-app", "subject": {"app": app}}]}]}).to_string())
         .send()
         .unwrap()
         .json()
         .unwrap();
     assert_eq!(
         answer,
-        json!({"allowed":true,"results":[{"allowed":true,"remaining":99,"retry_after_ms":0,"reset_ms":100,"reason":"ok"}]})
+        json!({"answers":[{"allowed":true,"results":[{"allowed":true,"remaining":99,"retry_after_ms":0,"reset_ms":100,"reason":"ok",
+               "limit":{"name":"per-app","capacity":100,"refill_per_sec":10.0}}]}]})
     );
     assert_eq!(
-        redis.cli(&["EXISTS", &format!("bin:{{{key}}}")]).trim(),
+        redis
+            .cli(&["EXISTS", &format!("bin:{{ratelimit|rule=per-app|app={app}}}")])
+            .trim(),
         "1",
         "RATELIMIT_KEY_PREFIX is used"
     );
@@ -63,6 +70,8 @@ fn the_binary_reads_its_flags_and_environment() {
 fn redis_and_redis_cluster_together_are_refused() {
     let out = Command::new(env!("CARGO_BIN_EXE_ratelimit-sidecar"))
         .args([
+            "--limits",
+            "l.yaml",
             "--redis",
             "redis://127.0.0.1:1",
             "--redis-cluster",
@@ -73,4 +82,28 @@ fn redis_and_redis_cluster_together_are_refused() {
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("--redis-cluster"), "{stderr}");
+}
+
+#[test]
+fn an_invalid_policy_refuses_to_start_naming_the_field() {
+    let dir = tempfile::tempdir().unwrap();
+    let limits = dir.path().join("limits.yaml");
+    std::fs::write(&limits, "rules:\n  per-app: {capacity: 0, refill_per_sec: 10}\n").unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_ratelimit-sidecar"))
+        .arg("--limits")
+        .arg(&limits)
+        .args(["--listen", &format!("127.0.0.1:{}", free_port())])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("limits.yaml: rules.per-app.capacity: must be between 1"),
+        "{stderr}"
+    );
+    let out = Command::new(env!("CARGO_BIN_EXE_ratelimit-sidecar"))
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--limits"));
 }

@@ -21,8 +21,7 @@ async fn redis_stopped_answers_503_and_a_restarted_redis_is_used_again() {
     ])
     .await;
     sidecar.wait_ready("/readyz").await;
-    let key = unique("outage");
-    let one = json!([decision(&key, 100.0, 1.0, 1.0)]);
+    let one = json!([decision("b100", &unique("outage"), 1)]);
     // Poll rather than assume: on a busy machine one call may exceed 100 ms.
     let mut ok = false;
     for _ in 0..50 {
@@ -118,7 +117,7 @@ async fn the_sidecar_starts_without_redis_and_becomes_ready_when_it_answers() {
     let _redis = Redis::start_on(port, &[]);
     sidecar.wait_ready("/readyz").await;
     let (status, a) = sidecar
-        .decide(json!([decision(&unique("late"), 1.0, 1.0, 1.0)]))
+        .decide(json!([decision("b1", &unique("late"), 1)]))
         .await;
     assert_eq!(status, 200, "{a}");
 }

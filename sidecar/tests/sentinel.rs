@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use ratelimit_e2e::{free_port, Redis, Sentinel};
 use serde_json::{json, Value};
-use support::{decision, unique, Sidecar};
+use support::{bucket, decision, unique, Sidecar};
 
 const MASTER: &str = "mymaster";
 
@@ -54,8 +54,8 @@ async fn after_a_failover_decisions_reach_the_promoted_replica_and_buckets_conti
     .await;
     sidecar.wait_ready("/readyz").await;
 
-    let key = unique("failover");
-    let one = json!([decision(&key, 10.0, 0.001, 1.0)]);
+    let id = unique("failover");
+    let one = json!([decision("b10", &id, 1)]);
     let remaining = |a: &Value| a["results"][0]["remaining"].as_u64();
     for charge in 1..=4 {
         let (status, a) = sidecar.decide(one.clone()).await;
@@ -64,9 +64,9 @@ async fn after_a_failover_decisions_reach_the_promoted_replica_and_buckets_conti
     }
     // Every write so far acknowledged by the replica, and the bucket is there.
     assert_eq!(primary.cli(&["WAIT", "1", "10000"]), "1");
-    let bucket = format!("rl:{{{key}}}");
+    let key = bucket("b10", &id);
     poll("the bucket on the replica", Duration::from_secs(10), || {
-        replica.cli(&["EXISTS", &bucket]) == "1"
+        replica.cli(&["EXISTS", &key]) == "1"
     })
     .await;
     let loads_before = sidecar.metric("ratelimit_script_loads_total").await;
@@ -165,23 +165,39 @@ fn store_on(
         ratelimit_sidecar::store::RedisStore::sentinel(
             &[sentinel_url.to_string()],
             MASTER,
-            timeout_ms,
-            10_000,
+            ratelimit_sidecar::store::redis_store::StoreOptions {
+                timeout_ms,
+                ..Default::default()
+            },
             std::sync::Arc::new(ratelimit_sidecar::metrics::Metrics::new()),
         )
         .unwrap(),
     )
 }
 
-fn call(key: &str) -> Vec<ratelimit_sidecar::store::BucketCall> {
-    vec![ratelimit_sidecar::store::BucketCall {
-        bucket_key: format!("rl:{{{key}}}"),
-        attempt_key: format!("rl:{{{key}}}:a:"),
-        capacity: 10.0,
-        refill_per_sec: 1.0,
-        cost: 1.0,
-        attempt: String::new(),
-    }]
+/// One decision's work, on the one node a Sentinel store has.
+fn call(key: &str) -> ratelimit_sidecar::store::Work {
+    use ratelimit_sidecar::store::{Bucket, Charge, Group, Work};
+    Work {
+        groups: vec![Group {
+            record: None,
+            requests: vec![vec![Charge {
+                key: std::sync::Arc::from(bucket("b10", key)),
+                bucket: Bucket {
+                    capacity: 10,
+                    refill_per_sec: 1.0,
+                },
+                cost: 1,
+                shadow: false,
+                lease: None,
+            }]],
+        }],
+        returns: vec![],
+    }
+}
+
+fn the_node() -> ratelimit_sidecar::store::NodeId {
+    ratelimit_sidecar::store::NodeId::primary()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -193,7 +209,7 @@ async fn callers_without_a_primary_share_one_lookup_and_a_failed_one_backs_off()
     let (url, accepted) = counting_listener(true);
     let store = store_on(&url, 50);
     let calls = call("flight");
-    let answers = futures::future::join_all((0..50).map(|_| store.apply(&calls))).await;
+    let answers = futures::future::join_all((0..50).map(|_| store.apply(the_node(), calls.clone()))).await;
     assert!(answers.iter().all(Result::is_err));
     tokio::time::sleep(Duration::from_millis(2500)).await;
     assert_eq!(
@@ -209,7 +225,7 @@ async fn callers_without_a_primary_share_one_lookup_and_a_failed_one_backs_off()
     let started = Instant::now();
     let mut n = 0;
     while started.elapsed() < Duration::from_secs(1) {
-        assert!(store.apply(&calls).await.is_err());
+        assert!(store.apply(the_node(), calls.clone()).await.is_err());
         n += 1;
     }
     let lookups = accepted.load(Ordering::SeqCst);
@@ -226,7 +242,7 @@ async fn a_caller_that_gives_up_does_not_make_the_store_forget_the_primary() {
     let store = store_on(&sentinel.url(), 2000);
     let calls = call(&unique("dropped"));
     store
-        .apply(&calls)
+        .apply(the_node(), calls.clone())
         .await
         .expect("a first call finds the primary");
     let connections = || -> u64 {
@@ -242,11 +258,11 @@ async fn a_caller_that_gives_up_does_not_make_the_store_forget_the_primary() {
     let before = connections();
     // Callers that go away mid-call (as hyper drops a handler when Envoy gives up).
     for _ in 0..10 {
-        let _ = tokio::time::timeout(Duration::from_micros(1), store.apply(&calls)).await;
+        let _ = tokio::time::timeout(Duration::from_micros(1), store.apply(the_node(), calls.clone())).await;
     }
-    store.apply(&calls).await.expect("still decides");
+    store.apply(the_node(), calls.clone()).await.expect("still decides");
     tokio::time::sleep(Duration::from_millis(200)).await;
-    store.apply(&calls).await.expect("still decides");
+    store.apply(the_node(), calls.clone()).await.expect("still decides");
     // The only new connection is the one redis-cli makes to read INFO: no lookup happened (a
     // lookup connects twice, to check ROLE and to decide).
     assert_eq!(

@@ -1,93 +1,284 @@
 //! The wire contract of `POST /v1/decide`, shared by the filter (which sends it) and the sidecar
 //! (which answers it). One definition, two users: neither side keeps its own copy.
 //!
-//! Request:  `{"decisions":[{"key":"app:alpha","capacity":100,"refill_per_sec":10,"cost":1,"attempt":"r-1"}]}`
-//! Answer:   `{"allowed":true,"results":[{"allowed":true,"remaining":99,"retry_after_ms":0,"reset_ms":100}]}`
-//! Error:    `{"error":"decisions[0].capacity: must be a number > 0, got 0"}` (400, 500 or 503)
+//! A call carries the requests of one gateway (one or many: the filter coalesces the requests
+//! that arrive while a call is in flight). Each request is decided all-or-nothing on its own. A
+//! decision names a rule and the subject's values; the numbers (capacity, refill, overrides,
+//! shadow mode) belong to the sidecar's policy, and each result says which limit applied.
+//!
+//! Request:
+//! ```json
+//! {"domain":"ratelimit","attempt":"c-1",
+//!  "requests":[{"decisions":[{"rule":"per-app","subject":{"app":"alpha"},"cost":1}]}]}
+//! ```
+//! Answer:
+//! ```json
+//! {"answers":[{"allowed":true,"results":[{"allowed":true,"remaining":99,"retry_after_ms":0,
+//!   "reset_ms":100,"reason":"ok","limit":{"name":"per-app","capacity":100,"refill_per_sec":10}}]}]}
+//! ```
+//! Error (400, 401, 413, 500, 503): `{"error":"requests[0].decisions[0].rule: ..."}`.
 
-use serde::{Deserialize, Serialize};
+use std::fmt;
+
+use serde::de::{MapAccess, Visitor};
+use serde::ser::SerializeMap;
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 /// The path the sidecar serves decisions on.
 pub const DECIDE_PATH: &str = "/v1/decide";
 
-/// The most decisions one request may carry; more is refused with 400.
+/// The policy domain when a call names none.
+pub const DEFAULT_DOMAIN: &str = "ratelimit";
+
+/// The most requests one call may carry.
+pub const MAX_REQUESTS: usize = 256;
+
+/// The most decisions one request may carry.
 pub const MAX_DECISIONS: usize = 64;
 
-/// The longest bucket key or attempt id accepted, in bytes.
-pub const MAX_KEY_BYTES: usize = 512;
+/// The most decisions one call may carry in all.
+pub const MAX_CALL_DECISIONS: usize = 1024;
 
-fn default_cost() -> f64 {
-    1.0
+/// The most dimensions of one subject.
+pub const MAX_SUBJECT_ENTRIES: usize = 8;
+
+/// The longest rule name, dimension name, domain or attempt id, in bytes.
+pub const MAX_NAME_BYTES: usize = 128;
+
+/// The longest subject value, in bytes (longer values are hashed into keys by the sidecar, but
+/// the wire still bounds what a caller may send).
+pub const MAX_VALUE_BYTES: usize = 4096;
+
+/// The most lease returns one call may carry.
+pub const MAX_RETURNS: usize = 256;
+
+fn default_domain() -> String {
+    DEFAULT_DOMAIN.to_string()
 }
 
-/// One request's decisions: the request passes only if every decision admits.
+fn default_cost() -> u64 {
+    1
+}
+
+/// One call: the requests of a gateway, decided independently, each all-or-nothing.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DecideRequest {
+    /// The policy domain the rules belong to. Default: `"ratelimit"`.
+    #[serde(default = "default_domain")]
+    pub domain: String,
+    /// Identifies this call: a repeat of the same call (same attempt, same requests) within the
+    /// sidecar's record TTL gets the first answers back and is charged nothing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attempt: Option<String>,
+    /// The requests, at most [`MAX_REQUESTS`].
+    pub requests: Vec<RequestDecisions>,
+    /// Unused lease tokens the gateway gives back (see [`LeaseAsk`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub returns: Vec<LeaseReturn>,
+}
+
+/// The decisions of one gateway request: it passes only if every decision admits.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RequestDecisions {
     pub decisions: Vec<Decision>,
 }
 
-/// One bucket to charge: `cost` tokens from the bucket `key` of size `capacity` that refills at
-/// `refill_per_sec` tokens per second.
+/// One rule applied to one subject.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Decision {
-    /// The bucket's name: 1 to [`MAX_KEY_BYTES`] bytes, without `{` or `}`, at most once per
-    /// request (the sidecar answers 400 otherwise).
-    pub key: String,
-    pub capacity: f64,
-    pub refill_per_sec: f64,
-    /// Tokens this request costs; 1 when absent.
+    /// The rule's name in the sidecar's policy.
+    pub rule: String,
+    /// The subject's dimensions and values, in the rule's order; a `null` value is an unknown
+    /// subject (all unknown clients of the rule share one bucket).
+    #[serde(default)]
+    pub subject: Subject,
+    /// Tokens this request costs. Default: 1.
     #[serde(default = "default_cost")]
-    pub cost: f64,
-    /// Identifies this attempt: a repeat of the same attempt on the same key within its TTL gets the
-    /// first verdict back and is not charged again; if that attempt was refunded (its request was
-    /// rejected by another Cluster slot), the repeat is answered `allowed: false`.
+    pub cost: u64,
+    /// Ask for a lease of tokens beyond the cost, when the request is admitted.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub attempt: Option<String>,
+    pub lease: Option<LeaseAsk>,
 }
 
-/// Why a bucket answered as it did.
+/// A lease ask: up to `tokens` more tokens, deducted now and held by the gateway for `ttl_ms`
+/// under the gateway-chosen id `id` (below 2^53). A new lease under an id still held replaces it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LeaseAsk {
+    pub id: u64,
+    pub tokens: u64,
+    pub ttl_ms: u64,
+}
+
+/// The unused part of a lease, given back (the gateway stopped using the lease before sending).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LeaseReturn {
+    pub rule: String,
+    #[serde(default)]
+    pub subject: Subject,
+    pub id: u64,
+    pub tokens: u64,
+}
+
+/// The largest lease id: ids travel through Redis as doubles.
+pub const MAX_LEASE_ID: u64 = (1 << 53) - 1;
+
+/// A subject: dimensions and their values, in order (serialised as a JSON object whose key order
+/// is kept). `None` is an unknown value.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
+pub struct Subject(pub Vec<(String, Option<String>)>);
+
+impl Subject {
+    pub fn new() -> Self {
+        Subject(Vec::new())
+    }
+
+    pub fn push(&mut self, dimension: impl Into<String>, value: Option<String>) {
+        self.0.push((dimension.into(), value));
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = (&str, Option<&str>)> {
+        self.0.iter().map(|(k, v)| (k.as_str(), v.as_deref()))
+    }
+}
+
+impl Serialize for Subject {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let mut map = s.serialize_map(Some(self.0.len()))?;
+        for (k, v) in &self.0 {
+            map.serialize_entry(k, v)?;
+        }
+        map.end()
+    }
+}
+
+impl<'de> Deserialize<'de> for Subject {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct InOrder;
+        impl<'de> Visitor<'de> for InOrder {
+            type Value = Subject;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("an object of dimension names to string values (or null)")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Subject, A::Error> {
+                let mut entries = Vec::new();
+                while let Some((k, v)) = map.next_entry::<String, Option<String>>()? {
+                    if entries.len() == MAX_SUBJECT_ENTRIES {
+                        return Err(serde::de::Error::custom(format_args!(
+                            "at most {MAX_SUBJECT_ENTRIES} dimensions"
+                        )));
+                    }
+                    entries.push((k, v));
+                }
+                Ok(Subject(entries))
+            }
+        }
+        d.deserialize_map(InOrder)
+    }
+}
+
+/// Why a decision was answered as it was.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Reason {
     /// The bucket held `cost` tokens; with `allowed: false`, the bucket refused nothing but the
-    /// request was rejected without its answer (its Cluster slot failed while another rejected).
+    /// request was rejected without its answer (another part of it failed or rejected).
     Ok,
-    /// Not enough tokens now; `retry_after_ms` says when there will be.
+    /// Not enough tokens now; `retry_after_ms` says when there will be at the earliest.
     Insufficient,
     /// `cost > capacity`: this bucket can never admit it, waiting does not help.
     CostExceedsCapacity,
+    /// The policy blocks this subject: never admitted.
+    Blocked,
+    /// The policy makes this subject unlimited: always admitted, nothing counted in Redis.
+    Unlimited,
 }
 
-/// The answer to a whole request.
+/// The limit a decision was judged by, for the `RateLimit-Policy` header.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AppliedLimit {
+    /// The rule's (or override's) name.
+    pub name: String,
+    pub capacity: u64,
+    pub refill_per_sec: f64,
+}
+
+/// The answer to a call: one per request, in order.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct DecideResponse {
-    /// The request's verdict: true only if every decision admitted.
-    pub allowed: bool,
-    /// One result per decision, in the order of the request.
-    pub results: Vec<DecisionResult>,
+    pub answers: Vec<RequestAnswer>,
 }
 
-/// One bucket's answer.
+/// One request's answer.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RequestAnswer {
+    /// True only if every decision admitted.
+    pub allowed: bool,
+    /// One result per decision, in order; empty when `error` is set.
+    #[serde(default)]
+    pub results: Vec<DecisionResult>,
+    /// Why this request got no verdict (the gateway applies its failure policy).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<RequestError>,
+}
+
+/// A request without a verdict.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RequestError {
+    pub code: ErrorCode,
+    pub message: String,
+}
+
+/// What kind of failure a [`RequestError`] is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorCode {
+    /// The policy has no such rule in the domain: a configuration error.
+    UnknownRule,
+    /// Redis did not answer in time or is down.
+    Unavailable,
+    /// Redis answered, but the script failed.
+    ScriptFailed,
+}
+
+/// One decision's answer.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct DecisionResult {
-    /// Whether this bucket held enough tokens. When another decision of the same request rejected,
-    /// this bucket may say `true` and still was not charged (all-or-nothing).
+    /// Whether this decision lets the request pass (a shadow-mode limit always does). When another
+    /// decision of the same request rejected, this one may say `true` and still was not charged.
     pub allowed: bool,
-    /// Whole tokens left in the bucket after this decision.
+    /// Whole tokens left in the bucket.
     pub remaining: u64,
-    /// Milliseconds until `cost` tokens are available; 0 when allowed. For
-    /// [`Reason::CostExceedsCapacity`] it is 0 and waiting does not help.
+    /// Milliseconds until `cost` tokens can be available (a lower bound); 0 when allowed.
     pub retry_after_ms: u64,
     /// Milliseconds until the bucket is full again.
     pub reset_ms: u64,
-    #[serde(default = "default_reason")]
     pub reason: Reason,
+    /// The limit applied; absent for an unlimited subject.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub limit: Option<AppliedLimit>,
+    /// The limit is in shadow mode: `reason` says what it would have done.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub shadow: bool,
+    /// Tokens granted under the decision's lease ask (beyond its cost).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub leased: u64,
 }
 
-fn default_reason() -> Reason {
-    Reason::Ok
+fn is_false(b: &bool) -> bool {
+    !*b
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 /// The body of every non-200 answer.
@@ -103,39 +294,70 @@ mod tests {
     #[test]
     fn request_from_the_documented_example() {
         let r: DecideRequest = serde_json::from_str(
-            r#"{"decisions":[{"key":"app:alpha","capacity":100,"refill_per_sec":10,"cost":1,"attempt":"r-1"}]}"#,
+            r#"{"domain":"ratelimit","attempt":"c-1",
+                "requests":[{"decisions":[{"rule":"per-app","subject":{"app":"alpha"},"cost":1}]}]}"#,
         )
         .unwrap();
-        assert_eq!(r.decisions[0].key, "app:alpha");
-        assert_eq!(r.decisions[0].attempt.as_deref(), Some("r-1"));
+        let d = &r.requests[0].decisions[0];
+        assert_eq!(d.rule, "per-app");
+        assert_eq!(d.subject.0, vec![("app".to_string(), Some("alpha".into()))]);
+        assert_eq!(r.attempt.as_deref(), Some("c-1"));
     }
 
     #[test]
-    fn cost_defaults_to_one_and_attempt_is_optional() {
+    fn defaults_domain_cost_subject() {
         let r: DecideRequest =
-            serde_json::from_str(r#"{"decisions":[{"key":"k","capacity":5,"refill_per_sec":1}]}"#)
-                .unwrap();
-        assert_eq!(r.decisions[0].cost, 1.0);
-        assert_eq!(r.decisions[0].attempt, None);
-        assert!(!serde_json::to_string(&r).unwrap().contains("attempt"));
+            serde_json::from_str(r#"{"requests":[{"decisions":[{"rule":"global"}]}]}"#).unwrap();
+        assert_eq!(r.domain, DEFAULT_DOMAIN);
+        assert_eq!(r.requests[0].decisions[0].cost, 1);
+        assert!(r.requests[0].decisions[0].subject.is_empty());
+        let json = serde_json::to_string(&r).unwrap();
+        assert!(!json.contains("attempt") && !json.contains("returns"), "{json}");
+    }
+
+    #[test]
+    fn subject_keeps_its_order_and_unknown_values() {
+        let s: Subject = serde_json::from_str(r#"{"tenant":"acme","user":null}"#).unwrap();
+        assert_eq!(
+            s.0,
+            vec![("tenant".into(), Some("acme".into())), ("user".into(), None)]
+        );
+        assert_eq!(
+            serde_json::to_string(&s).unwrap(),
+            r#"{"tenant":"acme","user":null}"#
+        );
+        let many = format!(
+            "{{{}}}",
+            (0..=MAX_SUBJECT_ENTRIES)
+                .map(|i| format!("\"d{i}\":\"v\""))
+                .collect::<Vec<_>>()
+                .join(",")
+        );
+        assert!(serde_json::from_str::<Subject>(&many).is_err());
+        assert!(serde_json::from_str::<Subject>(r#"{"user":5}"#).is_err());
     }
 
     #[test]
     fn unknown_fields_are_refused() {
         let e = serde_json::from_str::<DecideRequest>(
-            r#"{"decisions":[{"key":"k","capacity":5,"refill_per_sec":1,"costs":2}]}"#,
+            r#"{"requests":[{"decisions":[{"rule":"r","capacity":5}]}]}"#,
         )
         .unwrap_err();
-        assert!(e.to_string().contains("costs"), "{e}");
+        assert!(e.to_string().contains("capacity"), "{e}");
     }
 
     #[test]
-    fn response_round_trips_and_reason_defaults_to_ok() {
+    fn response_round_trips() {
         let r: DecideResponse = serde_json::from_str(
-            r#"{"allowed":true,"results":[{"allowed":true,"remaining":99,"retry_after_ms":0,"reset_ms":100}]}"#,
+            r#"{"answers":[{"allowed":true,"results":[{"allowed":true,"remaining":99,"retry_after_ms":0,"reset_ms":100,"reason":"ok","limit":{"name":"per-app","capacity":100,"refill_per_sec":10}}]},
+                           {"allowed":false,"error":{"code":"unknown_rule","message":"no rule x"}}]}"#,
         )
         .unwrap();
-        assert_eq!(r.results[0].reason, Reason::Ok);
+        assert_eq!(r.answers[0].results[0].limit.as_ref().unwrap().capacity, 100);
+        assert_eq!(
+            r.answers[1].error.as_ref().unwrap().code,
+            ErrorCode::UnknownRule
+        );
         let back: DecideResponse =
             serde_json::from_str(&serde_json::to_string(&r).unwrap()).unwrap();
         assert_eq!(back, r);

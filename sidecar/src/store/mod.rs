@@ -9,11 +9,14 @@
 //! script on that node. No NOSCRIPT ever reaches a caller. Every call is bounded by
 //! `--redis-timeout-ms`; a script call whose outcome is unknown (timeout) is never retried here.
 
+pub mod batch;
 pub mod connection;
+pub mod memory;
 pub mod redis_store;
 pub mod sentinel;
 
 use std::future::Future;
+use std::sync::Arc;
 
 use ratelimit_wire::Reason;
 use redis::{ErrorKind, RedisError, ServerErrorKind};
@@ -28,20 +31,69 @@ pub fn script_sha1() -> String {
     sha1_smol::Sha1::from(SCRIPT).digest().to_string()
 }
 
-/// One decision as the script takes it: keys already built, attempt `""` when there is none.
-#[derive(Debug, Clone, PartialEq)]
-pub struct BucketCall {
-    /// `<prefix>{<key>}`
-    pub bucket_key: String,
-    /// `<prefix>{<key>}:a:<attempt>` (or `<prefix>{<key>}:a:` without attempt)
-    pub attempt_key: String,
-    pub capacity: f64,
-    pub refill_per_sec: f64,
-    pub cost: f64,
-    pub attempt: String,
+/// A Redis node, as calls are grouped: the primary's address on a Cluster (or `slot:<n>` while
+/// the slot map is unknown), `primary` otherwise.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct NodeId(pub Arc<str>);
+
+impl NodeId {
+    pub fn primary() -> NodeId {
+        NodeId(Arc::from("primary"))
+    }
 }
 
-/// The script's answer for one decision.
+/// A bucket's numbers, as the script takes them.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Bucket {
+    pub capacity: u64,
+    pub refill_per_sec: f64,
+}
+
+/// One decision as the script takes it: its bucket key built, its limit resolved.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Charge {
+    /// `<prefix>{<bucket id>}`
+    pub key: Arc<str>,
+    pub bucket: Bucket,
+    pub cost: u64,
+    /// Shadow mode: a rejection does not reject the request.
+    pub shadow: bool,
+    pub lease: Option<ratelimit_wire::LeaseAsk>,
+}
+
+/// The requests of one caller's call that live on one node: decided in one script call, each
+/// request all-or-nothing. With a record key, the group is deduplicated (a repeat replays) and
+/// its charged requests can be refunded.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Group {
+    /// `<bucket key of the first decision>:a:<attempt>`
+    pub record: Option<String>,
+    pub requests: Vec<Vec<Charge>>,
+}
+
+impl Group {
+    pub fn decisions(&self) -> usize {
+        self.requests.iter().map(Vec::len).sum()
+    }
+}
+
+/// Unused lease tokens given back to a bucket.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Return {
+    pub key: Arc<str>,
+    pub bucket: Bucket,
+    pub lease_id: u64,
+    pub tokens: u64,
+}
+
+/// What one node is asked in one go.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Work {
+    pub groups: Vec<Group>,
+    pub returns: Vec<Return>,
+}
+
+/// One decision's answer from the bucket.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Outcome {
     /// The bucket held `cost` tokens (it may still be uncharged: all-or-nothing).
@@ -50,14 +102,47 @@ pub struct Outcome {
     pub retry_after_ms: u64,
     pub reset_ms: u64,
     pub reason: Reason,
-    /// This attempt deducted `cost` from the bucket.
-    pub charged: bool,
+    /// Tokens granted under the decision's lease ask.
+    pub leased: u64,
 }
 
-#[derive(Debug, thiserror::Error)]
+/// What happened to one request in its group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Status {
+    /// Some (non-shadow) decision rejected: nothing was charged.
+    Rejected,
+    /// Every decision admitted and was charged now.
+    Charged,
+    /// A repeat: the recorded answer, nothing charged now. `charged`: the first call charged it
+    /// (and it was not refunded since).
+    Replayed { charged: bool },
+}
+
+/// One request's answer from its group.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequestOutcome {
+    pub status: Status,
+    pub decisions: Vec<Outcome>,
+}
+
+impl RequestOutcome {
+    /// The request holds its charges (charged now, or earlier and not refunded).
+    pub fn charged(&self) -> bool {
+        matches!(
+            self.status,
+            Status::Charged | Status::Replayed { charged: true }
+        )
+    }
+}
+
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum StoreError {
     #[error("redis unavailable: no answer within {timeout_ms} ms")]
     Timeout { timeout_ms: u64 },
+    /// The node does not serve a key of the call (a Cluster slot moved): nothing was written; the
+    /// caller may group the work again and retry.
+    #[error("redis cluster: {0}")]
+    Moved(String),
     #[error("redis unavailable: {0}")]
     Redis(String),
     /// Redis ran the script and it failed in a way a retry cannot cure.
@@ -82,29 +167,47 @@ pub(crate) fn is_script_failure(e: &RedisError) -> bool {
     let detail = e.detail().unwrap_or_default();
     e.code() == Some("WRONGTYPE")
         || (e.kind() == ErrorKind::Server(ServerErrorKind::ResponseError)
-            && [
-                "invalid decision",
-                "usage:",
-                "attempt_ttl_ms",
-                "user_script",
-            ]
+            && ["invalid limit", "usage:", "user_script"]
             .iter()
             .any(|m| detail.contains(m)))
 }
 
-/// Where buckets live. `apply` charges all calls all-or-nothing (they must share one Cluster
-/// slot); `refund` gives back what the calls' attempts charged (idempotent).
+/// Where buckets live.
 pub trait BucketStore: Send + Sync + 'static {
+    /// The node a bucket key lives on: work is sent per node.
+    fn node_of(&self, key: &str) -> NodeId;
+
+    /// Decides `work` (all of it on `node`): one outcome per group, in order.
     fn apply(
         &self,
-        calls: &[BucketCall],
-    ) -> impl Future<Output = Result<Vec<Outcome>, StoreError>> + Send;
+        node: NodeId,
+        work: Work,
+    ) -> impl Future<Output = Result<Vec<Vec<RequestOutcome>>, StoreError>> + Send;
+
+    /// Gives back what the listed requests (indices into `group.requests`) of a group applied
+    /// before charged, by its record (idempotent). `group` is the group as it was applied.
     fn refund(
         &self,
-        calls: &[BucketCall],
-    ) -> impl Future<Output = Result<Vec<Outcome>, StoreError>> + Send;
-    /// Whether keys are spread over Cluster slots, so a request must be split by slot.
-    fn is_cluster(&self) -> bool;
+        node: NodeId,
+        group: Group,
+        requests: Vec<usize>,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+
+    /// Reads the topology again now (a Cluster's slot map), after a node refused a key.
+    fn refresh_topology(&self) -> impl Future<Output = ()> + Send {
+        async {}
+    }
+
+    /// Whether the store can decide (for `/readyz`).
+    fn readiness(&self) -> impl Future<Output = Readiness> + Send {
+        async {
+            Readiness {
+                redis_ok: true,
+                script_loaded: true,
+                ..Readiness::default()
+            }
+        }
+    }
 }
 
 /// What `/readyz` reports.
@@ -158,7 +261,7 @@ mod tests {
             ))
         };
         assert!(is_script_failure(&err(
-            "invalid decision 1: cost must be a number > 0 script: ..."
+            "invalid limit 1: capacity and refill_per_sec must be > 0 script: ..."
         )));
         assert!(!is_script_failure(&err("max number of clients reached")));
         assert!(!is_script_failure(&ext("OOM", "command not allowed")));

@@ -1,29 +1,126 @@
-//! The Redis store: the bucket script's calls and the readiness check over a [`Connection`].
+//! The Redis store: the bucket script's calls over a [`Connection`], batched per node
+//! ([`super::batch`]), and the readiness check.
+//!
+//! On a Cluster the work is grouped by the node that serves each bucket's slot (from `CLUSTER
+//! SLOTS`, refreshed every few seconds and after a MOVED): one script call per node decides keys
+//! of many slots (the script is flagged `allow-cross-slot-keys`). If the map is stale the call
+//! fails before writing anything (`MOVED`, or the script's read of a key this node does not
+//! serve), the map is refreshed, and the caller may regroup and retry. Until the map is known,
+//! work is grouped by slot.
 
+use std::collections::HashMap;
 use std::future::Future;
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
+use arc_swap::ArcSwap;
 use ratelimit_wire::Reason;
 use redis::cluster_routing::ResponsePolicy;
-use redis::{Cmd, ErrorKind, ServerErrorKind, Value};
+use redis::{Cmd, ErrorKind, RedisError, ServerErrorKind, Value};
 
+use super::batch::Batcher;
 use super::connection::Connection;
 use super::{
-    eviction_warning, is_script_failure, script_sha1, BucketCall, BucketStore, Outcome, Readiness,
-    StoreError, SCRIPT,
+    eviction_warning, is_script_failure, script_sha1, BucketStore, Group, NodeId, Outcome,
+    Readiness, RequestOutcome, Status, StoreError, Work, SCRIPT,
 };
+use crate::keys::cluster_slot;
 use crate::metrics::Metrics;
 
-/// The Redis store: one node (several multiplexed, auto-reconnecting connections used
-/// round-robin), the primary Sentinel names (one multiplexed connection, looked up again after
-/// a failover) or a Cluster (one cluster connection, MOVED/ASK followed by the client).
+/// How the store calls Redis.
+#[derive(Debug, Clone, Copy)]
+pub struct StoreOptions {
+    /// Upper bound of every Redis call (`--redis-timeout-ms`).
+    pub timeout_ms: u64,
+    /// How long a record (deduplication, refunds) is kept (`--attempt-ttl-ms`).
+    pub record_ttl_ms: u64,
+    /// The largest lease, as a fraction of the bucket's capacity (`--lease-max-share`).
+    pub lease_max_share: f64,
+    /// Script calls in flight per node (`--redis-pipeline`).
+    pub max_in_flight: usize,
+    /// Decisions one script call carries at most.
+    pub max_call_decisions: usize,
+}
+
+impl Default for StoreOptions {
+    fn default() -> Self {
+        StoreOptions {
+            timeout_ms: 50,
+            record_ttl_ms: 10_000,
+            lease_max_share: 0.1,
+            max_in_flight: 4,
+            max_call_decisions: 512,
+        }
+    }
+}
+
+/// How often the Cluster slot map is read again.
+const SLOT_REFRESH: Duration = Duration::from_secs(5);
+
+/// The Redis store. Cheap to clone: one shared state.
+#[derive(Clone)]
 pub struct RedisStore {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
     connection: Connection,
     sha1: String,
-    timeout: Duration,
-    attempt_ttl_ms: u64,
+    options: StoreOptions,
     metrics: Arc<Metrics>,
+    batchers: Mutex<HashMap<NodeId, Batcher>>,
+    /// Cluster only: which primary serves which slots.
+    slots: ArcSwap<SlotMap>,
+    refresh_now: tokio::sync::Notify,
+    refresher_started: AtomicBool,
+}
+
+/// Slot ranges and the address of the primary serving each, sorted by start.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct SlotMap {
+    ranges: Vec<(u16, u16, Arc<str>)>,
+}
+
+impl SlotMap {
+    fn node(&self, slot: u16) -> Option<&Arc<str>> {
+        let i = self.ranges.partition_point(|(start, _, _)| *start <= slot);
+        let (start, end, addr) = self.ranges.get(i.checked_sub(1)?)?;
+        (*start <= slot && slot <= *end).then_some(addr)
+    }
+
+    /// Parses a `CLUSTER SLOTS` reply: `[[start, end, [ip, port, id...], replicas...], ...]`.
+    pub fn from_cluster_slots(v: &Value) -> Option<SlotMap> {
+        let Value::Array(entries) = v else {
+            return None;
+        };
+        let mut ranges = Vec::with_capacity(entries.len());
+        for e in entries {
+            let Value::Array(parts) = e else {
+                return None;
+            };
+            let (Some(Value::Int(start)), Some(Value::Int(end)), Some(Value::Array(primary))) =
+                (parts.first(), parts.get(1), parts.get(2))
+            else {
+                return None;
+            };
+            let host = match primary.first()? {
+                Value::BulkString(b) => String::from_utf8_lossy(b).into_owned(),
+                Value::SimpleString(s) => s.clone(),
+                _ => return None,
+            };
+            let Some(Value::Int(port)) = primary.get(1) else {
+                return None;
+            };
+            ranges.push((
+                u16::try_from(*start).ok()?,
+                u16::try_from(*end).ok()?,
+                Arc::from(format!("{host}:{port}")),
+            ));
+        }
+        ranges.sort_by_key(|r| r.0);
+        Some(SlotMap { ranges })
+    }
 }
 
 impl RedisStore {
@@ -31,12 +128,11 @@ impl RedisStore {
     pub fn single(
         url: &str,
         connections: usize,
-        timeout_ms: u64,
-        attempt_ttl_ms: u64,
+        options: StoreOptions,
         metrics: Arc<Metrics>,
     ) -> Result<Self, StoreError> {
-        let connection = Connection::single(url, connections, timeout_ms)?;
-        Ok(Self::new(connection, timeout_ms, attempt_ttl_ms, metrics))
+        let connection = Connection::single(url, connections, options.timeout_ms)?;
+        Ok(Self::new(connection, options, metrics))
     }
 
     /// A store on the primary that the Sentinels at `sentinels` name `master`. Connects lazily:
@@ -44,37 +140,44 @@ impl RedisStore {
     pub fn sentinel(
         sentinels: &[String],
         master: &str,
-        timeout_ms: u64,
-        attempt_ttl_ms: u64,
+        options: StoreOptions,
         metrics: Arc<Metrics>,
     ) -> Result<Self, StoreError> {
-        let connection = Connection::sentinel(sentinels, master, timeout_ms)?;
-        Ok(Self::new(connection, timeout_ms, attempt_ttl_ms, metrics))
+        let connection = Connection::sentinel(sentinels, master, options.timeout_ms)?;
+        Ok(Self::new(connection, options, metrics))
     }
 
     /// A store on a Redis Cluster found through `seeds`. Connects in the background.
     pub fn cluster(
         seeds: &[String],
-        timeout_ms: u64,
-        attempt_ttl_ms: u64,
+        options: StoreOptions,
         metrics: Arc<Metrics>,
     ) -> Result<Self, StoreError> {
-        let connection = Connection::cluster(seeds, timeout_ms)?;
-        Ok(Self::new(connection, timeout_ms, attempt_ttl_ms, metrics))
+        let connection = Connection::cluster(seeds, options.timeout_ms)?;
+        Ok(Self::new(connection, options, metrics))
     }
 
-    fn new(connection: Connection, timeout_ms: u64, attempt_ttl_ms: u64, m: Arc<Metrics>) -> Self {
-        Self {
-            connection,
-            sha1: script_sha1(),
-            timeout: Duration::from_millis(timeout_ms),
-            attempt_ttl_ms,
-            metrics: m,
+    fn new(connection: Connection, options: StoreOptions, metrics: Arc<Metrics>) -> Self {
+        RedisStore {
+            inner: Arc::new(Inner {
+                connection,
+                sha1: script_sha1(),
+                options,
+                metrics,
+                batchers: Mutex::new(HashMap::new()),
+                slots: ArcSwap::from_pointee(SlotMap::default()),
+                refresh_now: tokio::sync::Notify::new(),
+                refresher_started: AtomicBool::new(false),
+            }),
         }
     }
 
+    fn timeout(&self) -> Duration {
+        Duration::from_millis(self.inner.options.timeout_ms)
+    }
+
     async fn query(&self, cmd: Cmd) -> redis::RedisResult<Value> {
-        self.connection.query(cmd).await
+        self.inner.connection.query(cmd).await
     }
 
     async fn query_all_primaries(
@@ -82,67 +185,128 @@ impl RedisStore {
         cmd: Cmd,
         policy: Option<ResponsePolicy>,
     ) -> redis::RedisResult<Value> {
-        self.connection.query_all_primaries(cmd, policy).await
+        self.inner.connection.query_all_primaries(cmd, policy).await
     }
 
     async fn bounded<T>(
         &self,
         f: impl Future<Output = redis::RedisResult<T>>,
     ) -> Result<T, StoreError> {
-        let result = match tokio::time::timeout(self.timeout, f).await {
+        let result = match tokio::time::timeout(self.timeout(), f).await {
             Ok(Ok(v)) => return Ok(v),
+            Ok(Err(e)) if moved(&e) => {
+                self.inner.refresh_now.notify_one();
+                StoreError::Moved(e.to_string())
+            }
             Ok(Err(e)) if is_script_failure(&e) => StoreError::Script(e.to_string()),
             Ok(Err(e)) => StoreError::Redis(e.to_string()),
             Err(_) => StoreError::Timeout {
-                timeout_ms: self.timeout.as_millis() as u64,
+                timeout_ms: self.inner.options.timeout_ms,
             },
         };
-        self.metrics.redis_errors.inc();
+        self.inner.metrics.redis_errors.inc();
         Err(result)
     }
 
-    /// `EVALSHA <sha1> ...` or `EVAL <script> ...` with the calls' keys and arguments.
-    fn script_cmd(&self, command: &str, script: &str, mode: &str, calls: &[BucketCall]) -> Cmd {
-        let mut c = redis::cmd(command);
-        c.arg(script).arg(calls.len() * 2);
-        for call in calls {
-            c.arg(&call.bucket_key).arg(&call.attempt_key);
+    /// Starts the Cluster slot-map refresher (once; a no-op for other topologies).
+    pub fn start_background(&self) {
+        if !self.inner.connection.is_cluster()
+            || self.inner.refresher_started.swap(true, Ordering::SeqCst)
+        {
+            return;
         }
-        c.arg(mode).arg(self.attempt_ttl_ms);
-        for call in calls {
-            c.arg(call.capacity)
-                .arg(call.refill_per_sec)
-                .arg(call.cost)
-                .arg(&call.attempt);
-        }
-        c
+        let store = self.clone();
+        tokio::spawn(async move {
+            loop {
+                store.load_slot_map().await;
+                let wait = if store.inner.slots.load().ranges.is_empty() {
+                    Duration::from_millis(200)
+                } else {
+                    SLOT_REFRESH
+                };
+                tokio::select! {
+                    _ = tokio::time::sleep(wait) => {},
+                    _ = store.inner.refresh_now.notified() => {},
+                }
+            }
+        });
     }
 
-    async fn run(&self, mode: &str, calls: &[BucketCall]) -> Result<Vec<Outcome>, StoreError> {
-        let evalsha = self.script_cmd("EVALSHA", &self.sha1, mode, calls);
-        let reply = self
-            .bounded(async {
-                match self.query(evalsha).await {
-                    Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
-                        // The node lost its script cache (restart, failover): EVAL caches it again.
-                        // Built only here: the hot path never copies the script.
-                        self.metrics.script_loads.inc();
-                        tracing::info!("NOSCRIPT from redis, reloading the bucket script by EVAL");
-                        self.query(self.script_cmd("EVAL", SCRIPT, mode, calls))
-                            .await
+    /// Reads `CLUSTER SLOTS` and keeps the map when it parses.
+    async fn load_slot_map(&self) {
+        let mut cmd = redis::cmd("CLUSTER");
+        cmd.arg("SLOTS");
+        match self.bounded(self.query(cmd)).await {
+            Ok(v) => match SlotMap::from_cluster_slots(&v) {
+                Some(map) if !map.ranges.is_empty() => {
+                    if **self.inner.slots.load() != map {
+                        tracing::info!(ranges = map.ranges.len(), "cluster slot map loaded");
+                        self.inner.slots.store(Arc::new(map));
                     }
-                    other => other,
                 }
-            })
-            .await?;
-        parse_outcomes(reply, calls.len())
+                _ => tracing::warn!("unexpected CLUSTER SLOTS reply"),
+            },
+            Err(e) => tracing::debug!("CLUSTER SLOTS: {e}"),
+        }
+    }
+
+    fn batcher(&self, node: &NodeId) -> Batcher {
+        let mut batchers = self.inner.batchers.lock().expect("not poisoned");
+        if let Some(b) = batchers.get(node) {
+            return b.clone();
+        }
+        let store = self.clone();
+        let b = Batcher::spawn(
+            move |work: Work| {
+                let store = store.clone();
+                async move { store.call(work).await }
+            },
+            self.inner.options.max_in_flight,
+            self.inner.options.max_call_decisions,
+        );
+        batchers.insert(node.clone(), b.clone());
+        b
+    }
+
+    /// One script call in "apply" mode for `work`.
+    async fn call(&self, work: Work) -> Result<Vec<Vec<RequestOutcome>>, StoreError> {
+        let args = ScriptArgs::build(
+            "apply",
+            &self.inner.options,
+            self.inner.connection.is_cluster(),
+            &work,
+            None,
+        );
+        self.inner
+            .metrics
+            .script_call_decisions
+            .observe(work.groups.iter().map(Group::decisions).sum::<usize>() as f64);
+        let reply = self.run_script(&args).await?;
+        parse_apply(reply, &work)
+    }
+
+    /// EVALSHA, healed by EVAL on NOSCRIPT, bounded by the timeout.
+    async fn run_script(&self, args: &ScriptArgs) -> Result<Value, StoreError> {
+        self.bounded(async {
+            match self.query(args.cmd("EVALSHA", &self.inner.sha1)).await {
+                Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+                    // The node lost its script cache (restart, failover): EVAL caches it again.
+                    // Built only here: the hot path never copies the script.
+                    self.inner.metrics.script_loads.inc();
+                    tracing::info!("NOSCRIPT from redis, reloading the bucket script by EVAL");
+                    self.query(args.cmd("EVAL", SCRIPT)).await
+                }
+                other => other,
+            }
+        })
+        .await
     }
 
     /// Checks Redis, loads the script where it is missing, reads `maxmemory-policy`.
-    pub async fn readiness(&self) -> Readiness {
+    pub async fn check_readiness(&self) -> Readiness {
         let mut r = Readiness::default();
         let mut exists = redis::cmd("SCRIPT");
-        exists.arg("EXISTS").arg(&self.sha1);
+        exists.arg("EXISTS").arg(&self.inner.sha1);
         match self.bounded(self.query_all_primaries(exists, None)).await {
             Ok(v) => {
                 r.redis_ok = true;
@@ -162,7 +326,7 @@ impl RedisStore {
                 .await
             {
                 Ok(_) => {
-                    self.metrics.script_loads.inc();
+                    self.inner.metrics.script_loads.inc();
                     r.script_loaded = true;
                 }
                 Err(e) => r.error = Some(format!("SCRIPT LOAD: {e}")),
@@ -194,52 +358,254 @@ impl RedisStore {
 }
 
 impl BucketStore for RedisStore {
-    async fn apply(&self, calls: &[BucketCall]) -> Result<Vec<Outcome>, StoreError> {
-        self.run("apply", calls).await
+    fn node_of(&self, key: &str) -> NodeId {
+        if !self.inner.connection.is_cluster() {
+            return NodeId::primary();
+        }
+        let slot = cluster_slot(key.as_bytes());
+        match self.inner.slots.load().node(slot) {
+            Some(addr) => NodeId(addr.clone()),
+            None => NodeId(Arc::from(format!("slot:{slot}"))),
+        }
     }
 
-    async fn refund(&self, calls: &[BucketCall]) -> Result<Vec<Outcome>, StoreError> {
-        self.run("refund", calls).await
+    async fn apply(&self, node: NodeId, work: Work) -> Result<Vec<Vec<RequestOutcome>>, StoreError> {
+        // The deadline drops the work if it is still queued when it passes (never sent); the
+        // timeout bounds the caller's wait while calls ahead of it hang.
+        let deadline = Instant::now() + self.timeout();
+        let timeout_ms = self.inner.options.timeout_ms;
+        let batcher = self.batcher(&node);
+        let submitted = batcher.submit(work, deadline, timeout_ms);
+        match tokio::time::timeout(self.timeout(), submitted).await {
+            Ok(answer) => answer,
+            Err(_) => {
+                self.inner.metrics.redis_errors.inc();
+                Err(StoreError::Timeout { timeout_ms })
+            }
+        }
     }
 
-    fn is_cluster(&self) -> bool {
-        self.connection.is_cluster()
+    async fn readiness(&self) -> Readiness {
+        self.check_readiness().await
+    }
+
+    async fn refresh_topology(&self) {
+        if self.inner.connection.is_cluster() {
+            self.load_slot_map().await;
+        }
+    }
+
+    async fn refund(
+        &self,
+        _node: NodeId,
+        group: Group,
+        requests: Vec<usize>,
+    ) -> Result<bool, StoreError> {
+        let work = Work {
+            groups: vec![group],
+            returns: Vec::new(),
+        };
+        let args = ScriptArgs::build(
+            "refund",
+            &self.inner.options,
+            self.inner.connection.is_cluster(),
+            &work,
+            Some(&[requests]),
+        );
+        let reply = self.run_script(&args).await?;
+        match reply {
+            Value::Array(v) if v.len() == 1 => Ok(matches!(v[0], Value::Int(1))),
+            other => Err(StoreError::Reply(format!("refund reply {other:?}"))),
+        }
     }
 }
 
-/// The script's flat reply, 6 integers per decision, as outcomes.
-fn parse_outcomes(reply: Value, n: usize) -> Result<Vec<Outcome>, StoreError> {
-    let bad = |what: &str| StoreError::Reply(what.to_string());
-    let Value::Array(items) = reply else {
-        return Err(bad(&format!("{reply:?}")));
-    };
-    if items.len() != n * 6 {
-        return Err(bad(&format!("{} integers for {n} decisions", items.len())));
+/// Whether an error says the node does not serve a key of the call (nothing was written).
+fn moved(e: &RedisError) -> bool {
+    matches!(
+        e.kind(),
+        ErrorKind::Server(ServerErrorKind::Moved)
+            | ErrorKind::Server(ServerErrorKind::Ask)
+            | ErrorKind::Server(ServerErrorKind::CrossSlot)
+    ) || e.detail().is_some_and(|d| d.contains("non local key"))
+        || e.to_string().contains("non local key")
+}
+
+/// The arguments of one script call (see the calling convention in `lua/token_bucket.lua`).
+struct ScriptArgs {
+    routing_key: Arc<str>,
+    argv: Vec<ArgValue>,
+}
+
+enum ArgValue {
+    Text(Arc<str>),
+    Str(String),
+    Int(u64),
+    Float(f64),
+}
+
+impl ScriptArgs {
+    fn build(
+        mode: &'static str,
+        options: &StoreOptions,
+        cluster: bool,
+        work: &Work,
+        refunds: Option<&[Vec<usize>]>,
+    ) -> ScriptArgs {
+        let mut keys: Vec<Arc<str>> = Vec::new();
+        let mut key_index: HashMap<Arc<str>, usize> = HashMap::new();
+        let mut limits: Vec<(u64, f64)> = Vec::new();
+        let mut limit_index: HashMap<(u64, u64), usize> = HashMap::new();
+        let mut key_of = |k: &Arc<str>| -> usize {
+            *key_index.entry(k.clone()).or_insert_with(|| {
+                keys.push(k.clone());
+                keys.len()
+            })
+        };
+        let mut limit_of = |capacity: u64, refill: f64| -> usize {
+            *limit_index
+                .entry((capacity, refill.to_bits()))
+                .or_insert_with(|| {
+                    limits.push((capacity, refill));
+                    limits.len()
+                })
+        };
+        let mut body: Vec<ArgValue> = Vec::new();
+        body.push(ArgValue::Int(work.groups.len() as u64));
+        for g in &work.groups {
+            body.push(ArgValue::Str(g.record.clone().unwrap_or_default()));
+            body.push(ArgValue::Int(g.requests.len() as u64));
+            for request in &g.requests {
+                body.push(ArgValue::Int(request.len() as u64));
+                for c in request {
+                    body.push(ArgValue::Int(key_of(&c.key) as u64));
+                    body.push(ArgValue::Int(
+                        limit_of(c.bucket.capacity, c.bucket.refill_per_sec) as u64,
+                    ));
+                    body.push(ArgValue::Int(c.cost));
+                    body.push(ArgValue::Int(u64::from(c.shadow)));
+                    let (id, want, ttl) = c.lease.map_or((0, 0, 0), |l| (l.id, l.tokens, l.ttl_ms));
+                    body.push(ArgValue::Int(id));
+                    body.push(ArgValue::Int(want));
+                    body.push(ArgValue::Int(ttl));
+                }
+            }
+        }
+        body.push(ArgValue::Int(work.returns.len() as u64));
+        for r in &work.returns {
+            body.push(ArgValue::Int(key_of(&r.key) as u64));
+            body.push(ArgValue::Int(
+                limit_of(r.bucket.capacity, r.bucket.refill_per_sec) as u64,
+            ));
+            body.push(ArgValue::Int(r.lease_id));
+            body.push(ArgValue::Int(r.tokens));
+        }
+        if let Some(refunds) = refunds {
+            for indices in refunds {
+                body.push(ArgValue::Int(indices.len() as u64));
+                for i in indices {
+                    body.push(ArgValue::Int(*i as u64 + 1));
+                }
+            }
+        }
+        let mut argv = Vec::with_capacity(6 + keys.len() + 2 * limits.len() + body.len());
+        argv.push(ArgValue::Str(mode.to_string()));
+        argv.push(ArgValue::Int(options.record_ttl_ms));
+        argv.push(ArgValue::Float(options.lease_max_share));
+        argv.push(ArgValue::Int(u64::from(cluster)));
+        argv.push(ArgValue::Int(keys.len() as u64));
+        let routing_key = keys.first().cloned().unwrap_or_else(|| Arc::from(""));
+        argv.extend(keys.into_iter().map(ArgValue::Text));
+        argv.push(ArgValue::Int(limits.len() as u64));
+        for (capacity, refill) in limits {
+            argv.push(ArgValue::Int(capacity));
+            argv.push(ArgValue::Float(refill));
+        }
+        argv.extend(body);
+        ScriptArgs { routing_key, argv }
     }
-    let ints = items
+
+    fn cmd(&self, command: &str, script: &str) -> Cmd {
+        let mut c = redis::cmd(command);
+        c.arg(script).arg(1).arg(&*self.routing_key);
+        for a in &self.argv {
+            match a {
+                ArgValue::Text(s) => c.arg(&**s),
+                ArgValue::Str(s) => c.arg(s),
+                ArgValue::Int(i) => c.arg(*i),
+                ArgValue::Float(f) => c.arg(format_float(*f)),
+            };
+        }
+        c
+    }
+}
+
+/// A float as Lua's `tonumber` reads it back exactly (shortest round-trip form).
+fn format_float(f: f64) -> String {
+    let s = format!("{f:?}");
+    s.strip_suffix(".0").map(str::to_string).unwrap_or(s)
+}
+
+/// The script's flat reply for `work` as outcomes per group and request.
+fn parse_apply(reply: Value, work: &Work) -> Result<Vec<Vec<RequestOutcome>>, StoreError> {
+    let bad = |what: String| StoreError::Reply(what);
+    let Value::Array(items) = reply else {
+        return Err(bad(format!("{reply:?}")));
+    };
+    let expected: usize = work
+        .groups
         .iter()
-        .map(|v| match v {
-            Value::Int(i) => u64::try_from(*i).map_err(|_| bad("negative integer")),
-            other => Err(bad(&format!("{other:?}"))),
-        })
-        .collect::<Result<Vec<u64>, _>>()?;
-    ints.chunks(6)
-        .map(|c| {
-            Ok(Outcome {
-                allowed: c[0] == 1,
-                remaining: c[1],
-                retry_after_ms: c[2],
-                reset_ms: c[3],
-                reason: match c[4] {
+        .map(|g| g.requests.iter().map(|r| 1 + 6 * r.len()).sum::<usize>())
+        .sum();
+    if items.len() != expected {
+        return Err(bad(format!(
+            "{} integers where {expected} were expected",
+            items.len()
+        )));
+    }
+    let mut ints = items.into_iter().map(|v| match v {
+        Value::Int(i) => u64::try_from(i).map_err(|_| bad("negative integer".into())),
+        other => Err(bad(format!("{other:?}"))),
+    });
+    let mut next = move || ints.next().unwrap_or_else(|| Err(bad("short reply".into())));
+    let mut groups = Vec::with_capacity(work.groups.len());
+    for g in &work.groups {
+        let mut requests = Vec::with_capacity(g.requests.len());
+        for r in &g.requests {
+            let status = match next()? {
+                0 => Status::Rejected,
+                1 => Status::Charged,
+                10 | 12 => Status::Replayed { charged: false },
+                11 => Status::Replayed { charged: true },
+                other => return Err(bad(format!("status code {other}"))),
+            };
+            let mut decisions = Vec::with_capacity(r.len());
+            for _ in r {
+                let allowed = next()? == 1;
+                let remaining = next()?;
+                let retry_after_ms = next()?;
+                let reset_ms = next()?;
+                let reason = match next()? {
                     0 => Reason::Ok,
                     1 => Reason::Insufficient,
                     2 => Reason::CostExceedsCapacity,
-                    other => return Err(bad(&format!("reason code {other}"))),
-                },
-                charged: c[5] == 1,
-            })
-        })
-        .collect()
+                    other => return Err(bad(format!("reason code {other}"))),
+                };
+                let leased = next()?;
+                decisions.push(Outcome {
+                    allowed,
+                    remaining,
+                    retry_after_ms,
+                    reset_ms,
+                    reason,
+                    leased,
+                });
+            }
+            requests.push(RequestOutcome { status, decisions });
+        }
+        groups.push(requests);
+    }
+    Ok(groups)
 }
 
 /// Every integer in a reply, however nested (SCRIPT EXISTS from one or many nodes).
@@ -290,15 +656,99 @@ mod tests {
     use super::*;
 
     #[test]
-    fn outcomes_parse_and_odd_replies_are_errors() {
-        let v = Value::Array([1, 99, 0, 100, 0, 1].map(Value::Int).to_vec());
-        let o = parse_outcomes(v, 1).unwrap();
-        assert!(o[0].allowed && o[0].charged);
-        assert_eq!((o[0].remaining, o[0].reset_ms), (99, 100));
-        assert!(parse_outcomes(Value::Array(vec![Value::Int(1)]), 1).is_err());
-        assert!(parse_outcomes(Value::Nil, 1).is_err());
-        let bad_reason = Value::Array([0, 0, 0, 0, 7, 0].map(Value::Int).to_vec());
-        assert!(parse_outcomes(bad_reason, 1).is_err());
+    fn replies_parse_by_the_shape_of_the_work_and_odd_ones_are_errors() {
+        use super::super::{Bucket, Charge};
+        let charge = |k: &str| Charge {
+            key: Arc::from(k),
+            bucket: Bucket {
+                capacity: 10,
+                refill_per_sec: 1.0,
+            },
+            cost: 1,
+            shadow: false,
+            lease: None,
+        };
+        let work = Work {
+            groups: vec![Group {
+                record: None,
+                requests: vec![vec![charge("a"), charge("b")], vec![charge("a")]],
+            }],
+            returns: vec![],
+        };
+        let ints = |v: &[i64]| Value::Array(v.iter().map(|i| Value::Int(*i)).collect());
+        let reply = ints(&[1, 1, 9, 0, 1000, 0, 0, 1, 9, 0, 1000, 0, 0, 11, 1, 8, 0, 2000, 0, 3]);
+        let g = parse_apply(reply, &work).unwrap();
+        assert_eq!(g[0][0].status, Status::Charged);
+        assert_eq!(g[0][1].status, Status::Replayed { charged: true });
+        assert_eq!(g[0][1].decisions[0].leased, 3);
+        assert!(parse_apply(ints(&[1]), &work).is_err());
+        assert!(parse_apply(Value::Nil, &work).is_err());
+        let mut bad = vec![1, 1, 9, 0, 1000, 7, 0, 1, 9, 0, 1000, 0, 0, 1, 1, 8, 0, 2000, 0, 0];
+        assert!(parse_apply(ints(&bad), &work).is_err(), "reason 7");
+        bad[5] = 0;
+        bad[0] = 5;
+        assert!(parse_apply(ints(&bad), &work).is_err(), "status 5");
+    }
+
+    #[test]
+    fn arguments_name_each_bucket_and_limit_once() {
+        use super::super::{Bucket, Charge};
+        let charge = |k: &str, capacity: u64| Charge {
+            key: Arc::from(k),
+            bucket: Bucket {
+                capacity,
+                refill_per_sec: 0.5,
+            },
+            cost: 2,
+            shadow: true,
+            lease: None,
+        };
+        let work = Work {
+            groups: vec![Group {
+                record: Some("rec".into()),
+                requests: vec![vec![charge("a", 10), charge("b", 10)], vec![charge("a", 20)]],
+            }],
+            returns: vec![],
+        };
+        let args = ScriptArgs::build("apply", &StoreOptions::default(), false, &work, None);
+        let text: Vec<String> = args
+            .argv
+            .iter()
+            .map(|a| match a {
+                ArgValue::Text(s) => s.to_string(),
+                ArgValue::Str(s) => s.clone(),
+                ArgValue::Int(i) => i.to_string(),
+                ArgValue::Float(f) => format_float(*f),
+            })
+            .collect();
+        assert_eq!(
+            text.join(" "),
+            "apply 10000 0.1 0 2 a b 2 10 0.5 20 0.5 1 rec 2 2 1 1 2 1 0 0 0 2 1 2 1 0 0 0 1 1 2 2 1 0 0 0 0"
+        );
+        assert_eq!(&*args.routing_key, "a");
+    }
+
+    #[test]
+    fn slot_maps_find_the_primary_of_a_slot() {
+        let s = |x: &str| Value::BulkString(x.as_bytes().to_vec());
+        let entry = |a: i64, b: i64, port: i64| {
+            Value::Array(vec![
+                Value::Int(a),
+                Value::Int(b),
+                Value::Array(vec![s("127.0.0.1"), Value::Int(port), s("id")]),
+            ])
+        };
+        let map = SlotMap::from_cluster_slots(&Value::Array(vec![
+            entry(5461, 10922, 7001),
+            entry(0, 5460, 7000),
+            entry(10923, 16383, 7002),
+        ]))
+        .unwrap();
+        assert_eq!(map.node(0).map(|a| &**a), Some("127.0.0.1:7000"));
+        assert_eq!(map.node(5461).map(|a| &**a), Some("127.0.0.1:7001"));
+        assert_eq!(map.node(16383).map(|a| &**a), Some("127.0.0.1:7002"));
+        assert_eq!(SlotMap::default().node(3), None);
+        assert!(SlotMap::from_cluster_slots(&Value::Nil).is_none());
     }
 
     #[test]

@@ -1,0 +1,258 @@
+//! The policy in force, and its live reload.
+//!
+//! Decisions read the policy through [`PolicyHandle::current`] (a lock-free pointer load). A
+//! reload reads every file again; when their content changed and the new policy is valid, it is
+//! swapped in atomically: decisions from then on use it, a decision already running finishes with
+//! the policy it started with. An invalid new policy is logged and counted, and the old one stays
+//! in force. Bucket state lives in Redis under keys that do not depend on the numbers, so a reload
+//! loses no state: a bucket whose capacity shrank is clamped to the new capacity at its next
+//! decision, one whose capacity grew refills to it at the new rate.
+//!
+//! What triggers a reload: a change in the directory of any policy file (a file watch on the
+//! directory, not the file, so Kubernetes ConfigMap updates, which swap a symlink, are seen),
+//! SIGHUP, and a check every [`POLL_INTERVAL`] in case a file system sends no events.
+
+use std::collections::hash_map::DefaultHasher;
+use std::hash::{Hash, Hasher};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use notify::{RecursiveMode, Watcher};
+
+use super::{Bounds, Policy, PolicyError};
+use crate::metrics::Metrics;
+
+/// How often the files are read again even without a file-system event.
+pub const POLL_INTERVAL: Duration = Duration::from_secs(5);
+
+/// The policy in force and where it comes from.
+pub struct PolicyHandle {
+    current: ArcSwap<Policy>,
+    paths: Vec<PathBuf>,
+    bounds: Bounds,
+    /// A hash of the files' content as last loaded (or last refused), to skip no-op reloads.
+    fingerprint: Mutex<u64>,
+    metrics: Arc<Metrics>,
+}
+
+impl PolicyHandle {
+    /// Loads the policy for the first time: an error here refuses to start.
+    pub fn load(
+        paths: Vec<PathBuf>,
+        bounds: Bounds,
+        metrics: Arc<Metrics>,
+    ) -> Result<Arc<PolicyHandle>, PolicyError> {
+        let policy = Policy::load(&paths, &bounds)?;
+        metrics.policy_loaded(policy.limit_count());
+        Ok(Arc::new(PolicyHandle {
+            current: ArcSwap::from_pointee(policy),
+            fingerprint: Mutex::new(fingerprint(&paths)),
+            paths,
+            bounds,
+            metrics,
+        }))
+    }
+
+    /// A handle on a policy given in memory (tests, embedding); it never reloads.
+    pub fn fixed(policy: Policy, metrics: Arc<Metrics>) -> Arc<PolicyHandle> {
+        metrics.policy_loaded(policy.limit_count());
+        Arc::new(PolicyHandle {
+            current: ArcSwap::from_pointee(policy),
+            paths: Vec::new(),
+            bounds: Bounds::default(),
+            fingerprint: Mutex::new(0),
+            metrics,
+        })
+    }
+
+    /// The policy in force.
+    pub fn current(&self) -> arc_swap::Guard<Arc<Policy>> {
+        self.current.load()
+    }
+
+    /// Reads the files again; swaps the policy in when they changed and are valid. `Ok(true)`
+    /// when a new policy is in force, `Ok(false)` when nothing changed.
+    pub fn reload(&self, why: &str) -> Result<bool, PolicyError> {
+        if self.paths.is_empty() {
+            return Ok(false);
+        }
+        let print = fingerprint(&self.paths);
+        {
+            let mut last = self.fingerprint.lock().expect("not poisoned");
+            if *last == print {
+                return Ok(false);
+            }
+            *last = print;
+        }
+        match Policy::load(&self.paths, &self.bounds) {
+            Ok(policy) => {
+                let limits = policy.limit_count();
+                self.current.store(Arc::new(policy));
+                self.metrics.policy_loaded(limits);
+                tracing::info!(
+                    files = %super::describe(&self.paths),
+                    limits,
+                    trigger = why,
+                    "policy reloaded"
+                );
+                Ok(true)
+            }
+            Err(e) => {
+                self.metrics.policy_refused();
+                tracing::error!(
+                    files = %super::describe(&self.paths),
+                    trigger = why,
+                    "policy reload refused, the previous policy stays in force: {e}"
+                );
+                Err(e)
+            }
+        }
+    }
+
+    /// Starts the reload triggers (file watch, SIGHUP, polling) in the background, for as long as
+    /// the returned guard lives.
+    pub fn watch(self: &Arc<Self>) -> WatchGuard {
+        let (tx, mut rx) = tokio::sync::mpsc::channel::<&'static str>(16);
+        let mut watcher = None;
+        if !self.paths.is_empty() {
+            let events = tx.clone();
+            match notify::recommended_watcher(move |_event: notify::Result<notify::Event>| {
+                let _ = events.try_send("file change");
+            }) {
+                Ok(mut w) => {
+                    let mut dirs: Vec<&Path> = self
+                        .paths
+                        .iter()
+                        .map(|p| p.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new(".")))
+                        .collect();
+                    dirs.sort();
+                    dirs.dedup();
+                    for dir in dirs {
+                        if let Err(e) = w.watch(dir, RecursiveMode::NonRecursive) {
+                            tracing::warn!(dir = %dir.display(), "cannot watch the policy directory ({e}); relying on SIGHUP and polling");
+                        }
+                    }
+                    watcher = Some(w);
+                }
+                Err(e) => tracing::warn!("no file watcher ({e}); relying on SIGHUP and polling"),
+            }
+        }
+        let mut tasks = Vec::new();
+        #[cfg(unix)]
+        {
+            let hup = tx.clone();
+            tasks.push(tokio::spawn(async move {
+                use tokio::signal::unix::{signal, SignalKind};
+                let Ok(mut s) = signal(SignalKind::hangup()) else {
+                    return;
+                };
+                while s.recv().await.is_some() {
+                    let _ = hup.send("SIGHUP").await;
+                }
+            }));
+        }
+        let poll = tx;
+        tasks.push(tokio::spawn(async move {
+            let mut tick = tokio::time::interval(POLL_INTERVAL);
+            tick.tick().await;
+            loop {
+                tick.tick().await;
+                if poll.send("poll").await.is_err() {
+                    return;
+                }
+            }
+        }));
+        let handle = self.clone();
+        tasks.push(tokio::spawn(async move {
+            while let Some(why) = rx.recv().await {
+                // Editors and ConfigMap updates write in several steps: let them finish, and
+                // take every trigger that came meanwhile as one.
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                while rx.try_recv().is_ok() {}
+                let h = handle.clone();
+                let _ = tokio::task::spawn_blocking(move || h.reload(why)).await;
+            }
+        }));
+        WatchGuard {
+            _watcher: watcher,
+            tasks,
+        }
+    }
+}
+
+/// Keeps the reload triggers running; stops them on drop.
+pub struct WatchGuard {
+    _watcher: Option<notify::RecommendedWatcher>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Drop for WatchGuard {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}
+
+/// A hash of the files' bytes (an unreadable file hashes as its error, so it is retried).
+fn fingerprint(paths: &[PathBuf]) -> u64 {
+    let mut h = DefaultHasher::new();
+    for p in paths {
+        match std::fs::read(p) {
+            Ok(bytes) => bytes.hash(&mut h),
+            Err(e) => e.kind().to_string().hash(&mut h),
+        }
+    }
+    h.finish()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::Resolution;
+    use super::*;
+
+    fn capacity(h: &PolicyHandle) -> Option<u64> {
+        match h.current().resolve("ratelimit", &[("rule", Some("r"))]) {
+            Resolution::Limit(l) => match l.kind {
+                super::super::LimitKind::Bucket { capacity, .. } => Some(capacity),
+                _ => None,
+            },
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn a_valid_change_is_swapped_in_and_an_invalid_one_keeps_the_old_policy() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("limits.yaml");
+        std::fs::write(&file, "rules:\n  r: {capacity: 5, refill_per_sec: 1}\n").unwrap();
+        let metrics = Arc::new(Metrics::new());
+        let h = PolicyHandle::load(vec![file.clone()], Bounds::default(), metrics.clone()).unwrap();
+        assert_eq!(capacity(&h), Some(5));
+        assert_eq!(h.reload("test").unwrap(), false, "unchanged");
+        std::fs::write(&file, "rules:\n  r: {capacity: 7, refill_per_sec: 1}\n").unwrap();
+        assert!(h.reload("test").unwrap());
+        assert_eq!(capacity(&h), Some(7));
+        std::fs::write(&file, "rules:\n  r: {capacity: 0, refill_per_sec: 1}\n").unwrap();
+        let e = h.reload("test").unwrap_err();
+        assert!(e.to_string().contains("rules.r.capacity"), "{e}");
+        assert_eq!(capacity(&h), Some(7), "the old policy stays in force");
+        let text = metrics.encode();
+        assert!(text.contains("ratelimit_policy_reloads_total{result=\"invalid\"} 1"), "{text}");
+        assert!(text.contains("ratelimit_policy_reloads_total{result=\"ok\"} 2"), "{text}");
+    }
+
+    #[test]
+    fn a_missing_file_refuses_to_start_naming_it() {
+        let e = PolicyHandle::load(
+            vec![PathBuf::from("/nonexistent/limits.yaml")],
+            Bounds::default(),
+            Arc::new(Metrics::new()),
+        )
+        .err()
+        .unwrap();
+        assert!(e.to_string().starts_with("/nonexistent/limits.yaml: cannot read"), "{e}");
+    }
+}

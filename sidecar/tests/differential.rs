@@ -1,0 +1,238 @@
+//! The bucket exists twice: in Lua (`lua/token_bucket.lua`, in Redis) and in Rust
+//! (`store::memory`, the reference model). The same random work, given to a real redis-server and
+//! to the model, must get the same answers: verdicts, remaining tokens, reasons, lease grants,
+//! replays and refunds.
+//!
+//! Time differs by microseconds between the two (Redis reads its own clock), so refill is tiny
+//! (0.001 token/s: under 0.01 token over a run) and leases and records outlive the run: integer
+//! figures must match exactly, waits (`retry_after_ms`, `reset_ms`) within the run's duration.
+
+use std::sync::Arc;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use proptest::prelude::*;
+use ratelimit_e2e::Redis;
+use ratelimit_sidecar::metrics::Metrics;
+use ratelimit_sidecar::store::memory::MemoryStore;
+use ratelimit_sidecar::store::redis_store::StoreOptions;
+use ratelimit_sidecar::store::{
+    Bucket, BucketStore, Charge, Group, NodeId, RedisStore, RequestOutcome, Return, Work,
+};
+use ratelimit_wire::LeaseAsk;
+
+const KEYS: [&str; 4] = ["rl:{a}", "rl:{b}", "rl:{c}", "rl:{d}"];
+const REFILL: f64 = 0.001;
+const MAX_SHARE: f64 = 0.4;
+
+/// Each key has its own fixed limit, as a policy gives.
+fn bucket_of(key: usize) -> Bucket {
+    Bucket {
+        capacity: [5, 3, 8, 1][key],
+        refill_per_sec: REFILL,
+    }
+}
+
+#[derive(Debug, Clone)]
+enum Step {
+    Apply {
+        groups: Vec<(Option<u8>, Vec<Vec<(usize, u64, bool, Option<(u64, u64)>)>>)>,
+        returns: Vec<(usize, u64, u64)>,
+    },
+    /// Refund requests of an earlier recorded group (by its index among recorded groups).
+    Refund { group: usize, requests: Vec<usize> },
+}
+
+fn decision() -> impl Strategy<Value = (usize, u64, bool, Option<(u64, u64)>)> {
+    (
+        0..KEYS.len(),
+        1..4u64,
+        prop::bool::weighted(0.15),
+        prop::option::weighted(0.3, (1..4u64, 0..4u64)),
+    )
+}
+
+fn step() -> impl Strategy<Value = Step> {
+    prop_oneof![
+        8 => (
+            prop::collection::vec(
+                (
+                    prop::option::weighted(0.4, 0..3u8),
+                    prop::collection::vec(prop::collection::vec(decision(), 1..4), 1..4),
+                ),
+                1..3,
+            ),
+            prop::collection::vec((0..KEYS.len(), 1..4u64, 0..4u64), 0..2),
+        )
+            .prop_map(|(groups, returns)| Step::Apply { groups, returns }),
+        1 => (0..4usize, prop::collection::vec(0..4usize, 1..3))
+            .prop_map(|(group, requests)| Step::Refund { group, requests }),
+    ]
+}
+
+fn work_of(
+    groups: &[(Option<u8>, Vec<Vec<(usize, u64, bool, Option<(u64, u64)>)>>)],
+    returns: &[(usize, u64, u64)],
+    case: u64,
+) -> Work {
+    Work {
+        groups: groups
+            .iter()
+            .map(|(attempt, requests)| {
+                let first = KEYS[requests[0][0].0];
+                Group {
+                    record: attempt.map(|a| format!("{first}:a:{case}-{a}")),
+                    requests: requests
+                        .iter()
+                        .map(|r| {
+                            r.iter()
+                                .map(|&(k, cost, shadow, lease)| Charge {
+                                    key: Arc::from(KEYS[k]),
+                                    bucket: bucket_of(k),
+                                    cost,
+                                    shadow,
+                                    lease: lease.map(|(id, tokens)| LeaseAsk {
+                                        id,
+                                        tokens,
+                                        ttl_ms: 60_000,
+                                    }),
+                                })
+                                .collect()
+                        })
+                        .collect(),
+                }
+            })
+            .collect(),
+        returns: returns
+            .iter()
+            .map(|&(k, id, tokens)| Return {
+                key: Arc::from(KEYS[k]),
+                bucket: bucket_of(k),
+                lease_id: id,
+                tokens,
+            })
+            .collect(),
+    }
+}
+
+fn same(redis: &[Vec<RequestOutcome>], model: &[Vec<RequestOutcome>], slack_ms: u64) -> Result<(), String> {
+    if redis.len() != model.len() {
+        return Err(format!("{} groups vs {}", redis.len(), model.len()));
+    }
+    for (g, (a, b)) in redis.iter().zip(model).enumerate() {
+        for (r, (x, y)) in a.iter().zip(b).enumerate() {
+            if x.status != y.status {
+                return Err(format!("group {g} request {r}: {:?} vs {:?}", x.status, y.status));
+            }
+            for (d, (p, q)) in x.decisions.iter().zip(&y.decisions).enumerate() {
+                let exact = (p.allowed, p.remaining, p.reason, p.leased)
+                    == (q.allowed, q.remaining, q.reason, q.leased);
+                let close = p.retry_after_ms.abs_diff(q.retry_after_ms) <= slack_ms
+                    && p.reset_ms.abs_diff(q.reset_ms) <= slack_ms;
+                if !exact || !close {
+                    return Err(format!("group {g} request {r} decision {d}: {p:?} vs {q:?}"));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+fn now_us() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .expect("after 1970")
+        .as_micros() as u64
+}
+
+#[test]
+fn the_lua_bucket_and_the_rust_model_answer_alike() {
+    let redis = Redis::start();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let store = rt.block_on(async {
+        let s = RedisStore::single(
+            &redis.url(),
+            1,
+            StoreOptions {
+                timeout_ms: 5_000,
+                record_ttl_ms: 600_000,
+                lease_max_share: MAX_SHARE,
+                ..StoreOptions::default()
+            },
+            Arc::new(Metrics::new()),
+        )
+        .unwrap();
+        s.check_readiness().await;
+        s
+    });
+    let cases = std::env::var("DIFFERENTIAL_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(48);
+    let case = std::sync::atomic::AtomicU64::new(0);
+    let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig {
+        cases,
+        failure_persistence: None,
+        ..ProptestConfig::default()
+    });
+    runner
+        .run(&prop::collection::vec(step(), 1..12), |steps| {
+            let case = case.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+            let _: () = redis::cmd("FLUSHALL")
+                .query(&mut redis.connection())
+                .unwrap();
+            let model = MemoryStore::new(now_us(), MAX_SHARE, 600_000);
+            let started = Instant::now();
+            let mut recorded: Vec<Group> = Vec::new();
+            for step in &steps {
+                model.set_now_us(now_us());
+                match step {
+                    Step::Apply { groups, returns } => {
+                        let work = work_of(groups, returns, case);
+                        let from_redis = rt
+                            .block_on(store.apply(NodeId::primary(), work.clone()))
+                            .map_err(|e| TestCaseError::fail(e.to_string()))?;
+                        let from_model = model.run(&work);
+                        let slack = started.elapsed().as_millis() as u64 + 1_000;
+                        same(&from_redis, &from_model, slack * 1000)
+                            .map_err(|e| TestCaseError::fail(format!("{e}\n{work:#?}")))?;
+                        recorded.extend(work.groups.into_iter().filter(|g| g.record.is_some()));
+                    }
+                    Step::Refund { group, requests } => {
+                        let Some(g) = recorded.get(*group % recorded.len().max(1)).cloned()
+                        else {
+                            continue;
+                        };
+                        let requests: Vec<usize> = requests
+                            .iter()
+                            .map(|r| r % g.requests.len())
+                            .collect();
+                        let a = rt
+                            .block_on(store.refund(NodeId::primary(), g.clone(), requests.clone()))
+                            .map_err(|e| TestCaseError::fail(e.to_string()))?;
+                        let b = model.refund_now(&g, &requests);
+                        prop_assert_eq!(a, b, "refund of {:?} {:?}", g, requests);
+                    }
+                }
+            }
+            // The stored tokens agree too.
+            for key in KEYS {
+                let from_redis: Option<Vec<u8>> = redis::cmd("GET")
+                    .arg(key)
+                    .query(&mut redis.connection())
+                    .unwrap();
+                let redis_tokens =
+                    from_redis.map(|v| f64::from_le_bytes(v[..8].try_into().unwrap()));
+                let model_tokens = model.stored_tokens(key);
+                match (redis_tokens, model_tokens) {
+                    (Some(a), Some(b)) => prop_assert!((a - b).abs() < 0.02, "{key}: {a} vs {b}"),
+                    (a, b) => prop_assert_eq!(a.is_some(), b.is_some(), "{}: {:?} vs {:?}", key, a, b),
+                }
+            }
+            Ok(())
+        })
+        .unwrap();
+}
