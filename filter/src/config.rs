@@ -35,6 +35,9 @@ pub const MAX_TIMEOUT_MS: u64 = 60_000;
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Config {
+    /// The policy domain the rules belong to in the sidecar's policy. Default: `"ratelimit"`.
+    #[serde(default = "default_domain")]
+    pub domain: String,
     /// Where decisions are asked for.
     pub sidecar: Sidecar,
     /// Where the request's identity comes from. Default: none of the sources (only `route` is
@@ -50,6 +53,112 @@ pub struct Config {
     /// `"ratelimit"`.
     #[serde(default = "default_stat_prefix")]
     pub stat_prefix: String,
+    /// The local fast paths: coalesced callouts, known rejections, leases. Default: all on.
+    #[serde(default)]
+    pub fast_paths: FastPaths,
+}
+
+fn default_domain() -> String {
+    ratelimit_wire::DEFAULT_DOMAIN.to_string()
+}
+
+/// What the gateway may decide or batch locally without changing any verdict (see
+/// `crate::fastpath` and `crate::coalesce` for why each is exact).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FastPaths {
+    /// While a callout is in flight, further requests of the same worker wait and travel
+    /// together in the next one. Default: true.
+    #[serde(default = "yes")]
+    pub coalesce: bool,
+    /// The most requests one callout carries. Default: 64 (at most 256).
+    #[serde(default = "default_max_batch")]
+    pub max_batch: usize,
+    /// Callouts in flight per worker at once. Default: 1.
+    #[serde(default = "default_max_in_flight")]
+    pub max_in_flight: usize,
+    /// After a rejection, answer the same bucket and cost 429 locally until its `retry_after`.
+    /// Default: true.
+    #[serde(default = "yes")]
+    pub known_rejections: bool,
+    /// Leases of tokens for busy buckets.
+    #[serde(default)]
+    pub leases: Leases,
+    /// Shared-data entries (per Envoy process) for known rejections and leases: bounds memory.
+    /// Default: 4096.
+    #[serde(default = "default_slots")]
+    pub slots: usize,
+}
+
+impl Default for FastPaths {
+    fn default() -> Self {
+        FastPaths {
+            coalesce: true,
+            max_batch: default_max_batch(),
+            max_in_flight: default_max_in_flight(),
+            known_rejections: true,
+            leases: Leases::default(),
+            slots: default_slots(),
+        }
+    }
+}
+
+fn yes() -> bool {
+    true
+}
+
+fn default_max_batch() -> usize {
+    64
+}
+
+fn default_max_in_flight() -> usize {
+    1
+}
+
+fn default_slots() -> usize {
+    4096
+}
+
+/// Leases: a bucket busy at this gateway is served from tokens taken from Redis in advance.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Leases {
+    /// Default: true.
+    #[serde(default = "yes")]
+    pub enabled: bool,
+    /// A bucket is busy once this gateway sees it this often (requests per second). Default: 50.
+    #[serde(default = "default_min_rate")]
+    pub min_rate_per_sec: f64,
+    /// How long a lease is held, in milliseconds. Default: 1000.
+    #[serde(default = "default_lease_ttl_ms")]
+    pub ttl_ms: u64,
+    /// The most tokens one lease asks for. Default: 1000. (The sidecar also caps a lease at
+    /// `--lease-max-share` of the bucket's capacity.)
+    #[serde(default = "default_lease_max_tokens")]
+    pub max_tokens: u64,
+}
+
+impl Default for Leases {
+    fn default() -> Self {
+        Leases {
+            enabled: true,
+            min_rate_per_sec: default_min_rate(),
+            ttl_ms: default_lease_ttl_ms(),
+            max_tokens: default_lease_max_tokens(),
+        }
+    }
+}
+
+fn default_min_rate() -> f64 {
+    50.0
+}
+
+fn default_lease_ttl_ms() -> u64 {
+    1000
+}
+
+fn default_lease_max_tokens() -> u64 {
+    1000
 }
 
 fn default_stat_prefix() -> String {
@@ -72,6 +181,13 @@ pub struct Sidecar {
     /// The `:path` of the callout. Default: [`ratelimit_wire::DECIDE_PATH`] (`/v1/decide`).
     #[serde(default)]
     pub path: Option<String>,
+    /// A bearer token sent as `authorization: Bearer <token>` on every callout. Default: none.
+    #[serde(default)]
+    pub token: Option<String>,
+    /// The environment variable holding that token, as the VM sees it (Envoy's
+    /// `vm_config.environment_variables`). Default: none.
+    #[serde(default)]
+    pub token_env: Option<String>,
 }
 
 fn default_timeout_ms() -> u64 {
@@ -166,13 +282,17 @@ pub struct Rule {
     /// The dimensions of the bucket key (required). Every one must be known for the rule to
     /// apply; `[]` makes one global bucket for the rule.
     pub subject: Vec<Dimension>,
-    /// Bucket size in tokens: the largest burst (required, > 0).
-    pub capacity: u64,
-    /// Tokens added per second (required, > 0).
-    pub refill_per_sec: f64,
     /// Tokens one request takes. Default: 1.
     #[serde(default = "default_cost")]
     pub cost: u64,
+    /// What happens when a dimension of the subject is unknown (no token, an unknown API key, an
+    /// unnamed route). Default: `shared`.
+    #[serde(default)]
+    pub on_unknown: UnknownPolicy,
+    /// The status of a rejection for an unknown subject (`on_unknown: reject`): 401 or 429.
+    /// Default: 401.
+    #[serde(default = "default_unknown_status")]
+    pub unknown_status: u32,
     /// What happens when the sidecar cannot decide. Default: `deny`.
     #[serde(default)]
     pub on_error: FailurePolicy,
@@ -185,11 +305,21 @@ fn default_cost() -> u64 {
     1
 }
 
-impl Rule {
-    /// The window of the IETF `RateLimit-Policy` header: the seconds a full refill takes.
-    pub fn window_s(&self) -> u64 {
-        window_s(self.capacity, self.refill_per_sec)
-    }
+fn default_unknown_status() -> u32 {
+    401
+}
+
+/// What a rule does for a request whose subject it cannot name.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum UnknownPolicy {
+    /// The rule does not apply (a client can escape it by not identifying itself).
+    Skip,
+    /// All unknown clients of the rule share one bucket. The default.
+    #[default]
+    Shared,
+    /// The request is answered `unknown_status` (401 or 429).
+    Reject,
 }
 
 /// Seconds an empty bucket of `capacity` takes to fill at `refill_per_sec`, rounded up.
@@ -380,6 +510,13 @@ impl Config {
         self.validate_sidecar(&mut p);
         self.validate_identity(&mut p);
         self.validate_rules(&mut p);
+        self.validate_fast_paths(&mut p);
+        if !is_name(&self.domain, 128) {
+            p.add(
+                "domain",
+                format!("{:?} must be 1 to 128 characters of [A-Za-z0-9_.-]", self.domain),
+            );
+        }
         if !is_name(&self.stat_prefix, 128) || self.stat_prefix.starts_with('.') {
             p.add(
                 "stat_prefix",
@@ -418,6 +555,45 @@ impl Config {
             if !path.starts_with('/') || path.bytes().any(|b| b <= b' ' || b == 0x7f) {
                 p.add("sidecar.path", "must start with '/' and contain no spaces");
             }
+        }
+        if let Some(t) = &s.token {
+            if t.is_empty() || !t.bytes().all(|b| b.is_ascii_graphic()) {
+                p.add("sidecar.token", "must be non-empty printable ASCII without spaces");
+            }
+        }
+        if let Some(e) = &s.token_env {
+            if e.is_empty() || e.contains('=') || e.contains('\0') {
+                p.add("sidecar.token_env", "must name an environment variable");
+            }
+            if s.token.is_some() {
+                p.add("sidecar.token_env", "give either token or token_env, not both");
+            }
+        }
+    }
+
+    fn validate_fast_paths(&self, p: &mut Problems) {
+        let f = &self.fast_paths;
+        if f.max_batch == 0 || f.max_batch > ratelimit_wire::MAX_REQUESTS {
+            p.add(
+                "fast_paths.max_batch",
+                format!("must be 1 to {}, got {}", ratelimit_wire::MAX_REQUESTS, f.max_batch),
+            );
+        }
+        if f.max_in_flight == 0 || f.max_in_flight > 64 {
+            p.add("fast_paths.max_in_flight", format!("must be 1 to 64, got {}", f.max_in_flight));
+        }
+        if f.slots == 0 || f.slots > 1 << 20 {
+            p.add("fast_paths.slots", format!("must be 1 to 1048576, got {}", f.slots));
+        }
+        let l = &f.leases;
+        if !(l.min_rate_per_sec.is_finite() && l.min_rate_per_sec > 0.0) {
+            p.add("fast_paths.leases.min_rate_per_sec", "must be a number > 0");
+        }
+        if l.ttl_ms == 0 || l.ttl_ms > 60_000 {
+            p.add("fast_paths.leases.ttl_ms", format!("must be 1 to 60000, got {}", l.ttl_ms));
+        }
+        if l.max_tokens == 0 || l.max_tokens > MAX_CAPACITY {
+            p.add("fast_paths.leases.max_tokens", format!("must be 1 to {MAX_CAPACITY}"));
         }
     }
 
@@ -512,25 +688,15 @@ impl Config {
             }
             self.validate_match(&rule.matcher, &at("match"), p);
             self.validate_subject(rule, &at("subject"), p);
-            if rule.capacity == 0 {
-                p.add(at("capacity"), "must be > 0");
-            } else if rule.capacity > MAX_CAPACITY {
-                p.add(at("capacity"), format!("must be at most {MAX_CAPACITY}"));
-            }
-            if !(rule.refill_per_sec.is_finite() && rule.refill_per_sec > 0.0) {
-                p.add(at("refill_per_sec"), "must be > 0");
-            } else {
-                check_refill_time(rule.capacity, rule.refill_per_sec, &at("refill_per_sec"), p);
-            }
             if rule.cost == 0 {
                 p.add(at("cost"), "must be > 0");
-            } else if rule.capacity > 0 && rule.cost > rule.capacity {
+            } else if rule.cost > MAX_CAPACITY {
+                p.add(at("cost"), format!("must be at most {MAX_CAPACITY}"));
+            }
+            if !matches!(rule.unknown_status, 401 | 429) {
                 p.add(
-                    at("cost"),
-                    format!(
-                        "{} exceeds capacity {}: no request could ever pass",
-                        rule.cost, rule.capacity
-                    ),
+                    at("unknown_status"),
+                    format!("must be 401 or 429, got {}", rule.unknown_status),
                 );
             }
             match (&rule.on_error, &rule.emergency) {

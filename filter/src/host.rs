@@ -1,18 +1,33 @@
 //! The proxy-wasm host adapter: reads what the pure core needs from Envoy (configuration,
-//! headers, properties, shared data, the sidecar's answer) and carries its verdict out (resume,
+//! headers, properties, shared data, the sidecar's answers) and carries its verdicts out (resume,
 //! local reply, response headers, stats). Nothing here decides anything.
+//!
+//! # Coalesced callouts
+//! Each worker VM has one [`Vm`] state, shared by its root context and its HTTP contexts. A request
+//! that needs the sidecar joins the VM's queue; the ROOT context sends the queue as one callout
+//! when fewer than `max_in_flight` callouts are in flight, so the batch is whatever queued while
+//! the previous callout was out (no timer: an idle worker sends at once). The root owns the
+//! callouts (Envoy does not cancel them when one client goes away), and answers each request by
+//! switching Envoy's effective context to it (`proxy_set_effective_context`), resuming it or
+//! sending its local reply, then back. An HTTP context cannot make the root send directly (the SDK
+//! ties a callout to the context it is dispatched from), so it wakes the root through a shared
+//! queue of its own VM (`on_queue_ready` runs on the same worker, right after the current event).
+//! Each request keeps its own deadline: a callout's timeout is the earliest deadline of its batch,
+//! and a tick fails requests whose deadline passes while they wait in the queue.
 //!
 //! Host calls go through the small [`abi`] module below instead of the SDK's wrappers, which panic
 //! on non-UTF-8 values or on a status they did not expect (a timed-out callout has no response
 //! headers and Envoy answers `BadArgument`): a panic would take the VM down. In [`abi`] any status
-//! but `Ok` is an error the caller handles; a failed read is "unknown". The one exception is
+//! but `Ok` is an error the caller handles; a failed read is "unknown". The exceptions are
 //! `hostcalls::dispatch_http_call`, which must register the callout with the SDK's dispatcher so
-//! that `on_http_call_response` reaches this context; it panics only on a status other than `Ok`,
-//! `BadArgument` or `InternalFailure`, which Envoy does not return for it.
+//! that its answer reaches the context that sent it, and the shared queue's registration.
+//!
+//! No `RefCell` borrow of the [`Vm`] is held across a host call that can call back into the VM
+//! (a local reply, a resume): those run with the state taken out.
 
-use std::cell::Cell;
+use std::cell::RefCell;
 use std::collections::hash_map::RandomState;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::hash::BuildHasher;
 use std::rc::Rc;
 use std::time::Duration;
@@ -21,50 +36,91 @@ use log::{debug, error, info, warn};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType};
+use ratelimit_wire::{
+    DecideRequest, Decision, LeaseAsk, LeaseReturn, Reason, RequestAnswer, RequestDecisions,
+    MAX_LEASE_ID,
+};
 
-use crate::attempt::{attempt_id, REQUEST_TIME_PROPERTY};
+use crate::attempt::Attempts;
 use crate::config::Config;
 use crate::emergency::{self, Bucket, SharedStore, StoreError};
+use crate::fastpath::{self, Hotness, KnownLimit, Learned, Outcome, Table, Why};
 use crate::identity::{self, Facts, ROUTE_NAME_PROPERTY, SOURCE_ADDRESS_PROPERTY};
-use crate::rules::{self, DecideRequestRef, Planned, RequestFacts};
-use crate::verdict::{self, FailurePlan, LimiterError, LocalReply, Verdict, MAX_ANSWER_BYTES};
+use crate::rules::{self, Planned, RequestFacts};
+use crate::verdict::{
+    self, FailurePlan, LeasedAdmit, LimiterError, LocalReply, Verdict, MAX_ANSWER_BYTES,
+};
 
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(LogLevel::Trace);
-    proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(Root::default()) });
+    proxy_wasm::set_root_context(|context_id| -> Box<dyn RootContext> {
+        Box::new(Root { id: context_id, vm: None })
+    });
 }}
 
-/// The filter's stats, defined once per VM.
+/// The counters of one rule.
 #[derive(Debug, Clone, Copy)]
+struct RuleStats {
+    admitted: u32,
+    rejected: u32,
+    shadow_rejected: u32,
+}
+
+/// The filter's stats, defined once per VM.
+#[derive(Debug, Clone)]
 struct Metrics {
     admitted: u32,
     rejected: u32,
     limiter_error: u32,
+    config_error: u32,
     failed_open: u32,
     failed_closed: u32,
     emergency_activations: u32,
     emergency_rejected: u32,
     subject_unknown: u32,
+    unknown_rejected: u32,
+    repeated_identity: u32,
+    known_rejections: u32,
+    lease_admitted: u32,
+    callouts: u32,
     decision_us: u32,
+    batch_requests: u32,
+    rules: Vec<RuleStats>,
 }
 
 impl Metrics {
-    fn define(prefix: &str) -> Result<Metrics, u32> {
+    fn define(config: &Config) -> Result<Metrics, u32> {
+        let prefix = &config.stat_prefix;
         let counter =
             |name: &str| abi::define_metric(MetricType::Counter, &format!("{prefix}.{name}"));
+        let histogram =
+            |name: &str| abi::define_metric(MetricType::Histogram, &format!("{prefix}.{name}"));
+        let mut rules = Vec::with_capacity(config.rules.len());
+        for r in &config.rules {
+            rules.push(RuleStats {
+                admitted: counter(&format!("rule.{}.admitted", r.name))?,
+                rejected: counter(&format!("rule.{}.rejected", r.name))?,
+                shadow_rejected: counter(&format!("rule.{}.shadow_rejected", r.name))?,
+            });
+        }
         Ok(Metrics {
             admitted: counter("admitted")?,
             rejected: counter("rejected")?,
             limiter_error: counter("limiter_error")?,
+            config_error: counter("config_error")?,
             failed_open: counter("failed_open")?,
             failed_closed: counter("failed_closed")?,
             emergency_activations: counter("emergency_activations")?,
             emergency_rejected: counter("emergency_rejected")?,
             subject_unknown: counter("subject_unknown")?,
-            decision_us: abi::define_metric(
-                MetricType::Histogram,
-                &format!("{prefix}.decision_us"),
-            )?,
+            unknown_rejected: counter("unknown_rejected")?,
+            repeated_identity: counter("repeated_identity")?,
+            known_rejections: counter("known_rejections")?,
+            lease_admitted: counter("lease_admitted")?,
+            callouts: counter("callouts")?,
+            decision_us: histogram("decision_us")?,
+            batch_requests: histogram("batch_requests")?,
+            rules,
         })
     }
 }
@@ -79,18 +135,104 @@ struct Plugin {
     metrics: Metrics,
     /// Request headers some rule's `match.headers` reads.
     header_names: Vec<String>,
-    /// Distinguishes this VM's attempt ids when a request has no `x-request-id`.
-    vm_nonce: u64,
-    /// Requests seen by this VM without `x-request-id`.
-    counter: Cell<u64>,
+    /// `authorization` header value for the callouts, if a token is configured.
+    authorization: Option<String>,
 }
 
-#[derive(Default)]
+/// A request waiting for the sidecar.
+struct Waiting {
+    /// Every applicable decision of the request.
+    planned: Vec<Planned>,
+    /// Which of them go to the sidecar (indices into `planned`), in order.
+    remote: Vec<usize>,
+    /// The lease asks of the remote decisions (same order).
+    asks: Vec<Option<LeaseAsk>>,
+    /// Decisions admitted from leases: (index into `planned`, lease id), to give back if the
+    /// request is rejected.
+    taken: Vec<(usize, u64)>,
+    /// Lease leftovers to give back with the callout.
+    returns: Vec<LeaseReturn>,
+    deadline_ns: u64,
+}
+
+/// One callout in flight: the requests it carries, and when it was sent.
+struct Flight {
+    contexts: Vec<u32>,
+    dispatched_ns: u64,
+}
+
+/// A worker VM's shared state.
+struct Vm {
+    plugin: Rc<Plugin>,
+    root_id: u32,
+    queue_id: Option<u32>,
+    waiting: HashMap<u32, Waiting>,
+    queue: VecDeque<u32>,
+    flights: HashMap<u32, Flight>,
+    /// A wake-up of the root is on its way.
+    wake_pending: bool,
+    hotness: Hotness,
+    attempts: Attempts,
+    nonce: u64,
+    lease_counter: u64,
+    /// Headers to add to the upstream's response, by context.
+    response_headers: HashMap<u32, Vec<(String, String)>>,
+}
+
+impl Vm {
+    fn lease_id(&mut self) -> u64 {
+        self.lease_counter = self.lease_counter.wrapping_add(1);
+        // splitmix64 of (nonce + counter): distinct per VM and per ask, below 2^53, never 0.
+        let mut z = self
+            .nonce
+            .wrapping_add(self.lease_counter.wrapping_mul(0x9e3779b97f4a7c15));
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58476d1ce4e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d049bb133111eb);
+        z ^= z >> 31;
+        (z & MAX_LEASE_ID).max(1)
+    }
+}
+
+type SharedVm = Rc<RefCell<Vm>>;
+
 struct Root {
-    plugin: Option<Rc<Plugin>>,
+    id: u32,
+    vm: Option<SharedVm>,
 }
 
-impl Context for Root {}
+impl Context for Root {
+    fn on_http_call_response(
+        &mut self,
+        token_id: u32,
+        num_headers: usize,
+        body_size: usize,
+        _num_trailers: usize,
+    ) {
+        let Some(vm) = self.vm.clone() else {
+            return;
+        };
+        let flight = vm.borrow_mut().flights.remove(&token_id);
+        let Some(flight) = flight else {
+            return;
+        };
+        let plugin = vm.borrow().plugin.clone();
+        let now = now_ns();
+        let _ = abi::record_metric(
+            plugin.metrics.decision_us,
+            now.saturating_sub(flight.dispatched_ns) / 1_000,
+        );
+        let answers = read_answer(num_headers, body_size, flight.contexts.len());
+        for (i, ctx) in flight.contexts.iter().enumerate() {
+            let answer = match &answers {
+                Ok(a) => Ok(a.answers[i].clone()),
+                Err(e) => Err(e.clone()),
+            };
+            settle_waiting(&vm, *ctx, answer, flight.dispatched_ns, true);
+        }
+        let _ = abi::set_effective_context(self.id);
+        pump(&vm);
+    }
+}
 
 impl RootContext for Root {
     fn on_configure(&mut self, _plugin_configuration_size: usize) -> bool {
@@ -102,7 +244,22 @@ impl RootContext for Root {
                 return false;
             }
         };
-        let metrics = match Metrics::define(&config.stat_prefix) {
+        let authorization = match (&config.sidecar.token, &config.sidecar.token_env) {
+            (Some(t), _) => Some(format!("Bearer {t}")),
+            (None, Some(var)) => match std::env::var(var) {
+                Ok(t) if !t.is_empty() && t.bytes().all(|b| b.is_ascii_graphic()) => {
+                    Some(format!("Bearer {t}"))
+                }
+                _ => {
+                    error!(
+                        "ratelimit filter: invalid configuration: sidecar.token_env: the environment variable {var:?} is not set (or not printable ASCII) in the VM; expose it with vm_config.environment_variables"
+                    );
+                    return false;
+                }
+            },
+            (None, None) => None,
+        };
+        let metrics = match Metrics::define(&config) {
             Ok(m) => m,
             Err(status) => {
                 error!("ratelimit filter: cannot define stats: status {status}");
@@ -120,29 +277,88 @@ impl RootContext for Root {
                 );
             }
         }
+        let nonce = RandomState::new().hash_one(now);
+        let mut queue_id = None;
+        if config.fast_paths.coalesce {
+            // A queue of this VM's own (the name is unique), so a wake-up reaches this worker.
+            match abi::register_shared_queue(&format!("ratelimit.wake.{nonce:016x}")) {
+                Ok(id) => queue_id = Some(id),
+                Err(status) => {
+                    error!("ratelimit filter: cannot register the wake-up queue: status {status}");
+                    return false;
+                }
+            }
+            let tick_ms = (config.sidecar.timeout_ms / 2).clamp(1, 50);
+            let _ = hostcalls::set_tick_period(Duration::from_millis(tick_ms));
+        }
         let header_names = config.matched_header_names().into_iter().collect();
         info!(
-            "ratelimit filter: configured {} rules, sidecar cluster {:?}, timeout {} ms",
+            "ratelimit filter: configured {} rules in domain {:?}, sidecar cluster {:?}, timeout {} ms, coalescing {}",
             config.rules.len(),
+            config.domain,
             config.sidecar.cluster,
-            config.sidecar.timeout_ms
+            config.sidecar.timeout_ms,
+            config.fast_paths.coalesce
         );
-        self.plugin = Some(Rc::new(Plugin {
+        let plugin = Rc::new(Plugin {
             config,
             metrics,
             header_names,
-            vm_nonce: RandomState::new().hash_one(now),
-            counter: Cell::new(0),
-        }));
+            authorization,
+        });
+        self.vm = Some(Rc::new(RefCell::new(Vm {
+            plugin,
+            root_id: self.id,
+            queue_id,
+            waiting: HashMap::new(),
+            queue: VecDeque::new(),
+            flights: HashMap::new(),
+            wake_pending: false,
+            hotness: Hotness::default(),
+            attempts: Attempts::new(nonce),
+            nonce,
+            lease_counter: 0,
+            response_headers: HashMap::new(),
+        })));
         true
     }
 
-    fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
+    fn on_queue_ready(&mut self, queue_id: u32) {
+        while let Ok(Some(_)) = abi::dequeue_shared_queue(queue_id) {}
+        if let Some(vm) = self.vm.clone() {
+            vm.borrow_mut().wake_pending = false;
+            pump(&vm);
+        }
+    }
+
+    fn on_tick(&mut self) {
+        let Some(vm) = self.vm.clone() else {
+            return;
+        };
+        // Requests whose deadline passed while they waited in the queue: their failure policy.
+        let now = now_ns();
+        let expired: Vec<u32> = {
+            let mut v = vm.borrow_mut();
+            let Vm { queue, waiting, .. } = &mut *v;
+            let expired: Vec<u32> = queue
+                .iter()
+                .copied()
+                .filter(|c| waiting.get(c).is_none_or(|w| w.deadline_ns <= now))
+                .collect();
+            queue.retain(|c| !expired.contains(c));
+            expired
+        };
+        for ctx in expired {
+            settle_waiting(&vm, ctx, Err(LimiterError::NoAnswer), now, true);
+        }
+        let _ = abi::set_effective_context(self.id);
+    }
+
+    fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
         Some(Box::new(Request {
-            plugin: self.plugin.clone(),
-            planned: Vec::new(),
-            dispatched_ns: None,
-            response_headers: Vec::new(),
+            id: context_id,
+            vm: self.vm.clone(),
+            direct: None,
         }))
     }
 
@@ -151,15 +367,370 @@ impl RootContext for Root {
     }
 }
 
+/// Sends the queue as callouts while fewer than `max_in_flight` are out. Runs in the root
+/// context (its callbacks), so the callouts are the root's.
+fn pump(vm: &SharedVm) {
+    loop {
+        let (plugin, batch, body, timeout_ms) = {
+            let mut v = vm.borrow_mut();
+            let plugin = v.plugin.clone();
+            let fp = &plugin.config.fast_paths;
+            if v.flights.len() >= fp.max_in_flight || v.queue.is_empty() {
+                return;
+            }
+            let now = now_ns();
+            let mut batch = Vec::new();
+            while batch.len() < fp.max_batch {
+                let Some(ctx) = v.queue.pop_front() else {
+                    break;
+                };
+                if v.waiting.contains_key(&ctx) {
+                    batch.push(ctx);
+                }
+            }
+            if batch.is_empty() {
+                return;
+            }
+            let deadline = batch
+                .iter()
+                .filter_map(|c| v.waiting.get(c))
+                .map(|w| w.deadline_ns)
+                .min()
+                .unwrap_or(now);
+            let timeout_ms = deadline.saturating_sub(now).div_ceil(1_000_000).max(1);
+            let attempt = v.attempts.next_id();
+            let body = call_body(&plugin.config, &v, &batch, attempt);
+            (plugin, batch, body, timeout_ms)
+        };
+        let dispatched = dispatch(&plugin, &body, timeout_ms);
+        let _ = abi::record_metric(plugin.metrics.batch_requests, batch.len() as u64);
+        match dispatched {
+            Ok(token) => {
+                count(plugin.metrics.callouts);
+                vm.borrow_mut().flights.insert(
+                    token,
+                    Flight {
+                        contexts: batch,
+                        dispatched_ns: now_ns(),
+                    },
+                );
+            }
+            Err(e) => {
+                let now = now_ns();
+                for ctx in batch {
+                    settle_waiting(vm, ctx, Err(e.clone()), now, true);
+                }
+                let root = vm.borrow().root_id;
+                let _ = abi::set_effective_context(root);
+                return;
+            }
+        }
+    }
+}
+
+/// The body of a callout for `contexts` (waiting requests of this VM).
+fn call_body(config: &Config, vm: &Vm, contexts: &[u32], attempt: String) -> Vec<u8> {
+    let mut requests = Vec::with_capacity(contexts.len());
+    let mut returns = Vec::new();
+    for c in contexts {
+        if let Some(w) = vm.waiting.get(c) {
+            requests.push(RequestDecisions {
+                decisions: decisions(config, w),
+            });
+            returns.extend(w.returns.iter().cloned());
+        }
+    }
+    let call = DecideRequest {
+        domain: config.domain.clone(),
+        attempt: Some(attempt),
+        requests,
+        returns,
+    };
+    // Serialising strings and numbers cannot fail.
+    serde_json::to_vec(&call).unwrap_or_default()
+}
+
+/// The wire decisions of a waiting request's remote part.
+fn decisions(config: &Config, w: &Waiting) -> Vec<Decision> {
+    w.remote
+        .iter()
+        .zip(&w.asks)
+        .map(|(&i, ask)| {
+            let p = &w.planned[i];
+            Decision {
+                rule: config.rules[p.rule].name.clone(),
+                subject: p.subject.clone(),
+                cost: p.cost,
+                lease: *ask,
+            }
+        })
+        .collect()
+}
+
+/// Sends a callout from the current context.
+fn dispatch(plugin: &Plugin, body: &[u8], timeout_ms: u64) -> Result<u32, LimiterError> {
+    let sidecar = &plugin.config.sidecar;
+    let mut headers = vec![
+        (":method", "POST"),
+        (":path", sidecar.path()),
+        (":authority", sidecar.authority()),
+        ("content-type", "application/json"),
+    ];
+    if let Some(a) = &plugin.authorization {
+        headers.push(("authorization", a.as_str()));
+    }
+    hostcalls::dispatch_http_call(
+        &sidecar.cluster,
+        headers,
+        Some(body),
+        vec![],
+        Duration::from_millis(timeout_ms),
+    )
+    .map_err(|status| {
+        LimiterError::Dispatch(format!(
+            "{status:?} (is cluster {:?} defined?)",
+            sidecar.cluster
+        ))
+    })
+}
+
+/// The sidecar's answer to a callout of `expected` requests, read from the host.
+fn read_answer(
+    num_headers: usize,
+    body_size: usize,
+    expected: usize,
+) -> Result<ratelimit_wire::DecideResponse, LimiterError> {
+    // A failed callout (timeout, reset, no healthy host) comes with no headers at all.
+    let status = if num_headers == 0 {
+        None
+    } else {
+        abi::header_map_value(MapType::HttpCallResponseHeaders, ":status")
+    };
+    let body = if body_size == 0 || body_size > MAX_ANSWER_BYTES {
+        Vec::new()
+    } else {
+        abi::buffer(BufferType::HttpCallResponseBody, body_size).unwrap_or_default()
+    };
+    verdict::parse_answer(status.as_deref(), &body, expected)
+}
+
+/// Settles a request of the queue or a flight: `switch` makes the request's context the effective
+/// one first (the root answers for it). Gives back lease takes of a request that does not pass.
+fn settle_waiting(
+    vm: &SharedVm,
+    ctx: u32,
+    answer: Result<RequestAnswer, LimiterError>,
+    dispatched_ns: u64,
+    switch: bool,
+) {
+    let (plugin, w) = {
+        let mut v = vm.borrow_mut();
+        let plugin = v.plugin.clone();
+        let Some(w) = v.waiting.remove(&ctx) else {
+            return;
+        };
+        (plugin, w)
+    };
+    let outcome = conclude(&plugin, &w, answer, dispatched_ns);
+    if switch && abi::set_effective_context(ctx).is_err() {
+        // The request is gone (its client went away): nothing to answer; its leases back.
+        give_back(&plugin, &w);
+        return;
+    }
+    match outcome {
+        Verdict::Admit { headers } => {
+            count(plugin.metrics.admitted);
+            if !headers.is_empty() {
+                vm.borrow_mut().response_headers.insert(ctx, headers);
+            }
+            if let Err(status) = abi::resume_http_request() {
+                error!("ratelimit filter: cannot resume the request: status {status}");
+            }
+        }
+        Verdict::Reject(reply) => {
+            give_back(&plugin, &w);
+            if reply.status == 429 {
+                count(plugin.metrics.rejected);
+            }
+            send(&reply);
+        }
+    }
+}
+
+/// The verdict of a waiting request from the sidecar's answer (or its failure); learns the fast
+/// paths' facts from it.
+fn conclude(
+    plugin: &Plugin,
+    w: &Waiting,
+    answer: Result<RequestAnswer, LimiterError>,
+    dispatched_ns: u64,
+) -> Verdict {
+    let config = &plugin.config;
+    let m = &plugin.metrics;
+    let checked = answer.and_then(|a| verdict::check_answer(&a, w.remote.len()).map(|()| a));
+    let table = Table {
+        store: &HostShared,
+        slots: config.fast_paths.slots,
+    };
+    match checked {
+        Ok(answer) => {
+            for (k, r) in answer.results.iter().enumerate() {
+                let p = &w.planned[w.remote[k]];
+                let outcome = if r.shadow {
+                    Outcome::NotDecided
+                } else if r.allowed && answer.allowed {
+                    Outcome::Admitted
+                } else if r.allowed {
+                    Outcome::NotDecided
+                } else {
+                    Outcome::Rejected {
+                        why: match r.reason {
+                            Reason::CostExceedsCapacity => Why::CostExceedsCapacity,
+                            Reason::Blocked => Why::Blocked,
+                            _ => Why::Insufficient,
+                        },
+                        retry_after_ms: r.retry_after_ms,
+                    }
+                };
+                let stats = &m.rules[p.rule];
+                if r.shadow && !matches!(r.reason, Reason::Ok | Reason::Unlimited) {
+                    count(stats.shadow_rejected);
+                }
+                if !r.allowed {
+                    count(stats.rejected);
+                } else if answer.allowed {
+                    count(stats.admitted);
+                }
+                let learns = config.fast_paths.known_rejections || w.asks[k].is_some();
+                if learns && r.reason != Reason::Unlimited {
+                    table.learn(
+                        &p.id,
+                        &Learned {
+                            cost: p.cost,
+                            limit: r.limit.as_ref().map(|l| KnownLimit {
+                                name: l.name.clone(),
+                                capacity: l.capacity,
+                                refill_per_sec: l.refill_per_sec,
+                            }),
+                            outcome: if config.fast_paths.known_rejections {
+                                outcome
+                            } else {
+                                Outcome::NotDecided
+                            },
+                            asked_lease: w.asks[k].map(|a| (a.id, a.ttl_ms)),
+                            leased: if answer.allowed { r.leased } else { 0 },
+                        },
+                        dispatched_ns,
+                    );
+                }
+            }
+            let entries: Vec<Option<fastpath::Entry>> =
+                w.taken.iter().map(|(i, _)| table.get(&w.planned[*i].id)).collect();
+            let leased: Vec<LeasedAdmit<'_>> = entries
+                .iter()
+                .map(|e| LeasedAdmit {
+                    limit: e.as_ref().and_then(|e| e.limit.as_ref()),
+                    lease_tokens: e.as_ref().map_or(0, |e| e.lease_tokens),
+                })
+                .collect();
+            if answer.allowed {
+                for (i, _) in &w.taken {
+                    count(m.rules[w.planned[*i].rule].admitted);
+                }
+            }
+            verdict::from_answer(config, &answer, &leased)
+        }
+        Err(e) => {
+            // No verdict: release the lease asks, apply the remote decisions' failure policies.
+            for (k, ask) in w.asks.iter().enumerate() {
+                if ask.is_some() {
+                    let p = &w.planned[w.remote[k]];
+                    table.learn(
+                        &p.id,
+                        &Learned {
+                            cost: p.cost,
+                            limit: None,
+                            outcome: Outcome::NotDecided,
+                            asked_lease: ask.map(|a| (a.id, a.ttl_ms)),
+                            leased: 0,
+                        },
+                        dispatched_ns,
+                    );
+                }
+            }
+            let remote: Vec<Planned> = w.remote.iter().map(|&i| w.planned[i].clone()).collect();
+            on_limiter_error(plugin, &remote, e)
+        }
+    }
+}
+
+/// Gives the lease takes of a request that does not pass back to their leases.
+fn give_back(plugin: &Plugin, w: &Waiting) {
+    let table = Table {
+        store: &HostShared,
+        slots: plugin.config.fast_paths.slots,
+    };
+    for (i, lease_id) in &w.taken {
+        let p = &w.planned[*i];
+        table.give_back(&p.id, *lease_id, p.cost);
+    }
+}
+
+/// The verdict when the sidecar could not decide `remote`: the rules' `on_error` policies.
+fn on_limiter_error(plugin: &Plugin, remote: &[Planned], e: LimiterError) -> Verdict {
+    let m = &plugin.metrics;
+    if e.is_config_error() {
+        count(m.config_error);
+        warn!("ratelimit filter: configuration error: {e}");
+    } else {
+        count(m.limiter_error);
+        debug!("ratelimit filter: limiter error: {e}");
+    }
+    let config = &plugin.config;
+    match verdict::on_error(config, remote) {
+        FailurePlan::Deny => {
+            count(m.failed_closed);
+            Verdict::Reject(verdict::unavailable())
+        }
+        FailurePlan::Allow => {
+            count(m.failed_open);
+            Verdict::Admit {
+                headers: Vec::new(),
+            }
+        }
+        FailurePlan::Local(local) => {
+            count(m.emergency_activations);
+            let charges = verdict::charges(config, remote, &local);
+            let takes = emergency::take_all(&HostShared, &charges, now_ns());
+            for (charge, take) in charges.iter().zip(&takes) {
+                if take.is_err() {
+                    warn!(
+                        "ratelimit filter: emergency bucket {:?} is contended; denying",
+                        charge.key
+                    );
+                }
+            }
+            let v = verdict::from_emergency(config, remote, &local, &takes);
+            match &v {
+                Verdict::Reject(_) => count(m.emergency_rejected),
+                Verdict::Admit { .. } if verdict::fails_open(config, remote) => {
+                    count(m.failed_open)
+                }
+                Verdict::Admit { .. } => {}
+            }
+            v
+        }
+    }
+}
+
 /// One HTTP request going through the filter.
 struct Request {
+    id: u32,
     /// `None` only if Envoy created a stream although the configuration was refused: such a
     /// request is answered 503, never let through unlimited.
-    plugin: Option<Rc<Plugin>>,
-    planned: Vec<Planned>,
-    dispatched_ns: Option<u64>,
-    /// Rate-limit headers for the upstream's response (`rate_limit_headers: always`).
-    response_headers: Vec<(String, String)>,
+    vm: Option<SharedVm>,
+    /// Without coalescing: the request's own callout (its waiting state and when it was sent).
+    direct: Option<(Waiting, u64)>,
 }
 
 impl Context for Request {
@@ -170,39 +741,95 @@ impl Context for Request {
         body_size: usize,
         _num_trailers: usize,
     ) {
-        let Some(plugin) = self.plugin.clone() else {
+        let (Some(vm), Some((w, dispatched_ns))) = (self.vm.clone(), self.direct.take()) else {
             return;
         };
-        if let Some(started) = self.dispatched_ns.take() {
-            let us = now_ns().saturating_sub(started) / 1_000;
-            let _ = abi::record_metric(plugin.metrics.decision_us, us);
-        }
-        // A failed callout (timeout, reset, no healthy host) comes with no headers at all.
-        let status = if num_headers == 0 {
-            None
-        } else {
-            abi::header_map_value(MapType::HttpCallResponseHeaders, ":status")
-        };
-        let body = if body_size == 0 || body_size > MAX_ANSWER_BYTES {
-            Vec::new()
-        } else {
-            abi::buffer(BufferType::HttpCallResponseBody, body_size).unwrap_or_default()
-        };
-        let verdict = match verdict::parse_answer(status.as_deref(), &body, self.planned.len()) {
-            Ok(answer) => verdict::from_answer(&plugin.config, &self.planned, &answer),
-            Err(e) => self.on_limiter_error(&plugin, e),
-        };
-        self.carry_out(&plugin, verdict, true);
+        let plugin = vm.borrow().plugin.clone();
+        let _ = abi::record_metric(
+            plugin.metrics.decision_us,
+            now_ns().saturating_sub(dispatched_ns) / 1_000,
+        );
+        let answer = read_answer(num_headers, body_size, 1).map(|mut a| a.answers.remove(0));
+        vm.borrow_mut().waiting.insert(self.id, w);
+        settle_waiting(&vm, self.id, answer, dispatched_ns, false);
     }
 }
 
 impl HttpContext for Request {
     fn on_http_request_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
-        let Some(plugin) = self.plugin.clone() else {
+        let Some(vm) = self.vm.clone() else {
             send(&verdict::unavailable());
             return Action::Pause;
         };
+        let plugin = vm.borrow().plugin.clone();
+        match self.start(&vm, &plugin) {
+            Start::Continue(headers) => {
+                count(plugin.metrics.admitted);
+                if !headers.is_empty() {
+                    vm.borrow_mut().response_headers.insert(self.id, headers);
+                }
+                Action::Continue
+            }
+            Start::Pass => Action::Continue,
+            Start::Reply(reply) => {
+                send(&reply);
+                Action::Pause
+            }
+            Start::Wait => Action::Pause,
+        }
+    }
+
+    fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+        let headers = self
+            .vm
+            .as_ref()
+            .and_then(|vm| vm.borrow_mut().response_headers.remove(&self.id))
+            .unwrap_or_default();
+        for (name, value) in headers {
+            if let Err(status) = abi::replace_header(MapType::HttpResponseHeaders, &name, &value) {
+                debug!("ratelimit filter: cannot set response header {name:?}: status {status}");
+            }
+        }
+        Action::Continue
+    }
+}
+
+impl Drop for Request {
+    fn drop(&mut self) {
+        // A request that goes away while it waits (its client hung up): forget it, and give its
+        // lease takes back (it never reached the upstream).
+        let Some(vm) = self.vm.take() else {
+            return;
+        };
+        let Ok(mut v) = vm.try_borrow_mut() else {
+            return;
+        };
+        v.response_headers.remove(&self.id);
+        let w = v.waiting.remove(&self.id).or(self.direct.take().map(|(w, _)| w));
+        let plugin = v.plugin.clone();
+        drop(v);
+        if let Some(w) = w {
+            give_back(&plugin, &w);
+        }
+    }
+}
+
+/// What the request-headers step decided.
+enum Start {
+    /// No rule applies (or no decision): pass untouched.
+    Pass,
+    /// Admitted locally (leases): pass, with these response headers.
+    Continue(Vec<(String, String)>),
+    /// Answered locally.
+    Reply(LocalReply),
+    /// Waiting for the sidecar.
+    Wait,
+}
+
+impl Request {
+    fn start(&mut self, vm: &SharedVm, plugin: &Rc<Plugin>) -> Start {
         let config = &plugin.config;
+        let m = &plugin.metrics;
         let request = RequestFacts {
             path: request_header(":path").unwrap_or_default(),
             method: request_header(":method").unwrap_or_default(),
@@ -214,164 +841,211 @@ impl HttpContext for Request {
         };
         let matching = rules::matching(config, &request);
         if matching.is_empty() {
-            return Action::Continue;
+            return Start::Pass;
         }
         // Read only what the matching rules' subjects need.
         let needs = rules::needs(config, &matching);
         let id = &config.identity;
-        let facts =
-            Facts {
-                api_key: id
-                    .api_key
-                    .as_ref()
-                    .filter(|_| needs.app)
-                    .and_then(|k| request_header(&k.header)),
-                jwt_user: id.jwt.as_ref().filter(|_| needs.user).and_then(|j| {
-                    property(&identity::jwt_claim_property(&j.provider, &j.user_claim))
-                }),
-                jwt_tenant: id.jwt.as_ref().filter(|_| needs.tenant).and_then(|j| {
-                    property(&identity::jwt_claim_property(
-                        &j.provider,
-                        j.tenant_claim.as_ref()?,
-                    ))
-                }),
-                source_address: (id.ip && needs.ip)
-                    .then(|| property(&SOURCE_ADDRESS_PROPERTY))
-                    .flatten(),
-                route_name: needs
-                    .route
-                    .then(|| property(&ROUTE_NAME_PROPERTY))
-                    .flatten(),
-            };
+        let api_key = match id.api_key.as_ref().filter(|_| needs.app) {
+            Some(k) => match api_key_header(&k.header) {
+                Ok(v) => v,
+                Err(()) => {
+                    count(m.repeated_identity);
+                    return Start::Reply(verdict::repeated_identity(&k.header));
+                }
+            },
+            None => None,
+        };
+        let facts = Facts {
+            api_key,
+            jwt_user: id.jwt.as_ref().filter(|_| needs.user).and_then(|j| {
+                property(&identity::jwt_claim_property(&j.provider, &j.user_claim))
+            }),
+            jwt_tenant: id.jwt.as_ref().filter(|_| needs.tenant).and_then(|j| {
+                property(&identity::jwt_claim_property(
+                    &j.provider,
+                    j.tenant_claim.as_ref()?,
+                ))
+            }),
+            source_address: (id.ip && needs.ip)
+                .then(|| property(&SOURCE_ADDRESS_PROPERTY))
+                .flatten(),
+            route_name: needs
+                .route
+                .then(|| property(&ROUTE_NAME_PROPERTY))
+                .flatten(),
+        };
         let subject = identity::resolve(id, &facts);
-        let plan = rules::plan(config, &matching, &subject, || {
-            let request_id = request_header("x-request-id");
-            if request_id.is_none() {
-                plugin.counter.set(plugin.counter.get().wrapping_add(1));
-            }
-            attempt_id(
-                request_id.as_deref(),
-                property(&REQUEST_TIME_PROPERTY).as_deref(),
-                now_ns(),
-                plugin.vm_nonce,
-                plugin.counter.get(),
-            )
-        });
+        let plan = rules::plan(config, &matching, &subject);
         if plan.subject_unknown {
-            count(plugin.metrics.subject_unknown);
+            count(m.subject_unknown);
         }
-        self.planned = plan.planned;
-        if self.planned.is_empty() {
-            return Action::Continue;
+        if let Some(r) = plan.reject {
+            let rule = &config.rules[r];
+            count(m.unknown_rejected);
+            return Start::Reply(verdict::unknown_subject(&rule.name, rule.unknown_status));
         }
-        // Serialising strings and numbers cannot fail.
-        let body = serde_json::to_vec(&DecideRequestRef {
-            decisions: &self.planned,
-        })
-        .unwrap_or_default();
-        let sidecar = &config.sidecar;
-        let dispatched = hostcalls::dispatch_http_call(
-            &sidecar.cluster,
-            vec![
-                (":method", "POST"),
-                (":path", sidecar.path()),
-                (":authority", sidecar.authority()),
-                ("content-type", "application/json"),
-            ],
-            Some(&body),
-            vec![],
-            Duration::from_millis(sidecar.timeout_ms),
-        );
-        match dispatched {
-            Ok(_token) => {
-                self.dispatched_ns = Some(now_ns());
-                Action::Pause
+        if plan.planned.is_empty() {
+            return Start::Pass;
+        }
+        let now = now_ns();
+        let fp = &config.fast_paths;
+        let table = Table {
+            store: &HostShared,
+            slots: fp.slots,
+        };
+        let mut w = Waiting {
+            planned: plan.planned,
+            remote: Vec::new(),
+            asks: Vec::new(),
+            taken: Vec::new(),
+            returns: Vec::new(),
+            deadline_ns: now + config.sidecar.timeout_ms * 1_000_000,
+        };
+        let uses_table = fp.known_rejections || fp.leases.enabled;
+        for i in 0..w.planned.len() {
+            let p = &w.planned[i];
+            let entry = if uses_table { table.get(&p.id) } else { None };
+            if let (true, Some(e)) = (fp.known_rejections, &entry) {
+                if let Some((why, left_ns)) = e.rejection(p.cost, now) {
+                    give_back(plugin, &w);
+                    count(m.known_rejections);
+                    count(m.rejected);
+                    count(m.rules[p.rule].rejected);
+                    let rule = &config.rules[p.rule].name;
+                    return Start::Reply(verdict::known_rejection(
+                        config,
+                        rule,
+                        e.limit.as_ref(),
+                        why,
+                        left_ns,
+                    ));
+                }
             }
-            Err(status) => {
-                let e = LimiterError::Dispatch(format!(
-                    "{status:?} (is cluster {:?} defined?)",
-                    sidecar.cluster
-                ));
-                let verdict = self.on_limiter_error(&plugin, e);
-                self.carry_out(&plugin, verdict, false)
+            let rate = if fp.leases.enabled {
+                vm.borrow_mut().hotness.observe(&p.id, now)
+            } else {
+                0.0
+            };
+            if entry.as_ref().is_some_and(|e| e.lease_pays(p.cost, now)) {
+                if let Some(lease_id) = table.take_lease(&p.id, p.cost, now) {
+                    w.taken.push((i, lease_id));
+                    continue;
+                }
+            }
+            // The remote path; a busy bucket asks for a lease on the way.
+            let mut ask = None;
+            if fp.leases.enabled && rate >= fp.leases.min_rate_per_sec {
+                let ttl_ms = fp.leases.ttl_ms;
+                if let Some(start) = table.begin_lease(&p.id, now, w.deadline_ns) {
+                    let id = vm.borrow_mut().lease_id();
+                    let tokens = fastpath::lease_size(
+                        start.previous,
+                        rate,
+                        now,
+                        ttl_ms,
+                        p.cost,
+                        fp.leases.max_tokens,
+                    );
+                    if let Some((old, tokens)) = start.give_back {
+                        w.returns.push(LeaseReturn {
+                            rule: config.rules[p.rule].name.clone(),
+                            subject: p.subject.clone(),
+                            id: old,
+                            tokens,
+                        });
+                    }
+                    ask = Some(LeaseAsk { id, tokens, ttl_ms });
+                }
+            }
+            w.remote.push(i);
+            w.asks.push(ask);
+        }
+        if w.remote.is_empty() {
+            count(m.lease_admitted);
+            let entries: Vec<Option<fastpath::Entry>> =
+                w.taken.iter().map(|(i, _)| table.get(&w.planned[*i].id)).collect();
+            let leased: Vec<LeasedAdmit<'_>> = entries
+                .iter()
+                .map(|e| LeasedAdmit {
+                    limit: e.as_ref().and_then(|e| e.limit.as_ref()),
+                    lease_tokens: e.as_ref().map_or(0, |e| e.lease_tokens),
+                })
+                .collect();
+            for (i, _) in &w.taken {
+                count(m.rules[w.planned[*i].rule].admitted);
+            }
+            return match verdict::from_leases(config, &leased) {
+                Verdict::Admit { headers } => Start::Continue(headers),
+                Verdict::Reject(r) => Start::Reply(r),
+            };
+        }
+        if fp.coalesce {
+            let wake = {
+                let mut v = vm.borrow_mut();
+                v.waiting.insert(self.id, w);
+                v.queue.push_back(self.id);
+                let wake = !v.wake_pending && v.flights.len() < fp.max_in_flight;
+                if wake {
+                    v.wake_pending = true;
+                }
+                wake.then_some(v.queue_id).flatten()
+            };
+            if let Some(q) = wake {
+                if let Err(status) = abi::enqueue_shared_queue(q, b"w") {
+                    error!("ratelimit filter: cannot wake the root: status {status}");
+                    vm.borrow_mut().wake_pending = false;
+                }
+            }
+            return Start::Wait;
+        }
+        // Without coalescing: this request's own callout, answered to this context.
+        let body = {
+            let mut v = vm.borrow_mut();
+            let attempt = v.attempts.next_id();
+            let call = DecideRequest {
+                domain: config.domain.clone(),
+                attempt: Some(attempt),
+                requests: vec![RequestDecisions {
+                    decisions: decisions(config, &w),
+                }],
+                returns: w.returns.clone(),
+            };
+            serde_json::to_vec(&call).unwrap_or_default()
+        };
+        match dispatch(plugin, &body, config.sidecar.timeout_ms) {
+            Ok(_) => {
+                count(m.callouts);
+                self.direct = Some((w, now_ns()));
+                Start::Wait
+            }
+            Err(e) => {
+                let remote: Vec<Planned> =
+                    w.remote.iter().map(|&i| w.planned[i].clone()).collect();
+                match on_limiter_error(plugin, &remote, e) {
+                    Verdict::Admit { headers } => Start::Continue(headers),
+                    Verdict::Reject(r) => {
+                        give_back(plugin, &w);
+                        if r.status == 429 {
+                            count(m.rejected);
+                        }
+                        Start::Reply(r)
+                    }
+                }
             }
         }
-    }
-
-    fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
-        for (name, value) in std::mem::take(&mut self.response_headers) {
-            if let Err(status) = abi::replace_header(MapType::HttpResponseHeaders, &name, &value) {
-                debug!("ratelimit filter: cannot set response header {name:?}: status {status}");
-            }
-        }
-        Action::Continue
     }
 }
 
-impl Request {
-    /// The verdict when the sidecar could not decide: the rules' `on_error` policies.
-    fn on_limiter_error(&self, plugin: &Plugin, e: LimiterError) -> Verdict {
-        let m = &plugin.metrics;
-        count(m.limiter_error);
-        debug!("ratelimit filter: limiter error: {e}");
-        let config = &plugin.config;
-        match verdict::on_error(config, &self.planned) {
-            FailurePlan::Deny => {
-                count(m.failed_closed);
-                Verdict::Reject(verdict::unavailable())
-            }
-            FailurePlan::Allow => {
-                count(m.failed_open);
-                Verdict::Admit {
-                    headers: Vec::new(),
-                }
-            }
-            FailurePlan::Local(local) => {
-                count(m.emergency_activations);
-                let charges = verdict::charges(config, &self.planned, &local);
-                let takes = emergency::take_all(&HostShared, &charges, now_ns());
-                for (charge, take) in charges.iter().zip(&takes) {
-                    if take.is_err() {
-                        warn!(
-                            "ratelimit filter: emergency bucket {:?} is contended; denying",
-                            charge.key
-                        );
-                    }
-                }
-                let v = verdict::from_emergency(config, &self.planned, &local, &takes);
-                match &v {
-                    Verdict::Reject(_) => count(m.emergency_rejected),
-                    Verdict::Admit { .. } if verdict::fails_open(config, &self.planned) => {
-                        count(m.failed_open)
-                    }
-                    Verdict::Admit { .. } => {}
-                }
-                v
-            }
-        }
-    }
-
-    /// Forwards or answers the request. `paused`: the request waits for us to resume it.
-    fn carry_out(&mut self, plugin: &Plugin, verdict: Verdict, paused: bool) -> Action {
-        match verdict {
-            Verdict::Admit { headers } => {
-                count(plugin.metrics.admitted);
-                self.response_headers = headers;
-                if paused {
-                    if let Err(status) = abi::resume_http_request() {
-                        error!("ratelimit filter: cannot resume the request: status {status}");
-                    }
-                }
-                Action::Continue
-            }
-            Verdict::Reject(reply) => {
-                if reply.status == 429 {
-                    count(plugin.metrics.rejected);
-                }
-                send(&reply);
-                Action::Pause
-            }
-        }
+/// The API key header's value: `Ok(None)` when absent, `Err(())` when it came more than once
+/// (Envoy joins repeated values with "," in `request.headers`; an API key has no comma), so a
+/// client cannot put a junk key in front of its real one.
+fn api_key_header(name: &str) -> Result<Option<Vec<u8>>, ()> {
+    let joined = abi::property(&["request", "headers", name]);
+    match joined {
+        Some(v) if v.contains(&b',') => Err(()),
+        Some(v) => Ok(Some(v)),
+        None => Ok(request_header(name)),
     }
 }
 
@@ -381,7 +1055,9 @@ fn send(reply: &LocalReply) {
         .iter()
         .map(|(n, v)| (n.as_str(), v.as_str()))
         .collect();
-    if let Err(status) = abi::send_http_response(reply.status, &headers, reply.body.as_bytes()) {
+    if let Err(status) =
+        abi::send_http_response(reply.status, &reply.details, &headers, reply.body.as_bytes())
+    {
         error!(
             "ratelimit filter: cannot send the {} reply: status {status}",
             reply.status
@@ -425,7 +1101,7 @@ impl SharedStore for HostShared {
 /// Host calls through the proxy-wasm ABI that never panic: any status but `Ok` is `None` (reads)
 /// or `Err(status)`.
 mod abi {
-    use std::ptr::{null, null_mut};
+    use std::ptr::null_mut;
 
     use proxy_wasm::types::{BufferType, MapType, MetricType};
 
@@ -493,6 +1169,19 @@ mod abi {
             value_size: usize,
             cas: u32,
         ) -> u32;
+        fn proxy_register_shared_queue(
+            name_data: *const u8,
+            name_size: usize,
+            return_id: *mut u32,
+        ) -> u32;
+        fn proxy_enqueue_shared_queue(queue_id: u32, value_data: *const u8, value_size: usize)
+            -> u32;
+        fn proxy_dequeue_shared_queue(
+            queue_id: u32,
+            return_value_data: *mut *mut u8,
+            return_value_size: *mut usize,
+        ) -> u32;
+        fn proxy_set_effective_context(context_id: u32) -> u32;
         fn proxy_define_metric(
             metric_type: MetricType,
             name_data: *const u8,
@@ -591,14 +1280,19 @@ mod abi {
         out
     }
 
-    pub fn send_http_response(code: u32, headers: &[(&str, &str)], body: &[u8]) -> Result<(), u32> {
+    pub fn send_http_response(
+        code: u32,
+        details: &str,
+        headers: &[(&str, &str)],
+        body: &[u8],
+    ) -> Result<(), u32> {
         let headers = serialize_map(headers);
-        // SAFETY: pointers to `body` and `headers` for the duration of the call.
+        // SAFETY: pointers to `details`, `body` and `headers` for the duration of the call.
         status(unsafe {
             proxy_send_local_response(
                 code,
-                null(),
-                0,
+                details.as_ptr(),
+                details.len(),
                 body.as_ptr(),
                 body.len(),
                 headers.as_ptr(),
@@ -653,6 +1347,37 @@ mod abi {
                 cas.unwrap_or(0),
             )
         })
+    }
+
+    pub fn register_shared_queue(name: &str) -> Result<u32, u32> {
+        let mut id = 0;
+        // SAFETY: pointers to a live local and to `name`'s bytes for the duration of the call.
+        status(unsafe { proxy_register_shared_queue(name.as_ptr(), name.len(), &mut id) })?;
+        Ok(id)
+    }
+
+    pub fn enqueue_shared_queue(queue_id: u32, value: &[u8]) -> Result<(), u32> {
+        // SAFETY: a pointer to `value`'s bytes for the duration of the call.
+        status(unsafe { proxy_enqueue_shared_queue(queue_id, value.as_ptr(), value.len()) })
+    }
+
+    /// The next item of the queue; `Ok(None)` when it is empty.
+    pub fn dequeue_shared_queue(queue_id: u32) -> Result<Option<Vec<u8>>, u32> {
+        let mut data = null_mut();
+        let mut size = 0;
+        // SAFETY: pointers to live locals for the duration of the call.
+        let code = unsafe { proxy_dequeue_shared_queue(queue_id, &mut data, &mut size) };
+        match code {
+            OK => Ok(owned(code, data, size)),
+            // Empty
+            7 => Ok(None),
+            other => Err(other),
+        }
+    }
+
+    pub fn set_effective_context(context_id: u32) -> Result<(), u32> {
+        // SAFETY: no pointers.
+        status(unsafe { proxy_set_effective_context(context_id) })
     }
 
     pub fn define_metric(metric_type: MetricType, name: &str) -> Result<u32, u32> {

@@ -4,16 +4,19 @@
 //! tested natively and on `wasm32-unknown-unknown` (wasm-bindgen-test under Node):
 //! - [`config`]: the plugin configuration, its defaults and validation;
 //! - [`identity`]: the request's [`identity::Subject`] from trustworthy facts;
-//! - [`rules`]: which rules apply, their bucket keys and [`ratelimit_wire::Decision`]s;
-//! - [`attempt`]: the attempt id that keeps a repeated decision from being charged twice;
+//! - [`rules`]: which rules apply, and what each asks the sidecar (rule and subject);
+//! - [`attempt`]: the attempt id of a callout (deduplication and refunds in the sidecar);
+//! - [`fastpath`]: known rejections and leases in shared data (the exact local fast paths);
 //! - [`emergency`]: the local token bucket of the `local` failure policy;
-//! - [`verdict`]: admit or reject from the sidecar's answer or the failure policies.
+//! - [`verdict`]: admit or reject from the sidecar's answer, local knowledge or the failure
+//!   policies.
 //!
 //! `host` (only in the `wasm32-wasip1` build) adapts the proxy-wasm ABI to them.
 
 pub mod attempt;
 pub mod config;
 pub mod emergency;
+pub mod fastpath;
 pub mod identity;
 pub mod rules;
 pub mod verdict;

@@ -1,21 +1,22 @@
-//! Which rules apply to a request, and the [`Decision`] each applicable rule asks the sidecar
-//! for. A rule applies when its `match` fits and every dimension of its `subject` is known; its
-//! bucket key names the rule and those values unambiguously and within a bounded length.
+//! Which rules apply to a request, and what each applicable rule asks the sidecar: a
+//! [`Planned`] decision that names the rule and the subject's values (the numbers belong to the
+//! sidecar's policy). A rule applies when its `match` fits; a dimension of its subject that is
+//! unknown is handled by the rule's `on_unknown` (skip the rule, share one bucket for all unknown
+//! clients, or reject the request).
 //!
 //! In request order: [`matching`] (from path, method and headers only), then [`needs`] (which
 //! identity facts those rules' subjects need, so the host reads nothing else), then [`plan`].
 
 use std::collections::BTreeMap;
 
-use ratelimit_wire::Decision;
-use serde::{Serialize, Serializer};
+use ratelimit_wire::Subject as WireSubject;
 
-use crate::config::{Config, Dimension, HeaderMatch, Match, Rule};
+use crate::config::{Config, Dimension, HeaderMatch, Match, Rule, UnknownPolicy};
 use crate::identity::{sha256_hex, Subject};
 
-/// Escaped values longer than this are replaced by their SHA-256, so a key stays below
-/// [`ratelimit_wire::MAX_KEY_BYTES`]: a 64-byte rule name plus five dimensions of at most
-/// `1 + 6 + 1 + 80` bytes is 504 bytes.
+/// Escaped values longer than this are replaced by their SHA-256 in a bucket's local id, so it
+/// stays bounded: a 64-byte rule name plus five dimensions of at most `1 + 6 + 1 + 80` bytes is
+/// 504 bytes.
 pub const MAX_KEY_VALUE_BYTES: usize = 80;
 
 /// The parts of a request that `match` looks at, as the host read them.
@@ -35,7 +36,13 @@ pub struct RequestFacts {
 pub struct Planned {
     /// Index of the rule in [`Config::rules`].
     pub rule: usize,
-    pub decision: Decision,
+    /// The subject's dimensions in the rule's order; `None` is an unknown value (a bucket shared
+    /// by every unknown client of the rule).
+    pub subject: WireSubject,
+    pub cost: u64,
+    /// The bucket's identity at this gateway (for the fast paths' shared data):
+    /// `<rule>|<dimension>=<value>|...`, see [`bucket_id`].
+    pub id: String,
 }
 
 /// The indices of the rules whose `match` fits the request, in rule order.
@@ -79,66 +86,42 @@ pub fn needs(config: &Config, rules: &[usize]) -> Needs {
 pub struct Plan {
     /// One per applicable rule, in rule order.
     pub planned: Vec<Planned>,
-    /// Some matching rule was skipped because a dimension of its subject is unknown.
+    /// Some matching rule met an unknown dimension of its subject (whatever its `on_unknown`).
     pub subject_unknown: bool,
+    /// The first matching rule whose `on_unknown: reject` met an unknown subject: the request is
+    /// answered with that rule's `unknown_status`.
+    pub reject: Option<usize>,
 }
 
-/// The decisions for the matching `rules` (see [`matching`]). `attempt` gives the id of this
-/// request (see [`crate::attempt`]); it is called once, and only if there is a decision.
-pub fn plan(
-    config: &Config,
-    rules: &[usize],
-    subject: &Subject,
-    attempt: impl FnOnce() -> String,
-) -> Plan {
-    let mut subject_unknown = false;
-    let keyed: Vec<(usize, String)> = rules
-        .iter()
-        .filter_map(|&i| {
-            let key = bucket_key(&config.rules[i], subject);
-            subject_unknown |= key.is_none();
-            Some((i, key?))
-        })
-        .collect();
-    if keyed.is_empty() {
-        return Plan {
-            planned: Vec::new(),
-            subject_unknown,
-        };
-    }
-    let attempt = attempt();
-    let planned = keyed
-        .into_iter()
-        .map(|(i, key)| {
-            let rule = &config.rules[i];
-            Planned {
-                rule: i,
-                decision: Decision {
-                    key,
-                    capacity: rule.capacity as f64,
-                    refill_per_sec: rule.refill_per_sec,
-                    cost: rule.cost as f64,
-                    attempt: Some(attempt.clone()),
-                },
+/// The decisions for the matching `rules` (see [`matching`]).
+pub fn plan(config: &Config, rules: &[usize], subject: &Subject) -> Plan {
+    let mut p = Plan::default();
+    for &i in rules {
+        let rule = &config.rules[i];
+        let unknown = rule.subject.iter().any(|d| subject.get(*d).is_none());
+        if unknown {
+            p.subject_unknown = true;
+            match rule.on_unknown {
+                UnknownPolicy::Skip => continue,
+                UnknownPolicy::Reject => {
+                    p.reject.get_or_insert(i);
+                    continue;
+                }
+                UnknownPolicy::Shared => {}
             }
-        })
-        .collect();
-    Plan {
-        planned,
-        subject_unknown,
+        }
+        let mut wire = WireSubject::new();
+        for d in &rule.subject {
+            wire.push(d.as_str(), subject.get(*d).map(str::to_string));
+        }
+        p.planned.push(Planned {
+            rule: i,
+            id: bucket_id(rule, subject),
+            subject: wire,
+            cost: rule.cost,
+        });
     }
-}
-
-/// The callout body: the JSON of [`ratelimit_wire::DecideRequest`], serialised from the planned
-/// decisions where they are (no copy).
-#[derive(Debug, Serialize)]
-pub struct DecideRequestRef<'a> {
-    #[serde(serialize_with = "decisions_of")]
-    pub decisions: &'a [Planned],
-}
-
-fn decisions_of<S: Serializer>(planned: &&[Planned], s: S) -> Result<S::Ok, S::Error> {
-    s.collect_seq(planned.iter().map(|p| &p.decision))
+    p
 }
 
 /// Whether `m` fits the request.
@@ -169,21 +152,26 @@ fn header_fits(h: &HeaderMatch, request: &RequestFacts) -> bool {
     }
 }
 
-/// The bucket key of `rule` for `subject`, or `None` when a dimension is unknown.
+/// The local identity of `rule`'s bucket for `subject`.
 ///
 /// Shape: `<rule>|<dimension>=<value>|...` in the rule's dimension order, e.g.
-/// `per-app|app=alpha`. Values are percent-encoded outside `[A-Za-z0-9._~:@/-]`, so `|`, `=`,
-/// `#`, `%`, `{`, `}` never appear raw and no two subjects share a key. An encoded value longer
-/// than [`MAX_KEY_VALUE_BYTES`] becomes `<dimension>#<sha256 hex of the raw value>` (`#` cannot
-/// follow a dimension otherwise). Rule names are restricted to `[A-Za-z0-9_.-]` by validation.
-pub fn bucket_key(rule: &Rule, subject: &Subject) -> Option<String> {
+/// `per-app|app=alpha`; an unknown value is `<dimension>~`. Values are percent-encoded outside
+/// `[A-Za-z0-9._~:@/-]`, so `|`, `=`, `#`, `%` never appear raw and no two subjects share an id.
+/// An encoded value longer than [`MAX_KEY_VALUE_BYTES`] becomes `<dimension>#<sha256 hex of the
+/// raw value>`. Rule names are restricted to `[A-Za-z0-9_.-]` by validation.
+pub fn bucket_id(rule: &Rule, subject: &Subject) -> String {
     let mut key = rule.name.clone();
     for d in &rule.subject {
-        let value = subject.get(*d)?;
         key.push('|');
-        push_component(&mut key, *d, value);
+        match subject.get(*d) {
+            Some(value) => push_component(&mut key, *d, value),
+            None => {
+                key.push_str(d.as_str());
+                key.push('~');
+            }
+        }
     }
-    Some(key)
+    key
 }
 
 fn push_component(key: &mut String, d: Dimension, value: &str) {

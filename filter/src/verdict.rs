@@ -1,6 +1,9 @@
-//! The [`Verdict`] on a request: from the sidecar's answer, or — when the sidecar cannot
-//! decide — from the rules' failure policies and their emergency buckets. Also what a
-//! rejection looks like on the wire (status, headers, JSON body).
+//! The [`Verdict`] on a request: from the sidecar's answer (the limit each result names gives the
+//! headers), from what the gateway knows locally (a known rejection, a lease), or — when the
+//! sidecar cannot decide — from the rules' failure policies and their emergency buckets. Also
+//! what a rejection looks like on the wire (status, headers, JSON body, and Envoy's response code
+//! details: `ratelimit_rejected:<rule>`, `ratelimit_unavailable`, `ratelimit_unknown_subject:<rule>`,
+//! `ratelimit_repeated_identity`).
 //!
 //! Headers (IETF draft `httpapi-ratelimit-headers`, structured fields):
 //! - `RateLimit-Policy: "per-app";q=100;w=10`: quota `q` = capacity, window `w` = seconds a full
@@ -13,10 +16,13 @@
 //!
 //! Every integer is clamped to [`MAX_SF_INTEGER`], the largest RFC 8941 structured-field integer.
 
-use ratelimit_wire::{DecideResponse, DecisionResult, Reason};
+use ratelimit_wire::{
+    AppliedLimit, DecideResponse, DecisionResult, ErrorCode, Reason, RequestAnswer,
+};
 
 use crate::config::{window_s, Config, Emergency, FailurePolicy, RateLimitHeaders, MAX_SF_INTEGER};
 use crate::emergency::{self, Bucket, Charge, Contention, Take};
+use crate::fastpath::{KnownLimit, Why};
 use crate::rules::Planned;
 
 /// The most bytes of a sidecar answer that are read.
@@ -28,6 +34,8 @@ pub struct LocalReply {
     pub status: u32,
     pub headers: Vec<(String, String)>,
     pub body: String,
+    /// Envoy's response code details (`%RESPONSE_CODE_DETAILS%` in access logs).
+    pub details: String,
 }
 
 /// What happens to a request.
@@ -50,15 +58,34 @@ pub enum LimiterError {
     Status(String),
     #[error("malformed answer: {0}")]
     Malformed(String),
-    #[error("answer has {got} results for {expected} decisions")]
+    #[error("answer has {got} answers for {expected} requests")]
     Count { expected: usize, got: usize },
+    #[error("answer has {got} results for {expected} decisions")]
+    Results { expected: usize, got: usize },
     #[error("answer says allowed={allowed} but its results disagree")]
     Inconsistent { allowed: bool },
+    /// The sidecar answered this request with an error (an unknown rule, Redis unavailable).
+    #[error("{code:?}: {message}")]
+    Request { code: ErrorCode, message: String },
 }
 
-/// Checks and parses the sidecar's answer: `:status` 200 and a [`DecideResponse`] with one result
-/// per decision whose `allowed` agrees with its results. Anything else is an error that the
-/// rules' `on_error` policies handle.
+impl LimiterError {
+    /// A configuration error (a rule the sidecar's policy lacks), not an outage.
+    pub fn is_config_error(&self) -> bool {
+        matches!(
+            self,
+            LimiterError::Request {
+                code: ErrorCode::UnknownRule,
+                ..
+            }
+        )
+    }
+}
+
+/// Checks and parses the sidecar's answer to a call of `expected` requests: `:status` 200 and a
+/// [`DecideResponse`] with one answer per request. (Each answer is checked by [`check_answer`].)
+/// Anything else is an error that the rules' `on_error` policies handle for every request of the
+/// call.
 pub fn parse_answer(
     status: Option<&[u8]>,
     body: &[u8],
@@ -72,9 +99,27 @@ pub fn parse_answer(
     }
     let answer: DecideResponse =
         serde_json::from_slice(body).map_err(|e| LimiterError::Malformed(e.to_string()))?;
-    if answer.results.len() != expected {
+    if answer.answers.len() != expected {
         return Err(LimiterError::Count {
             expected,
+            got: answer.answers.len(),
+        });
+    }
+    Ok(answer)
+}
+
+/// Checks one request's answer: an error, or one result per decision whose `allowed` agrees with
+/// its results.
+pub fn check_answer(answer: &RequestAnswer, decisions: usize) -> Result<(), LimiterError> {
+    if let Some(e) = &answer.error {
+        return Err(LimiterError::Request {
+            code: e.code,
+            message: e.message.clone(),
+        });
+    }
+    if answer.results.len() != decisions {
+        return Err(LimiterError::Results {
+            expected: decisions,
             got: answer.results.len(),
         });
     }
@@ -83,7 +128,7 @@ pub fn parse_answer(
             allowed: answer.allowed,
         });
     }
-    Ok(answer)
+    Ok(())
 }
 
 /// One bucket's figures for the rate-limit headers.
@@ -131,38 +176,103 @@ pub fn retry_after_s(retry_after_ms: u64) -> u64 {
     sf_integer(ceil_s(retry_after_ms).max(1))
 }
 
-/// The verdict from a parsed sidecar answer (`answer.results[i]` belongs to `planned[i]`).
-pub fn from_answer(config: &Config, planned: &[Planned], answer: &DecideResponse) -> Verdict {
-    let pairs = planned.iter().zip(&answer.results);
-    let limit = |p: &Planned, r: &DecisionResult, reset_s: u64| {
-        let rule = &config.rules[p.rule];
-        Limit {
-            name: &rule.name,
-            quota: rule.capacity,
-            window_s: rule.window_s(),
-            remaining: r.remaining,
-            reset_s,
-        }
-    };
-    if let Some((p, r)) = pairs
-        .clone()
-        .find(|(_, r)| !r.allowed && r.reason == Reason::CostExceedsCapacity)
-    {
-        return Verdict::Reject(cost_exceeds(config, &limit(p, r, 0)));
+/// One decision the gateway admitted from a lease: its rule's limit as last seen, and the tokens
+/// the lease still holds (the `r` of its `RateLimit` header; `t` is then the full window).
+#[derive(Debug, Clone, PartialEq)]
+pub struct LeasedAdmit<'a> {
+    pub limit: Option<&'a KnownLimit>,
+    pub lease_tokens: u64,
+}
+
+/// The headers figures of a limit the sidecar applied.
+fn applied<'a>(l: &'a AppliedLimit, remaining: u64, reset_s: u64) -> Limit<'a> {
+    Limit {
+        name: &l.name,
+        quota: l.capacity,
+        window_s: window_s(l.capacity.max(1), l.refill_per_sec.max(f64::MIN_POSITIVE)),
+        remaining,
+        reset_s,
+    }
+}
+
+/// The verdict from a checked answer (see [`check_answer`]); `answer.results[i]` belongs to the
+/// i-th remote decision; `leased` are the request's decisions admitted from leases.
+pub fn from_answer(config: &Config, answer: &RequestAnswer, leased: &[LeasedAdmit<'_>]) -> Verdict {
+    let results = &answer.results;
+    fn rule_of(r: &DecisionResult) -> &str {
+        r.limit.as_ref().map_or("", |l| l.name.as_str())
+    }
+    if let Some(r) = results.iter().find(|r| {
+        !r.allowed && matches!(r.reason, Reason::CostExceedsCapacity | Reason::Blocked)
+    }) {
+        let limit = r.limit.as_ref().map(|l| applied(l, 0, 0));
+        return Verdict::Reject(never(config, rule_of(r), limit.as_ref(), r.reason));
     }
     // The limiting rule: the rejecting one that makes the client wait longest.
-    if let Some((p, r)) = pairs
-        .clone()
-        .filter(|(_, r)| !r.allowed)
-        .max_by_key(|(_, r)| r.retry_after_ms)
+    if let Some(r) = results
+        .iter()
+        .filter(|r| !r.allowed)
+        .max_by_key(|r| r.retry_after_ms)
     {
         let wait_s = retry_after_s(r.retry_after_ms);
-        return Verdict::Reject(rate_limited(config, &limit(p, r, wait_s), wait_s));
+        let limit = r.limit.as_ref().map(|l| applied(l, r.remaining, wait_s));
+        return Verdict::Reject(rate_limited(config, rule_of(r), limit.as_ref(), wait_s));
     }
-    let limits: Vec<_> = pairs
-        .map(|(p, r)| limit(p, r, ceil_s(r.reset_ms)))
+    let mut limits: Vec<Limit<'_>> = results
+        .iter()
+        .filter(|r| !r.shadow)
+        .filter_map(|r| r.limit.as_ref().map(|l| applied(l, r.remaining, ceil_s(r.reset_ms))))
         .collect();
+    limits.extend(leased.iter().filter_map(|a| {
+        a.limit.map(|l| {
+            let w = window_s(l.capacity.max(1), l.refill_per_sec.max(f64::MIN_POSITIVE));
+            Limit {
+                name: &l.name,
+                quota: l.capacity,
+                window_s: w,
+                remaining: a.lease_tokens,
+                reset_s: w,
+            }
+        })
+    }));
     admit(config, &limits)
+}
+
+/// The verdict when every decision was admitted from leases.
+pub fn from_leases(config: &Config, leased: &[LeasedAdmit<'_>]) -> Verdict {
+    from_answer(
+        config,
+        &RequestAnswer {
+            allowed: true,
+            results: Vec::new(),
+            error: None,
+        },
+        leased,
+    )
+}
+
+/// The 429 for a rejection known locally: the same reply the sidecar's answer would give, with
+/// `Retry-After` the time left of the known wait.
+pub fn known_rejection(
+    config: &Config,
+    rule: &str,
+    limit: Option<&KnownLimit>,
+    why: Why,
+    left_ns: u64,
+) -> LocalReply {
+    let wait_s = retry_after_s(left_ns.div_ceil(1_000_000));
+    let figures = limit.map(|l| Limit {
+        name: &l.name,
+        quota: l.capacity,
+        window_s: window_s(l.capacity.max(1), l.refill_per_sec.max(f64::MIN_POSITIVE)),
+        remaining: 0,
+        reset_s: wait_s,
+    });
+    match why {
+        Why::Insufficient => rate_limited(config, rule, figures.as_ref(), wait_s),
+        Why::CostExceedsCapacity => never(config, rule, figures.as_ref(), Reason::CostExceedsCapacity),
+        Why::Blocked => never(config, rule, figures.as_ref(), Reason::Blocked),
+    }
 }
 
 /// What the failure policies of the applicable rules call for when the sidecar cannot decide.
@@ -257,11 +367,8 @@ pub fn from_emergency(
         .max_by_key(|(_, _, _, retry_after_ms)| *retry_after_ms);
     if let Some((i, e, remaining, retry_after_ms)) = rejecting {
         let wait_s = retry_after_s(retry_after_ms);
-        return Verdict::Reject(rate_limited(
-            config,
-            &limit(i, e, remaining, wait_s),
-            wait_s,
-        ));
+        let figures = limit(i, e, remaining, wait_s);
+        return Verdict::Reject(rate_limited(config, figures.name, Some(&figures), wait_s));
     }
     let limits: Vec<_> = entries()
         .filter_map(|(i, e, t)| t.ok().map(|t| limit(i, e, t.remaining, ceil_s(t.reset_ms))))
@@ -280,6 +387,35 @@ pub fn unavailable() -> LocalReply {
             rule: None,
             retry_after_s: None,
         }),
+        details: "ratelimit_unavailable".into(),
+    }
+}
+
+/// The answer to a request whose subject a rule with `on_unknown: reject` cannot name.
+pub fn unknown_subject(rule: &str, status: u32) -> LocalReply {
+    LocalReply {
+        status,
+        headers: vec![content_type()],
+        body: body(&RejectBody {
+            error: "identity required",
+            rule: Some(rule),
+            retry_after_s: None,
+        }),
+        details: format!("ratelimit_unknown_subject:{rule}"),
+    }
+}
+
+/// 400: an identity header (the API key) came more than once, so it names no one for sure.
+pub fn repeated_identity(header: &str) -> LocalReply {
+    LocalReply {
+        status: 400,
+        headers: vec![content_type()],
+        body: body(&RejectBody {
+            error: &format!("{header} must be sent once"),
+            rule: None,
+            retry_after_s: None,
+        }),
+        details: "ratelimit_repeated_identity".into(),
     }
 }
 
@@ -316,9 +452,9 @@ fn admit(config: &Config, limits: &[Limit<'_>]) -> Verdict {
     Verdict::Admit { headers }
 }
 
-fn rate_limited(config: &Config, limit: &Limit<'_>, wait_s: u64) -> LocalReply {
+fn rate_limited(config: &Config, rule: &str, limit: Option<&Limit<'_>>, wait_s: u64) -> LocalReply {
     let mut headers = vec![content_type(), ("retry-after".into(), wait_s.to_string())];
-    if config.rate_limit_headers != RateLimitHeaders::Never {
+    if let (Some(limit), true) = (limit, config.rate_limit_headers != RateLimitHeaders::Never) {
         headers.push(("ratelimit-policy".into(), limit.policy()));
         headers.push(("ratelimit".into(), limit.limit()));
     }
@@ -327,28 +463,36 @@ fn rate_limited(config: &Config, limit: &Limit<'_>, wait_s: u64) -> LocalReply {
         headers,
         body: body(&RejectBody {
             error: "rate limited",
-            rule: Some(limit.name),
+            rule: Some(rule),
             retry_after_s: Some(wait_s),
         }),
+        details: format!("ratelimit_rejected:{rule}"),
     }
 }
 
-fn cost_exceeds(config: &Config, limit: &Limit<'_>) -> LocalReply {
+/// A 429 waiting cannot cure: the cost exceeds the capacity, or the subject is blocked.
+fn never(config: &Config, rule: &str, limit: Option<&Limit<'_>>, reason: Reason) -> LocalReply {
     let mut headers = vec![content_type()];
-    if config.rate_limit_headers != RateLimitHeaders::Never {
-        headers.push(("ratelimit-policy".into(), limit.policy()));
+    if let (Some(limit), true) = (limit, config.rate_limit_headers != RateLimitHeaders::Never) {
+        if reason == Reason::CostExceedsCapacity {
+            headers.push(("ratelimit-policy".into(), limit.policy()));
+        }
     }
     LocalReply {
         status: 429,
         headers,
         body: body(&RejectBody {
-            error: "request cost exceeds the rate limit",
-            rule: Some(limit.name),
+            error: if reason == Reason::Blocked {
+                "blocked by the rate limit policy"
+            } else {
+                "request cost exceeds the rate limit"
+            },
+            rule: Some(rule),
             retry_after_s: None,
         }),
+        details: format!("ratelimit_rejected:{rule}"),
     }
 }
-
 #[cfg(test)]
 mod tests {
     use super::*;

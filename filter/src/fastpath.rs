@@ -1,0 +1,645 @@
+//! What a gateway knows about a bucket without asking: known rejections and leases, kept in
+//! proxy-wasm shared data so every worker VM of one Envoy sees them. Never admits what the bucket
+//! would not (over-admission 0); it may only reject early, within stated bounds.
+//!
+//! # Known rejections
+//! The sidecar rejected `cost` tokens of a bucket with `retry_after_ms` at the earliest: the bucket
+//! held less than `cost` and refills at a known rate, so it cannot admit `cost` (or more) before
+//! that wait has passed. The entry keeps `(cost, until)`, `until` counted from when the callout was
+//! DISPATCHED (before Redis decided, so it ends no later than the true wait), and requests of that
+//! bucket costing at least `cost` are answered 429 locally until then, with `Retry-After` the time
+//! left. A rejection can only end earlier than its `retry_after` if tokens come back another way
+//! (a refund, a returned lease, a raised limit): until then the entry may reject what the bucket
+//! would admit (under-admission, bounded by the entry's remaining time); an admission seen meanwhile
+//! clears it.
+//!
+//! # Leases
+//! A bucket this gateway uses often (see [`Hotness`]) is served from a lease: its decision asks
+//! the sidecar for `want` tokens beyond its cost, deducted in Redis at once and held for `ttl_ms`
+//! (Redis lowers the bucket's ceiling by the lease while it lasts, so tokens in Redis plus tokens
+//! held by gateways never exceed the capacity). The gateway then admits locally from the lease,
+//! with compare-and-swap across its workers, and stops using it `ttl_ms` after it DISPATCHED the
+//! ask (before Redis granted it, hence before Redis's own expiry). Tokens are never created
+//! locally: over-admission stays 0.
+//!
+//! Sizing: `want = clamp(ceil(rate * ttl * 1.25), cost, max_tokens)`, where `rate` is the rate at
+//! which the previous lease was used (the first time: this worker's observed rate); the sidecar
+//! grants at most `--lease-max-share` of the capacity and at most what the bucket holds after the
+//! cost. Recovery: when a lease runs out or nears its end, the next ask of that bucket gives the
+//! leftover back (`returns` in the same callout); a lease nobody renews expires with its leftover,
+//! lost until then. Deviation: at any moment a gateway withholds at most its lease from the other
+//! gateways; lost tokens are at most one lease per bucket per `ttl_ms` of a gateway that went
+//! quiet. One ask per bucket is in flight per Envoy at a time (the entry's `renewing` mark).
+//!
+//! # Memory
+//! A bucket's entry lives in one of `slots` shared-data keys (`ratelimit.fp.<n>`, `n` from a hash
+//! of the bucket's id); another bucket hashing to the same slot replaces it (losing its lease:
+//! under-admission only). So an Envoy holds at most `slots` entries, each a few hundred bytes.
+
+use crate::emergency::{SharedStore, StoreError};
+
+/// How often a compare-and-swap is retried before giving up (the request then takes the remote
+/// path, or its give-back is lost: never an over-admission).
+pub const MAX_CAS_ATTEMPTS: usize = 16;
+
+/// How long a rejection for a blocked subject or a cost above the capacity (no wait to go by) is
+/// known, in nanoseconds.
+pub const FIXED_REJECTION_NS: u64 = 1_000_000_000;
+
+const VERSION: u8 = 1;
+
+/// The shared-data key of the slot for a bucket id.
+pub fn slot_key(id: &str, slots: usize) -> String {
+    format!("ratelimit.fp.{}", fnv1a(id.as_bytes()) % slots.max(1) as u64)
+}
+
+fn fnv1a(bytes: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf29ce484222325;
+    for b in bytes {
+        h ^= u64::from(*b);
+        h = h.wrapping_mul(0x100000001b3);
+    }
+    h
+}
+
+/// Why a bucket rejects (as the sidecar said), for a local reply of the same shape.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Why {
+    Insufficient,
+    CostExceedsCapacity,
+    Blocked,
+}
+
+/// The limit a bucket was judged by, for the rate-limit headers of a local answer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KnownLimit {
+    pub name: String,
+    pub capacity: u64,
+    pub refill_per_sec: f64,
+}
+
+/// One bucket's entry.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Entry {
+    pub id: String,
+    pub limit: Option<KnownLimit>,
+    /// A rejection of `reject_cost` or more until `reject_until_ns` (0: none).
+    pub reject_cost: u64,
+    pub reject_until_ns: u64,
+    pub reject_why: Why,
+    /// The lease in use: id, tokens left, usable until.
+    pub lease_id: u64,
+    pub lease_tokens: u64,
+    pub lease_until_ns: u64,
+    /// What the lease was granted, and when its ask was dispatched (to size the next one).
+    pub lease_granted: u64,
+    pub lease_granted_ns: u64,
+    /// An ask for a lease is in flight until then (0: none).
+    pub renewing_until_ns: u64,
+}
+
+impl Entry {
+    fn new(id: &str) -> Entry {
+        Entry {
+            id: id.to_string(),
+            limit: None,
+            reject_cost: 0,
+            reject_until_ns: 0,
+            reject_why: Why::Insufficient,
+            lease_id: 0,
+            lease_tokens: 0,
+            lease_until_ns: 0,
+            lease_granted: 0,
+            lease_granted_ns: 0,
+            renewing_until_ns: 0,
+        }
+    }
+
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(96 + self.id.len());
+        out.push(VERSION);
+        put_str(&mut out, &self.id);
+        match &self.limit {
+            Some(l) => {
+                out.push(1);
+                put_str(&mut out, &l.name);
+                out.extend_from_slice(&l.capacity.to_le_bytes());
+                out.extend_from_slice(&l.refill_per_sec.to_le_bytes());
+            }
+            None => out.push(0),
+        }
+        for v in [self.reject_cost, self.reject_until_ns] {
+            out.extend_from_slice(&v.to_le_bytes());
+        }
+        out.push(match self.reject_why {
+            Why::Insufficient => 0,
+            Why::CostExceedsCapacity => 1,
+            Why::Blocked => 2,
+        });
+        for v in [
+            self.lease_id,
+            self.lease_tokens,
+            self.lease_until_ns,
+            self.lease_granted,
+            self.lease_granted_ns,
+            self.renewing_until_ns,
+        ] {
+            out.extend_from_slice(&v.to_le_bytes());
+        }
+        out
+    }
+
+    /// The entry in `bytes`, or `None` when they are not one (another version, garbage).
+    pub fn decode(bytes: &[u8]) -> Option<Entry> {
+        let mut r = Reader(bytes);
+        if r.u8()? != VERSION {
+            return None;
+        }
+        let id = r.str()?;
+        let limit = match r.u8()? {
+            0 => None,
+            1 => Some(KnownLimit {
+                name: r.str()?,
+                capacity: r.u64()?,
+                refill_per_sec: f64::from_bits(r.u64()?),
+            }),
+            _ => return None,
+        };
+        let mut e = Entry::new(&id);
+        e.limit = limit.filter(|l| l.refill_per_sec.is_finite() && l.refill_per_sec > 0.0);
+        e.reject_cost = r.u64()?;
+        e.reject_until_ns = r.u64()?;
+        e.reject_why = match r.u8()? {
+            0 => Why::Insufficient,
+            1 => Why::CostExceedsCapacity,
+            2 => Why::Blocked,
+            _ => return None,
+        };
+        e.lease_id = r.u64()?;
+        e.lease_tokens = r.u64()?;
+        e.lease_until_ns = r.u64()?;
+        e.lease_granted = r.u64()?;
+        e.lease_granted_ns = r.u64()?;
+        e.renewing_until_ns = r.u64()?;
+        r.0.is_empty().then_some(e)
+    }
+
+    /// The rejection that applies to `cost` at `now_ns`: (why, time left in ns).
+    pub fn rejection(&self, cost: u64, now_ns: u64) -> Option<(Why, u64)> {
+        (self.reject_until_ns > now_ns && cost >= self.reject_cost && self.reject_cost > 0)
+            .then(|| (self.reject_why, self.reject_until_ns - now_ns))
+    }
+
+    /// Whether the lease can pay `cost` at `now_ns`.
+    pub fn lease_pays(&self, cost: u64, now_ns: u64) -> bool {
+        self.lease_until_ns > now_ns && self.lease_tokens >= cost
+    }
+}
+
+fn put_str(out: &mut Vec<u8>, s: &str) {
+    let bytes = &s.as_bytes()[..s.len().min(u16::MAX as usize)];
+    out.extend_from_slice(&(bytes.len() as u16).to_le_bytes());
+    out.extend_from_slice(bytes);
+}
+
+struct Reader<'a>(&'a [u8]);
+
+impl Reader<'_> {
+    fn take(&mut self, n: usize) -> Option<&[u8]> {
+        if self.0.len() < n {
+            return None;
+        }
+        let (a, b) = self.0.split_at(n);
+        self.0 = b;
+        Some(a)
+    }
+    fn u8(&mut self) -> Option<u8> {
+        self.take(1).map(|b| b[0])
+    }
+    fn u64(&mut self) -> Option<u64> {
+        self.take(8).map(|b| u64::from_le_bytes(b.try_into().unwrap_or([0; 8])))
+    }
+    fn str(&mut self) -> Option<String> {
+        let n = self.take(2).map(|b| u16::from_le_bytes([b[0], b[1]]))? as usize;
+        String::from_utf8(self.take(n)?.to_vec()).ok()
+    }
+}
+
+/// The slots of one Envoy's shared data.
+pub struct Table<'a> {
+    pub store: &'a dyn SharedStore,
+    pub slots: usize,
+}
+
+impl Table<'_> {
+    /// The entry of `id`, if its slot holds it.
+    pub fn get(&self, id: &str) -> Option<Entry> {
+        let (bytes, _) = self.store.get(&slot_key(id, self.slots));
+        bytes
+            .as_deref()
+            .and_then(Entry::decode)
+            .filter(|e| e.id == id)
+    }
+
+    /// Applies `change` to the entry of `id` (a new one if its slot holds none or another
+    /// bucket's), with compare-and-swap. `change` returns false to write nothing. The result is
+    /// what `change` returned on the entry written, or `None` if nothing was written.
+    pub fn update<T>(
+        &self,
+        id: &str,
+        mut change: impl FnMut(&mut Entry) -> Option<T>,
+    ) -> Option<T> {
+        let key = slot_key(id, self.slots);
+        for _ in 0..MAX_CAS_ATTEMPTS {
+            let (bytes, cas) = self.store.get(&key);
+            let mut entry = bytes
+                .as_deref()
+                .and_then(Entry::decode)
+                .filter(|e| e.id == id)
+                .unwrap_or_else(|| Entry::new(id));
+            let out = change(&mut entry)?;
+            match self.store.set(&key, &entry.encode(), cas) {
+                Ok(()) => return Some(out),
+                Err(StoreError::CasMismatch) => continue,
+                Err(StoreError::Failed) => return None,
+            }
+        }
+        None
+    }
+
+    /// Takes `cost` from the lease of `id`: the lease id it came from, or `None` (no usable lease).
+    pub fn take_lease(&self, id: &str, cost: u64, now_ns: u64) -> Option<u64> {
+        self.update(id, |e| {
+            if !e.lease_pays(cost, now_ns) {
+                return None;
+            }
+            e.lease_tokens -= cost;
+            Some(e.lease_id)
+        })
+    }
+
+    /// Gives `cost` back to lease `lease_id` of `id` (a take for a request that was then
+    /// rejected). Lost if the lease was replaced meanwhile.
+    pub fn give_back(&self, id: &str, lease_id: u64, cost: u64) {
+        self.update(id, |e| {
+            (e.lease_id == lease_id && lease_id != 0).then(|| {
+                e.lease_tokens = e.lease_tokens.saturating_add(cost);
+            })
+        });
+    }
+
+    /// Starts an ask for a new lease of `id` unless one is in flight: marks the entry until
+    /// `renewing_until_ns`, stops the current lease and returns its leftover (lease id, tokens)
+    /// to give back, and the size of the previous grant and when it was asked (to size the ask).
+    pub fn begin_lease(
+        &self,
+        id: &str,
+        now_ns: u64,
+        renewing_until_ns: u64,
+    ) -> Option<LeaseStart> {
+        self.update(id, |e| {
+            if e.renewing_until_ns > now_ns {
+                return None;
+            }
+            e.renewing_until_ns = renewing_until_ns;
+            let leftover = (e.lease_until_ns > now_ns && e.lease_tokens > 0 && e.lease_id != 0)
+                .then_some((e.lease_id, e.lease_tokens));
+            let start = LeaseStart {
+                give_back: leftover,
+                previous: (e.lease_granted > 0).then(|| PreviousLease {
+                    granted: e.lease_granted,
+                    used: e.lease_granted - e.lease_tokens.min(e.lease_granted),
+                    asked_ns: e.lease_granted_ns,
+                }),
+            };
+            e.lease_tokens = 0;
+            Some(start)
+        })
+    }
+
+    /// Records what the sidecar answered for a decision of `id` costing `cost`, asked at
+    /// `dispatched_ns`: `lease` is (lease id, granted tokens, ttl) when the decision asked for one.
+    pub fn learn(&self, id: &str, learned: &Learned, dispatched_ns: u64) {
+        self.update(id, |e| {
+            if let Some(limit) = &learned.limit {
+                e.limit = Some(limit.clone());
+            }
+            match learned.outcome {
+                Outcome::Admitted => {
+                    if e.reject_cost <= learned.cost {
+                        e.reject_cost = 0;
+                        e.reject_until_ns = 0;
+                    }
+                }
+                Outcome::Rejected { why, retry_after_ms } => {
+                    e.reject_cost = learned.cost;
+                    e.reject_why = why;
+                    e.reject_until_ns = dispatched_ns.saturating_add(match why {
+                        Why::Insufficient => retry_after_ms.saturating_mul(1_000_000),
+                        _ => FIXED_REJECTION_NS,
+                    });
+                }
+                Outcome::NotDecided => {}
+            }
+            if let Some((lease_id, ttl_ms)) = learned.asked_lease {
+                e.renewing_until_ns = 0;
+                if learned.leased > 0 {
+                    e.lease_id = lease_id;
+                    e.lease_tokens = learned.leased;
+                    e.lease_granted = learned.leased;
+                    e.lease_granted_ns = dispatched_ns;
+                    e.lease_until_ns = dispatched_ns.saturating_add(ttl_ms.saturating_mul(1_000_000));
+                }
+            }
+            Some(())
+        });
+    }
+}
+
+/// What starting a lease ask found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LeaseStart {
+    /// The stopped lease's leftover to give back: (lease id, tokens).
+    pub give_back: Option<(u64, u64)>,
+    pub previous: Option<PreviousLease>,
+}
+
+/// The last lease of a bucket.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PreviousLease {
+    pub granted: u64,
+    pub used: u64,
+    pub asked_ns: u64,
+}
+
+/// The size of a lease ask: `clamp(ceil(rate * ttl * 1.25), cost, max_tokens)`; `rate` from the
+/// previous lease's use when there was one (tokens used over the time since it was asked), else
+/// from `observed_per_sec`.
+pub fn lease_size(
+    previous: Option<PreviousLease>,
+    observed_per_sec: f64,
+    now_ns: u64,
+    ttl_ms: u64,
+    cost: u64,
+    max_tokens: u64,
+) -> u64 {
+    let rate = match previous {
+        Some(p) if now_ns > p.asked_ns => {
+            let elapsed_s = (now_ns - p.asked_ns) as f64 / 1e9;
+            (p.used as f64 / elapsed_s.max(1e-3)).max(observed_per_sec)
+        }
+        _ => observed_per_sec,
+    };
+    let want = (rate * ttl_ms as f64 / 1000.0 * 1.25).ceil();
+    // `as` saturates: an absurd rate cannot overflow.
+    (want as u64).clamp(cost, max_tokens.max(cost))
+}
+
+/// What a callout answered for one decision, as the fast paths learn from it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Learned {
+    pub cost: u64,
+    pub limit: Option<KnownLimit>,
+    pub outcome: Outcome,
+    /// The decision asked for a lease: (lease id, ttl_ms).
+    pub asked_lease: Option<(u64, u64)>,
+    pub leased: u64,
+}
+
+/// The sidecar's verdict on one decision.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    Admitted,
+    Rejected { why: Why, retry_after_ms: u64 },
+    /// No verdict for this bucket (an error, a shadow limit, another part rejected first).
+    NotDecided,
+}
+
+/// How busy each bucket is at this worker: requests counted in fixed windows of `WINDOW_NS`,
+/// for at most `MAX_TRACKED` buckets (a full table starts over: bounded memory).
+#[derive(Debug, Default)]
+pub struct Hotness {
+    counts: std::collections::HashMap<String, (u64, u32, f64)>,
+}
+
+/// The counting window.
+pub const WINDOW_NS: u64 = 200_000_000;
+/// The most buckets one worker tracks.
+pub const MAX_TRACKED: usize = 4096;
+
+impl Hotness {
+    /// Counts one request of `id` at `now_ns`; returns the rate of the last complete window
+    /// (requests per second), or of the current one if it is higher.
+    pub fn observe(&mut self, id: &str, now_ns: u64) -> f64 {
+        if !self.counts.contains_key(id) && self.counts.len() >= MAX_TRACKED {
+            self.counts.clear();
+        }
+        let (start, count, last_rate) = self
+            .counts
+            .entry(id.to_string())
+            .or_insert((now_ns, 0, 0.0));
+        if now_ns >= *start + WINDOW_NS {
+            let windows = (now_ns - *start) / WINDOW_NS;
+            *last_rate = if windows == 1 {
+                f64::from(*count) * 1e9 / WINDOW_NS as f64
+            } else {
+                0.0
+            };
+            *start += windows * WINDOW_NS;
+            *count = 0;
+        }
+        *count = count.saturating_add(1);
+        let current = f64::from(*count) * 1e9 / WINDOW_NS as f64;
+        last_rate.max(current)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::cell::RefCell;
+    use std::collections::HashMap;
+
+    use super::*;
+    #[cfg(target_arch = "wasm32")]
+    use wasm_bindgen_test::wasm_bindgen_test as test;
+
+    /// Shared data with compare-and-swap, in memory.
+    #[derive(Default)]
+    struct Memory(RefCell<HashMap<String, (Vec<u8>, u32)>>);
+
+    impl SharedStore for Memory {
+        fn get(&self, key: &str) -> (Option<Vec<u8>>, Option<u32>) {
+            match self.0.borrow().get(key) {
+                Some((v, cas)) => (Some(v.clone()), Some(*cas)),
+                None => (None, None),
+            }
+        }
+        fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
+            let mut m = self.0.borrow_mut();
+            let current = m.get(key).map(|(_, c)| *c);
+            if cas.is_some() && cas != current {
+                return Err(StoreError::CasMismatch);
+            }
+            m.insert(key.into(), (value.to_vec(), current.unwrap_or(0) + 1));
+            Ok(())
+        }
+    }
+
+    const S: u64 = 1_000_000_000;
+
+    fn limit() -> KnownLimit {
+        KnownLimit {
+            name: "per-app".into(),
+            capacity: 100,
+            refill_per_sec: 10.0,
+        }
+    }
+
+    #[test]
+    fn entries_round_trip_and_garbage_is_none() {
+        let mut e = Entry::new("per-app|app=a");
+        e.limit = Some(limit());
+        e.reject_cost = 3;
+        e.reject_until_ns = 9;
+        e.reject_why = Why::Blocked;
+        e.lease_id = 7;
+        e.lease_tokens = 5;
+        assert_eq!(Entry::decode(&e.encode()), Some(e.clone()));
+        assert_eq!(Entry::decode(b""), None);
+        assert_eq!(Entry::decode(&[VERSION, 200, 0]), None);
+        let mut long = e.encode();
+        long.push(0);
+        assert_eq!(Entry::decode(&long), None);
+    }
+
+    #[test]
+    fn a_rejection_is_known_until_its_retry_after_counted_from_the_dispatch() {
+        let m = Memory::default();
+        let t = Table {
+            store: &m,
+            slots: 64,
+        };
+        let learned = Learned {
+            cost: 2,
+            limit: Some(limit()),
+            outcome: Outcome::Rejected {
+                why: Why::Insufficient,
+                retry_after_ms: 1500,
+            },
+            asked_lease: None,
+            leased: 0,
+        };
+        t.learn("b", &learned, 10 * S);
+        let e = t.get("b").unwrap();
+        // Dispatched at 10 s, wait 1.5 s: known until 11.5 s, for costs of 2 or more.
+        assert_eq!(e.rejection(2, 11 * S), Some((Why::Insufficient, S / 2)));
+        assert_eq!(e.rejection(5, 11 * S), Some((Why::Insufficient, S / 2)));
+        assert_eq!(e.rejection(1, 11 * S), None, "a smaller cost may pass");
+        assert_eq!(e.rejection(2, 11 * S + S / 2), None, "never past its retry_after");
+        // An admission of that cost or more clears it.
+        t.learn(
+            "b",
+            &Learned {
+                outcome: Outcome::Admitted,
+                ..learned
+            },
+            11 * S,
+        );
+        assert_eq!(t.get("b").unwrap().rejection(2, 11 * S), None);
+    }
+
+    #[test]
+    fn a_lease_pays_until_it_runs_out_or_its_time_ends_and_gives_back_only_to_itself() {
+        let m = Memory::default();
+        let t = Table {
+            store: &m,
+            slots: 64,
+        };
+        let start = t.begin_lease("h", 0, S).unwrap();
+        assert_eq!(start.give_back, None);
+        assert!(t.begin_lease("h", 1, S).is_none(), "one ask in flight");
+        t.learn(
+            "h",
+            &Learned {
+                cost: 1,
+                limit: Some(limit()),
+                outcome: Outcome::Admitted,
+                asked_lease: Some((77, 1000)),
+                leased: 3,
+            },
+            0,
+        );
+        assert_eq!(t.take_lease("h", 2, S / 2), Some(77));
+        assert_eq!(t.take_lease("h", 2, S / 2), None, "1 left < 2");
+        t.give_back("h", 77, 2);
+        assert_eq!(t.take_lease("h", 3, S / 2), Some(77));
+        t.give_back("h", 99, 5);
+        assert_eq!(t.get("h").unwrap().lease_tokens, 0, "another lease's give-back is lost");
+        t.give_back("h", 77, 1);
+        assert_eq!(t.take_lease("h", 1, S), None, "not at or past its end (1 s after the ask)");
+        // The next ask stops this lease and hands its leftover back.
+        let start = t.begin_lease("h", S / 2, S).unwrap();
+        assert_eq!(start.give_back, Some((77, 1)));
+        assert_eq!(
+            start.previous,
+            Some(PreviousLease {
+                granted: 3,
+                used: 2,
+                asked_ns: 0
+            })
+        );
+        assert_eq!(t.take_lease("h", 1, S / 2), None, "stopped");
+    }
+
+    #[test]
+    fn another_bucket_in_the_same_slot_replaces_the_entry() {
+        let m = Memory::default();
+        let t = Table {
+            store: &m,
+            slots: 1,
+        };
+        t.begin_lease("a", 0, S);
+        t.learn(
+            "a",
+            &Learned {
+                cost: 1,
+                limit: None,
+                outcome: Outcome::Admitted,
+                asked_lease: Some((1, 1000)),
+                leased: 10,
+            },
+            0,
+        );
+        assert!(t.get("a").is_some());
+        assert_eq!(t.take_lease("b", 1, 1), None, "b never pays with a's lease");
+        t.begin_lease("b", 0, S);
+        assert!(t.get("a").is_none());
+        assert_eq!(t.take_lease("a", 1, 1), None, "a's lease is gone (lost, not reused)");
+    }
+
+    #[test]
+    fn leases_are_sized_by_their_use() {
+        assert_eq!(lease_size(None, 100.0, 0, 1000, 1, 1000), 125);
+        assert_eq!(lease_size(None, 0.0, 0, 1000, 3, 1000), 3, "at least the cost");
+        assert_eq!(lease_size(None, 1e12, 0, 1000, 1, 500), 500, "at most max_tokens");
+        let previous = PreviousLease {
+            granted: 100,
+            used: 100,
+            asked_ns: 0,
+        };
+        // 100 used in half a second: 200/s, so a 1 s lease asks 250.
+        assert_eq!(lease_size(Some(previous), 10.0, S / 2, 1000, 1, 1000), 250);
+    }
+
+    #[test]
+    fn hotness_counts_per_window() {
+        let mut h = Hotness::default();
+        for i in 0..20 {
+            h.observe("k", i * 1_000_000);
+        }
+        // 20 requests within 200 ms: 100/s.
+        assert_eq!(h.observe("k", WINDOW_NS + 1), 100.0);
+        assert_eq!(h.observe("quiet", 0), 5.0);
+        assert_eq!(h.observe("k", 5 * WINDOW_NS), 5.0, "idle windows reset the rate");
+    }
+}
