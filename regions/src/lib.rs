@@ -9,11 +9,14 @@
 //!   [`RegionalQuota`] of a rule.
 //! - [`bucket`]: [`Budget`] and the reference [`Bucket`], exact integer arithmetic.
 //! - [`lease`]: a sidecar's leased view of its region's share and the record's history.
+//! - [`plan`]: the algorithm, from shares and observed demand to a [`Plan`], and its [`Params`].
 
 pub mod bucket;
 pub mod lease;
+pub mod plan;
 pub mod share;
 
 pub use bucket::{Bucket, Budget, Limit};
 pub use lease::{LeasedShare, ShareHistory};
+pub use plan::{plan, proportional_target, Change, Observation, Params, Plan, RegionInput};
 pub use share::{QuotaError, QuotaProblem, RegionalQuota, Share, ShareRecord};
