@@ -10,13 +10,19 @@
 //! - [`bucket`]: [`Budget`] and the reference [`Bucket`], exact integer arithmetic.
 //! - [`lease`]: a sidecar's leased view of its region's share and the record's history.
 //! - [`plan`]: the algorithm, from shares and observed demand to a [`Plan`], and its [`Params`].
+//! - [`rebalancer`]: one round as a state machine (shrink, fence, grow) and its failure handling.
 
 pub mod bucket;
 pub mod lease;
 pub mod plan;
+pub mod rebalancer;
 pub mod share;
 
 pub use bucket::{Bucket, Budget, Limit};
 pub use lease::{LeasedShare, ShareHistory};
 pub use plan::{plan, proportional_target, Change, Observation, Params, Plan, RegionInput};
+pub use rebalancer::{
+    ReadOutcome, Rebalancer, RoundInProgress, RoundReport, ShareWrite, Step, WriteKind,
+    WriteOutcome,
+};
 pub use share::{QuotaError, QuotaProblem, RegionalQuota, Share, ShareRecord};
