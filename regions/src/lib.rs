@@ -11,12 +11,14 @@
 //! - [`lease`]: a sidecar's leased view of its region's share and the record's history.
 //! - [`plan`]: the algorithm, from shares and observed demand to a [`Plan`], and its [`Params`].
 //! - [`rebalancer`]: one round as a state machine (shrink, fence, grow) and its failure handling.
+//! - [`sim`]: the simulation of regions, demand and faults behind `ratelimit-regions-sim`.
 
 pub mod bucket;
 pub mod lease;
 pub mod plan;
 pub mod rebalancer;
 pub mod share;
+pub mod sim;
 
 pub use bucket::{Bucket, Budget, Limit};
 pub use lease::{LeasedShare, ShareHistory};
