@@ -34,7 +34,7 @@ use std::collections::BTreeMap;
 
 use crate::bucket::Budget;
 use crate::plan::{plan, Change, Observation, Params, Plan, RegionInput};
-use crate::share::{sum_ppm, Share, ShareRecord};
+use crate::share::{sum_ppm, RegionalQuota, Share, ShareRecord};
 
 /// Whether a write lowers or raises a share.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -175,20 +175,17 @@ pub struct Rebalancer {
 }
 
 impl Rebalancer {
-    /// A rebalancer for `regions` started at `now_ms`: it grows nothing for one fence, and
-    /// nothing before it has read every region once.
-    pub fn new<I, S>(params: Params, budget: Budget, floor: Share, regions: I, now_ms: u64) -> Self
-    where
-        I: IntoIterator<Item = S>,
-        S: Into<String>,
-    {
+    /// A rebalancer for the regions of `quota` started at `now_ms`: it grows nothing for one
+    /// fence, and nothing before it has read every region once (the quota's own shares are only
+    /// where the records started; a previous run may have moved them).
+    pub fn new(params: Params, quota: &RegionalQuota, now_ms: u64) -> Self {
         Rebalancer {
             params,
-            budget,
-            floor,
-            regions: regions
-                .into_iter()
-                .map(|r| (r.into(), RegionState::default()))
+            budget: quota.budget(),
+            floor: quota.floor(),
+            regions: quota
+                .regions()
+                .map(|r| (r.to_owned(), RegionState::default()))
                 .collect(),
             phase: Phase::Idle,
             round: RoundReport::default(),
@@ -492,9 +489,13 @@ mod tests {
         BTreeMap::from([("eu".into(), obs(300, 300)), ("us".into(), obs(100, 0))])
     }
 
+    fn quota() -> RegionalQuota {
+        RegionalQuota::equal("per-app", BUDGET, s(0.05), ["eu", "us"]).unwrap()
+    }
+
     /// A rebalancer started at 0 that has read eu 0.3 (v1) and us 0.7 (v1) at 10 s.
     fn started() -> Rebalancer {
-        let mut rb = Rebalancer::new(Params::default(), BUDGET, s(0.05), ["eu", "us"], 0);
+        let mut rb = Rebalancer::new(Params::default(), &quota(), 0);
         rb.observe("eu", rec(0.3, 1), 10_000);
         rb.observe("us", rec(0.7, 1), 10_000);
         rb
@@ -548,7 +549,7 @@ mod tests {
 
     #[test]
     fn nothing_grows_before_every_region_was_read_nor_during_the_start_up_fence() {
-        let mut rb = Rebalancer::new(Params::default(), BUDGET, s(0.05), ["eu", "us"], 0);
+        let mut rb = Rebalancer::new(Params::default(), &quota(), 0);
         rb.observe("eu", rec(0.3, 1), 1_000);
         assert_eq!(rb.envelope("us", 1_000), Some(Share::WHOLE));
         assert!(rb.start_round(&busy_eu(), 1_000).unwrap().is_empty());
@@ -739,7 +740,8 @@ mod tests {
                 now: 0,
                 lease_ms: params.lease_ms,
             };
-            let mut rb = Rebalancer::new(params, BUDGET, s(0.05), names.clone(), 0);
+            let quota = RegionalQuota::equal("r", BUDGET, s(0.05), names.clone()).unwrap();
+            let mut rb = Rebalancer::new(params, &quota, 0);
             let mut fault = faults.iter().cycle();
             for (k, (counters, reach)) in rounds.iter().enumerate() {
                 world.advance_to(k as u64 * params.round_interval_ms)?;

@@ -23,7 +23,7 @@ use crate::bucket::{Bucket, Budget};
 use crate::lease::{LeasedShare, ShareHistory};
 use crate::plan::{proportional_target, Observation, Params};
 use crate::rebalancer::{ReadOutcome, Rebalancer, ShareWrite, Step, WriteKind, WriteOutcome};
-use crate::share::{sum_ppm, RegionalQuota, Share, ShareRecord};
+use crate::share::{sum_ppm, QuotaError, RegionalQuota, Share, ShareRecord};
 
 /// Everything a run depends on besides the scenario.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -418,15 +418,21 @@ impl World<'_> {
     }
 }
 
-/// Runs `scenario` for `config.duration_ms` with static or rebalanced shares.
-pub fn run(scenario: &Scenario, mode: Mode, config: &SimConfig) -> Report {
+/// Runs `scenario` for `config.duration_ms` with static or rebalanced shares, starting from
+/// equal shares; `Err` when the budget or the floor cannot make a valid quota.
+pub fn run(scenario: &Scenario, mode: Mode, config: &SimConfig) -> Result<Report, QuotaError> {
+    let quota = RegionalQuota::equal(
+        scenario.name,
+        config.budget,
+        config.floor,
+        scenario.regions.iter().copied(),
+    )?;
     let n = scenario.regions.len();
     let params = config.params;
     let budget = config.budget;
     let horizon = budget.fill_time_ms();
-    let start = Share::from_ppm(Share::PPM / n.max(1) as u32).unwrap_or(Share::ZERO);
-    let initial = ShareRecord {
-        share: start,
+    let start = |i: usize| ShareRecord {
+        share: quota.share(scenario.regions[i]).unwrap_or(Share::ZERO),
         version: 1,
     };
     let mut reads = ChaCha8Rng::seed_from_u64(config.seed ^ 0x5ead_ca75);
@@ -434,17 +440,17 @@ pub fn run(scenario: &Scenario, mode: Mode, config: &SimConfig) -> Report {
         scenario,
         config,
         stores: (0..n)
-            .map(|_| Store {
-                record: initial,
-                history: ShareHistory::new(0, start),
+            .map(|i| Store {
+                record: start(i),
+                history: ShareHistory::new(0, start(i).share),
             })
             .collect(),
         sidecars: (0..n)
-            .map(|_| {
+            .map(|i| {
                 (0..config.sidecars_per_region.max(1))
                     .map(|_| Sidecar {
                         view: LeasedShare {
-                            history: ShareHistory::new(0, start),
+                            history: ShareHistory::new(0, start(i).share),
                             version: 1,
                             read_at_ms: 0,
                         },
@@ -465,12 +471,11 @@ pub fn run(scenario: &Scenario, mode: Mode, config: &SimConfig) -> Report {
     let mut pick_rng = ChaCha8Rng::seed_from_u64(config.seed ^ 0x0051_dec0);
     let whole = budget.scaled(Share::WHOLE);
     let mut buckets: Vec<Bucket> = (0..n)
-        .map(|_| Bucket::full(budget.scaled(start), 0))
+        .map(|i| Bucket::full(budget.scaled(start(i).share), 0))
         .collect();
     let mut global = Bucket::full(whole, 0);
     let mut ideal = Bucket::full(whole, 0);
-    let mut rebalancer = (mode == Mode::Rebalanced)
-        .then(|| Rebalancer::new(params, budget, config.floor, scenario.regions.clone(), 0));
+    let mut rebalancer = (mode == Mode::Rebalanced).then(|| Rebalancer::new(params, &quota, 0));
     let mut counters = vec![Observation::default(); n];
     let mut report = Report {
         scenario: scenario.name,
@@ -559,7 +564,7 @@ pub fn run(scenario: &Scenario, mode: Mode, config: &SimConfig) -> Report {
     report.follow = follow.result();
     report.writes = world.writes;
     report.failed_writes = world.failed_writes;
-    report
+    Ok(report)
 }
 
 /// After each shift, the time until the busy region's share is first near its target.

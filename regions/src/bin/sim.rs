@@ -105,7 +105,13 @@ fn main() -> ExitCode {
     let mut above_one = false;
     for scenario in &chosen {
         for mode in [Mode::Static, Mode::Rebalanced] {
-            let r = run(scenario, mode, &config);
+            let r = match run(scenario, mode, &config) {
+                Ok(r) => r,
+                Err(e) => {
+                    eprintln!("ratelimit-regions-sim: {e}");
+                    return ExitCode::from(2);
+                }
+            };
             over += r.over_admitted;
             above_one |= r.max_share_sum_ppm > u64::from(Share::PPM);
             println!(
