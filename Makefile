@@ -47,6 +47,16 @@ bench: build
 simulate:
 	$(CARGO) run --release -p ratelimit-regions --bin ratelimit-regions-sim -- $(SIM_ARGS)
 
+# The filter as a Wasm OCI image for Istio's WasmPlugin (the "compat" variant: one tar+gzip layer
+# holding plugin.wasm), written as an OCI image layout under target/oci/ without a container
+# engine. Prints the manifest digest to pin (WasmPlugin `sha256`) and how to push the layout
+# without changing it (oras cp --from-oci-layout, skopeo copy --preserve-digests, crane push).
+OCI_TAG ?= 0.1.0
+.PHONY: oci
+oci: deps
+	$(CARGO) build --release -p ratelimit-filter --target wasm32-wasip1
+	$(CARGO) run -q -p ratelimit-e2e --bin wasm-oci -- --wasm $(WASM) --out target/oci/ratelimit-filter --tag $(OCI_TAG)
+
 lint:
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
