@@ -8,6 +8,7 @@ cd "$(dirname "$0")/.."
 ENVOY_CONFIG="${ENVOY_CONFIG:-envoy/envoy.yaml}"
 ENVOY_BIN="${ENVOY_BIN:-.venv/bin/envoy}"
 SIDECAR_BIN="${SIDECAR_BIN:-target/release/ratelimit-sidecar}"
+LIMITS="${LIMITS:-envoy/limits.yaml}"
 LOG_DIR="${LOG_DIR:-run}"
 mkdir -p "$LOG_DIR"
 
@@ -44,7 +45,7 @@ if [ -z "${REDIS_URL:-}" ]; then
 fi
 
 RUST_LOG="${RUST_LOG:-info}" "$SIDECAR_BIN" --listen 127.0.0.1:8081 --redis "$REDIS_URL" \
-  >"$LOG_DIR/sidecar.log" 2>&1 &
+  --limits "$LIMITS" >"$LOG_DIR/sidecar.log" 2>&1 &
 pids+=($!)
 wait_for sidecar curl -sf http://127.0.0.1:8081/readyz
 
@@ -60,7 +61,7 @@ cat <<TXT
 ratelimit stack is up (logs in $LOG_DIR/):
   Envoy      http://127.0.0.1:10000   (config $ENVOY_CONFIG)
   admin      http://127.0.0.1:9901/stats?filter=wasmcustom
-  sidecar    http://127.0.0.1:8081/metrics
+  sidecar    http://127.0.0.1:8081/metrics   (limits: $LIMITS, edit it: reloaded live)
   Redis      $REDIS_URL
 Try (about 100 pass, then 429):
   curl -s -o /dev/null -w '%{http_code}\\n' -H 'x-api-key: alpha-key' 'http://127.0.0.1:10000/api/hello?n=[1-150]' | uniq -c

@@ -171,8 +171,10 @@ fn default_stat_prefix() -> String {
 pub struct Sidecar {
     /// The Envoy cluster name of the sidecar (required).
     pub cluster: String,
-    /// The whole callout's deadline, in milliseconds; past it the rule's `on_error` applies.
-    /// Default: 25.
+    /// The whole callout's deadline, in milliseconds, counted from the request's arrival (its time
+    /// in the coalescing queue included); past it the rule's `on_error` applies. Default: 50,
+    /// above the sidecar's default `--redis-timeout-ms` of 30, so the sidecar answers 503 before
+    /// Envoy gives up.
     #[serde(default = "default_timeout_ms")]
     pub timeout_ms: u64,
     /// The `:authority` of the callout. Default: the cluster name.
@@ -191,7 +193,7 @@ pub struct Sidecar {
 }
 
 fn default_timeout_ms() -> u64 {
-    25
+    50
 }
 
 impl Sidecar {
@@ -514,7 +516,10 @@ impl Config {
         if !is_name(&self.domain, 128) {
             p.add(
                 "domain",
-                format!("{:?} must be 1 to 128 characters of [A-Za-z0-9_.-]", self.domain),
+                format!(
+                    "{:?} must be 1 to 128 characters of [A-Za-z0-9_.-]",
+                    self.domain
+                ),
             );
         }
         if !is_name(&self.stat_prefix, 128) || self.stat_prefix.starts_with('.') {
@@ -558,7 +563,10 @@ impl Config {
         }
         if let Some(t) = &s.token {
             if t.is_empty() || !t.bytes().all(|b| b.is_ascii_graphic()) {
-                p.add("sidecar.token", "must be non-empty printable ASCII without spaces");
+                p.add(
+                    "sidecar.token",
+                    "must be non-empty printable ASCII without spaces",
+                );
             }
         }
         if let Some(e) = &s.token_env {
@@ -566,7 +574,10 @@ impl Config {
                 p.add("sidecar.token_env", "must name an environment variable");
             }
             if s.token.is_some() {
-                p.add("sidecar.token_env", "give either token or token_env, not both");
+                p.add(
+                    "sidecar.token_env",
+                    "give either token or token_env, not both",
+                );
             }
         }
     }
@@ -576,24 +587,40 @@ impl Config {
         if f.max_batch == 0 || f.max_batch > ratelimit_wire::MAX_REQUESTS {
             p.add(
                 "fast_paths.max_batch",
-                format!("must be 1 to {}, got {}", ratelimit_wire::MAX_REQUESTS, f.max_batch),
+                format!(
+                    "must be 1 to {}, got {}",
+                    ratelimit_wire::MAX_REQUESTS,
+                    f.max_batch
+                ),
             );
         }
         if f.max_in_flight == 0 || f.max_in_flight > 64 {
-            p.add("fast_paths.max_in_flight", format!("must be 1 to 64, got {}", f.max_in_flight));
+            p.add(
+                "fast_paths.max_in_flight",
+                format!("must be 1 to 64, got {}", f.max_in_flight),
+            );
         }
         if f.slots == 0 || f.slots > 1 << 20 {
-            p.add("fast_paths.slots", format!("must be 1 to 1048576, got {}", f.slots));
+            p.add(
+                "fast_paths.slots",
+                format!("must be 1 to 1048576, got {}", f.slots),
+            );
         }
         let l = &f.leases;
         if !(l.min_rate_per_sec.is_finite() && l.min_rate_per_sec > 0.0) {
             p.add("fast_paths.leases.min_rate_per_sec", "must be a number > 0");
         }
         if l.ttl_ms == 0 || l.ttl_ms > 60_000 {
-            p.add("fast_paths.leases.ttl_ms", format!("must be 1 to 60000, got {}", l.ttl_ms));
+            p.add(
+                "fast_paths.leases.ttl_ms",
+                format!("must be 1 to 60000, got {}", l.ttl_ms),
+            );
         }
         if l.max_tokens == 0 || l.max_tokens > MAX_CAPACITY {
-            p.add("fast_paths.leases.max_tokens", format!("must be 1 to {MAX_CAPACITY}"));
+            p.add(
+                "fast_paths.leases.max_tokens",
+                format!("must be 1 to {MAX_CAPACITY}"),
+            );
         }
     }
 

@@ -50,7 +50,10 @@ const VERSION: u8 = 1;
 
 /// The shared-data key of the slot for a bucket id.
 pub fn slot_key(id: &str, slots: usize) -> String {
-    format!("ratelimit.fp.{}", fnv1a(id.as_bytes()) % slots.max(1) as u64)
+    format!(
+        "ratelimit.fp.{}",
+        fnv1a(id.as_bytes()) % slots.max(1) as u64
+    )
 }
 
 fn fnv1a(bytes: &[u8]) -> u64 {
@@ -217,7 +220,8 @@ impl Reader<'_> {
         self.take(1).map(|b| b[0])
     }
     fn u64(&mut self) -> Option<u64> {
-        self.take(8).map(|b| u64::from_le_bytes(b.try_into().unwrap_or([0; 8])))
+        self.take(8)
+            .map(|b| u64::from_le_bytes(b.try_into().unwrap_or([0; 8])))
     }
     fn str(&mut self) -> Option<String> {
         let n = self.take(2).map(|b| u16::from_le_bytes([b[0], b[1]]))? as usize;
@@ -291,12 +295,7 @@ impl Table<'_> {
     /// Starts an ask for a new lease of `id` unless one is in flight: marks the entry until
     /// `renewing_until_ns`, stops the current lease and returns its leftover (lease id, tokens)
     /// to give back, and the size of the previous grant and when it was asked (to size the ask).
-    pub fn begin_lease(
-        &self,
-        id: &str,
-        now_ns: u64,
-        renewing_until_ns: u64,
-    ) -> Option<LeaseStart> {
+    pub fn begin_lease(&self, id: &str, now_ns: u64, renewing_until_ns: u64) -> Option<LeaseStart> {
         self.update(id, |e| {
             if e.renewing_until_ns > now_ns {
                 return None;
@@ -331,7 +330,10 @@ impl Table<'_> {
                         e.reject_until_ns = 0;
                     }
                 }
-                Outcome::Rejected { why, retry_after_ms } => {
+                Outcome::Rejected {
+                    why,
+                    retry_after_ms,
+                } => {
                     e.reject_cost = learned.cost;
                     e.reject_why = why;
                     e.reject_until_ns = dispatched_ns.saturating_add(match why {
@@ -348,7 +350,8 @@ impl Table<'_> {
                     e.lease_tokens = learned.leased;
                     e.lease_granted = learned.leased;
                     e.lease_granted_ns = dispatched_ns;
-                    e.lease_until_ns = dispatched_ns.saturating_add(ttl_ms.saturating_mul(1_000_000));
+                    e.lease_until_ns =
+                        dispatched_ns.saturating_add(ttl_ms.saturating_mul(1_000_000));
                 }
             }
             Some(())
@@ -410,7 +413,10 @@ pub struct Learned {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Outcome {
     Admitted,
-    Rejected { why: Why, retry_after_ms: u64 },
+    Rejected {
+        why: Why,
+        retry_after_ms: u64,
+    },
     /// No verdict for this bucket (an error, a shadow limit, another part rejected first).
     NotDecided,
 }
@@ -535,7 +541,11 @@ mod tests {
         assert_eq!(e.rejection(2, 11 * S), Some((Why::Insufficient, S / 2)));
         assert_eq!(e.rejection(5, 11 * S), Some((Why::Insufficient, S / 2)));
         assert_eq!(e.rejection(1, 11 * S), None, "a smaller cost may pass");
-        assert_eq!(e.rejection(2, 11 * S + S / 2), None, "never past its retry_after");
+        assert_eq!(
+            e.rejection(2, 11 * S + S / 2),
+            None,
+            "never past its retry_after"
+        );
         // An admission of that cost or more clears it.
         t.learn(
             "b",
@@ -574,9 +584,17 @@ mod tests {
         t.give_back("h", 77, 2);
         assert_eq!(t.take_lease("h", 3, S / 2), Some(77));
         t.give_back("h", 99, 5);
-        assert_eq!(t.get("h").unwrap().lease_tokens, 0, "another lease's give-back is lost");
+        assert_eq!(
+            t.get("h").unwrap().lease_tokens,
+            0,
+            "another lease's give-back is lost"
+        );
         t.give_back("h", 77, 1);
-        assert_eq!(t.take_lease("h", 1, S), None, "not at or past its end (1 s after the ask)");
+        assert_eq!(
+            t.take_lease("h", 1, S),
+            None,
+            "not at or past its end (1 s after the ask)"
+        );
         // The next ask stops this lease and hands its leftover back.
         let start = t.begin_lease("h", S / 2, S).unwrap();
         assert_eq!(start.give_back, Some((77, 1)));
@@ -614,14 +632,26 @@ mod tests {
         assert_eq!(t.take_lease("b", 1, 1), None, "b never pays with a's lease");
         t.begin_lease("b", 0, S);
         assert!(t.get("a").is_none());
-        assert_eq!(t.take_lease("a", 1, 1), None, "a's lease is gone (lost, not reused)");
+        assert_eq!(
+            t.take_lease("a", 1, 1),
+            None,
+            "a's lease is gone (lost, not reused)"
+        );
     }
 
     #[test]
     fn leases_are_sized_by_their_use() {
         assert_eq!(lease_size(None, 100.0, 0, 1000, 1, 1000), 125);
-        assert_eq!(lease_size(None, 0.0, 0, 1000, 3, 1000), 3, "at least the cost");
-        assert_eq!(lease_size(None, 1e12, 0, 1000, 1, 500), 500, "at most max_tokens");
+        assert_eq!(
+            lease_size(None, 0.0, 0, 1000, 3, 1000),
+            3,
+            "at least the cost"
+        );
+        assert_eq!(
+            lease_size(None, 1e12, 0, 1000, 1, 500),
+            500,
+            "at most max_tokens"
+        );
         let previous = PreviousLease {
             granted: 100,
             used: 100,
@@ -640,6 +670,10 @@ mod tests {
         // 20 requests within 200 ms: 100/s.
         assert_eq!(h.observe("k", WINDOW_NS + 1), 100.0);
         assert_eq!(h.observe("quiet", 0), 5.0);
-        assert_eq!(h.observe("k", 5 * WINDOW_NS), 5.0, "idle windows reset the rate");
+        assert_eq!(
+            h.observe("k", 5 * WINDOW_NS),
+            5.0,
+            "idle windows reset the rate"
+        );
     }
 }

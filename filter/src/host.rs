@@ -624,8 +624,11 @@ fn conclude(
                     );
                 }
             }
-            let entries: Vec<Option<fastpath::Entry>> =
-                w.taken.iter().map(|(i, _)| table.get(&w.planned[*i].id)).collect();
+            let entries: Vec<Option<fastpath::Entry>> = w
+                .taken
+                .iter()
+                .map(|(i, _)| table.get(&w.planned[*i].id))
+                .collect();
             let leased: Vec<LeasedAdmit<'_>> = entries
                 .iter()
                 .map(|e| LeasedAdmit {
@@ -638,7 +641,12 @@ fn conclude(
                     count(m.rules[w.planned[*i].rule].admitted);
                 }
             }
-            verdict::from_answer(config, &answer, &leased)
+            let rules: Vec<&str> = w
+                .remote
+                .iter()
+                .map(|&i| config.rules[w.planned[i].rule].name.as_str())
+                .collect();
+            verdict::from_answer(config, &answer, &rules, &leased)
         }
         Err(e) => {
             // No verdict: release the lease asks, apply the remote decisions' failure policies.
@@ -805,7 +813,10 @@ impl Drop for Request {
             return;
         };
         v.response_headers.remove(&self.id);
-        let w = v.waiting.remove(&self.id).or(self.direct.take().map(|(w, _)| w));
+        let w = v
+            .waiting
+            .remove(&self.id)
+            .or(self.direct.take().map(|(w, _)| w));
         let plugin = v.plugin.clone();
         drop(v);
         if let Some(w) = w {
@@ -856,25 +867,26 @@ impl Request {
             },
             None => None,
         };
-        let facts = Facts {
-            api_key,
-            jwt_user: id.jwt.as_ref().filter(|_| needs.user).and_then(|j| {
-                property(&identity::jwt_claim_property(&j.provider, &j.user_claim))
-            }),
-            jwt_tenant: id.jwt.as_ref().filter(|_| needs.tenant).and_then(|j| {
-                property(&identity::jwt_claim_property(
-                    &j.provider,
-                    j.tenant_claim.as_ref()?,
-                ))
-            }),
-            source_address: (id.ip && needs.ip)
-                .then(|| property(&SOURCE_ADDRESS_PROPERTY))
-                .flatten(),
-            route_name: needs
-                .route
-                .then(|| property(&ROUTE_NAME_PROPERTY))
-                .flatten(),
-        };
+        let facts =
+            Facts {
+                api_key,
+                jwt_user: id.jwt.as_ref().filter(|_| needs.user).and_then(|j| {
+                    property(&identity::jwt_claim_property(&j.provider, &j.user_claim))
+                }),
+                jwt_tenant: id.jwt.as_ref().filter(|_| needs.tenant).and_then(|j| {
+                    property(&identity::jwt_claim_property(
+                        &j.provider,
+                        j.tenant_claim.as_ref()?,
+                    ))
+                }),
+                source_address: (id.ip && needs.ip)
+                    .then(|| property(&SOURCE_ADDRESS_PROPERTY))
+                    .flatten(),
+                route_name: needs
+                    .route
+                    .then(|| property(&ROUTE_NAME_PROPERTY))
+                    .flatten(),
+            };
         let subject = identity::resolve(id, &facts);
         let plan = rules::plan(config, &matching, &subject);
         if plan.subject_unknown {
@@ -963,8 +975,11 @@ impl Request {
         }
         if w.remote.is_empty() {
             count(m.lease_admitted);
-            let entries: Vec<Option<fastpath::Entry>> =
-                w.taken.iter().map(|(i, _)| table.get(&w.planned[*i].id)).collect();
+            let entries: Vec<Option<fastpath::Entry>> = w
+                .taken
+                .iter()
+                .map(|(i, _)| table.get(&w.planned[*i].id))
+                .collect();
             let leased: Vec<LeasedAdmit<'_>> = entries
                 .iter()
                 .map(|e| LeasedAdmit {
@@ -1020,8 +1035,7 @@ impl Request {
                 Start::Wait
             }
             Err(e) => {
-                let remote: Vec<Planned> =
-                    w.remote.iter().map(|&i| w.planned[i].clone()).collect();
+                let remote: Vec<Planned> = w.remote.iter().map(|&i| w.planned[i].clone()).collect();
                 match on_limiter_error(plugin, &remote, e) {
                     Verdict::Admit { headers } => Start::Continue(headers),
                     Verdict::Reject(r) => {
@@ -1055,9 +1069,12 @@ fn send(reply: &LocalReply) {
         .iter()
         .map(|(n, v)| (n.as_str(), v.as_str()))
         .collect();
-    if let Err(status) =
-        abi::send_http_response(reply.status, &reply.details, &headers, reply.body.as_bytes())
-    {
+    if let Err(status) = abi::send_http_response(
+        reply.status,
+        &reply.details,
+        &headers,
+        reply.body.as_bytes(),
+    ) {
         error!(
             "ratelimit filter: cannot send the {} reply: status {status}",
             reply.status
@@ -1174,8 +1191,11 @@ mod abi {
             name_size: usize,
             return_id: *mut u32,
         ) -> u32;
-        fn proxy_enqueue_shared_queue(queue_id: u32, value_data: *const u8, value_size: usize)
-            -> u32;
+        fn proxy_enqueue_shared_queue(
+            queue_id: u32,
+            value_data: *const u8,
+            value_size: usize,
+        ) -> u32;
         fn proxy_dequeue_shared_queue(
             queue_id: u32,
             return_value_data: *mut *mut u8,

@@ -16,9 +16,7 @@
 //!
 //! Every integer is clamped to [`MAX_SF_INTEGER`], the largest RFC 8941 structured-field integer.
 
-use ratelimit_wire::{
-    AppliedLimit, DecideResponse, DecisionResult, ErrorCode, Reason, RequestAnswer,
-};
+use ratelimit_wire::{AppliedLimit, DecideResponse, ErrorCode, Reason, RequestAnswer};
 
 use crate::config::{window_s, Config, Emergency, FailurePolicy, RateLimitHeaders, MAX_SF_INTEGER};
 use crate::emergency::{self, Bucket, Charge, Contention, Take};
@@ -196,32 +194,42 @@ fn applied<'a>(l: &'a AppliedLimit, remaining: u64, reset_s: u64) -> Limit<'a> {
 }
 
 /// The verdict from a checked answer (see [`check_answer`]); `answer.results[i]` belongs to the
-/// i-th remote decision; `leased` are the request's decisions admitted from leases.
-pub fn from_answer(config: &Config, answer: &RequestAnswer, leased: &[LeasedAdmit<'_>]) -> Verdict {
+/// i-th remote decision, whose rule is `rules[i]` (the gateway's rule names the rejection in the
+/// body and the response code details; the limit the sidecar applied names `RateLimit-Policy`);
+/// `leased` are the request's decisions admitted from leases.
+pub fn from_answer(
+    config: &Config,
+    answer: &RequestAnswer,
+    rules: &[&str],
+    leased: &[LeasedAdmit<'_>],
+) -> Verdict {
     let results = &answer.results;
-    fn rule_of(r: &DecisionResult) -> &str {
-        r.limit.as_ref().map_or("", |l| l.name.as_str())
-    }
-    if let Some(r) = results.iter().find(|r| {
+    let rule_of = |i: usize| rules.get(i).copied().unwrap_or("");
+    if let Some((i, r)) = results.iter().enumerate().find(|(_, r)| {
         !r.allowed && matches!(r.reason, Reason::CostExceedsCapacity | Reason::Blocked)
     }) {
         let limit = r.limit.as_ref().map(|l| applied(l, 0, 0));
-        return Verdict::Reject(never(config, rule_of(r), limit.as_ref(), r.reason));
+        return Verdict::Reject(never(config, rule_of(i), limit.as_ref(), r.reason));
     }
     // The limiting rule: the rejecting one that makes the client wait longest.
-    if let Some(r) = results
+    if let Some((i, r)) = results
         .iter()
-        .filter(|r| !r.allowed)
-        .max_by_key(|r| r.retry_after_ms)
+        .enumerate()
+        .filter(|(_, r)| !r.allowed)
+        .max_by_key(|(_, r)| r.retry_after_ms)
     {
         let wait_s = retry_after_s(r.retry_after_ms);
         let limit = r.limit.as_ref().map(|l| applied(l, r.remaining, wait_s));
-        return Verdict::Reject(rate_limited(config, rule_of(r), limit.as_ref(), wait_s));
+        return Verdict::Reject(rate_limited(config, rule_of(i), limit.as_ref(), wait_s));
     }
     let mut limits: Vec<Limit<'_>> = results
         .iter()
         .filter(|r| !r.shadow)
-        .filter_map(|r| r.limit.as_ref().map(|l| applied(l, r.remaining, ceil_s(r.reset_ms))))
+        .filter_map(|r| {
+            r.limit
+                .as_ref()
+                .map(|l| applied(l, r.remaining, ceil_s(r.reset_ms)))
+        })
         .collect();
     limits.extend(leased.iter().filter_map(|a| {
         a.limit.map(|l| {
@@ -247,6 +255,7 @@ pub fn from_leases(config: &Config, leased: &[LeasedAdmit<'_>]) -> Verdict {
             results: Vec::new(),
             error: None,
         },
+        &[],
         leased,
     )
 }
@@ -270,7 +279,9 @@ pub fn known_rejection(
     });
     match why {
         Why::Insufficient => rate_limited(config, rule, figures.as_ref(), wait_s),
-        Why::CostExceedsCapacity => never(config, rule, figures.as_ref(), Reason::CostExceedsCapacity),
+        Why::CostExceedsCapacity => {
+            never(config, rule, figures.as_ref(), Reason::CostExceedsCapacity)
+        }
         Why::Blocked => never(config, rule, figures.as_ref(), Reason::Blocked),
     }
 }

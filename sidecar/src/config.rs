@@ -69,7 +69,7 @@ pub struct Args {
     pub sentinel_master: String,
 
     /// Upper bound of every Redis call, in milliseconds; past it the decision answers 503.
-    #[arg(long, env = "RATELIMIT_REDIS_TIMEOUT_MS", default_value_t = 50, value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, env = "RATELIMIT_REDIS_TIMEOUT_MS", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
     pub redis_timeout_ms: u64,
 
     /// Prefix of every Redis key the sidecar writes: bucket `<prefix>{<key>}`, attempt record
@@ -126,14 +126,24 @@ mod tests {
         assert_eq!(a.lease_max_share, 0.1);
         assert_eq!(a.redis_pipeline, 4);
         assert_eq!(a.log_format, "text");
-        assert!(Args::try_parse_from(["ratelimit-sidecar"]).is_err(), "--limits is required");
-        assert!(Args::try_parse_from(["ratelimit-sidecar", "--limits", "l", "--lease-max-share", "2"]).is_err());
+        assert!(
+            Args::try_parse_from(["ratelimit-sidecar"]).is_err(),
+            "--limits is required"
+        );
+        assert!(Args::try_parse_from([
+            "ratelimit-sidecar",
+            "--limits",
+            "l",
+            "--lease-max-share",
+            "2"
+        ])
+        .is_err());
         assert_eq!(a.listen.to_string(), "127.0.0.1:8081");
         assert_eq!(a.redis, "redis://127.0.0.1:6379");
         assert!(a.redis_cluster.is_empty());
         assert!(a.redis_sentinel.is_empty());
         assert_eq!(a.sentinel_master, "mymaster");
-        assert_eq!(a.redis_timeout_ms, 50);
+        assert_eq!(a.redis_timeout_ms, 30);
         assert_eq!(a.key_prefix, "rl:");
         assert_eq!(a.attempt_ttl_ms, 10_000);
         assert_eq!(a.max_body_bytes, 65_536);

@@ -420,15 +420,16 @@ impl<S: BucketStore> Decider<S> {
                 results[g].as_ref().map(|v| &v[index])
             };
             let failure = parts.iter().find_map(|&g| part(g).err()).cloned();
-            let rejected = blocked(plan)
-                || parts
-                    .iter()
-                    .any(|&g| part(g).is_ok_and(|o| !o.charged()));
+            let rejected =
+                blocked(plan) || parts.iter().any(|&g| part(g).is_ok_and(|o| !o.charged()));
             if let (Some(e), false) = (&failure, rejected) {
                 // No verdict. Refund what no caller can replay.
                 for &g in &parts {
                     if node_groups[g].generated {
-                        refunds.entry(g).or_default().push(index_in(&node_groups[g], r));
+                        refunds
+                            .entry(g)
+                            .or_default()
+                            .push(index_in(&node_groups[g], r));
                     }
                 }
                 answers[r] = Some(error_answer(from_store(e)));
@@ -438,7 +439,10 @@ impl<S: BucketStore> Decider<S> {
             if !allowed {
                 for &g in &parts {
                     if part(g).map_or(true, RequestOutcome::charged) {
-                        refunds.entry(g).or_default().push(index_in(&node_groups[g], r));
+                        refunds
+                            .entry(g)
+                            .or_default()
+                            .push(index_in(&node_groups[g], r));
                     }
                 }
             }
@@ -557,8 +561,10 @@ impl<S: BucketStore> Decider<S> {
         returns
             .iter()
             .filter_map(|(entries, id, tokens)| {
-                let entries: Vec<(&str, Option<&str>)> =
-                    entries.iter().map(|(k, v)| (k.as_str(), v.as_deref())).collect();
+                let entries: Vec<(&str, Option<&str>)> = entries
+                    .iter()
+                    .map(|(k, v)| (k.as_str(), v.as_deref()))
+                    .collect();
                 let Resolution::Limit(limit) = policy.resolve(domain, &entries) else {
                     return None;
                 };
@@ -625,7 +631,15 @@ impl<S: BucketStore> Decider<S> {
         let mut results: Vec<Result<Vec<RequestOutcome>, StoreError>> = answers
             .into_iter()
             .take(groups.len())
-            .map(|a| a.map(|mut g| if g.is_empty() { Vec::new() } else { g.remove(0) }))
+            .map(|a| {
+                a.map(|mut g| {
+                    if g.is_empty() {
+                        Vec::new()
+                    } else {
+                        g.remove(0)
+                    }
+                })
+            })
             .collect();
         // A moved slot: nothing was written on that node. Read the slot map again and resend
         // that group's work to where its keys live now (once).
@@ -660,7 +674,13 @@ impl<S: BucketStore> Decider<S> {
                 .await;
             groups[g].node = node;
             groups[g].group = group;
-            results[g] = answer.map(|mut v| if v.is_empty() { Vec::new() } else { v.remove(0) });
+            results[g] = answer.map(|mut v| {
+                if v.is_empty() {
+                    Vec::new()
+                } else {
+                    v.remove(0)
+                }
+            });
         }
         (groups, results)
     }
@@ -808,7 +828,10 @@ impl<S: BucketStore> Decider<S> {
             .enumerate()
             .filter_map(|(g, ng)| {
                 let list = refunds.get(&g)?.clone();
-                ng.group.record.is_some().then_some((ng.node, ng.group, list))
+                ng.group
+                    .record
+                    .is_some()
+                    .then_some((ng.node, ng.group, list))
             })
             .collect();
         if work.is_empty() {
@@ -990,8 +1013,13 @@ rules:
         assert!(e.contains("subject.a: named twice"), "{e}");
         let e = err(r#"{"requests":[{"decisions":[{"rule":"r","capacity":5}]}]}"#);
         assert!(e.contains("capacity"), "{e}");
-        let e = err(r#"{"requests":[{"decisions":[{"rule":"r","lease":{"id":1,"tokens":5,"ttl_ms":0}}]}]}"#);
-        assert!(e.starts_with("requests[0].decisions[0].lease.ttl_ms:"), "{e}");
+        let e = err(
+            r#"{"requests":[{"decisions":[{"rule":"r","lease":{"id":1,"tokens":5,"ttl_ms":0}}]}]}"#,
+        );
+        assert!(
+            e.starts_with("requests[0].decisions[0].lease.ttl_ms:"),
+            "{e}"
+        );
         let e = err(r#"{"requests":[{"decisions":[{"rule":"r"}]}]} x"#);
         assert!(e.contains("trailing"), "{e}");
         let many = format!(
@@ -1073,11 +1101,16 @@ rules:
         assert!(a.answers[3].allowed);
         assert!(a.answers[3].results[1].shadow);
         assert_eq!(a.answers[3].results[1].reason, Reason::Insufficient);
-        assert_eq!(store.stored_tokens("rl:{ratelimit|rule=per-app|app=vip}"), None);
+        assert_eq!(
+            store.stored_tokens("rl:{ratelimit|rule=per-app|app=vip}"),
+            None
+        );
         let text = metrics.encode();
         assert!(text.contains("ratelimit_unknown_rule_total 1"), "{text}");
         assert!(
-            text.contains("ratelimit_decisions_total{limit=\"trial\",verdict=\"shadow_rejected\"} 1"),
+            text.contains(
+                "ratelimit_decisions_total{limit=\"trial\",verdict=\"shadow_rejected\"} 1"
+            ),
             "{text}"
         );
     }
@@ -1096,7 +1129,10 @@ rules:
             .decide(call(vec![vec![decision("per-ip", &[("ip", None)])]]))
             .await;
         assert!(!a.answers[0].allowed);
-        assert_eq!(store.stored_tokens("rl:{ratelimit|rule=per-ip|ip~}"), Some(0.0));
+        assert_eq!(
+            store.stored_tokens("rl:{ratelimit|rule=per-ip|ip~}"),
+            Some(0.0)
+        );
     }
 
     /// Two in-memory nodes: keys containing "=n2" live on node 2. Records the refunds.
@@ -1177,7 +1213,10 @@ rules:
         let a = d.decide(call(vec![req(), req(), req()])).await;
         let allowed: Vec<bool> = a.answers.iter().map(|a| a.allowed).collect();
         assert_eq!(allowed, [true, true, false]);
-        assert_eq!(a.answers[2].results[0].remaining, 3, "as it will be after the refund");
+        assert_eq!(
+            a.answers[2].results[0].remaining, 3,
+            "as it will be after the refund"
+        );
         let refunds = store.refunds(1).await;
         assert_eq!(refunds, vec![(NodeId(Arc::from("n1")), vec![2])]);
         assert_eq!(
@@ -1210,7 +1249,10 @@ rules:
             a.answers[0].error.as_ref().map(|e| e.code),
             Some(ErrorCode::Unavailable)
         );
-        assert!(a.answers[1].allowed, "a request on the healthy node is decided");
+        assert!(
+            a.answers[1].allowed,
+            "a request on the healthy node is decided"
+        );
         // The generated record lets the charged part on n1 be refunded.
         assert_eq!(store.refunds(2).await.len(), 2);
         assert_eq!(

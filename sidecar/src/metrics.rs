@@ -251,7 +251,9 @@ impl Metrics {
 
     /// Counts one gateway request by outcome.
     pub fn request(&self, outcome: &'static str) {
-        self.requests.get_or_create(&OutcomeLabels { outcome }).inc();
+        self.requests
+            .get_or_create(&OutcomeLabels { outcome })
+            .inc();
     }
 
     pub fn unknown_rule(&self) {

@@ -24,7 +24,11 @@ fn the_binary_reads_its_flags_and_environment() {
     let port = free_port();
     let dir = tempfile::tempdir().unwrap();
     let limits = dir.path().join("limits.yaml");
-    std::fs::write(&limits, "rules:\n  per-app: {capacity: 100, refill_per_sec: 10}\n").unwrap();
+    std::fs::write(
+        &limits,
+        "rules:\n  per-app: {capacity: 100, refill_per_sec: 10}\n",
+    )
+    .unwrap();
     let _sidecar = Process(
         Command::new(env!("CARGO_BIN_EXE_ratelimit-sidecar"))
             .env("RATELIMIT_LISTEN", format!("127.0.0.1:{port}"))
@@ -47,7 +51,10 @@ fn the_binary_reads_its_flags_and_environment() {
     let app = unique("bin");
     let answer: serde_json::Value = http
         .post(format!("{base}/v1/decide"))
-        .body(json!({"requests":[{"decisions":[{"rule": "per-app", "subject": {"app": app}}]}]}).to_string())
+        .body(
+            json!({"requests":[{"decisions":[{"rule": "per-app", "subject": {"app": app}}]}]})
+                .to_string(),
+        )
         .send()
         .unwrap()
         .json()
@@ -59,7 +66,10 @@ fn the_binary_reads_its_flags_and_environment() {
     );
     assert_eq!(
         redis
-            .cli(&["EXISTS", &format!("bin:{{ratelimit|rule=per-app|app={app}}}")])
+            .cli(&[
+                "EXISTS",
+                &format!("bin:{{ratelimit|rule=per-app|app={app}}}")
+            ])
             .trim(),
         "1",
         "RATELIMIT_KEY_PREFIX is used"
@@ -88,7 +98,11 @@ fn redis_and_redis_cluster_together_are_refused() {
 fn an_invalid_policy_refuses_to_start_naming_the_field() {
     let dir = tempfile::tempdir().unwrap();
     let limits = dir.path().join("limits.yaml");
-    std::fs::write(&limits, "rules:\n  per-app: {capacity: 0, refill_per_sec: 10}\n").unwrap();
+    std::fs::write(
+        &limits,
+        "rules:\n  per-app: {capacity: 0, refill_per_sec: 10}\n",
+    )
+    .unwrap();
     let out = Command::new(env!("CARGO_BIN_EXE_ratelimit-sidecar"))
         .arg("--limits")
         .arg(&limits)

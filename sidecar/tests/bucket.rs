@@ -46,7 +46,10 @@ async fn a_burst_of_150_on_a_100_per_10_bucket_admits_100_then_refills() {
     let r = &probe["results"][0];
     assert_eq!(r["reason"], "insufficient");
     assert_eq!(r["remaining"], 0);
-    assert_eq!(r["limit"], json!({"name":"b100","capacity":100,"refill_per_sec":10.0}));
+    assert_eq!(
+        r["limit"],
+        json!({"name":"b100","capacity":100,"refill_per_sec":10.0})
+    );
     let retry = r["retry_after_ms"].as_i64().unwrap();
     let deficit_ms = (admitted - 99) * 100;
     println!("retry_after_ms {retry}, deficit {deficit_ms} ms, elapsed {elapsed_ms} ms");
@@ -101,7 +104,9 @@ async fn the_script_refuses_invalid_arguments_by_itself_and_writes_nothing() {
             .arg(script)
             .arg(1)
             .arg("rl:{x}")
-            .arg(&["apply", "10000", "0.1", "0", "1", "rl:{x}", "1", capacity, refill])
+            .arg(&[
+                "apply", "10000", "0.1", "0", "1", "rl:{x}", "1", capacity, refill,
+            ])
             .arg(&["1", "", "1", "1", "1", "1", "1", "0", "0", "0", "0", "0"])
             .query::<redis::Value>(&mut c)
             .expect_err("the script must refuse");
@@ -144,8 +149,12 @@ async fn the_same_call_twice_is_charged_once_and_answered_alike() {
         {"decisions": [decision("b10", &id, 3)]},
         {"decisions": [decision("b10", &id, 2)]}
     ]);
-    let (_, first) = sidecar.call(requests.clone(), json!({"attempt": "c-1"})).await;
-    let (_, second) = sidecar.call(requests.clone(), json!({"attempt": "c-1"})).await;
+    let (_, first) = sidecar
+        .call(requests.clone(), json!({"attempt": "c-1"}))
+        .await;
+    let (_, second) = sidecar
+        .call(requests.clone(), json!({"attempt": "c-1"}))
+        .await;
     assert_eq!(first["answers"][1]["allowed"], true, "{first}");
     assert_eq!(first, second);
     assert_eq!(first["answers"][1]["results"][0]["remaining"], 5);
@@ -203,7 +212,9 @@ async fn two_hundred_concurrent_callers_on_a_bucket_of_50_get_exactly_50() {
         .count();
     assert_eq!(admitted, 50);
     // Concurrent calls were batched into fewer script calls than calls.
-    let batches = sidecar.metric("ratelimit_script_call_decisions_count").await;
+    let batches = sidecar
+        .metric("ratelimit_script_call_decisions_count")
+        .await;
     println!("200 calls took {batches} script calls");
     assert!(batches >= 1.0 && batches <= 200.0);
 }
@@ -249,9 +260,14 @@ fn writes(redis: &Redis) -> u64 {
         .cli(&["INFO", "commandstats"])
         .lines()
         .filter(|l| {
-            ["cmdstat_set:", "cmdstat_hset:", "cmdstat_pexpire:", "cmdstat_del:"]
-                .iter()
-                .any(|w| l.starts_with(w))
+            [
+                "cmdstat_set:",
+                "cmdstat_hset:",
+                "cmdstat_pexpire:",
+                "cmdstat_del:",
+            ]
+            .iter()
+            .any(|w| l.starts_with(w))
         })
         .filter_map(|l| {
             l.split(['=', ','])
@@ -277,14 +293,25 @@ async fn a_flood_of_rejections_writes_nothing_unless_the_clock_went_back() {
     // 50 rejected requests, the way the filter calls: each call with an attempt id.
     for i in 0..50 {
         let (_, a) = sidecar
-            .call(json!([{ "decisions": one }]), json!({"attempt": format!("c-{i}")}))
+            .call(
+                json!([{ "decisions": one }]),
+                json!({"attempt": format!("c-{i}")}),
+            )
             .await;
         assert_eq!(a["answers"][0]["allowed"], false, "2 left < 3: {a}");
     }
-    assert_eq!(writes(&redis) - writes_before, 0, "0 writes per rejected request");
+    assert_eq!(
+        writes(&redis) - writes_before,
+        0,
+        "0 writes per rejected request"
+    );
     let keys: u64 = redis.cli(&["DBSIZE"]).parse().unwrap();
     assert_eq!(keys, 1, "no attempt records for rejected calls");
-    assert_eq!(stored(&mut c, &key).unwrap(), before, "the bucket is as it was");
+    assert_eq!(
+        stored(&mut c, &key).unwrap(),
+        before,
+        "the bucket is as it was"
+    );
     let ttl_after: i64 = c.pttl(&key).unwrap();
     assert!(ttl_after <= ttl_before, "nor is its TTL refreshed");
 
@@ -294,7 +321,10 @@ async fn a_flood_of_rejections_writes_nothing_unless_the_clock_went_back() {
     store_state(&mut c, &key, 0.0, future_us);
     let (_, a) = sidecar.decide(one).await;
     assert_eq!(a["allowed"], false, "{a}");
-    assert!(stored(&mut c, &key).unwrap().ts_us < future_us, "re-anchored");
+    assert!(
+        stored(&mut c, &key).unwrap().ts_us < future_us,
+        "re-anchored"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -336,7 +366,10 @@ async fn an_unknown_rule_is_an_error_for_its_request_and_charges_nothing() {
     assert_eq!(status, 200, "{a}");
     assert_eq!(a["answers"][0]["error"]["code"], "unknown_rule", "{a}");
     assert_eq!(a["answers"][1]["allowed"], true);
-    assert_eq!(a["answers"][1]["results"][0]["remaining"], 9, "only the second charged");
+    assert_eq!(
+        a["answers"][1]["results"][0]["remaining"], 9,
+        "only the second charged"
+    );
     assert_eq!(sidecar.metric("ratelimit_unknown_rule_total").await, 1.0);
     // Every request unknown: still 200, each answered with its error.
     let (status, a) = sidecar.decide(json!([decision("nope", &id, 1)])).await;
@@ -400,7 +433,10 @@ async fn a_lease_lowers_the_ceiling_until_it_is_given_back_or_expires() {
     let expiry_us = stored(&mut c, &key).unwrap().leases[0].2;
     let (now_s, now_us): (u64, u64) = redis::cmd("TIME").query(&mut c).unwrap();
     let left_ms = (expiry_us - (now_s * 1_000_000 + now_us) as f64) / 1000.0;
-    assert!(left_ms <= 100.0, "expires 100 ms after the grant: {left_ms}");
+    assert!(
+        left_ms <= 100.0,
+        "expires 100 ms after the grant: {left_ms}"
+    );
     // Time passes (the lease's own lifetime, not a synchronisation).
     tokio::time::sleep(Duration::from_millis(150)).await;
     let (_, a) = sidecar
@@ -412,9 +448,11 @@ async fn a_lease_lowers_the_ceiling_until_it_is_given_back_or_expires() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_changed_policy_file_applies_from_the_next_decision_and_keeps_the_buckets() {
     let redis = Redis::start();
-    let sidecar =
-        Sidecar::on_redis_with(&redis, "rules:\n  live: {capacity: 10, refill_per_sec: 0.001}\n")
-            .await;
+    let sidecar = Sidecar::on_redis_with(
+        &redis,
+        "rules:\n  live: {capacity: 10, refill_per_sec: 0.001}\n",
+    )
+    .await;
     let id = unique("live");
     let one = json!([{"rule": "live", "subject": {"id": id}, "cost": 4}]);
     let (_, a) = sidecar.decide(one.clone()).await;
@@ -433,7 +471,10 @@ async fn a_changed_policy_file_applies_from_the_next_decision_and_keeps_the_buck
         if a["results"][0]["limit"]["capacity"] == 5 {
             break a;
         }
-        assert!(started.elapsed() < Duration::from_secs(15), "never reloaded: {a}");
+        assert!(
+            started.elapsed() < Duration::from_secs(15),
+            "never reloaded: {a}"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
     println!("reloaded after {} ms: {a}", started.elapsed().as_millis());

@@ -55,9 +55,14 @@ async fn decisions_over_300_buckets_succeed_and_spread_over_three_primaries() {
         println!("node {} holds {keys} buckets", node.port);
         assert!(keys > 0, "node {} holds no bucket", node.port);
     }
-    let calls = sidecar.metric("ratelimit_script_call_decisions_count").await;
+    let calls = sidecar
+        .metric("ratelimit_script_call_decisions_count")
+        .await;
     println!("300 decisions in {calls} script calls");
-    assert!(calls <= 30.0 * 3.0, "one call per node per call at most: {calls}");
+    assert!(
+        calls <= 30.0 * 3.0,
+        "one call per node per call at most: {calls}"
+    );
     let (_, readyz) = sidecar.get("/readyz").await;
     assert!(readyz.contains("\"script_loaded\":true"), "{readyz}");
 }
@@ -84,7 +89,10 @@ async fn a_rejection_on_one_node_refunds_the_node_that_charged() {
     assert_eq!(a["results"][1]["reason"], "insufficient");
     let started = Instant::now();
     while sidecar.metric("ratelimit_compensations_total").await < 1.0 {
-        assert!(started.elapsed() < Duration::from_secs(10), "never refunded");
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "never refunded"
+        );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     let mut c = cluster.client();
@@ -96,7 +104,10 @@ async fn a_rejection_on_one_node_refunds_the_node_that_charged() {
         .call(json!([{"decisions": both}]), json!({"attempt": "c-7"}))
         .await;
     while sidecar.metric("ratelimit_compensations_total").await < 2.0 {
-        assert!(started.elapsed() < Duration::from_secs(10), "never refunded");
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "never refunded"
+        );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     let (_, second) = sidecar
@@ -105,8 +116,14 @@ async fn a_rejection_on_one_node_refunds_the_node_that_charged() {
     assert_eq!(first["answers"][0]["allowed"], false);
     // A repeat of a refunded call replays it: not allowed, not charged again.
     assert_eq!(second["answers"][0]["allowed"], false, "{second}");
-    assert_eq!(second["answers"][0]["results"][0]["allowed"], false, "{second}");
+    assert_eq!(
+        second["answers"][0]["results"][0]["allowed"], false,
+        "{second}"
+    );
     let tokens = stored(&mut c, &bucket("b10", &rich)).unwrap().tokens;
-    assert!((9.99..=10.0).contains(&tokens), "never double-refunded: {tokens}");
+    assert!(
+        (9.99..=10.0).contains(&tokens),
+        "never double-refunded: {tokens}"
+    );
     assert_eq!(sidecar.metric("ratelimit_compensations_total").await, 2.0);
 }

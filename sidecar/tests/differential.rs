@@ -114,14 +114,21 @@ fn work_of(
     }
 }
 
-fn same(redis: &[Vec<RequestOutcome>], model: &[Vec<RequestOutcome>], slack_ms: u64) -> Result<(), String> {
+fn same(
+    redis: &[Vec<RequestOutcome>],
+    model: &[Vec<RequestOutcome>],
+    slack_ms: u64,
+) -> Result<(), String> {
     if redis.len() != model.len() {
         return Err(format!("{} groups vs {}", redis.len(), model.len()));
     }
     for (g, (a, b)) in redis.iter().zip(model).enumerate() {
         for (r, (x, y)) in a.iter().zip(b).enumerate() {
             if x.status != y.status {
-                return Err(format!("group {g} request {r}: {:?} vs {:?}", x.status, y.status));
+                return Err(format!(
+                    "group {g} request {r}: {:?} vs {:?}",
+                    x.status, y.status
+                ));
             }
             for (d, (p, q)) in x.decisions.iter().zip(&y.decisions).enumerate() {
                 let exact = (p.allowed, p.remaining, p.reason, p.leased)
@@ -129,7 +136,9 @@ fn same(redis: &[Vec<RequestOutcome>], model: &[Vec<RequestOutcome>], slack_ms: 
                 let close = p.retry_after_ms.abs_diff(q.retry_after_ms) <= slack_ms
                     && p.reset_ms.abs_diff(q.reset_ms) <= slack_ms;
                 if !exact || !close {
-                    return Err(format!("group {g} request {r} decision {d}: {p:?} vs {q:?}"));
+                    return Err(format!(
+                        "group {g} request {r} decision {d}: {p:?} vs {q:?}"
+                    ));
                 }
             }
         }
@@ -202,14 +211,11 @@ fn the_lua_bucket_and_the_rust_model_answer_alike() {
                         recorded.extend(work.groups.into_iter().filter(|g| g.record.is_some()));
                     }
                     Step::Refund { group, requests } => {
-                        let Some(g) = recorded.get(*group % recorded.len().max(1)).cloned()
-                        else {
+                        let Some(g) = recorded.get(*group % recorded.len().max(1)).cloned() else {
                             continue;
                         };
-                        let requests: Vec<usize> = requests
-                            .iter()
-                            .map(|r| r % g.requests.len())
-                            .collect();
+                        let requests: Vec<usize> =
+                            requests.iter().map(|r| r % g.requests.len()).collect();
                         let a = rt
                             .block_on(store.refund(NodeId::primary(), g.clone(), requests.clone()))
                             .map_err(|e| TestCaseError::fail(e.to_string()))?;
@@ -229,7 +235,9 @@ fn the_lua_bucket_and_the_rust_model_answer_alike() {
                 let model_tokens = model.stored_tokens(key);
                 match (redis_tokens, model_tokens) {
                     (Some(a), Some(b)) => prop_assert!((a - b).abs() < 0.02, "{key}: {a} vs {b}"),
-                    (a, b) => prop_assert_eq!(a.is_some(), b.is_some(), "{}: {:?} vs {:?}", key, a, b),
+                    (a, b) => {
+                        prop_assert_eq!(a.is_some(), b.is_some(), "{}: {:?} vs {:?}", key, a, b)
+                    }
                 }
             }
             Ok(())

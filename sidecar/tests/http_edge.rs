@@ -13,7 +13,11 @@ async fn malformed_requests_get_4xx_with_a_reason_naming_the_field() {
     for (body, status, reason) in [
         ("{not json", 400, "key must be a string"),
         ("", 400, "EOF"),
-        (r#"{"requests":[{"decisions":[{}]}]}"#, 400, "requests[0].decisions[0]: missing field `rule`"),
+        (
+            r#"{"requests":[{"decisions":[{}]}]}"#,
+            400,
+            "requests[0].decisions[0]: missing field `rule`",
+        ),
         (
             r#"{"requests":[{"decisions":[{"rule":7}]}]}"#,
             400,
@@ -35,7 +39,11 @@ async fn malformed_requests_get_4xx_with_a_reason_naming_the_field() {
             "requests[0].decisions[0].subject",
         ),
         (r#"{"requests":{}}"#, 400, "requests: invalid type"),
-        (r#"{"requests":[]}"#, 400, "requests: must hold at least one"),
+        (
+            r#"{"requests":[]}"#,
+            400,
+            "requests: must hold at least one",
+        ),
         (
             r#"{"requests":[{"decisions":[]}]}"#,
             400,
@@ -70,7 +78,10 @@ async fn malformed_requests_get_4xx_with_a_reason_naming_the_field() {
         .collect();
     let (got, answer) = sidecar.decide(json!(many)).await;
     assert_eq!(got, 400);
-    assert!(answer["error"].as_str().unwrap().starts_with("requests[0].decisions:"));
+    assert!(answer["error"]
+        .as_str()
+        .unwrap()
+        .starts_with("requests[0].decisions:"));
 
     // A body over --max-body-bytes (64 KiB by default): 413, still JSON.
     let huge = format!(

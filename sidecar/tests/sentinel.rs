@@ -209,7 +209,8 @@ async fn callers_without_a_primary_share_one_lookup_and_a_failed_one_backs_off()
     let (url, accepted) = counting_listener(true);
     let store = store_on(&url, 50);
     let calls = call("flight");
-    let answers = futures::future::join_all((0..50).map(|_| store.apply(the_node(), calls.clone()))).await;
+    let answers =
+        futures::future::join_all((0..50).map(|_| store.apply(the_node(), calls.clone()))).await;
     assert!(answers.iter().all(Result::is_err));
     tokio::time::sleep(Duration::from_millis(2500)).await;
     assert_eq!(
@@ -258,11 +259,21 @@ async fn a_caller_that_gives_up_does_not_make_the_store_forget_the_primary() {
     let before = connections();
     // Callers that go away mid-call (as hyper drops a handler when Envoy gives up).
     for _ in 0..10 {
-        let _ = tokio::time::timeout(Duration::from_micros(1), store.apply(the_node(), calls.clone())).await;
+        let _ = tokio::time::timeout(
+            Duration::from_micros(1),
+            store.apply(the_node(), calls.clone()),
+        )
+        .await;
     }
-    store.apply(the_node(), calls.clone()).await.expect("still decides");
+    store
+        .apply(the_node(), calls.clone())
+        .await
+        .expect("still decides");
     tokio::time::sleep(Duration::from_millis(200)).await;
-    store.apply(the_node(), calls.clone()).await.expect("still decides");
+    store
+        .apply(the_node(), calls.clone())
+        .await
+        .expect("still decides");
     // The only new connection is the one redis-cli makes to read INFO: no lookup happened (a
     // lookup connects twice, to check ROLE and to decide).
     assert_eq!(

@@ -312,7 +312,10 @@ mod tests {
         assert_eq!(r.requests[0].decisions[0].cost, 1);
         assert!(r.requests[0].decisions[0].subject.is_empty());
         let json = serde_json::to_string(&r).unwrap();
-        assert!(!json.contains("attempt") && !json.contains("returns"), "{json}");
+        assert!(
+            !json.contains("attempt") && !json.contains("returns"),
+            "{json}"
+        );
     }
 
     #[test]
@@ -320,7 +323,10 @@ mod tests {
         let s: Subject = serde_json::from_str(r#"{"tenant":"acme","user":null}"#).unwrap();
         assert_eq!(
             s.0,
-            vec![("tenant".into(), Some("acme".into())), ("user".into(), None)]
+            vec![
+                ("tenant".into(), Some("acme".into())),
+                ("user".into(), None)
+            ]
         );
         assert_eq!(
             serde_json::to_string(&s).unwrap(),
@@ -353,7 +359,10 @@ mod tests {
                            {"allowed":false,"error":{"code":"unknown_rule","message":"no rule x"}}]}"#,
         )
         .unwrap();
-        assert_eq!(r.answers[0].results[0].limit.as_ref().unwrap().capacity, 100);
+        assert_eq!(
+            r.answers[0].results[0].limit.as_ref().unwrap().capacity,
+            100
+        );
         assert_eq!(
             r.answers[1].error.as_ref().unwrap().code,
             ErrorCode::UnknownRule

@@ -169,7 +169,10 @@ impl EnvoyDomain {
                 return Resolution::NoLimit;
             };
             if i + 1 == entries.len() {
-                return next.limit.as_ref().map_or(Resolution::NoLimit, Resolution::Limit);
+                return next
+                    .limit
+                    .as_ref()
+                    .map_or(Resolution::NoLimit, Resolution::Limit);
             }
             node = next;
         }
@@ -395,7 +398,8 @@ descriptors:
             }
         );
         assert_eq!(l.name, "remote_address");
-        let Resolution::Limit(l) = resolve(&p, &[("rule", Some("per-user")), ("user", Some("alice"))])
+        let Resolution::Limit(l) =
+            resolve(&p, &[("rule", Some("per-user")), ("user", Some("alice"))])
         else {
             panic!()
         };
@@ -415,10 +419,11 @@ descriptors:
     #[test]
     fn values_beat_prefixes_beat_defaults_and_zero_blocks() {
         let p = policy(EXAMPLE).unwrap();
-        let kind = |user: &str| match resolve(&p, &[("rule", Some("per-user")), ("user", Some(user))]) {
-            Resolution::Limit(l) => l.kind,
-            other => panic!("{other:?}"),
-        };
+        let kind =
+            |user: &str| match resolve(&p, &[("rule", Some("per-user")), ("user", Some(user))]) {
+                Resolution::Limit(l) => l.kind,
+                other => panic!("{other:?}"),
+            };
         assert_eq!(kind("root"), LimitKind::Unlimited);
         assert_eq!(kind("bot-7"), LimitKind::Blocked);
         assert!(matches!(kind("bob"), LimitKind::Bucket { .. }));
@@ -427,7 +432,10 @@ descriptors:
     #[test]
     fn a_descriptor_that_stops_early_or_goes_too_deep_matches_nothing() {
         let p = policy(EXAMPLE).unwrap();
-        assert_eq!(resolve(&p, &[("rule", Some("per-user"))]), Resolution::NoLimit);
+        assert_eq!(
+            resolve(&p, &[("rule", Some("per-user"))]),
+            Resolution::NoLimit
+        );
         assert_eq!(
             resolve(&p, &[("remote_address", Some("x")), ("path", Some("/"))]),
             Resolution::NoLimit
@@ -456,7 +464,10 @@ descriptors:
 "#,
         )
         .unwrap_err();
-        assert!(e.to_string().contains("descriptors[0].rate_limit.unit"), "{e}");
+        assert!(
+            e.to_string().contains("descriptors[0].rate_limit.unit"),
+            "{e}"
+        );
         let e = policy(
             r#"
 domain: edge

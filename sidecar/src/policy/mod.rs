@@ -150,7 +150,10 @@ impl Policy {
     }
 
     /// Parses and validates policy documents: (where it came from, YAML text).
-    pub fn from_sources(sources: &[(String, String)], bounds: &Bounds) -> Result<Policy, PolicyError> {
+    pub fn from_sources(
+        sources: &[(String, String)],
+        bounds: &Bounds,
+    ) -> Result<Policy, PolicyError> {
         let mut policy = Policy::default();
         let mut problems = Problems::default();
         let mut seen: BTreeMap<String, String> = BTreeMap::new();
@@ -341,13 +344,19 @@ mod tests {
             "domain: ratelimit\ndescriptors: []\n",
         ])
         .unwrap_err();
-        assert!(e.to_string().contains("already defined in file0.yaml"), "{e}");
+        assert!(
+            e.to_string().contains("already defined in file0.yaml"),
+            "{e}"
+        );
     }
 
     #[test]
     fn a_file_of_neither_format_is_refused() {
         let e = load(&["domain: x\n"]).unwrap_err();
-        assert!(e.to_string().starts_with("file0.yaml: needs `rules:`"), "{e}");
+        assert!(
+            e.to_string().starts_with("file0.yaml: needs `rules:`"),
+            "{e}"
+        );
         let e = load(&["rules: {}\ndescriptors: []\n"]).unwrap_err();
         assert!(e.to_string().contains("use one per file"), "{e}");
         let e = load(&["{not yaml"]).unwrap_err();

@@ -15,6 +15,9 @@
 //!         blocked: true
 //!       - when: {user: root}
 //!         unlimited: true
+//!       - when: {app: null}    # every client the gateway could not name, together
+//!         capacity: 50
+//!         refill_per_sec: 5
 //! ```
 //!
 //! A decision for rule `R` resolves to `R`'s first override whose `when` entries all appear in
@@ -64,7 +67,7 @@ struct RuleSpec {
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct OverrideSpec {
-    when: BTreeMap<String, String>,
+    when: BTreeMap<String, Option<String>>,
     /// Names the override in headers and metrics. Default: the rule's name.
     #[serde(default)]
     name: Option<String>,
@@ -96,7 +99,7 @@ pub struct OwnDomain {
 #[derive(Debug)]
 struct Rule {
     limit: Limit,
-    overrides: Vec<(Vec<(String, String)>, Limit)>,
+    overrides: Vec<(Vec<(String, Option<String>)>, Limit)>,
 }
 
 impl OwnDomain {
@@ -108,11 +111,11 @@ impl OwnDomain {
         let Some(rule) = self.rules.get(name) else {
             return Resolution::NoLimit;
         };
-        let holds = |when: &[(String, String)]| {
+        let holds = |when: &[(String, Option<String>)]| {
             when.iter().all(|(k, v)| {
                 subject
                     .iter()
-                    .any(|(sk, sv)| *sk == k.as_str() && *sv == Some(v.as_str()))
+                    .any(|(sk, sv)| *sk == k.as_str() && *sv == v.as_deref())
             })
         };
         let limit = rule
@@ -141,14 +144,20 @@ pub(crate) fn parse(
     if !is_name(&file.domain) {
         problems.add(
             format!("{source}: domain"),
-            format!("{:?} must be 1 to 128 characters of [A-Za-z0-9_.-]", file.domain),
+            format!(
+                "{:?} must be 1 to 128 characters of [A-Za-z0-9_.-]",
+                file.domain
+            ),
         );
     }
     let mut rules = BTreeMap::new();
     for (name, spec) in file.rules {
         let path = format!("{source}: rules.{name}");
         if !is_name(&name) {
-            problems.add(&path, "a rule name is 1 to 128 characters of [A-Za-z0-9_.-]");
+            problems.add(
+                &path,
+                "a rule name is 1 to 128 characters of [A-Za-z0-9_.-]",
+            );
         }
         let own = LimitSpec {
             capacity: spec.capacity,
@@ -181,7 +190,10 @@ pub(crate) fn parse(
             }
             let oname = o.name.unwrap_or_else(|| name.clone());
             if !is_name(&oname) {
-                problems.add(format!("{opath}.name"), "1 to 128 characters of [A-Za-z0-9_.-]");
+                problems.add(
+                    format!("{opath}.name"),
+                    "1 to 128 characters of [A-Za-z0-9_.-]",
+                );
             }
             let spec_o = LimitSpec {
                 capacity: o.capacity,
@@ -206,8 +218,18 @@ pub(crate) fn parse(
     (problems.list.len() == before).then_some((file.domain, OwnDomain { rules }))
 }
 
-fn limit_kind(path: &str, spec: &LimitSpec, bounds: &Bounds, problems: &mut Problems) -> Option<LimitKind> {
-    match (spec.capacity, spec.refill_per_sec, spec.unlimited, spec.blocked) {
+fn limit_kind(
+    path: &str,
+    spec: &LimitSpec,
+    bounds: &Bounds,
+    problems: &mut Problems,
+) -> Option<LimitKind> {
+    match (
+        spec.capacity,
+        spec.refill_per_sec,
+        spec.unlimited,
+        spec.blocked,
+    ) {
         (Some(capacity), Some(refill_per_sec), false, false) => {
             let before = problems.list.len();
             check_bucket(path, capacity, refill_per_sec, bounds, problems);
@@ -263,6 +285,10 @@ rules:
         name: acme-users
         capacity: 200
         refill_per_sec: 20
+      - when: {user: null}
+        name: anonymous
+        capacity: 2
+        refill_per_sec: 1
 "#;
 
     fn policy(text: &str) -> Result<Policy, PolicyError> {
@@ -306,8 +332,13 @@ rules:
         let acme = user(Some("bob"), Some("acme"));
         assert_eq!(acme.name, "acme-users");
         assert!(acme.shadow, "overrides inherit the rule's shadow mode");
-        assert_eq!(user(None, None).name, "per-user");
-        assert_eq!(p.limit_count(), 6);
+        assert_eq!(
+            user(None, None).name,
+            "anonymous",
+            "null matches an unknown user"
+        );
+        assert_eq!(user(Some("bob"), None).name, "per-user");
+        assert_eq!(p.limit_count(), 7);
     }
 
     #[test]

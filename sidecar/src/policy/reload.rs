@@ -125,7 +125,11 @@ impl PolicyHandle {
                     let mut dirs: Vec<&Path> = self
                         .paths
                         .iter()
-                        .map(|p| p.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new(".")))
+                        .map(|p| {
+                            p.parent()
+                                .filter(|d| !d.as_os_str().is_empty())
+                                .unwrap_or(Path::new("."))
+                        })
                         .collect();
                     dirs.sort();
                     dirs.dedup();
@@ -240,8 +244,14 @@ mod tests {
         assert!(e.to_string().contains("rules.r.capacity"), "{e}");
         assert_eq!(capacity(&h), Some(7), "the old policy stays in force");
         let text = metrics.encode();
-        assert!(text.contains("ratelimit_policy_reloads_total{result=\"invalid\"} 1"), "{text}");
-        assert!(text.contains("ratelimit_policy_reloads_total{result=\"ok\"} 2"), "{text}");
+        assert!(
+            text.contains("ratelimit_policy_reloads_total{result=\"invalid\"} 1"),
+            "{text}"
+        );
+        assert!(
+            text.contains("ratelimit_policy_reloads_total{result=\"ok\"} 2"),
+            "{text}"
+        );
     }
 
     #[test]
@@ -253,6 +263,10 @@ mod tests {
         )
         .err()
         .unwrap();
-        assert!(e.to_string().starts_with("/nonexistent/limits.yaml: cannot read"), "{e}");
+        assert!(
+            e.to_string()
+                .starts_with("/nonexistent/limits.yaml: cannot read"),
+            "{e}"
+        );
     }
 }

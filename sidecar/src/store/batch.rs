@@ -240,13 +240,24 @@ mod tests {
             tokio::task::yield_now().await;
         }
         gate_tx.send(true).unwrap();
-        assert_eq!(first.await.unwrap().unwrap()[0][0].decisions[0].remaining, 1);
+        assert_eq!(
+            first.await.unwrap().unwrap()[0][0].decisions[0].remaining,
+            1
+        );
         for (i, r) in rest.into_iter().enumerate() {
             let got = r.await.unwrap().unwrap();
             assert_eq!(got.len(), 1);
-            assert_eq!(got[0][0].decisions[0].remaining, i as u64 + 2, "answers in order");
+            assert_eq!(
+                got[0][0].decisions[0].remaining,
+                i as u64 + 2,
+                "answers in order"
+            );
         }
-        assert_eq!(*sizes.lock().unwrap(), vec![1, 3], "the three queued ones went in one call");
+        assert_eq!(
+            *sizes.lock().unwrap(),
+            vec![1, 3],
+            "the three queued ones went in one call"
+        );
     }
 
     #[tokio::test]
@@ -264,7 +275,10 @@ mod tests {
             )
         };
         let r = b.submit(work("a"), Instant::now(), 5).await;
-        assert!(matches!(r, Err(StoreError::Timeout { timeout_ms: 5 })), "{r:?}");
+        assert!(
+            matches!(r, Err(StoreError::Timeout { timeout_ms: 5 })),
+            "{r:?}"
+        );
         assert_eq!(calls.load(Ordering::SeqCst), 0);
     }
 }

@@ -204,7 +204,11 @@ impl MemoryStore {
             x[1] = int(tokens);
             x[3] = ms_ceil((c.bucket.capacity as f64 - tokens) / c.bucket.refill_per_sec * 1000.0);
         }
-        let status = if admit { Status::Charged } else { Status::Rejected };
+        let status = if admit {
+            Status::Charged
+        } else {
+            Status::Rejected
+        };
         (
             RequestOutcome {
                 status,
@@ -296,27 +300,29 @@ fn state<'a>(
     capacity: f64,
     now: f64,
 ) -> &'a mut State {
-    states.entry(key.clone()).or_insert_with(|| match inner.buckets.get(key) {
-        Some(s) => State {
-            tokens: if s.tokens.is_nan() || s.tokens < 0.0 {
-                0.0
-            } else {
-                s.tokens
+    states
+        .entry(key.clone())
+        .or_insert_with(|| match inner.buckets.get(key) {
+            Some(s) => State {
+                tokens: if s.tokens.is_nan() || s.tokens < 0.0 {
+                    0.0
+                } else {
+                    s.tokens
+                },
+                ts_us: s.ts_us,
+                leases: s
+                    .leases
+                    .iter()
+                    .filter(|l| l.expiry_us > now)
+                    .cloned()
+                    .collect(),
             },
-            ts_us: s.ts_us,
-            leases: s
-                .leases
-                .iter()
-                .filter(|l| l.expiry_us > now)
-                .cloned()
-                .collect(),
-        },
-        None => State {
-            tokens: capacity,
-            ts_us: now,
-            leases: Vec::new(),
-        },
-    })
+            None => State {
+                tokens: capacity,
+                ts_us: now,
+                leases: Vec::new(),
+            },
+        })
 }
 
 fn leased(s: &State) -> f64 {
@@ -413,7 +419,11 @@ impl BucketStore for MemoryStore {
         NodeId::primary()
     }
 
-    async fn apply(&self, _node: NodeId, work: Work) -> Result<Vec<Vec<RequestOutcome>>, StoreError> {
+    async fn apply(
+        &self,
+        _node: NodeId,
+        work: Work,
+    ) -> Result<Vec<Vec<RequestOutcome>>, StoreError> {
         if let Some(e) = self.fail.lock().expect("not poisoned").clone() {
             return Err(e);
         }
@@ -479,7 +489,10 @@ mod tests {
         assert_eq!(r.decisions[0].retry_after_ms, 1000);
         assert_eq!(r.decisions[0].reset_ms, 5000);
         s.advance_ms(1000);
-        assert_eq!(one(&s, vec![charge("k", 5, 1.0, 1)]).status, Status::Charged);
+        assert_eq!(
+            one(&s, vec![charge("k", 5, 1.0, 1)]).status,
+            Status::Charged
+        );
     }
 
     #[test]

@@ -168,8 +168,8 @@ pub(crate) fn is_script_failure(e: &RedisError) -> bool {
     e.code() == Some("WRONGTYPE")
         || (e.kind() == ErrorKind::Server(ServerErrorKind::ResponseError)
             && ["invalid limit", "usage:", "user_script"]
-            .iter()
-            .any(|m| detail.contains(m)))
+                .iter()
+                .any(|m| detail.contains(m)))
 }
 
 /// Where buckets live.

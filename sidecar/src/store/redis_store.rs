@@ -369,7 +369,11 @@ impl BucketStore for RedisStore {
         }
     }
 
-    async fn apply(&self, node: NodeId, work: Work) -> Result<Vec<Vec<RequestOutcome>>, StoreError> {
+    async fn apply(
+        &self,
+        node: NodeId,
+        work: Work,
+    ) -> Result<Vec<Vec<RequestOutcome>>, StoreError> {
         // The deadline drops the work if it is still queued when it passes (never sent); the
         // timeout bounds the caller's wait while calls ahead of it hang.
         let deadline = Instant::now() + self.timeout();
@@ -567,7 +571,10 @@ fn parse_apply(reply: Value, work: &Work) -> Result<Vec<Vec<RequestOutcome>>, St
         Value::Int(i) => u64::try_from(i).map_err(|_| bad("negative integer".into())),
         other => Err(bad(format!("{other:?}"))),
     });
-    let mut next = move || ints.next().unwrap_or_else(|| Err(bad("short reply".into())));
+    let mut next = move || {
+        ints.next()
+            .unwrap_or_else(|| Err(bad("short reply".into())))
+    };
     let mut groups = Vec::with_capacity(work.groups.len());
     for g in &work.groups {
         let mut requests = Vec::with_capacity(g.requests.len());
@@ -676,14 +683,18 @@ mod tests {
             returns: vec![],
         };
         let ints = |v: &[i64]| Value::Array(v.iter().map(|i| Value::Int(*i)).collect());
-        let reply = ints(&[1, 1, 9, 0, 1000, 0, 0, 1, 9, 0, 1000, 0, 0, 11, 1, 8, 0, 2000, 0, 3]);
+        let reply = ints(&[
+            1, 1, 9, 0, 1000, 0, 0, 1, 9, 0, 1000, 0, 0, 11, 1, 8, 0, 2000, 0, 3,
+        ]);
         let g = parse_apply(reply, &work).unwrap();
         assert_eq!(g[0][0].status, Status::Charged);
         assert_eq!(g[0][1].status, Status::Replayed { charged: true });
         assert_eq!(g[0][1].decisions[0].leased, 3);
         assert!(parse_apply(ints(&[1]), &work).is_err());
         assert!(parse_apply(Value::Nil, &work).is_err());
-        let mut bad = vec![1, 1, 9, 0, 1000, 7, 0, 1, 9, 0, 1000, 0, 0, 1, 1, 8, 0, 2000, 0, 0];
+        let mut bad = vec![
+            1, 1, 9, 0, 1000, 7, 0, 1, 9, 0, 1000, 0, 0, 1, 1, 8, 0, 2000, 0, 0,
+        ];
         assert!(parse_apply(ints(&bad), &work).is_err(), "reason 7");
         bad[5] = 0;
         bad[0] = 5;
@@ -706,7 +717,10 @@ mod tests {
         let work = Work {
             groups: vec![Group {
                 record: Some("rec".into()),
-                requests: vec![vec![charge("a", 10), charge("b", 10)], vec![charge("a", 20)]],
+                requests: vec![
+                    vec![charge("a", 10), charge("b", 10)],
+                    vec![charge("a", 20)],
+                ],
             }],
             returns: vec![],
         };

@@ -79,8 +79,11 @@ impl Sidecar {
 
     pub async fn on_redis_with(redis: &Redis, policy: &str) -> Self {
         // A generous timeout: these tests check semantics on a busy 2-core machine, not latency.
-        let s = Self::with_policy(policy, &["--redis", &redis.url(), "--redis-timeout-ms", "2000"])
-            .await;
+        let s = Self::with_policy(
+            policy,
+            &["--redis", &redis.url(), "--redis-timeout-ms", "2000"],
+        )
+        .await;
         s.wait_ready("/readyz").await;
         s
     }
@@ -132,7 +135,9 @@ impl Sidecar {
 
     /// One request of these decisions: (status, that request's answer, or the error body).
     pub async fn decide(&self, decisions: Value) -> (u16, Value) {
-        let (status, a) = self.call(json!([{ "decisions": decisions }]), json!({})).await;
+        let (status, a) = self
+            .call(json!([{ "decisions": decisions }]), json!({}))
+            .await;
         if status == 200 {
             (status, a["answers"][0].clone())
         } else {
@@ -223,7 +228,11 @@ pub fn store_state(redis: &mut impl redis::ConnectionLike, key: &str, tokens: f6
     for v in [tokens, ts_us, 0.0] {
         raw.extend_from_slice(&v.to_le_bytes());
     }
-    let _: () = redis::cmd("SET").arg(key).arg(raw).query(redis).expect("SET");
+    let _: () = redis::cmd("SET")
+        .arg(key)
+        .arg(raw)
+        .query(redis)
+        .expect("SET");
 }
 
 /// A name unique to this test run, so tests may share nothing and run twice in a row.
