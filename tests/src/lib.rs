@@ -11,6 +11,7 @@
 
 pub mod envoy;
 pub mod redis;
+pub mod scenario;
 pub mod upstream;
 
 use std::fs::File;
@@ -187,10 +188,13 @@ impl Drop for Process {
     }
 }
 
-/// The sidecar binary, on a free port, pointed at one Redis.
+/// The sidecar binary, on a free port, pointed at one Redis, with a policy file of its own (a
+/// copy the test may edit: the sidecar reloads it).
 pub struct Sidecar {
     pub port: u16,
     pub process: Process,
+    /// The policy file the sidecar reads.
+    pub policy: PathBuf,
     _logs: tempfile::TempDir,
 }
 
@@ -200,29 +204,26 @@ impl Sidecar {
         require_file(&p, "the sidecar binary", "RATELIMIT_SIDECAR_BIN")
     }
 
-    /// Starts the sidecar and waits until it is ready (Redis answers, the script is loaded).
+    /// The shipped policy file, `envoy/limits.yaml`.
+    pub fn shipped_policy() -> String {
+        let path = workspace_root().join("envoy/limits.yaml");
+        std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()))
+    }
+
+    /// Starts the sidecar with the shipped policy and waits until it is ready (Redis answers,
+    /// the script is loaded).
     pub fn start(redis_url: &str, extra: &[&str]) -> Sidecar {
-        Sidecar::start_on(free_port(), redis_url, extra)
+        Sidecar::start_on(free_port(), redis_url, &Sidecar::shipped_policy(), extra)
+    }
+
+    /// Starts the sidecar with a policy of the test's own.
+    pub fn with_policy(redis_url: &str, policy: &str, extra: &[&str]) -> Sidecar {
+        Sidecar::start_on(free_port(), redis_url, policy, extra)
     }
 
     /// Starts the sidecar on a given port (to bring "the same" sidecar back after stopping it).
-    pub fn start_on(port: u16, redis_url: &str, extra: &[&str]) -> Sidecar {
-        let logs = tempfile::tempdir().expect("temp dir");
-        let mut cmd = Command::new(Sidecar::bin());
-        cmd.args([
-            "--listen",
-            &format!("127.0.0.1:{port}"),
-            "--redis",
-            redis_url,
-        ])
-        .args(extra)
-        .env("RUST_LOG", "info");
-        let process = Process::spawn(&format!("sidecar-{port}"), cmd, logs.path());
-        let sidecar = Sidecar {
-            port,
-            process,
-            _logs: logs,
-        };
+    pub fn start_on(port: u16, redis_url: &str, policy: &str, extra: &[&str]) -> Sidecar {
+        let sidecar = Sidecar::spawn_on(port, redis_url, policy, extra);
         let client = http();
         let url = format!("{}/readyz", sidecar.base_url());
         wait_until("the sidecar's /readyz", READY_TIMEOUT, || {
@@ -235,9 +236,68 @@ impl Sidecar {
         sidecar
     }
 
+    /// Starts the sidecar without waiting for readiness (Redis may be down on purpose).
+    pub fn spawn_on(port: u16, redis_url: &str, policy: &str, extra: &[&str]) -> Sidecar {
+        let logs = tempfile::tempdir().expect("temp dir");
+        let policy_path = logs.path().join("limits.yaml");
+        std::fs::write(&policy_path, policy).expect("write the policy file");
+        let mut cmd = Command::new(Sidecar::bin());
+        cmd.args([
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--redis",
+            redis_url,
+            "--limits",
+        ])
+        .arg(&policy_path)
+        .args(extra)
+        .env("RUST_LOG", "info");
+        let process = Process::spawn(&format!("sidecar-{port}"), cmd, logs.path());
+        Sidecar {
+            port,
+            process,
+            policy: policy_path,
+            _logs: logs,
+        }
+    }
+
     pub fn base_url(&self) -> String {
         format!("http://127.0.0.1:{}", self.port)
     }
+
+    /// Replaces the policy file (the sidecar reloads it; poll for the effect).
+    pub fn write_policy(&self, policy: &str) {
+        // Write beside and rename, as an operator's tooling (or a ConfigMap update) does, so the
+        // sidecar never reads half a file.
+        let tmp = self.policy.with_extension("yaml.new");
+        std::fs::write(&tmp, policy).expect("write the new policy");
+        std::fs::rename(&tmp, &self.policy).expect("swap the policy in");
+    }
+
+    /// The value of one metric line of `/metrics` (e.g. `ratelimit_script_loads_total`), 0 when
+    /// absent.
+    pub fn metric(&self, line_prefix: &str) -> f64 {
+        let text = http()
+            .get(format!("{}/metrics", self.base_url()))
+            .send()
+            .and_then(|r| r.text())
+            .unwrap_or_default();
+        text.lines()
+            .find(|l| l.starts_with(line_prefix))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0.0)
+    }
+}
+
+/// The tokens a bucket holds as the script stores it (little-endian doubles: tokens, ts, ...);
+/// `None` when the key is missing.
+pub fn bucket_tokens(redis: &Redis, key: &str) -> Option<f64> {
+    let raw: Option<Vec<u8>> = ::redis::cmd("GET")
+        .arg(key)
+        .query(&mut redis.connection())
+        .expect("GET");
+    raw.and_then(|v| Some(f64::from_le_bytes(v.get(..8)?.try_into().ok()?)))
 }
 
 /// A JWT signed with the test key whose public half is in `envoy/jwt/jwks.json`, issued by the

