@@ -56,6 +56,9 @@ pub struct Outcome {
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
+    /// The store cannot be set up as configured (a URL, a file, TLS material); found at start.
+    #[error("{0}")]
+    Config(String),
     #[error("redis unavailable: no answer within {timeout_ms} ms")]
     Timeout { timeout_ms: u64 },
     #[error("redis unavailable: {0}")]

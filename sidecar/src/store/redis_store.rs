@@ -63,7 +63,12 @@ impl RedisStore {
         Ok(Self::new(connection, timeout_ms, attempt_ttl_ms, metrics))
     }
 
-    fn new(connection: Connection, timeout_ms: u64, attempt_ttl_ms: u64, m: Arc<Metrics>) -> Self {
+    pub fn new(
+        connection: Connection,
+        timeout_ms: u64,
+        attempt_ttl_ms: u64,
+        m: Arc<Metrics>,
+    ) -> Self {
         Self {
             connection,
             sha1: script_sha1(),
