@@ -11,6 +11,7 @@
 
 pub mod envoy;
 pub mod redis;
+pub mod tls;
 pub mod upstream;
 
 use std::fs::File;
@@ -24,7 +25,8 @@ use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 
 pub use envoy::{plugin_json, Envoy, EnvoyConfig};
-pub use redis::{Redis, RedisCluster, Sentinel};
+pub use redis::{Redis, RedisCluster, RedisOptions, Sentinel, SentinelOptions};
+pub use tls::TestPki;
 pub use upstream::Upstream;
 
 /// How long any process may take to become ready.
@@ -207,22 +209,9 @@ impl Sidecar {
 
     /// Starts the sidecar on a given port (to bring "the same" sidecar back after stopping it).
     pub fn start_on(port: u16, redis_url: &str, extra: &[&str]) -> Sidecar {
-        let logs = tempfile::tempdir().expect("temp dir");
-        let mut cmd = Command::new(Sidecar::bin());
-        cmd.args([
-            "--listen",
-            &format!("127.0.0.1:{port}"),
-            "--redis",
-            redis_url,
-        ])
-        .args(extra)
-        .env("RUST_LOG", "info");
-        let process = Process::spawn(&format!("sidecar-{port}"), cmd, logs.path());
-        let sidecar = Sidecar {
-            port,
-            process,
-            _logs: logs,
-        };
+        let mut args = vec!["--redis", redis_url];
+        args.extend_from_slice(extra);
+        let sidecar = Sidecar::spawn(&Sidecar::bin(), port, &args);
         let client = http();
         let url = format!("{}/readyz", sidecar.base_url());
         wait_until("the sidecar's /readyz", READY_TIMEOUT, || {
@@ -235,9 +224,60 @@ impl Sidecar {
         sidecar
     }
 
+    /// Starts the sidecar binary `bin` with `--listen 127.0.0.1:<port>` and `args` (RUST_LOG
+    /// `info` unless the environment says otherwise), without waiting for anything: for
+    /// listeners that need TLS or tokens, and for setups that never become ready.
+    pub fn spawn(bin: &Path, port: u16, args: &[&str]) -> Sidecar {
+        Sidecar::spawn_with_env(bin, port, args, &[])
+    }
+
+    /// [`Sidecar::spawn`] with environment variables (e.g. `RATELIMIT_REDIS_PASSWORD`).
+    pub fn spawn_with_env(bin: &Path, port: u16, args: &[&str], env: &[(&str, &str)]) -> Sidecar {
+        let logs = tempfile::tempdir().expect("temp dir");
+        let mut cmd = Command::new(bin);
+        cmd.args(["--listen", &format!("127.0.0.1:{port}")])
+            .args(args)
+            .envs(env.iter().copied())
+            .env(
+                "RUST_LOG",
+                std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),
+            );
+        let process = Process::spawn(&format!("sidecar-{port}"), cmd, logs.path());
+        Sidecar {
+            port,
+            process,
+            _logs: logs,
+        }
+    }
+
     pub fn base_url(&self) -> String {
         format!("http://127.0.0.1:{}", self.port)
     }
+
+    /// Waits until `GET url` through `client` answers `status`, failing at once if the sidecar
+    /// exits meanwhile.
+    pub fn wait_for(&mut self, client: &reqwest::blocking::Client, url: &str, status: u16) {
+        wait_until(&format!("{url} answering {status}"), READY_TIMEOUT, || {
+            assert!(
+                self.process.running(),
+                "the sidecar exited:\n{}",
+                self.process.log()
+            );
+            client
+                .get(url)
+                .send()
+                .is_ok_and(|r| r.status().as_u16() == status)
+        });
+    }
+}
+
+/// The body of one `POST /v1/decide` with one decision (the one place the tests of TLS, tokens
+/// and redaction build it).
+pub fn decide_body(key: &str, capacity: u64, refill_per_sec: f64, cost: u64) -> String {
+    serde_json::json!({"decisions": [{
+        "key": key, "capacity": capacity, "refill_per_sec": refill_per_sec, "cost": cost
+    }]})
+    .to_string()
 }
 
 /// A JWT signed with the test key whose public half is in `envoy/jwt/jwks.json`, issued by the
