@@ -425,3 +425,62 @@ fn a_refused_password_shows_in_readyz_and_the_sidecar_recovers_once_redis_accept
     let (status, _, a) = decide(&http(), &base, &key("rotated")).unwrap();
     assert_eq!(status, 200, "{a}");
 }
+
+#[test]
+fn with_optional_client_certificates_the_ca_alone_reaches_a_tls_redis() {
+    let pki = TestPki::generate();
+    let redis = Redis::start_with_options(
+        &RedisOptions::default()
+            .tls(&pki)
+            .tls_auth_clients("optional"),
+    );
+    let (url, ca) = (redis.url(), pki.ca.display().to_string());
+    let (sidecar, _) = start_ready(&["--redis", &url, "--redis-ca-file", &ca]);
+    let (status, _, a) = decide(&http(), &sidecar.base_url(), &key("ca-only")).unwrap();
+    assert_eq!(status, 200, "{a}");
+}
+
+#[test]
+fn an_acl_user_and_its_password_from_the_flags_reach_redis() {
+    use redis::Commands;
+    let redis = Redis::start();
+    assert_eq!(
+        redis.cli(&[
+            "ACL",
+            "SETUSER",
+            "limiter",
+            "on",
+            ">acl-pw-3e1d",
+            "~rl:*",
+            "+@all"
+        ]),
+        "OK"
+    );
+    // The default user needs a password too now, so only the ACL user gets in.
+    assert_eq!(
+        redis.cli(&["CONFIG", "SET", "requirepass", "default-pw-0f9a"]),
+        "OK"
+    );
+    let url = redis.url();
+    let (sidecar, _) = start_ready(&[
+        "--redis",
+        &url,
+        "--redis-username",
+        "limiter",
+        "--redis-password",
+        "acl-pw-3e1d",
+    ]);
+    let k = key("acl");
+    let (status, _, a) = decide(&http(), &sidecar.base_url(), &k).unwrap();
+    assert_eq!(status, 200, "{a}");
+    let check = redis::Client::open(format!(
+        "redis://limiter:acl-pw-3e1d@127.0.0.1:{}",
+        redis.port
+    ))
+    .unwrap()
+    .get_connection()
+    .unwrap()
+    .exists::<_, bool>(format!("rl:{{{k}}}"))
+    .unwrap();
+    assert!(check, "written as the ACL user");
+}
