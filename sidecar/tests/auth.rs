@@ -4,9 +4,11 @@
 //! unless `--allow-unauthenticated` says so.
 
 use std::path::Path;
-use std::process::Command;
 
-use ratelimit_e2e::{decide_body, free_port, http, wait_until, Redis, Sidecar, READY_TIMEOUT};
+use ratelimit_e2e::{
+    bucket_key, decide_body, free_port, http, sidecar_command, wait_until, Redis, Sidecar,
+    READY_TIMEOUT,
+};
 use serde_json::Value;
 
 const BIN: &str = env!("CARGO_BIN_EXE_ratelimit-sidecar");
@@ -49,7 +51,7 @@ fn a_call_without_a_valid_token_is_answered_401_and_spends_nothing() {
     let sidecar = ready(&["--redis", &redis.url(), "--auth-token-file", &file], &[]);
     let base = sidecar.base_url();
     let k = key("auth");
-    let bucket = format!("rl:{{{k}}}");
+    let bucket = bucket_key(&k);
 
     for (headers, error) in [
         (&[][..], "missing credentials"),
@@ -174,7 +176,7 @@ fn the_environment_token_authenticates_and_never_shows() {
     sidecar.process.stop();
     assert!(!sidecar.process.log().contains("env-token-5e6f"));
 
-    let help = Command::new(BIN)
+    let help = sidecar_command(Path::new(BIN))
         .arg("--help")
         .envs(env)
         .env("RATELIMIT_REDIS_PASSWORD", "env-password-7a8b")
@@ -191,7 +193,7 @@ fn the_environment_token_authenticates_and_never_shows() {
 #[test]
 fn a_listener_other_hosts_can_reach_is_refused_without_authentication_unless_allowed() {
     let exposed = format!("0.0.0.0:{}", free_port());
-    let out = Command::new(BIN)
+    let out = sidecar_command(Path::new(BIN))
         .args(["--listen", &exposed, "--redis", "redis://127.0.0.1:1"])
         .output()
         .unwrap();
@@ -207,7 +209,7 @@ fn a_listener_other_hosts_can_reach_is_refused_without_authentication_unless_all
         (&[][..], &[("RATELIMIT_ALLOW_UNAUTHENTICATED", "true")][..]),
     ] {
         let port = free_port();
-        let mut cmd = Command::new(BIN);
+        let mut cmd = sidecar_command(Path::new(BIN));
         cmd.args([
             "--listen",
             &format!("0.0.0.0:{port}"),

@@ -5,11 +5,10 @@
 //! do not.
 
 use std::path::Path;
-use std::process::Command;
 
 use ratelimit_e2e::{
-    decide_body, free_port, http, wait_until, Redis, RedisOptions, Sentinel, SentinelOptions,
-    Sidecar, READY_TIMEOUT,
+    decide_body, free_port, http, sidecar_command, wait_until, Redis, RedisOptions, Sentinel,
+    SentinelOptions, Sidecar, READY_TIMEOUT,
 };
 
 const BIN: &str = env!("CARGO_BIN_EXE_ratelimit-sidecar");
@@ -156,7 +155,7 @@ fn a_url_that_cannot_be_used_is_refused_without_its_password() {
             "redis://:parse-pw-1a2b@127.0.0.1:1,redis://:other-pw-3c4d@127.0.0.1:2",
         ],
     ] {
-        let out = Command::new(BIN)
+        let out = sidecar_command(Path::new(BIN))
             .args(["--listen", &format!("127.0.0.1:{}", free_port())])
             .args(args)
             .env("RUST_LOG", "debug")

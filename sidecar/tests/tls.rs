@@ -5,11 +5,10 @@
 //! with `--tls-port`. Certificates are made by the test ([`TestPki`]).
 
 use std::path::Path;
-use std::process::Command;
 
 use ratelimit_e2e::{
-    decide_body, free_port, http, Redis, RedisCluster, RedisOptions, Sentinel, SentinelOptions,
-    Sidecar, TestPki,
+    bucket_key, decide_body, free_port, http, sidecar_command, Redis, RedisCluster, RedisOptions,
+    Sentinel, SentinelOptions, Sidecar, TestPki,
 };
 use serde_json::Value;
 
@@ -92,14 +91,11 @@ fn with_client_certificates_required_only_callers_with_a_certificate_from_the_ca
 
     let log = sidecar.process.log();
     assert!(log.contains("TLS handshake refused"), "{log}");
+    let (status, _, a) = decide(&h2, &base, &k).unwrap();
     assert_eq!(
-        redis
-            .cli(&["HGET", &format!("rl:{{{k}}}"), "tokens"])
-            .parse::<f64>()
-            .unwrap()
-            .round(),
-        8.0,
-        "the refused callers spent nothing"
+        (status, remaining(&a)),
+        (200, 7),
+        "the refused callers spent nothing: {a}"
     );
     // Probes and Prometheus use the plain admin listener; it serves nothing else.
     for path in ["/healthz", "/readyz", "/metrics"] {
@@ -142,7 +138,7 @@ fn tls_without_client_ca_serves_any_https_caller_and_plain_tcp_speaks_h2c() {
 
 /// Runs the binary with `args` expecting it to refuse to start; its stderr.
 fn refused(args: &[&str]) -> String {
-    let out = Command::new(BIN)
+    let out = sidecar_command(Path::new(BIN))
         .args(["--listen", &format!("127.0.0.1:{}", free_port())])
         .args(args)
         .output()
@@ -233,7 +229,7 @@ fn a_tls_only_redis_that_requires_client_certificates_and_a_password_is_used_ove
     let k = key("rediss");
     let (status, _, a) = decide(&http(), &sidecar.base_url(), &k).unwrap();
     assert_eq!(status, 200, "{a}");
-    assert_eq!(redis.cli(&["EXISTS", &format!("rl:{{{k}}}")]), "1");
+    assert_eq!(redis.cli(&["EXISTS", &bucket_key(&k)]), "1");
 
     // Without the client certificate Redis refuses the handshake: not ready, decisions 503.
     let ca = pki.ca.display().to_string();
@@ -356,7 +352,7 @@ fn through_sentinel_the_primary_gets_the_password() {
     let k = key("sentinel-auth");
     let (status, _, a) = decide(&http(), &sidecar.base_url(), &k).unwrap();
     assert_eq!(status, 200, "{a}");
-    assert_eq!(m.primary.cli(&["EXISTS", &format!("rl:{{{k}}}")]), "1");
+    assert_eq!(m.primary.cli(&["EXISTS", &bucket_key(&k)]), "1");
 }
 
 #[test]
@@ -387,7 +383,7 @@ fn through_tls_sentinels_the_primary_gets_tls_the_client_certificate_and_the_pas
     let k = key("sentinel-tls");
     let (status, _, a) = decide(&http(), &sidecar.base_url(), &k).unwrap();
     assert_eq!(status, 200, "{a}");
-    assert_eq!(m.primary.cli(&["EXISTS", &format!("rl:{{{k}}}")]), "1");
+    assert_eq!(m.primary.cli(&["EXISTS", &bucket_key(&k)]), "1");
 }
 
 #[test]
@@ -480,7 +476,7 @@ fn an_acl_user_and_its_password_from_the_flags_reach_redis() {
     .unwrap()
     .get_connection()
     .unwrap()
-    .exists::<_, bool>(format!("rl:{{{k}}}"))
+    .exists::<_, bool>(bucket_key(&k))
     .unwrap();
     assert!(check, "written as the ACL user");
 }

@@ -234,7 +234,7 @@ impl Sidecar {
     /// [`Sidecar::spawn`] with environment variables (e.g. `RATELIMIT_REDIS_PASSWORD`).
     pub fn spawn_with_env(bin: &Path, port: u16, args: &[&str], env: &[(&str, &str)]) -> Sidecar {
         let logs = tempfile::tempdir().expect("temp dir");
-        let mut cmd = Command::new(bin);
+        let mut cmd = sidecar_command(bin);
         cmd.args(["--listen", &format!("127.0.0.1:{port}")])
             .args(args)
             .envs(env.iter().copied())
@@ -269,6 +269,18 @@ impl Sidecar {
                 .is_ok_and(|r| r.status().as_u16() == status)
         });
     }
+}
+
+/// The sidecar binary `bin` as a command with the flags every sidecar of these tests needs (the
+/// one place to add one), to which a test appends its own.
+pub fn sidecar_command(bin: &Path) -> Command {
+    Command::new(bin)
+}
+
+/// The Redis key of the bucket that [`decide_body`]`(key, ..)` charges (the one place the tests
+/// of TLS, tokens and redaction name it).
+pub fn bucket_key(key: &str) -> String {
+    format!("rl:{{{key}}}")
 }
 
 /// The body of one `POST /v1/decide` with one decision (the one place the tests of TLS, tokens
