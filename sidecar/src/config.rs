@@ -9,6 +9,7 @@ use clap::Parser;
 /// `ratelimit-sidecar`: answers `POST /v1/decide` by running the token bucket in Redis.
 #[derive(Debug, Clone, Parser)]
 #[command(name = "ratelimit-sidecar", version, about)]
+#[command(group(clap::ArgGroup::new("redis_password_source").args(["redis_password", "redis_password_file"])))]
 pub struct Args {
     /// Address to serve HTTP on.
     #[arg(long, env = "RATELIMIT_LISTEN", default_value = "127.0.0.1:8081")]
@@ -91,6 +92,149 @@ pub struct Args {
     /// cluster connection that multiplexes one connection per node).
     #[arg(long, env = "RATELIMIT_REDIS_CONNECTIONS", default_value_t = 2, value_parser = clap::value_parser!(u64).range(1..=64))]
     pub redis_connections: u64,
+
+    /// File of bearer tokens callers of the decision endpoints must present
+    /// (`authorization: Bearer <token>`), one per line; blank lines and `#` comments are
+    /// ignored. Re-read when it changes, so tokens can be rotated without a restart.
+    #[arg(long, env = "RATELIMIT_AUTH_TOKEN_FILE", value_name = "PATH")]
+    pub auth_token_file: Option<PathBuf>,
+
+    /// One bearer token callers must present (in addition to those of --auth-token-file).
+    /// Prefer the environment variable: a flag's value shows in the process list.
+    #[arg(
+        long,
+        env = "RATELIMIT_AUTH_TOKEN",
+        hide_env_values = true,
+        value_name = "TOKEN"
+    )]
+    pub auth_token: Option<Secret>,
+
+    /// PEM certificate chain of this sidecar: serve HTTPS (HTTP/1.1 and HTTP/2 by ALPN) on
+    /// --listen. Needs --tls-key.
+    #[arg(
+        long,
+        env = "RATELIMIT_TLS_CERT",
+        value_name = "PATH",
+        requires = "tls_key"
+    )]
+    pub tls_cert: Option<PathBuf>,
+
+    /// PEM private key of --tls-cert.
+    #[arg(
+        long,
+        env = "RATELIMIT_TLS_KEY",
+        value_name = "PATH",
+        requires = "tls_cert"
+    )]
+    pub tls_key: Option<PathBuf>,
+
+    /// PEM CA certificate(s): callers must present a client certificate signed by one of them
+    /// (mutual TLS). Needs --tls-cert and --tls-key.
+    #[arg(
+        long,
+        env = "RATELIMIT_TLS_CLIENT_CA",
+        value_name = "PATH",
+        requires = "tls_cert"
+    )]
+    pub tls_client_ca: Option<PathBuf>,
+
+    /// Serve callers without credentials on a non-loopback --listen address, on purpose.
+    /// Without it the sidecar refuses to start there unless a bearer token or --tls-client-ca
+    /// is configured.
+    #[arg(long, env = "RATELIMIT_ALLOW_UNAUTHENTICATED")]
+    pub allow_unauthenticated: bool,
+
+    /// A second, plain-HTTP listener serving only /healthz, /readyz and /metrics (for probes and
+    /// Prometheus when --listen requires client certificates or tokens).
+    #[arg(long, env = "RATELIMIT_ADMIN_LISTEN", value_name = "ADDR")]
+    pub admin_listen: Option<SocketAddr>,
+
+    /// PEM CA certificate(s) that sign the Redis servers' certificates (`rediss://` URLs);
+    /// without it the system's roots are used.
+    #[arg(long, env = "RATELIMIT_REDIS_CA_FILE", value_name = "PATH")]
+    pub redis_ca_file: Option<PathBuf>,
+
+    /// PEM client certificate chain presented to Redis (`tls-auth-clients`). Needs
+    /// --redis-client-key.
+    #[arg(
+        long,
+        env = "RATELIMIT_REDIS_CLIENT_CERT",
+        value_name = "PATH",
+        requires = "redis_client_key"
+    )]
+    pub redis_client_cert: Option<PathBuf>,
+
+    /// PEM private key of --redis-client-cert.
+    #[arg(
+        long,
+        env = "RATELIMIT_REDIS_CLIENT_KEY",
+        value_name = "PATH",
+        requires = "redis_client_cert"
+    )]
+    pub redis_client_key: Option<PathBuf>,
+
+    /// ACL user of the Redis data nodes (with a password from --redis-password-file or
+    /// RATELIMIT_REDIS_PASSWORD): the primary Sentinel names, and the --redis or
+    /// --redis-cluster nodes whose URL carries no password.
+    #[arg(
+        long,
+        env = "RATELIMIT_REDIS_USERNAME",
+        value_name = "NAME",
+        requires = "redis_password_source"
+    )]
+    pub redis_username: Option<String>,
+
+    /// File holding the password of the Redis data nodes (its first line): sent to the primary
+    /// Sentinel names, and to the --redis or --redis-cluster nodes whose URL carries none.
+    #[arg(
+        long,
+        env = "RATELIMIT_REDIS_PASSWORD_FILE",
+        value_name = "PATH",
+        conflicts_with = "redis_password"
+    )]
+    pub redis_password_file: Option<PathBuf>,
+
+    /// Password of the Redis data nodes (applied like --redis-username). Prefer the
+    /// environment variable or --redis-password-file: a flag's value shows in the process list.
+    #[arg(
+        long,
+        env = "RATELIMIT_REDIS_PASSWORD",
+        hide_env_values = true,
+        value_name = "PASSWORD"
+    )]
+    pub redis_password: Option<Secret>,
+}
+
+/// A value that must never be shown: its `Debug` says `<redacted>`.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(String);
+
+impl Secret {
+    pub fn new(value: impl Into<String>) -> Self {
+        Secret(value.into())
+    }
+
+    /// The value itself, for the one place that uses it.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("<redacted>")
+    }
+}
+
+impl std::str::FromStr for Secret {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        if s.is_empty() {
+            return Err("must not be empty".into());
+        }
+        Ok(Secret(s.to_string()))
+    }
 }
 
 impl Args {
@@ -148,6 +292,74 @@ mod tests {
         assert_eq!(a.attempt_ttl_ms, 10_000);
         assert_eq!(a.max_body_bytes, 65_536);
         assert_eq!(a.redis_connections, 2);
+        assert_eq!(a.auth_token_file, None);
+        assert_eq!(a.auth_token, None);
+        assert_eq!((a.tls_cert, a.tls_key, a.tls_client_ca), (None, None, None));
+        assert!(!a.allow_unauthenticated);
+        assert_eq!(a.admin_listen, None);
+        assert_eq!(a.redis_ca_file, None);
+        assert_eq!((a.redis_client_cert, a.redis_client_key), (None, None));
+        assert_eq!(a.redis_username, None);
+        assert_eq!((a.redis_password_file, a.redis_password), (None, None));
+    }
+
+    #[test]
+    fn secrets_never_show_in_debug_or_help() {
+        let a = Args::try_parse_from([
+            "ratelimit-sidecar",
+            "--limits",
+            "l.yaml",
+            "--auth-token",
+            "tok-3f9a",
+            "--redis-password",
+            "pw-71c2",
+        ])
+        .unwrap();
+        assert_eq!(a.auth_token.as_ref().map(Secret::expose), Some("tok-3f9a"));
+        let debug = format!("{a:?}");
+        assert!(
+            !debug.contains("tok-3f9a") && !debug.contains("pw-71c2"),
+            "{debug}"
+        );
+        let help = <Args as clap::CommandFactory>::command()
+            .render_long_help()
+            .to_string();
+        assert!(help.contains("RATELIMIT_AUTH_TOKEN"), "{help}");
+    }
+
+    #[test]
+    fn tls_files_come_in_pairs() {
+        let parse = |flags: &[&str]| {
+            let mut argv = vec!["ratelimit-sidecar", "--limits", "l.yaml"];
+            argv.extend_from_slice(flags);
+            Args::try_parse_from(argv)
+        };
+        for alone in [
+            &["--tls-cert", "c.pem"][..],
+            &["--tls-key", "k.pem"],
+            &["--tls-client-ca", "ca.pem"],
+            &["--redis-client-cert", "c.pem"],
+            &["--redis-client-key", "k.pem"],
+        ] {
+            let e = parse(alone).unwrap_err();
+            assert_eq!(
+                e.kind(),
+                clap::error::ErrorKind::MissingRequiredArgument,
+                "{alone:?}: {e}"
+            );
+        }
+        let a = parse(&[
+            "--tls-cert",
+            "c.pem",
+            "--tls-key",
+            "k.pem",
+            "--tls-client-ca",
+            "ca.pem",
+        ])
+        .unwrap();
+        assert_eq!(a.tls_client_ca, Some(PathBuf::from("ca.pem")));
+        let e = parse(&["--redis-password", "x", "--redis-password-file", "p"]).unwrap_err();
+        assert_eq!(e.kind(), clap::error::ErrorKind::ArgumentConflict, "{e}");
     }
 
     #[test]

@@ -4,28 +4,35 @@
 //!
 //! Pure core, thin edges: [`policy`] owns the limits, [`decide`] validates calls, resolves limits,
 //! splits the work by Redis node and merges answers, behind the [`store::BucketStore`] trait;
-//! [`http`] and `main` only adapt.
+//! [`http`] and `main` only adapt. [`auth`] decides who may ask, [`listener`] accepts
+//! connections (TLS, HTTP/1.1 and HTTP/2).
 
+pub mod auth;
 pub mod config;
 pub mod decide;
 pub mod http;
 pub mod keys;
+pub mod listener;
 pub mod metrics;
 pub mod policy;
 pub mod store;
 
 use std::future::Future;
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
 pub use config::Args;
 use tokio::net::TcpListener;
 
+use crate::auth::{Auth, AuthConfigError};
 use crate::decide::Decider;
 use crate::http::AppState;
+use crate::listener::TlsConfigError;
 use crate::metrics::Metrics;
 use crate::policy::reload::PolicyHandle;
 use crate::policy::{Bounds, PolicyError};
+use crate::store::connection::Connection;
 use crate::store::redis_store::StoreOptions;
 use crate::store::{RedisStore, StoreError};
 
@@ -33,14 +40,63 @@ use crate::store::{RedisStore, StoreError};
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
     #[error("bad redis configuration: {0}")]
-    Store(#[from] StoreError),
+    Store(StoreError),
     #[error("invalid policy: {0}")]
     Policy(#[from] PolicyError),
     #[error("http server failed: {0}")]
     Io(#[from] std::io::Error),
+    #[error("{0}")]
+    Auth(#[from] AuthConfigError),
+    #[error("{0}")]
+    Tls(#[from] TlsConfigError),
+    #[error("cannot listen on --admin-listen {addr}: {source}")]
+    AdminListen {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error(
+        "refusing to serve decisions on --listen {0} without authentication: anyone who reaches \
+         it could spend every client's budget. Configure a bearer token (--auth-token-file or \
+         RATELIMIT_AUTH_TOKEN) or client certificates (--tls-client-ca), listen on a loopback \
+         address, or pass --allow-unauthenticated to serve it unauthenticated on purpose"
+    )]
+    Unauthenticated(SocketAddr),
 }
 
-/// Serves the sidecar on `listener` until `shutdown` completes.
+impl From<StoreError> for ServeError {
+    fn from(e: StoreError) -> Self {
+        ServeError::Store(e)
+    }
+}
+
+/// Refuses a listener that other hosts can reach when no caller is authenticated, unless
+/// `--allow-unauthenticated` says so.
+fn check_exposure(
+    addr: SocketAddr,
+    authenticated: bool,
+    allow_unauthenticated: bool,
+) -> Result<(), ServeError> {
+    let loopback = addr.ip().to_canonical().is_loopback();
+    if loopback || authenticated {
+        return Ok(());
+    }
+    if !allow_unauthenticated {
+        return Err(ServeError::Unauthenticated(addr));
+    }
+    tracing::warn!(
+        %addr,
+        "serving decisions without authentication on a non-loopback address \
+         (--allow-unauthenticated)"
+    );
+    Ok(())
+}
+
+/// Serves the sidecar on `listener` until `shutdown` completes (and, with `--admin-listen`,
+/// `/healthz`, `/readyz` and `/metrics` on a second, plain listener).
+///
+/// Refuses to start when a file of `--auth-token-file`, `--tls-*` or `--redis-*` cannot be used,
+/// or when `listener` is reachable from other hosts and nothing authenticates callers (see
+/// `--allow-unauthenticated`).
 ///
 /// Redis is connected lazily: the server starts while Redis is down (`/readyz` answers 503 until
 /// it answers). A background task loads the script and checks `maxmemory-policy` as soon as Redis
@@ -50,6 +106,22 @@ pub async fn serve(
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
+    listener::install_crypto_provider();
+    let auth = Auth::load(args.auth_token_file.as_deref(), args.auth_token.as_ref())?;
+    let tls = match (&args.tls_cert, &args.tls_key) {
+        (Some(cert), Some(key)) => Some(listener::tls_acceptor(
+            cert,
+            key,
+            args.tls_client_ca.as_deref(),
+        )?),
+        _ => None,
+    };
+    let addr = listener.local_addr()?;
+    check_exposure(
+        addr,
+        auth.is_some() || args.tls_client_ca.is_some(),
+        args.allow_unauthenticated,
+    )?;
     let metrics = Arc::new(Metrics::new());
     let policy = PolicyHandle::load(
         args.limits.clone(),
@@ -66,23 +138,16 @@ pub async fn serve(
         max_in_flight: args.redis_pipeline as usize,
         max_call_decisions: ratelimit_wire::MAX_CALL_DECISIONS,
     };
-    let store = Arc::new(if !args.redis_sentinel.is_empty() {
-        RedisStore::sentinel(
-            &args.redis_sentinel,
-            &args.sentinel_master,
-            options,
-            metrics.clone(),
-        )?
-    } else if args.redis_cluster.is_empty() {
-        RedisStore::single(
-            &args.redis,
-            args.redis_connections as usize,
-            options,
-            metrics.clone(),
-        )?
-    } else {
-        RedisStore::cluster(&args.redis_cluster, options, metrics.clone())?
-    });
+    let connection = Connection::from_args(&args)?;
+    let admin = match args.admin_listen {
+        None => None,
+        Some(addr) => Some(
+            TcpListener::bind(addr)
+                .await
+                .map_err(|source| ServeError::AdminListen { addr, source })?,
+        ),
+    };
+    let store = Arc::new(RedisStore::new(connection, options, metrics.clone()));
     store.start_background();
     let startup_check = tokio::spawn(check_redis_until_ready(store.clone()));
     let state = Arc::new(AppState {
@@ -95,12 +160,49 @@ pub async fn serve(
         metrics,
     });
     let app = http::router(state, args.max_body_bytes);
-    tracing::info!(addr = %listener.local_addr()?, "serving");
-    let served = axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown)
-        .await;
+    let token_watch = auth
+        .clone()
+        .and_then(|a| a.watch_token_file(auth::TOKEN_FILE_CHECK_INTERVAL));
+    let main_app = match &auth {
+        Some(a) => auth::protect(app.clone(), a.clone()),
+        None => app.clone(),
+    };
+    tracing::info!(
+        %addr,
+        tls = tls.is_some(),
+        client_certificates = args.tls_client_ca.is_some(),
+        bearer_tokens = auth.is_some(),
+        "serving"
+    );
+    let (stop, stopped) = tokio::sync::watch::channel(());
+    let signal = tokio::spawn(async move {
+        shutdown.await;
+        let _ = stop.send(());
+    });
+    let on_stop = |mut rx: tokio::sync::watch::Receiver<()>| async move {
+        let _ = rx.changed().await;
+    };
+    let admin_served = async {
+        match admin {
+            None => Ok(()),
+            Some(admin) => {
+                tracing::info!(addr = %admin.local_addr()?, "serving /healthz, /readyz, /metrics");
+                let admin_app = auth::open_paths_only(app);
+                listener::serve(admin, None, admin_app, on_stop(stopped.clone())).await
+            }
+        }
+    };
+    let served = tokio::try_join!(
+        listener::serve(listener, tls, main_app, on_stop(stopped.clone())),
+        admin_served
+    );
+    signal.abort();
     startup_check.abort();
-    Ok(served?)
+    if let Some(t) = token_watch {
+        t.abort();
+    }
+    served?;
+    Ok(())
 }
 
 /// Polls Redis until it answers once, then logs what it found (script, eviction policy).
@@ -127,5 +229,37 @@ async fn check_redis_until_ready(store: Arc<RedisStore>) {
             logged_down = true;
         }
         tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_loopback_may_serve_without_authentication() {
+        let a = |s: &str| s.parse::<SocketAddr>().unwrap();
+        for loopback in [
+            "127.0.0.1:8081",
+            "127.9.9.9:1",
+            "[::1]:8081",
+            "[::ffff:127.0.0.1]:1",
+        ] {
+            assert!(
+                check_exposure(a(loopback), false, false).is_ok(),
+                "{loopback}"
+            );
+        }
+        for exposed in ["0.0.0.0:8081", "10.1.2.3:8081", "[::]:8081"] {
+            let e = check_exposure(a(exposed), false, false)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("--allow-unauthenticated") && e.contains(exposed),
+                "{e}"
+            );
+            assert!(check_exposure(a(exposed), true, false).is_ok());
+            assert!(check_exposure(a(exposed), false, true).is_ok());
+        }
     }
 }

@@ -21,6 +21,8 @@ pub struct EnvoyConfig {
     file: String,
     template: String,
     plugin: Option<String>,
+    /// YAML appended to clusters' definitions: (cluster name, lines).
+    cluster_additions: Vec<(String, String)>,
     pub sidecar_port: u16,
     pub upstream_port: u16,
     pub concurrency: u32,
@@ -48,6 +50,7 @@ impl EnvoyConfig {
             file: file.to_string(),
             template,
             plugin: None,
+            cluster_additions: Vec::new(),
             sidecar_port,
             upstream_port,
             concurrency: 2,
@@ -58,6 +61,39 @@ impl EnvoyConfig {
     pub fn plugin(mut self, json: &str) -> EnvoyConfig {
         self.plugin = Some(json.to_string());
         self
+    }
+
+    /// Appends `yaml` (keys of a cluster, e.g. a `transport_socket:` block, written at column 0)
+    /// to the definition of the cluster `name` in the rendered config.
+    pub fn cluster_addition(mut self, name: &str, yaml: &str) -> EnvoyConfig {
+        self.cluster_additions
+            .push((name.to_string(), yaml.to_string()));
+        self
+    }
+
+    /// An `UpstreamTlsContext` for the cluster `name`: TLS to it, verifying its certificate
+    /// against `ca` for the name `sni`, presenting `cert`/`key` as client certificate.
+    pub fn upstream_tls(
+        self,
+        name: &str,
+        sni: &str,
+        ca: &std::path::Path,
+        cert: &std::path::Path,
+        key: &std::path::Path,
+    ) -> EnvoyConfig {
+        let yaml = format!(
+            "transport_socket:\n  name: envoy.transport_sockets.tls\n  typed_config:\n    \
+             \"@type\": type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext\n    \
+             sni: {sni}\n    common_tls_context:\n      tls_certificates:\n      \
+             - certificate_chain: {{ filename: \"{cert}\" }}\n        \
+             private_key: {{ filename: \"{key}\" }}\n      validation_context:\n        \
+             trusted_ca: {{ filename: \"{ca}\" }}\n        match_typed_subject_alt_names:\n        \
+             - san_type: DNS\n          matcher: {{ exact: \"{sni}\" }}\n",
+            cert = cert.display(),
+            key = key.display(),
+            ca = ca.display(),
+        );
+        self.cluster_addition(name, &yaml)
     }
 
     pub fn concurrency(mut self, n: u32) -> EnvoyConfig {
@@ -83,8 +119,27 @@ impl EnvoyConfig {
         if let Some(plugin) = &self.plugin {
             yaml = replace_plugin_block(&yaml, plugin);
         }
+        for (cluster, addition) in &self.cluster_additions {
+            yaml = append_to_cluster(&yaml, cluster, addition);
+        }
         yaml
     }
+}
+
+/// Inserts `addition` (YAML keys at column 0) into the cluster list entry `- name: <cluster>`,
+/// indented as that entry's keys.
+fn append_to_cluster(yaml: &str, cluster: &str, addition: &str) -> String {
+    let lines: Vec<&str> = yaml.lines().collect();
+    let entry = format!("- name: {cluster}");
+    let at = lines
+        .iter()
+        .position(|l| l.trim() == entry)
+        .unwrap_or_else(|| panic!("the config has no cluster `{entry}`"));
+    let pad = " ".repeat(lines[at].len() - lines[at].trim_start().len() + 2);
+    let mut out: Vec<String> = lines[..=at].iter().map(|s| s.to_string()).collect();
+    out.extend(addition.lines().map(|l| format!("{pad}{l}")));
+    out.extend(lines[at + 1..].iter().map(|s| s.to_string()));
+    out.join("\n") + "\n"
 }
 
 /// The line range of the block scalar after the first `value: |` line (the plugin JSON):
@@ -235,6 +290,16 @@ impl Envoy {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn additions_land_inside_the_named_cluster() {
+        let yaml = "clusters:\n  - name: a\n    type: STATIC\n  - name: b\n    type: STATIC\n";
+        let out = append_to_cluster(yaml, "b", "transport_socket:\n  name: tls\n");
+        assert_eq!(
+            out,
+            "clusters:\n  - name: a\n    type: STATIC\n  - name: b\n    transport_socket:\n      name: tls\n    type: STATIC\n"
+        );
+    }
 
     #[test]
     fn plugin_block_is_replaced_and_the_rest_kept() {

@@ -12,6 +12,7 @@
 pub mod envoy;
 pub mod redis;
 pub mod scenario;
+pub mod tls;
 pub mod upstream;
 
 use std::fs::File;
@@ -25,7 +26,8 @@ use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 
 pub use envoy::{plugin_json, Envoy, EnvoyConfig};
-pub use redis::{Redis, RedisCluster, Sentinel};
+pub use redis::{Redis, RedisCluster, RedisOptions, Sentinel, SentinelOptions};
+pub use tls::TestPki;
 pub use upstream::Upstream;
 
 /// How long any process may take to become ready.
@@ -261,6 +263,33 @@ impl Sidecar {
         }
     }
 
+    /// Starts the sidecar binary `bin` with `--listen 127.0.0.1:<port>` and `args` (RUST_LOG
+    /// `info` unless the environment says otherwise), without waiting for anything: for
+    /// listeners that need TLS or tokens, and for setups that never become ready.
+    pub fn spawn(bin: &Path, port: u16, args: &[&str]) -> Sidecar {
+        Sidecar::spawn_with_env(bin, port, args, &[])
+    }
+
+    /// [`Sidecar::spawn`] with environment variables (e.g. `RATELIMIT_REDIS_PASSWORD`).
+    pub fn spawn_with_env(bin: &Path, port: u16, args: &[&str], env: &[(&str, &str)]) -> Sidecar {
+        let logs = tempfile::tempdir().expect("temp dir");
+        let mut cmd = sidecar_command(bin);
+        cmd.args(["--listen", &format!("127.0.0.1:{port}")])
+            .args(args)
+            .envs(env.iter().copied())
+            .env(
+                "RUST_LOG",
+                std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),
+            );
+        let process = Process::spawn(&format!("sidecar-{port}"), cmd, logs.path());
+        Sidecar {
+            port,
+            process,
+            policy: test_policy_file(),
+            _logs: logs,
+        }
+    }
+
     pub fn base_url(&self) -> String {
         format!("http://127.0.0.1:{}", self.port)
     }
@@ -298,6 +327,83 @@ pub fn bucket_tokens(redis: &Redis, key: &str) -> Option<f64> {
         .query(&mut redis.connection())
         .expect("GET");
     raw.and_then(|v| Some(f64::from_le_bytes(v.get(..8)?.try_into().ok()?)))
+}
+
+impl Sidecar {
+    /// Waits until `GET url` through `client` answers `status`, failing at once if the sidecar
+    /// exits meanwhile.
+    pub fn wait_for(&mut self, client: &reqwest::blocking::Client, url: &str, status: u16) {
+        wait_until(&format!("{url} answering {status}"), READY_TIMEOUT, || {
+            assert!(
+                self.process.running(),
+                "the sidecar exited:\n{}",
+                self.process.log()
+            );
+            client
+                .get(url)
+                .send()
+                .is_ok_and(|r| r.status().as_u16() == status)
+        });
+    }
+}
+
+/// The policy of the sidecars that [`sidecar_command`] starts: one rule per bucket the tests of
+/// TLS, tokens and redaction use ([`decide_body`]), and the shipped configs' rules with small,
+/// non-refilling numbers (the mTLS test runs the shipped `envoy.yaml` through it).
+pub const TEST_POLICY: &str = "\
+rules:
+  c5: {capacity: 5, refill_per_sec: 0.001}
+  c10: {capacity: 10, refill_per_sec: 0.001}
+  c10r1: {capacity: 10, refill_per_sec: 1}
+  per-app: {capacity: 3, refill_per_sec: 0.001}
+  per-ip: {capacity: 1000, refill_per_sec: 100}
+";
+
+/// [`TEST_POLICY`] as a file (written once per test process).
+pub fn test_policy_file() -> PathBuf {
+    static FILE: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    FILE.get_or_init(|| {
+        let path =
+            std::env::temp_dir().join(format!("ratelimit-test-policy-{}.yaml", std::process::id()));
+        std::fs::write(&path, TEST_POLICY).expect("write the test policy");
+        path
+    })
+    .clone()
+}
+
+/// The sidecar binary `bin` as a command with the flags every sidecar of these tests needs (the
+/// one place to add one: the policy file), to which a test appends its own.
+pub fn sidecar_command(bin: &Path) -> Command {
+    let mut cmd = Command::new(bin);
+    cmd.arg("--limits").arg(test_policy_file());
+    cmd
+}
+
+/// The rule of [`TEST_POLICY`] with these numbers.
+fn test_rule(capacity: u64, refill_per_sec: f64) -> &'static str {
+    match (capacity, refill_per_sec >= 1.0) {
+        (5, false) => "c5",
+        (10, false) => "c10",
+        (10, true) => "c10r1",
+        _ => panic!("no rule for capacity {capacity} refill {refill_per_sec} in TEST_POLICY"),
+    }
+}
+
+/// The Redis key of the bucket that [`decide_body`]`(key, capacity, refill_per_sec, ..)` charges
+/// (the one place the tests of TLS, tokens and redaction name it).
+pub fn bucket_key(key: &str, capacity: u64, refill_per_sec: f64) -> String {
+    let rule = test_rule(capacity, refill_per_sec);
+    format!("rl:{{ratelimit|rule={rule}|id={key}}}")
+}
+
+/// The body of one `POST /v1/decide` with one request of one decision (the one place the tests
+/// of TLS, tokens and redaction build it); its answer's first result is at
+/// `["answers"][0]["results"][0]`.
+pub fn decide_body(key: &str, capacity: u64, refill_per_sec: f64, cost: u64) -> String {
+    serde_json::json!({"requests": [{"decisions": [{
+        "rule": test_rule(capacity, refill_per_sec), "subject": {"id": key}, "cost": cost
+    }]}]})
+    .to_string()
 }
 
 /// A JWT signed with the test key whose public half is in `envoy/jwt/jwks.json`, issued by the

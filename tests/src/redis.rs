@@ -1,14 +1,98 @@
 //! Real `redis-server` processes for every test suite: one server on a free loopback port
 //! ([`Redis`]), three cluster-enabled primaries joined into a Redis Cluster ([`RedisCluster`]),
 //! or a Sentinel watching a primary ([`Sentinel`]). Each persists nothing, keeps its files and
-//! log in its own temp dir, and is killed on drop.
+//! log in its own temp dir, and is killed on drop. Any of them can require a password or speak
+//! TLS only ([`RedisOptions`], [`SentinelOptions`]), with certificates from [`TestPki`].
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
+use crate::tls::TestPki;
 use crate::{free_port, wait_until, Process, READY_TIMEOUT};
+
+/// How a [`Redis`] (or every node of a [`RedisCluster`]) starts beyond the defaults.
+#[derive(Clone, Default)]
+pub struct RedisOptions {
+    /// TLS only: `--port 0 --tls-port <port>` with the PKI's server certificate, trusting its
+    /// CA; `--tls-replication yes` and `--tls-cluster yes`, so replicas and the cluster bus use
+    /// TLS too. Clients must present a certificate unless `tls_auth_clients` says otherwise.
+    pub tls: Option<TestPki>,
+    /// `--tls-auth-clients`: `"yes"` (the default with `tls`), `"optional"` or `"no"`.
+    pub tls_auth_clients: Option<&'static str>,
+    /// `--requirepass` (and `--masterauth`, so a replica authenticates to its primary).
+    pub password: Option<String>,
+    /// Extra `--flag value` arguments.
+    pub extra: Vec<String>,
+}
+
+impl RedisOptions {
+    pub fn tls(mut self, pki: &TestPki) -> Self {
+        self.tls = Some(pki.clone());
+        self
+    }
+
+    pub fn tls_auth_clients(mut self, mode: &'static str) -> Self {
+        self.tls_auth_clients = Some(mode);
+        self
+    }
+
+    pub fn password(mut self, password: &str) -> Self {
+        self.password = Some(password.to_string());
+        self
+    }
+
+    pub fn args(mut self, extra: &[&str]) -> Self {
+        self.extra.extend(extra.iter().map(|s| s.to_string()));
+        self
+    }
+
+    /// The listening arguments: `--port P`, or `--port 0 --tls-port P` and the TLS files.
+    fn server_args(&self, port: u16) -> Vec<String> {
+        let mut args = Vec::new();
+        match &self.tls {
+            None => args.extend(["--port".into(), port.to_string()]),
+            Some(pki) => {
+                args.extend([
+                    "--port".into(),
+                    "0".into(),
+                    "--tls-port".into(),
+                    port.to_string(),
+                ]);
+                args.extend(pki.redis_server_args());
+                args.extend([
+                    "--tls-auth-clients".into(),
+                    self.tls_auth_clients.unwrap_or("yes").into(),
+                    "--tls-replication".into(),
+                    "yes".into(),
+                ]);
+            }
+        }
+        if let Some(p) = &self.password {
+            args.extend([
+                "--requirepass".into(),
+                p.clone(),
+                "--masterauth".into(),
+                p.clone(),
+            ]);
+        }
+        args.extend(self.extra.iter().cloned());
+        args
+    }
+
+    /// redis-cli's arguments to reach a server started with these options.
+    fn cli_args(&self) -> Vec<String> {
+        let mut args = Vec::new();
+        if let Some(pki) = &self.tls {
+            args.extend(pki.redis_cli_args());
+        }
+        if let Some(p) = &self.password {
+            args.extend(["--no-auth-warning".into(), "-a".into(), p.clone()]);
+        }
+        args
+    }
+}
 
 /// How many free ports [`Redis::start_with`] tries (another process may take one meanwhile).
 const PORT_ATTEMPTS: usize = 5;
@@ -17,7 +101,7 @@ const PORT_ATTEMPTS: usize = 5;
 pub struct Redis {
     pub port: u16,
     pub process: Process,
-    extra: Vec<String>,
+    options: RedisOptions,
     /// Declared after `process`, so the log is still there when a failing test prints its tail.
     dir: tempfile::TempDir,
 }
@@ -30,46 +114,77 @@ impl Redis {
     /// Starts on a free port with extra `--flag value` arguments (e.g. `--maxmemory-policy
     /// allkeys-lru`).
     pub fn start_with(extra: &[&str]) -> Redis {
+        Redis::start_with_options(&RedisOptions::default().args(extra))
+    }
+
+    /// Starts on a free port with these options (TLS, a password, extra arguments).
+    pub fn start_with_options(options: &RedisOptions) -> Redis {
         (0..PORT_ATTEMPTS)
-            .find_map(|_| Redis::try_start(free_port(), extra))
+            .find_map(|_| Redis::try_start(free_port(), options))
             .expect("could not start redis-server on a free port")
     }
 
     /// Starts on a given port (e.g. one a sidecar already points at).
     pub fn start_on(port: u16, extra: &[&str]) -> Redis {
-        Redis::try_start(port, extra).unwrap_or_else(|| panic!("port {port} is taken"))
+        Redis::try_start(port, &RedisOptions::default().args(extra))
+            .unwrap_or_else(|| panic!("port {port} is taken"))
     }
 
     /// None when redis-server exited before answering (the port is taken).
-    fn try_start(port: u16, extra: &[&str]) -> Option<Redis> {
+    fn try_start(port: u16, options: &RedisOptions) -> Option<Redis> {
         let dir = tempfile::tempdir().expect("temp dir");
-        let extra: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
-        let process = Redis::spawn(port, &extra, &dir)?;
+        let process = Redis::spawn(port, options, &dir)?;
         Some(Redis {
             port,
             process,
-            extra,
+            options: options.clone(),
             dir,
         })
     }
 
     /// Starts the process and waits until it answers PING; None if it exited first.
-    fn spawn(port: u16, extra: &[String], dir: &tempfile::TempDir) -> Option<Process> {
+    fn spawn(port: u16, options: &RedisOptions, dir: &tempfile::TempDir) -> Option<Process> {
         let bin = std::env::var("REDIS_SERVER_BIN").unwrap_or_else(|_| "redis-server".into());
         let mut cmd = Command::new(bin);
         cmd.current_dir(dir.path())
-            .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--bind", "127.0.0.1"])
             .args(["--save", "", "--appendonly", "no", "--protected-mode", "no"])
-            .args(extra);
+            .args(options.server_args(port));
         let mut process = Process::spawn(&format!("redis-{port}"), cmd, dir.path());
+        let plain = options.tls.is_none() && options.password.is_none();
         wait_until(&format!("redis on {port}"), READY_TIMEOUT, || {
-            pings(port) || !process.running()
+            let answers = if plain {
+                pings(port)
+            } else {
+                cli_with(port, &options.cli_args(), &["PING"]) == "PONG"
+            };
+            answers || !process.running()
         });
         process.running().then_some(process)
     }
 
+    /// `redis://127.0.0.1:<port>`, or `rediss://` with TLS; never with the password (see
+    /// [`Redis::url_with_password`]).
     pub fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
+        let scheme = if self.options.tls.is_some() {
+            "rediss"
+        } else {
+            "redis"
+        };
+        format!("{scheme}://127.0.0.1:{}", self.port)
+    }
+
+    /// [`Redis::url`] with the password in it (`redis://:<password>@...`).
+    pub fn url_with_password(&self) -> String {
+        match &self.options.password {
+            None => self.url(),
+            Some(p) => self.url().replacen("://", &format!("://:{p}@"), 1),
+        }
+    }
+
+    /// The password it requires, if any.
+    pub fn password(&self) -> Option<&str> {
+        self.options.password.as_deref()
     }
 
     pub fn pid(&self) -> u32 {
@@ -84,27 +199,34 @@ impl Redis {
     /// Starts a fresh process on the same port, with the same arguments.
     pub fn restart(&mut self) {
         self.stop();
-        self.process = Redis::spawn(self.port, &self.extra, &self.dir)
+        self.process = Redis::spawn(self.port, &self.options, &self.dir)
             .unwrap_or_else(|| panic!("port {} was taken meanwhile", self.port));
     }
 
-    /// A synchronous connection for checks.
+    /// A synchronous connection for checks (with the password and client certificate).
     pub fn connection(&self) -> redis::Connection {
-        redis::Client::open(self.url())
-            .and_then(|c| c.get_connection())
-            .expect("connect to test redis")
+        let url = self.url_with_password();
+        match &self.options.tls {
+            None => redis::Client::open(url),
+            Some(pki) => redis::Client::build_with_tls(url, pki.redis_certificates()),
+        }
+        .and_then(|c| c.get_connection())
+        .expect("connect to test redis")
     }
 
-    /// Runs one command through `redis-cli` and returns its output.
+    /// Runs one command through `redis-cli` (with the password and client certificate) and
+    /// returns its output.
     pub fn cli(&self, args: &[&str]) -> String {
-        cli(self.port, args)
+        cli_with(self.port, &self.options.cli_args(), args)
     }
 }
 
-/// Runs one command through `redis-cli` against a local port and returns its output.
-fn cli(port: u16, args: &[&str]) -> String {
+/// Runs one command through `redis-cli` against a local port, with connection arguments (TLS
+/// files, password) before the command, and returns its output.
+fn cli_with(port: u16, connect: &[String], args: &[&str]) -> String {
     let out = Command::new("redis-cli")
         .args(["-h", "127.0.0.1", "-p", &port.to_string()])
+        .args(connect)
         .args(args)
         .output()
         .expect("run redis-cli");
@@ -130,23 +252,31 @@ pub struct RedisCluster {
 
 impl RedisCluster {
     pub fn start() -> Self {
+        RedisCluster::start_with_options(&RedisOptions::default())
+    }
+
+    /// Every node started with `options` (with TLS, the cluster bus uses TLS too).
+    pub fn start_with_options(options: &RedisOptions) -> Self {
+        let mut options = options.clone().args(&[
+            "--cluster-enabled",
+            "yes",
+            "--cluster-config-file",
+            "nodes.conf",
+            "--cluster-node-timeout",
+            "5000",
+        ]);
+        if options.tls.is_some() {
+            options = options.args(&["--tls-cluster", "yes"]);
+        }
         let nodes: Vec<Redis> = (0..3)
-            .map(|_| {
-                Redis::start_with(&[
-                    "--cluster-enabled",
-                    "yes",
-                    "--cluster-config-file",
-                    "nodes.conf",
-                    "--cluster-node-timeout",
-                    "5000",
-                ])
-            })
+            .map(|_| Redis::start_with_options(&options))
             .collect();
         let addrs: Vec<String> = nodes
             .iter()
             .map(|n| format!("127.0.0.1:{}", n.port))
             .collect();
         let out = Command::new("redis-cli")
+            .args(options.cli_args())
             .args(["--cluster", "create"])
             .args(&addrs)
             .args(["--cluster-replicas", "0", "--cluster-yes"])
@@ -176,7 +306,13 @@ impl RedisCluster {
     }
 
     pub fn client(&self) -> redis::cluster::ClusterConnection {
-        redis::cluster::ClusterClient::new(self.nodes.iter().map(Redis::url).collect::<Vec<_>>())
+        let urls: Vec<String> = self.nodes.iter().map(Redis::url_with_password).collect();
+        let mut builder = redis::cluster::ClusterClientBuilder::new(urls);
+        if let Some(pki) = &self.nodes[0].options.tls {
+            builder = builder.certs(pki.redis_certificates());
+        }
+        builder
+            .build()
             .and_then(|c| c.get_connection())
             .expect("cluster connection")
     }
@@ -189,33 +325,86 @@ pub struct Sentinel {
     pub port: u16,
     pub process: Process,
     master: String,
+    options: SentinelOptions,
     _dir: tempfile::TempDir,
+}
+
+/// How a [`Sentinel`] starts beyond the defaults.
+#[derive(Clone, Default)]
+pub struct SentinelOptions {
+    /// TLS only (`port 0`, `tls-port`), and TLS to the primary, the replicas and the other
+    /// Sentinels (`tls-replication yes`), presenting the PKI's server certificate.
+    pub tls: Option<TestPki>,
+    /// The Sentinel's own password (`requirepass`).
+    pub password: Option<String>,
+    /// The monitored primary's password (`sentinel auth-pass`).
+    pub primary_password: Option<String>,
+}
+
+impl SentinelOptions {
+    fn cli_args(&self) -> Vec<String> {
+        RedisOptions {
+            tls: self.tls.clone(),
+            password: self.password.clone(),
+            ..RedisOptions::default()
+        }
+        .cli_args()
+    }
 }
 
 impl Sentinel {
     /// Starts a Sentinel monitoring `master` at 127.0.0.1:`primary_port` with `quorum`, and
     /// waits until it names that master.
     pub fn start(master: &str, primary_port: u16, quorum: u32) -> Sentinel {
+        Sentinel::start_with_options(master, primary_port, quorum, &SentinelOptions::default())
+    }
+
+    /// [`Sentinel::start`] with TLS or passwords.
+    pub fn start_with_options(
+        master: &str,
+        primary_port: u16,
+        quorum: u32,
+        options: &SentinelOptions,
+    ) -> Sentinel {
         (0..PORT_ATTEMPTS)
-            .find_map(|_| Sentinel::try_start(free_port(), master, primary_port, quorum))
+            .find_map(|_| Sentinel::try_start(free_port(), master, primary_port, quorum, options))
             .expect("could not start a sentinel on a free port")
     }
 
-    fn try_start(port: u16, master: &str, primary_port: u16, quorum: u32) -> Option<Sentinel> {
+    fn try_start(
+        port: u16,
+        master: &str,
+        primary_port: u16,
+        quorum: u32,
+        options: &SentinelOptions,
+    ) -> Option<Sentinel> {
         let dir = tempfile::tempdir().expect("temp dir");
         let conf = dir.path().join("sentinel.conf");
-        std::fs::write(
-            &conf,
-            format!(
-                "port {port}\nbind 127.0.0.1\nprotected-mode no\ndir {dir}\n\
-                 sentinel monitor {master} 127.0.0.1 {primary_port} {quorum}\n\
-                 sentinel down-after-milliseconds {master} 1000\n\
-                 sentinel failover-timeout {master} 5000\n\
-                 sentinel parallel-syncs {master} 1\n",
-                dir = dir.path().display()
+        let mut text = match &options.tls {
+            None => format!("port {port}\n"),
+            Some(pki) => format!(
+                "port 0\ntls-port {port}\ntls-cert-file {}\ntls-key-file {}\n\
+                 tls-ca-cert-file {}\ntls-replication yes\n",
+                pki.server_cert.display(),
+                pki.server_key.display(),
+                pki.ca.display()
             ),
-        )
-        .expect("write sentinel.conf");
+        };
+        text += &format!(
+            "bind 127.0.0.1\nprotected-mode no\ndir {dir}\n\
+             sentinel monitor {master} 127.0.0.1 {primary_port} {quorum}\n\
+             sentinel down-after-milliseconds {master} 1000\n\
+             sentinel failover-timeout {master} 5000\n\
+             sentinel parallel-syncs {master} 1\n",
+            dir = dir.path().display()
+        );
+        if let Some(p) = &options.password {
+            text += &format!("requirepass {p}\n");
+        }
+        if let Some(p) = &options.primary_password {
+            text += &format!("sentinel auth-pass {master} {p}\n");
+        }
+        std::fs::write(&conf, text).expect("write sentinel.conf");
         let bin = std::env::var("REDIS_SERVER_BIN").unwrap_or_else(|_| "redis-server".into());
         let mut cmd = Command::new(bin);
         cmd.current_dir(dir.path()).arg(&conf).arg("--sentinel");
@@ -224,6 +413,7 @@ impl Sentinel {
             port,
             process,
             master: master.to_string(),
+            options: options.clone(),
             _dir: dir,
         };
         wait_until(&format!("sentinel on {port}"), READY_TIMEOUT, || {
@@ -232,14 +422,26 @@ impl Sentinel {
         sentinel.process.running().then_some(sentinel)
     }
 
+    /// `redis://127.0.0.1:<port>` (`rediss://` with TLS), with the Sentinel's password if it
+    /// has one.
     pub fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
+        let scheme = if self.options.tls.is_some() {
+            "rediss"
+        } else {
+            "redis"
+        };
+        let auth = match &self.options.password {
+            Some(p) => format!(":{p}@"),
+            None => String::new(),
+        };
+        format!("{scheme}://{auth}127.0.0.1:{}", self.port)
     }
 
     /// The port of the primary this Sentinel names now (`SENTINEL get-master-addr-by-name`).
     pub fn master_port(&self) -> Option<u16> {
-        let out = cli(
+        let out = cli_with(
             self.port,
+            &self.options.cli_args(),
             &["SENTINEL", "get-master-addr-by-name", &self.master],
         );
         out.lines().nth(1)?.trim().parse().ok()

@@ -40,7 +40,8 @@ fn with_built_wasm(path: &str, wasm_in_config: &str) -> String {
 }
 
 /// `envoy --mode validate` on a config. The wasm module is loaded with its plugin configuration
-/// during validation, and TLS certificates are read.
+/// during validation, and TLS certificates are read. The compose config's plugin reads its
+/// bearer token from Envoy's environment (`sidecar.token_env`), so one is set.
 fn validate(path: &str, yaml: String) {
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("envoy.yaml");
@@ -49,6 +50,7 @@ fn validate(path: &str, yaml: String) {
         .args(["--mode", "validate", "-c"])
         .arg(&file)
         .args(["--disable-hot-restart", "-l", "error"])
+        .env("RATELIMIT_AUTH_TOKEN", "a-token-for-validation")
         .current_dir(workspace_root())
         .output()
         .expect("run envoy --mode validate");
@@ -267,8 +269,19 @@ fn cluster_without_address(config: &Value, name: &str) -> Value {
 #[test]
 fn the_compose_config_is_the_local_one_but_for_addresses() {
     let (compose, local) = (read("envoy/compose/envoy.yaml"), read("envoy/envoy.yaml"));
+    // The same plugin configuration, but for the bearer token: the compose sidecar listens on
+    // 0.0.0.0 and requires one, the local stack's sidecar is on loopback.
+    let mut compose_plugin = ratelimit_e2e::plugin_json(&compose);
     assert_eq!(
-        ratelimit_e2e::plugin_json(&compose),
+        compose_plugin["sidecar"]["token_env"], "RATELIMIT_AUTH_TOKEN",
+        "the compose filter sends the sidecar's token"
+    );
+    compose_plugin["sidecar"]
+        .as_object_mut()
+        .expect("sidecar")
+        .remove("token_env");
+    assert_eq!(
+        compose_plugin,
         ratelimit_e2e::plugin_json(&local),
         "plugin configuration"
     );

@@ -1,7 +1,10 @@
 //! How the sidecar reaches Redis: one node (several multiplexed, auto-reconnecting connections
 //! used round-robin), the primary Sentinel names (one multiplexed connection, looked up again
-//! after a failover) or a Cluster (one cluster connection, MOVED/ASK followed by the client).
+//! after a failover) or a Cluster (one cluster connection, MOVED/ASK followed by the client);
+//! with the data nodes' credentials and TLS material ([`RedisAccess`]) for every topology, and
+//! [`redacted_url`], the one way a Redis URL is shown.
 
+use std::path::Path;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -10,17 +13,289 @@ use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::{ClusterClientBuilder, ClusterConfig};
 use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{MultipleNodeRoutingInfo, ResponsePolicy, RoutingInfo};
-use redis::sentinel::{SentinelClient, SentinelServerType};
-use redis::{AsyncConnectionConfig, Cmd, Value};
+use redis::sentinel::{SentinelClientBuilder, SentinelServerType};
+use redis::{
+    AsyncConnectionConfig, ClientTlsConfig, Cmd, ConnectionAddr, ConnectionInfo,
+    IntoConnectionInfo, TlsCertificates, TlsMode, Value,
+};
 
 use super::sentinel::{LookupState, SentinelPrimary};
 use super::StoreError;
+use crate::config::{Args, Secret};
+use crate::listener::{read_certificates, read_private_key, TlsConfigError};
+
+/// A Redis URL as it may be shown (logs, answers, `/readyz`, errors): the password replaced by
+/// `***`. A URL that does not parse keeps nothing of what stands before an `@`.
+pub fn redacted_url(url: &str) -> String {
+    match redis::parse_redis_url(url) {
+        Some(mut u) => {
+            if u.password().is_some() {
+                let _ = u.set_password(Some("***"));
+            }
+            u.to_string()
+        }
+        None => match (url.split_once("://"), url.rfind('@')) {
+            (Some((scheme, _)), Some(at)) => format!("{scheme}://***@{}", &url[at + 1..]),
+            (None, Some(at)) => format!("***@{}", &url[at + 1..]),
+            _ => url.to_string(),
+        },
+    }
+}
+
+/// Several URLs, redacted and comma separated, as a flag takes them.
+pub fn redacted_urls(urls: &[String]) -> String {
+    urls.iter()
+        .map(|u| redacted_url(u))
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// What the sidecar presents to the Redis data nodes beyond their address: an ACL user and a
+/// password (`--redis-username`, `--redis-password-file` / `RATELIMIT_REDIS_PASSWORD`), applied
+/// to the primary Sentinel names and to the `--redis` / `--redis-cluster` nodes whose URL carries
+/// none; and the TLS material for `rediss://` (`--redis-ca-file`, `--redis-client-cert`,
+/// `--redis-client-key`), for the data nodes and the Sentinels alike.
+#[derive(Clone, Default)]
+pub struct RedisAccess {
+    pub username: Option<String>,
+    pub password: Option<Secret>,
+    /// Root CA(s) and client certificate, PEM; `None`: the system's roots, no client certificate.
+    pub certificates: Option<TlsCertificates>,
+}
+
+/// The flags that give TLS material, as errors name them.
+const TLS_FLAGS: &str = "--redis-ca-file/--redis-client-cert";
+
+impl std::fmt::Debug for RedisAccess {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisAccess")
+            .field("username", &self.username)
+            .field("password", &self.password)
+            .field("certificates", &self.certificates)
+            .finish()
+    }
+}
+
+impl RedisAccess {
+    /// Reads the flags' files; every error names the flag and the path.
+    pub fn from_args(args: &Args) -> Result<Self, StoreError> {
+        let password = match (&args.redis_password, &args.redis_password_file) {
+            (Some(p), _) => Some(p.clone()),
+            (None, Some(path)) => Some(read_password(path)?),
+            (None, None) => None,
+        };
+        let tls_err = |e: TlsConfigError| StoreError::Config(e.to_string());
+        let root_cert = match &args.redis_ca_file {
+            None => None,
+            Some(path) => {
+                read_certificates("--redis-ca-file", path).map_err(tls_err)?;
+                Some(std::fs::read(path).map_err(|e| {
+                    StoreError::Config(format!("--redis-ca-file {}: {e}", path.display()))
+                })?)
+            }
+        };
+        let client_tls = match (&args.redis_client_cert, &args.redis_client_key) {
+            (Some(cert), Some(key)) => Some(read_client_identity(cert, key)?),
+            _ => None,
+        };
+        let certificates =
+            (root_cert.is_some() || client_tls.is_some()).then_some(TlsCertificates {
+                client_tls,
+                root_cert,
+            });
+        Ok(RedisAccess {
+            username: args.redis_username.clone(),
+            password,
+            certificates,
+        })
+    }
+
+    /// The URL's connection info with the flags' user and password where the URL has none.
+    fn apply_credentials(&self, info: ConnectionInfo) -> ConnectionInfo {
+        let mut redis = info.redis_settings().clone();
+        if redis.password().is_none() {
+            if let Some(p) = &self.password {
+                redis = redis.set_password(p.expose());
+                if redis.username().is_none() {
+                    if let Some(u) = &self.username {
+                        redis = redis.set_username(u);
+                    }
+                }
+            }
+        }
+        info.set_redis_settings(redis)
+    }
+
+    /// Refuses TLS material for URLs that are not `rediss://`: it would silently go unused.
+    fn check_tls_used(&self, flag: &str, urls: &[String], tls: bool) -> Result<(), StoreError> {
+        if self.certificates.is_some() && !tls {
+            return Err(StoreError::Config(format!(
+                "{TLS_FLAGS} given, but {flag} {} is not TLS: use rediss:// URLs",
+                redacted_urls(urls)
+            )));
+        }
+        Ok(())
+    }
+}
+
+fn read_password(path: &Path) -> Result<Secret, StoreError> {
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        StoreError::Config(format!(
+            "--redis-password-file {}: cannot read it: {e}",
+            path.display()
+        ))
+    })?;
+    let password = text.lines().next().unwrap_or_default().trim_end();
+    if password.is_empty() {
+        return Err(StoreError::Config(format!(
+            "--redis-password-file {}: the first line is empty",
+            path.display()
+        )));
+    }
+    Ok(Secret::new(password))
+}
+
+/// The client certificate and key for Redis, checked to parse and to belong together.
+fn read_client_identity(cert: &Path, key: &Path) -> Result<ClientTlsConfig, StoreError> {
+    let chain = read_certificates("--redis-client-cert", cert)
+        .map_err(|e| StoreError::Config(e.to_string()))?;
+    let private_key = read_private_key("--redis-client-key", key)
+        .map_err(|e| StoreError::Config(e.to_string()))?;
+    crate::listener::install_crypto_provider();
+    let provider = rustls::crypto::ring::default_provider();
+    rustls::sign::CertifiedKey::from_der(chain, private_key, &provider).map_err(|e| {
+        StoreError::Config(format!(
+            "--redis-client-key {}: does not match the certificate of --redis-client-cert {}: {e}",
+            key.display(),
+            cert.display()
+        ))
+    })?;
+    let read = |flag: &str, p: &Path| {
+        std::fs::read(p)
+            .map_err(|e| StoreError::Config(format!("{flag} {}: cannot read it: {e}", p.display())))
+    };
+    Ok(ClientTlsConfig {
+        client_cert: read("--redis-client-cert", cert)?,
+        client_key: read("--redis-client-key", key)?,
+    })
+}
+
+/// Parses `url` for `flag`; the error shows the URL redacted.
+fn connection_info(flag: &str, url: &str) -> Result<ConnectionInfo, StoreError> {
+    url.into_connection_info()
+        .map_err(|e| StoreError::Config(format!("{flag} {}: {e}", redacted_url(url))))
+}
+
+fn is_tls(info: &ConnectionInfo) -> bool {
+    matches!(info.addr(), ConnectionAddr::TcpTls { .. })
+}
+
+fn tls_mode(info: &ConnectionInfo) -> Option<TlsMode> {
+    match info.addr() {
+        ConnectionAddr::TcpTls { insecure: true, .. } => Some(TlsMode::Insecure),
+        ConnectionAddr::TcpTls { .. } => Some(TlsMode::Secure),
+        _ => None,
+    }
+}
+
+/// The Sentinel client: the Sentinels' addresses, credentials and TLS from their URLs; the
+/// primary's credentials from `access`, its TLS mode following the Sentinels' scheme.
+fn sentinel_client(
+    sentinels: &[String],
+    master: &str,
+    access: &RedisAccess,
+) -> redis::RedisResult<redis::sentinel::SentinelClient> {
+    let infos = sentinels
+        .iter()
+        .map(|s| s.as_str().into_connection_info())
+        .collect::<Result<Vec<_>, _>>()?;
+    let invalid =
+        |what: &'static str| redis::RedisError::from((redis::ErrorKind::InvalidClientConfig, what));
+    let first = infos.first().ok_or_else(|| invalid("no Sentinel URL"))?;
+    let (user, password, mode) = (
+        first.redis_settings().username(),
+        first.redis_settings().password(),
+        tls_mode(first),
+    );
+    for i in &infos {
+        if i.redis_settings().username() != user || i.redis_settings().password() != password {
+            return Err(invalid(
+                "every Sentinel URL must carry the same user and password",
+            ));
+        }
+        if tls_mode(i) != mode {
+            return Err(invalid(
+                "every Sentinel URL must use the same scheme (redis:// or rediss://)",
+            ));
+        }
+    }
+    if access.certificates.is_some() && mode.is_none() {
+        return Err(invalid(
+            "--redis-ca-file/--redis-client-cert given, but the Sentinel URLs are not rediss://",
+        ));
+    }
+    let mut b = SentinelClientBuilder::new(
+        infos.iter().map(|i| i.addr().clone()),
+        master,
+        SentinelServerType::Master,
+    )?;
+    if let Some(u) = user {
+        b = b.set_client_to_sentinel_username(u);
+    }
+    if let Some(p) = password {
+        b = b.set_client_to_sentinel_password(p);
+    }
+    if let Some(u) = &access.username {
+        b = b.set_client_to_redis_username(u);
+    }
+    if let Some(p) = &access.password {
+        b = b.set_client_to_redis_password(p.expose());
+    }
+    if let Some(mode) = mode {
+        b = b.set_client_to_redis_tls_mode(mode);
+        if let Some(certs) = &access.certificates {
+            b = b
+                .set_client_to_sentinel_certificates(certs.clone())
+                .set_client_to_redis_certificates(certs.clone());
+        }
+    }
+    b.build()
+}
+
+/// One Redis: several multiplexed connections used round-robin.
+///
+/// redis-rs's `ConnectionManager` reconnects after I/O errors only: once a reconnection fails
+/// authentication (a wrong or rotated password, an ACL user not there yet), it would answer that
+/// failure forever. Such a connection is replaced by a fresh one, so the sidecar recovers as soon
+/// as Redis accepts its credentials, and shows the failure meanwhile.
+pub struct SingleNode {
+    client: redis::Client,
+    config: ConnectionManagerConfig,
+    connections: Vec<Mutex<ConnectionManager>>,
+    next: AtomicUsize,
+}
+
+impl SingleNode {
+    async fn query(&self, cmd: Cmd) -> redis::RedisResult<Value> {
+        let i = self.next.fetch_add(1, Ordering::Relaxed) % self.connections.len();
+        let mut c = self.connections[i].lock().expect("not poisoned").clone();
+        let result = cmd.query_async(&mut c).await;
+        if let Err(e) = &result {
+            if e.kind() == redis::ErrorKind::AuthenticationFailed {
+                if let Ok(fresh) = ConnectionManager::new_lazy_with_config(
+                    self.client.clone(),
+                    self.config.clone(),
+                ) {
+                    *self.connections[i].lock().expect("not poisoned") = fresh;
+                }
+            }
+        }
+        result
+    }
+}
 
 pub enum Connection {
-    Single {
-        connections: Vec<ConnectionManager>,
-        next: AtomicUsize,
-    },
+    Single(Box<SingleNode>),
     Sentinel(Arc<SentinelPrimary>),
     Cluster(ClusterConnection),
 }
@@ -28,19 +303,45 @@ pub enum Connection {
 impl Connection {
     /// A connection to one Redis. Connects lazily: this succeeds while Redis is down.
     pub fn single(url: &str, connections: usize, timeout_ms: u64) -> Result<Self, StoreError> {
-        let client = redis::Client::open(url)
-            .map_err(|e| StoreError::Redis(format!("--redis {url}: {e}")))?;
+        Self::single_with(url, &RedisAccess::default(), connections, timeout_ms)
+    }
+
+    /// [`Connection::single`] with credentials and TLS material.
+    pub fn single_with(
+        url: &str,
+        access: &RedisAccess,
+        connections: usize,
+        timeout_ms: u64,
+    ) -> Result<Self, StoreError> {
+        let shown = redacted_url(url);
+        let info = access.apply_credentials(connection_info("--redis", url)?);
+        access.check_tls_used("--redis", &[url.to_string()], is_tls(&info))?;
+        let client = match &access.certificates {
+            Some(certs) => redis::Client::build_with_tls(info, certs.clone()),
+            None => redis::Client::open(info),
+        }
+        .map_err(|e| StoreError::Config(format!("--redis {shown}: {e}")))?;
+        // One retry: a (re)connection that fails (refused, TLS handshake, authentication)
+        // fails the commands waiting on it with its real cause within about 100 ms, instead of
+        // leaving them to time out through seconds of backoff; the next command starts a new
+        // attempt (see SingleNode).
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(Duration::from_millis(timeout_ms.max(1000))))
+            .set_number_of_retries(1)
             .set_max_delay(Duration::from_millis(500));
         let connections = (0..connections.max(1))
-            .map(|_| ConnectionManager::new_lazy_with_config(client.clone(), config.clone()))
+            .map(|_| {
+                ConnectionManager::new_lazy_with_config(client.clone(), config.clone())
+                    .map(Mutex::new)
+            })
             .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| StoreError::Redis(format!("--redis {url}: {e}")))?;
-        Ok(Connection::Single {
+            .map_err(|e| StoreError::Config(format!("--redis {shown}: {e}")))?;
+        Ok(Connection::Single(Box::new(SingleNode {
+            client,
+            config,
             connections,
             next: AtomicUsize::new(0),
-        })
+        })))
     }
 
     /// A connection to the primary that the Sentinels at `sentinels` name `master`. Connects lazily:
@@ -50,17 +351,24 @@ impl Connection {
         master: &str,
         timeout_ms: u64,
     ) -> Result<Self, StoreError> {
+        Self::sentinel_with(sentinels, master, &RedisAccess::default(), timeout_ms)
+    }
+
+    /// [`Connection::sentinel`] with the data nodes' credentials and TLS material. The Sentinels'
+    /// own credentials come from their URLs (the same in every URL); `rediss://` Sentinel URLs
+    /// mean TLS to the Sentinels and to the primary they name.
+    pub fn sentinel_with(
+        sentinels: &[String],
+        master: &str,
+        access: &RedisAccess,
+        timeout_ms: u64,
+    ) -> Result<Self, StoreError> {
         let what = format!(
             "--redis-sentinel {} (--sentinel-master {master})",
-            sentinels.join(",")
+            redacted_urls(sentinels)
         );
-        let client = SentinelClient::build(
-            sentinels.to_vec(),
-            master.to_string(),
-            None,
-            SentinelServerType::Master,
-        )
-        .map_err(|e| StoreError::Redis(format!("{what}: {e}")))?;
+        let client = sentinel_client(sentinels, master, access)
+            .map_err(|e| StoreError::Config(format!("{what}: {e}")))?;
         let lookup_timeout = Duration::from_millis(timeout_ms.max(1000));
         let config = AsyncConnectionConfig::new().set_connection_timeout(Some(lookup_timeout));
         Ok(Connection::Sentinel(Arc::new(SentinelPrimary {
@@ -76,23 +384,61 @@ impl Connection {
 
     /// A connection to a Redis Cluster found through `seeds`. Connects in the background.
     pub fn cluster(seeds: &[String], timeout_ms: u64) -> Result<Self, StoreError> {
-        let client = ClusterClientBuilder::new(seeds.to_vec())
-            .build()
-            .map_err(|e| StoreError::Redis(format!("--redis-cluster {}: {e}", seeds.join(","))))?;
+        Self::cluster_with(seeds, &RedisAccess::default(), timeout_ms)
+    }
+
+    /// [`Connection::cluster`] with credentials and TLS material.
+    pub fn cluster_with(
+        seeds: &[String],
+        access: &RedisAccess,
+        timeout_ms: u64,
+    ) -> Result<Self, StoreError> {
+        let infos = seeds
+            .iter()
+            .map(|s| connection_info("--redis-cluster", s).map(|i| access.apply_credentials(i)))
+            .collect::<Result<Vec<_>, _>>()?;
+        let tls = infos.first().is_some_and(is_tls);
+        access.check_tls_used("--redis-cluster", seeds, tls)?;
+        let mut builder = ClusterClientBuilder::new(infos);
+        if let Some(certs) = access.certificates.clone() {
+            builder = builder.certs(certs);
+        }
+        let client = builder.build().map_err(|e| {
+            StoreError::Config(format!("--redis-cluster {}: {e}", redacted_urls(seeds)))
+        })?;
         let config = ClusterConfig::new()
             .set_connection_timeout(Duration::from_millis(timeout_ms.max(1000)));
         let connection = client.get_pending_async_connection_with_config(config);
         Ok(Connection::Cluster(connection))
     }
 
+    /// The connection `args` describe: `--redis-sentinel`, `--redis-cluster` or `--redis`, with
+    /// the credentials and TLS material of [`RedisAccess::from_args`].
+    pub fn from_args(args: &Args) -> Result<Self, StoreError> {
+        let access = RedisAccess::from_args(args)?;
+        if !args.redis_sentinel.is_empty() {
+            Self::sentinel_with(
+                &args.redis_sentinel,
+                &args.sentinel_master,
+                &access,
+                args.redis_timeout_ms,
+            )
+        } else if !args.redis_cluster.is_empty() {
+            Self::cluster_with(&args.redis_cluster, &access, args.redis_timeout_ms)
+        } else {
+            Self::single_with(
+                &args.redis,
+                &access,
+                args.redis_connections as usize,
+                args.redis_timeout_ms,
+            )
+        }
+    }
+
     /// Sends one command to the node of its key (or any node for keyless commands).
     pub async fn query(&self, cmd: Cmd) -> redis::RedisResult<Value> {
         match self {
-            Connection::Single { connections, next } => {
-                let i = next.fetch_add(1, Ordering::Relaxed) % connections.len();
-                let mut c = connections[i].clone();
-                cmd.query_async(&mut c).await
-            }
+            Connection::Single(node) => node.query(cmd).await,
             Connection::Sentinel(s) => s.query(cmd).await,
             Connection::Cluster(c) => cmd.query_async(&mut c.clone()).await,
         }
@@ -105,7 +451,7 @@ impl Connection {
         policy: Option<ResponsePolicy>,
     ) -> redis::RedisResult<Value> {
         match self {
-            Connection::Single { .. } | Connection::Sentinel(_) => self.query(cmd).await,
+            Connection::Single(_) | Connection::Sentinel(_) => self.query(cmd).await,
             Connection::Cluster(c) => {
                 let routing = RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, policy));
                 c.clone().route_command(cmd, routing).await
@@ -116,5 +462,87 @@ impl Connection {
     /// Whether keys are spread over Cluster slots.
     pub fn is_cluster(&self) -> bool {
         matches!(self, Connection::Cluster(_))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_are_shown_without_their_password() {
+        assert_eq!(
+            redacted_url("redis://:hunter2@127.0.0.1:6379"),
+            "redis://:***@127.0.0.1:6379"
+        );
+        assert_eq!(
+            redacted_url("rediss://app:hunter2@redis.example:6380/0"),
+            "rediss://app:***@redis.example:6380/0"
+        );
+        assert_eq!(
+            redacted_url("redis://127.0.0.1:6379"),
+            "redis://127.0.0.1:6379"
+        );
+        assert_eq!(redacted_url("redis://user@h:1"), "redis://user@h:1");
+        let odd = redacted_url("http://:hunter2@127.0.0.1:6379");
+        assert!(!odd.contains("hunter2"), "{odd}");
+        let odd = redacted_url("redis://:hun@ter2@[::1");
+        assert!(!odd.contains("hun") && !odd.contains("ter2"), "{odd}");
+        assert_eq!(
+            redacted_urls(&["redis://:a@h:1".into(), "redis://:b@h:2".into()]),
+            "redis://:***@h:1,redis://:***@h:2"
+        );
+    }
+
+    #[test]
+    fn bad_urls_are_refused_without_their_password() {
+        let e = Connection::single("redis://:hunter2@[::1", 1, 50)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains("--redis") && !e.contains("hunter2"), "{e}");
+        let e = Connection::sentinel(&["bogus://:hunter2@h:1".into()], "m", 50)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            e.contains("--redis-sentinel") && !e.contains("hunter2"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn tls_material_without_a_tls_url_is_refused() {
+        let access = RedisAccess {
+            certificates: Some(TlsCertificates {
+                client_tls: None,
+                root_cert: Some(Vec::new()),
+            }),
+            ..RedisAccess::default()
+        };
+        let e = Connection::single_with("redis://127.0.0.1:1", &access, 1, 50)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            e.contains("rediss://") && e.contains("--redis-ca-file"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn the_flag_password_fills_in_only_where_the_url_has_none() {
+        let access = RedisAccess {
+            username: Some("app".into()),
+            password: Some(Secret::new("from-flag")),
+            ..RedisAccess::default()
+        };
+        let info = |url: &str| access.apply_credentials(url.into_connection_info().unwrap());
+        let plain = info("redis://127.0.0.1:1");
+        assert_eq!(plain.redis_settings().password(), Some("from-flag"));
+        assert_eq!(plain.redis_settings().username(), Some("app"));
+        let own = info("redis://:from-url@127.0.0.1:1");
+        assert_eq!(own.redis_settings().password(), Some("from-url"));
+        assert_eq!(own.redis_settings().username(), None);
     }
 }

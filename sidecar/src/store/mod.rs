@@ -137,6 +137,9 @@ impl RequestOutcome {
 
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum StoreError {
+    /// The store cannot be set up as configured (a URL, a file, TLS material); found at start.
+    #[error("{0}")]
+    Config(String),
     #[error("redis unavailable: no answer within {timeout_ms} ms")]
     Timeout { timeout_ms: u64 },
     /// The node does not serve a key of the call (a Cluster slot moved): nothing was written; the

@@ -157,7 +157,7 @@ impl RedisStore {
         Ok(Self::new(connection, options, metrics))
     }
 
-    fn new(connection: Connection, options: StoreOptions, metrics: Arc<Metrics>) -> Self {
+    pub fn new(connection: Connection, options: StoreOptions, metrics: Arc<Metrics>) -> Self {
         RedisStore {
             inner: Arc::new(Inner {
                 connection,
