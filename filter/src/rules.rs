@@ -204,7 +204,7 @@ fn escape(value: &str) -> String {
 mod tests {
     use super::*;
     use crate::config::tests::example;
-    use crate::config::Config;
+    use crate::config::{Config, MAX_RULE_NAME_BYTES};
     #[cfg(target_arch = "wasm32")]
     use wasm_bindgen_test::wasm_bindgen_test as test;
 
@@ -224,13 +224,30 @@ mod tests {
         }
     }
 
-    /// Plans every matching rule, as the host does.
-    fn plan_all(c: &Config, r: &RequestFacts, s: &Subject, attempt: &str) -> Vec<Planned> {
-        plan(c, &matching(c, r), s, || attempt.into()).planned
+    /// A wire subject from `(dimension, value)` pairs.
+    fn wire(entries: &[(&str, Option<&str>)]) -> WireSubject {
+        WireSubject(
+            entries
+                .iter()
+                .map(|(d, v)| (d.to_string(), v.map(str::to_string)))
+                .collect(),
+        )
     }
 
-    fn keys(planned: &[Planned]) -> Vec<&str> {
-        planned.iter().map(|p| p.decision.key.as_str()).collect()
+    /// Plans every matching rule, as the host does.
+    fn plan_all(c: &Config, r: &RequestFacts, s: &Subject) -> Plan {
+        plan(c, &matching(c, r), s)
+    }
+
+    fn ids(planned: &[Planned]) -> Vec<&str> {
+        planned.iter().map(|p| p.id.as_str()).collect()
+    }
+
+    /// The example with its rule 0 (`per-app`, by `app`) set to `on_unknown`.
+    fn example_with(on_unknown: UnknownPolicy) -> Config {
+        let mut c = example();
+        c.rules[0].on_unknown = on_unknown;
+        c
     }
 
     #[test]
@@ -240,82 +257,226 @@ mod tests {
             &c,
             &request("GET", "/api/items?x=1"),
             &subject(Some("alpha"), Some("10.0.0.1")),
-            "rid@1",
         );
-        assert_eq!(keys(&p), ["per-app|app=alpha", "per-ip|ip=10.0.0.1"]);
-        assert_eq!(p[0].rule, 0);
         assert_eq!(
-            p[0].decision,
-            Decision {
-                key: "per-app|app=alpha".into(),
-                capacity: 100.0,
-                refill_per_sec: 10.0,
-                cost: 1.0,
-                attempt: Some("rid@1".into()),
+            p,
+            Plan {
+                planned: vec![
+                    Planned {
+                        rule: 0,
+                        subject: wire(&[("app", Some("alpha"))]),
+                        cost: 1,
+                        id: "per-app|app=alpha".into(),
+                    },
+                    Planned {
+                        rule: 1,
+                        subject: wire(&[("ip", Some("10.0.0.1"))]),
+                        cost: 1,
+                        id: "per-ip|ip=10.0.0.1".into(),
+                    },
+                ],
+                subject_unknown: false,
+                reject: None,
             }
         );
-        assert_eq!(p[1].decision.attempt.as_deref(), Some("rid@1"));
+    }
+
+    #[test]
+    fn a_planned_decision_is_the_documented_wire_decision() {
+        // The host sends each planned entry as a decision naming its rule (see the wire's
+        // documented request).
+        let c = example();
+        let p = plan_all(
+            &c,
+            &request("POST", "/api/items"),
+            &subject(Some("alpha"), Some("10.0.0.1")),
+        );
+        let decision = ratelimit_wire::Decision {
+            rule: c.rules[p.planned[0].rule].name.clone(),
+            subject: p.planned[0].subject.clone(),
+            cost: p.planned[0].cost,
+            lease: None,
+        };
+        assert_eq!(
+            serde_json::to_string(&decision).unwrap(),
+            r#"{"rule":"per-app","subject":{"app":"alpha"},"cost":1}"#
+        );
+    }
+
+    #[test]
+    fn the_cost_is_the_rules() {
+        let mut c = example();
+        c.rules[1].cost = 7;
+        let p = plan_all(&c, &request("GET", "/"), &subject(None, Some("::1")));
+        assert_eq!(p.planned.len(), 1);
+        assert_eq!((p.planned[0].rule, p.planned[0].cost), (1, 7));
     }
 
     #[test]
     fn method_and_path_prefix_must_fit() {
         let c = example();
         let s = subject(Some("alpha"), Some("10.0.0.1"));
-        assert_eq!(
-            keys(&plan_all(&c, &request("DELETE", "/api/x"), &s, "a")),
-            ["per-ip|ip=10.0.0.1"]
-        );
-        assert_eq!(
-            keys(&plan_all(&c, &request("GET", "/apix"), &s, "a")),
-            ["per-ip|ip=10.0.0.1"]
-        );
-        assert_eq!(
-            keys(&plan_all(&c, &request("GET", "/other?/api/"), &s, "a")),
-            ["per-ip|ip=10.0.0.1"]
-        );
-        assert_eq!(
-            keys(&plan_all(&c, &request("get", "/api/x"), &s, "a")),
-            ["per-ip|ip=10.0.0.1"]
-        );
-    }
-
-    #[test]
-    fn a_rule_whose_subject_is_unknown_is_skipped() {
-        let c = example();
-        let p = plan_all(
-            &c,
-            &request("GET", "/api/x"),
-            &subject(None, Some("::1")),
-            "a",
-        );
-        assert_eq!(keys(&p), ["per-ip|ip=::1"]);
-        let p = plan_all(&c, &request("GET", "/api/x"), &subject(None, None), "a");
-        assert!(p.is_empty());
+        for (method, path) in [
+            ("DELETE", "/api/x"),
+            ("GET", "/apix"),
+            ("GET", "/other?/api/"),
+            ("GET", "/other#/api/"),
+            ("get", "/api/x"),
+        ] {
+            assert_eq!(
+                ids(&plan_all(&c, &request(method, path), &s).planned),
+                ["per-ip|ip=10.0.0.1"],
+                "{method} {path}"
+            );
+        }
+        assert_eq!(matching(&c, &request("POST", "/api/")), [0, 1]);
+        assert_eq!(matching(&c, &request("GET", "")), Vec::<usize>::new());
     }
 
     #[test]
     fn header_conditions() {
         let c = Config::from_json(
             br#"{"sidecar":{"cluster":"s"},"rules":[
-                {"name":"free","match":{"headers":[{"name":"X-Tier","exact":"free"}]},"subject":[],"capacity":1,"refill_per_sec":1},
-                {"name":"beta","match":{"headers":[{"name":"x-client","prefix":"beta/"}]},"subject":[],"capacity":1,"refill_per_sec":1},
-                {"name":"anon","match":{"headers":[{"name":"authorization","present":false}]},"subject":[],"capacity":1,"refill_per_sec":1}
+                {"name":"free","match":{"headers":[{"name":"X-Tier","exact":"free"}]},"subject":[]},
+                {"name":"beta","match":{"headers":[{"name":"x-client","prefix":"beta/"}]},"subject":[]},
+                {"name":"anon","match":{"headers":[{"name":"authorization","present":false}]},"subject":[]}
             ]}"#,
         )
         .unwrap();
+        let none = Subject::default();
         let mut r = request("GET", "/");
-        assert_eq!(keys(&plan_all(&c, &r, &Subject::default(), "a")), ["anon"]);
+        assert_eq!(ids(&plan_all(&c, &r, &none).planned), ["anon"]);
         r.headers.insert("x-tier".into(), b"free".to_vec());
         r.headers.insert("x-client".into(), b"beta/2".to_vec());
         r.headers
             .insert("authorization".into(), b"Bearer x".to_vec());
-        assert_eq!(
-            keys(&plan_all(&c, &r, &Subject::default(), "a")),
-            ["free", "beta"]
-        );
+        assert_eq!(ids(&plan_all(&c, &r, &none).planned), ["free", "beta"]);
         r.headers.insert("x-tier".into(), b"freemium".to_vec());
         r.headers.insert("x-client".into(), vec![0xff, b'b']);
-        assert!(plan_all(&c, &r, &Subject::default(), "a").is_empty());
+        assert!(plan_all(&c, &r, &none).planned.is_empty());
+    }
+
+    #[test]
+    fn on_unknown_shared_puts_every_unknown_client_in_one_bucket() {
+        let c = example_with(UnknownPolicy::Shared);
+        let a = plan_all(
+            &c,
+            &request("GET", "/api/x"),
+            &subject(None, Some("10.0.0.1")),
+        );
+        let b = plan_all(
+            &c,
+            &request("GET", "/api/x"),
+            &subject(None, Some("10.0.0.2")),
+        );
+        assert!(a.subject_unknown);
+        assert_eq!(a.reject, None);
+        assert_eq!(ids(&a.planned), ["per-app|app~", "per-ip|ip=10.0.0.1"]);
+        assert_eq!(a.planned[0].subject, wire(&[("app", None)]));
+        assert_eq!(
+            serde_json::to_string(&a.planned[0].subject).unwrap(),
+            r#"{"app":null}"#
+        );
+        // Another unknown client: the same bucket for per-app.
+        assert_eq!(a.planned[0], b.planned[0]);
+    }
+
+    #[test]
+    fn on_unknown_skip_leaves_the_rule_out() {
+        let c = example_with(UnknownPolicy::Skip);
+        let p = plan_all(&c, &request("GET", "/api/x"), &subject(None, Some("::1")));
+        assert!(p.subject_unknown);
+        assert_eq!(p.reject, None);
+        assert_eq!(ids(&p.planned), ["per-ip|ip=::1"]);
+        let p = plan_all(&c, &request("GET", "/api/x"), &subject(None, None));
+        // per-ip is `shared` (the default): it still applies, to the shared unknown bucket.
+        assert_eq!(ids(&p.planned), ["per-ip|ip~"]);
+        // Known, the rule applies as usual.
+        let p = plan_all(&c, &request("GET", "/api/x"), &subject(Some("alpha"), None));
+        assert_eq!(ids(&p.planned), ["per-app|app=alpha", "per-ip|ip~"]);
+    }
+
+    #[test]
+    fn on_unknown_reject_names_the_rule_and_plans_no_decision_for_it() {
+        let c = example_with(UnknownPolicy::Reject);
+        let p = plan_all(&c, &request("GET", "/api/x"), &subject(None, Some("::1")));
+        assert!(p.subject_unknown);
+        assert_eq!(p.reject, Some(0));
+        assert_eq!(ids(&p.planned), ["per-ip|ip=::1"]);
+        let p = plan_all(
+            &c,
+            &request("GET", "/api/x"),
+            &subject(Some("alpha"), Some("::1")),
+        );
+        assert_eq!((p.subject_unknown, p.reject), (false, None));
+        // A rule that does not match rejects nothing.
+        let p = plan_all(
+            &c,
+            &request("DELETE", "/api/x"),
+            &subject(None, Some("::1")),
+        );
+        assert_eq!((p.subject_unknown, p.reject), (false, None));
+    }
+
+    #[test]
+    fn the_first_rejecting_rule_is_the_one_named() {
+        let c = Config::from_json(
+            br#"{"sidecar":{"cluster":"s"},
+                 "identity":{"jwt":{"provider":"p","tenant_claim":"tenant"},"ip":true},
+                 "rules":[
+                   {"name":"skip","subject":["user"],"on_unknown":"skip"},
+                   {"name":"shared","subject":["user"]},
+                   {"name":"first","subject":["ip"],"on_unknown":"reject"},
+                   {"name":"second","subject":["tenant"],"on_unknown":"reject","unknown_status":429},
+                   {"name":"global","subject":[]}
+                 ]}"#,
+        )
+        .unwrap();
+        let all = matching(&c, &request("GET", "/"));
+        assert_eq!(all, [0, 1, 2, 3, 4]);
+        let p = plan(&c, &all, &Subject::default());
+        assert_eq!(p.reject, Some(2));
+        assert!(p.subject_unknown);
+        assert_eq!(ids(&p.planned), ["shared|user~", "global"]);
+        // Only the second one rejects once the ip is known.
+        let ip_known = Subject {
+            ip: Some("10.0.0.1".into()),
+            ..Subject::default()
+        };
+        assert_eq!(plan(&c, &all, &ip_known).reject, Some(3));
+        // In the order given, not by index.
+        assert_eq!(plan(&c, &[3, 2], &Subject::default()).reject, Some(3));
+    }
+
+    #[test]
+    fn the_wire_subject_keeps_the_rules_dimension_order_with_unknown_values() {
+        let c = Config::from_json(
+            br#"{"sidecar":{"cluster":"s"},
+                 "identity":{"jwt":{"provider":"p","tenant_claim":"tenant"}},
+                 "rules":[{"name":"r","subject":["tenant","user","route"]}]}"#,
+        )
+        .unwrap();
+        let s = Subject {
+            tenant: Some("acme".into()),
+            route: Some("api".into()),
+            ..Subject::default()
+        };
+        let p = plan(&c, &[0], &s);
+        assert!(p.subject_unknown);
+        let planned = &p.planned[0];
+        assert_eq!(
+            planned.subject,
+            wire(&[
+                ("tenant", Some("acme")),
+                ("user", None),
+                ("route", Some("api"))
+            ])
+        );
+        assert_eq!(
+            serde_json::to_string(&planned.subject).unwrap(),
+            r#"{"tenant":"acme","user":null,"route":"api"}"#
+        );
+        assert_eq!(planned.id, "r|tenant=acme|user~|route=api");
     }
 
     fn rule(subject: Vec<Dimension>) -> Rule {
@@ -323,16 +484,16 @@ mod tests {
             name: "r".into(),
             matcher: Match::default(),
             subject,
-            capacity: 1,
-            refill_per_sec: 1.0,
             cost: 1,
+            on_unknown: UnknownPolicy::Shared,
+            unknown_status: 401,
             on_error: Default::default(),
             emergency: None,
         }
     }
 
     #[test]
-    fn keys_cannot_collide_through_separators() {
+    fn ids_cannot_collide_through_separators() {
         let r = rule(vec![Dimension::User, Dimension::Tenant]);
         let a = Subject {
             user: Some("a|tenant=b".into()),
@@ -344,31 +505,52 @@ mod tests {
             tenant: Some("b|tenant=c".into()),
             ..Subject::default()
         };
-        let ka = bucket_key(&r, &a).unwrap();
-        let kb = bucket_key(&r, &b).unwrap();
-        assert_ne!(ka, kb);
+        let ka = bucket_id(&r, &a);
+        assert_ne!(ka, bucket_id(&r, &b));
         assert_eq!(ka, "r|user=a%7Ctenant%3Db|tenant=c");
         let pct = Subject {
             user: Some("a%7Ctenant%3Db".into()),
             tenant: Some("c".into()),
             ..Subject::default()
         };
-        assert_ne!(bucket_key(&r, &pct).unwrap(), ka);
+        assert_eq!(bucket_id(&r, &pct), "r|user=a%257Ctenant%253Db|tenant=c");
         let braces = Subject {
             user: Some("{x} y".into()),
             tenant: Some("t".into()),
             ..Subject::default()
         };
-        assert_eq!(
-            bucket_key(&r, &braces).unwrap(),
-            "r|user=%7Bx%7D%20y|tenant=t"
-        );
+        assert_eq!(bucket_id(&r, &braces), "r|user=%7Bx%7D%20y|tenant=t");
+        let kept = Subject {
+            user: Some("Az09-._~:@/".into()),
+            tenant: Some("é".into()),
+            ..Subject::default()
+        };
+        assert_eq!(bucket_id(&r, &kept), "r|user=Az09-._~:@/|tenant=%C3%A9");
     }
 
     #[test]
-    fn long_values_are_hashed_and_keys_stay_bounded() {
+    fn an_unknown_value_has_its_own_form_no_value_can_take() {
+        let r = rule(vec![Dimension::User, Dimension::Tenant]);
+        let unknown = Subject {
+            tenant: Some("t".into()),
+            ..Subject::default()
+        };
+        let id = bucket_id(&r, &unknown);
+        assert_eq!(id, "r|user~|tenant=t");
+        for value in ["~", "", "%7E", "user~"] {
+            let known = Subject {
+                user: Some(value.into()),
+                ..unknown.clone()
+            };
+            assert_ne!(bucket_id(&r, &known), id, "{value:?}");
+        }
+        assert_eq!(bucket_id(&r, &Subject::default()), "r|user~|tenant~");
+    }
+
+    #[test]
+    fn long_values_are_hashed_and_ids_stay_bounded() {
         let r = Rule {
-            name: "n".repeat(64),
+            name: "n".repeat(MAX_RULE_NAME_BYTES),
             ..rule(vec![
                 Dimension::User,
                 Dimension::Tenant,
@@ -382,72 +564,54 @@ mod tests {
             user: Some(long.clone()),
             tenant: Some("x".repeat(MAX_KEY_VALUE_BYTES + 1)),
             app: Some("x".repeat(MAX_KEY_VALUE_BYTES)),
+            // 27 bytes, 81 escaped: one over.
             ip: Some("|".repeat(27)),
             route: Some("r".into()),
         };
-        let k = bucket_key(&r, &s).unwrap();
-        assert!(k.len() <= ratelimit_wire::MAX_KEY_BYTES, "{}", k.len());
+        let id = bucket_id(&r, &s);
         assert!(
-            k.contains(&format!("|user#{}", sha256_hex(long.as_bytes()))),
-            "{k}"
+            id.contains(&format!("|user#{}", sha256_hex(long.as_bytes()))),
+            "{id}"
         );
-        assert!(k.contains("|tenant#"), "{k}");
         assert!(
-            k.contains(&format!("|app={}", "x".repeat(MAX_KEY_VALUE_BYTES))),
-            "{k}"
+            id.contains(&format!("|tenant#{}|", sha256_hex(&[b'x'; 81]))),
+            "{id}"
         );
-        assert!(k.contains("|ip#"), "{k}");
-        assert!(k.ends_with("|route=r"), "{k}");
+        assert!(
+            id.contains(&format!("|app={}|", "x".repeat(MAX_KEY_VALUE_BYTES))),
+            "{id}"
+        );
+        assert!(id.contains("|ip#"), "{id}");
+        assert!(id.ends_with("|route=r"), "{id}");
+        // The documented bound: the rule name and five dimensions of at most 1 + 6 + 1 + 80.
+        let bound = MAX_RULE_NAME_BYTES + 5 * (1 + "tenant".len() + 1 + MAX_KEY_VALUE_BYTES);
+        assert_eq!(bound, 504);
+        let widest = Subject {
+            user: Some("x".repeat(MAX_KEY_VALUE_BYTES)),
+            tenant: Some("x".repeat(MAX_KEY_VALUE_BYTES)),
+            app: Some("x".repeat(MAX_KEY_VALUE_BYTES)),
+            ip: Some("x".repeat(MAX_KEY_VALUE_BYTES)),
+            route: Some("x".repeat(MAX_KEY_VALUE_BYTES)),
+        };
+        for s in [&s, &widest] {
+            let id = bucket_id(&r, s);
+            assert!(id.len() <= bound, "{} > {bound}", id.len());
+        }
         // The hashed form of one value is never the plain form of another.
         let plain = Subject {
             user: Some(format!("#{}", sha256_hex(long.as_bytes()))),
             ..s.clone()
         };
-        assert_ne!(bucket_key(&r, &plain).unwrap(), k);
+        assert_ne!(bucket_id(&r, &plain), id);
     }
 
     #[test]
-    fn a_global_rule_has_one_key() {
+    fn a_global_rule_has_one_id() {
+        assert_eq!(bucket_id(&rule(vec![]), &Subject::default()), "r");
         assert_eq!(
-            bucket_key(&rule(vec![]), &Subject::default()).as_deref(),
-            Some("r")
+            bucket_id(&rule(vec![]), &subject(Some("a"), Some("b"))),
+            "r"
         );
-    }
-
-    #[test]
-    fn a_matching_rule_skipped_for_an_unknown_subject_is_reported() {
-        let c = example();
-        let m = matching(&c, &request("GET", "/api/x"));
-        assert_eq!(m, [0, 1]);
-        let p = plan(&c, &m, &subject(None, Some("10.0.0.1")), || "a".into());
-        assert!(p.subject_unknown);
-        assert_eq!(keys(&p.planned), ["per-ip|ip=10.0.0.1"]);
-        let p = plan(&c, &m, &subject(Some("alpha"), Some("10.0.0.1")), || {
-            "a".into()
-        });
-        assert!(!p.subject_unknown);
-        // A rule that does not match is not "skipped".
-        let m = matching(&c, &request("DELETE", "/api/x"));
-        let p = plan(&c, &m, &subject(None, Some("10.0.0.1")), || "a".into());
-        assert!(!p.subject_unknown);
-    }
-
-    #[test]
-    fn the_attempt_id_is_built_only_when_there_are_decisions() {
-        let c = example();
-        let m = matching(&c, &request("GET", "/api/x"));
-        let p = plan(&c, &m, &Subject::default(), || {
-            panic!("no decision, no attempt id")
-        });
-        assert!(p.planned.is_empty());
-        assert!(p.subject_unknown);
-        let mut calls = 0;
-        let p = plan(&c, &m, &subject(Some("alpha"), Some("::1")), || {
-            calls += 1;
-            "rid@1".into()
-        });
-        assert_eq!(calls, 1);
-        assert_eq!(p.planned[1].decision.attempt.as_deref(), Some("rid@1"));
     }
 
     #[test]
@@ -469,23 +633,16 @@ mod tests {
             }
         );
         assert_eq!(needs(&c, &[]), Needs::default());
-    }
-
-    #[test]
-    fn the_callout_body_is_a_decide_request() {
-        let c = example();
-        let p = plan_all(
-            &c,
-            &request("GET", "/api/x"),
-            &subject(Some("alpha"), Some("10.0.0.1")),
-            "rid@1",
-        );
-        let owned = ratelimit_wire::DecideRequest {
-            decisions: p.iter().map(|p| p.decision.clone()).collect(),
-        };
+        let mut c = c;
+        c.rules[0].subject = vec![Dimension::User, Dimension::Tenant, Dimension::Route];
         assert_eq!(
-            serde_json::to_string(&DecideRequestRef { decisions: &p }).unwrap(),
-            serde_json::to_string(&owned).unwrap()
+            needs(&c, &[0]),
+            Needs {
+                user: true,
+                tenant: true,
+                route: true,
+                ..Needs::default()
+            }
         );
     }
 }

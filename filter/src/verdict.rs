@@ -504,49 +504,88 @@ fn never(config: &Config, rule: &str, limit: Option<&Limit<'_>>, reason: Reason)
         details: format!("ratelimit_rejected:{rule}"),
     }
 }
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::config::tests::example;
     use crate::emergency::State;
-    use ratelimit_wire::Decision;
+    use ratelimit_wire::{DecisionResult, RequestError, Subject as WireSubject};
     #[cfg(target_arch = "wasm32")]
     use wasm_bindgen_test::wasm_bindgen_test as test;
 
-    fn planned(config: &Config, rules: &[usize]) -> Vec<Planned> {
-        rules
-            .iter()
-            .map(|&i| Planned {
-                rule: i,
-                decision: Decision {
-                    key: format!("{}|x", config.rules[i].name),
-                    capacity: config.rules[i].capacity as f64,
-                    refill_per_sec: config.rules[i].refill_per_sec,
-                    cost: 1.0,
-                    attempt: Some("a".into()),
-                },
-            })
-            .collect()
+    /// The example's rules, in the order of its remote decisions.
+    const RULES: [&str; 2] = ["per-app", "per-ip"];
+
+    fn limit(name: &str, capacity: u64, refill_per_sec: f64) -> Option<AppliedLimit> {
+        Some(AppliedLimit {
+            name: name.into(),
+            capacity,
+            refill_per_sec,
+        })
     }
 
-    fn result(allowed: bool, remaining: u64, retry_after_ms: u64, reset_ms: u64) -> DecisionResult {
+    /// The sidecar's limits for the example's rules: 100 at 10/s, 1000 at 100/s.
+    fn per_app() -> Option<AppliedLimit> {
+        limit("per-app", 100, 10.0)
+    }
+
+    fn per_ip() -> Option<AppliedLimit> {
+        limit("per-ip", 1000, 100.0)
+    }
+
+    fn admitted(remaining: u64, reset_ms: u64, limit: Option<AppliedLimit>) -> DecisionResult {
         DecisionResult {
-            allowed,
+            allowed: true,
             remaining,
-            retry_after_ms,
+            retry_after_ms: 0,
             reset_ms,
-            reason: if allowed {
-                Reason::Ok
-            } else {
-                Reason::Insufficient
-            },
+            reason: Reason::Ok,
+            limit,
+            shadow: false,
+            leased: 0,
         }
     }
 
-    fn answer(results: Vec<DecisionResult>) -> DecideResponse {
-        DecideResponse {
+    fn rejected(
+        remaining: u64,
+        retry_after_ms: u64,
+        limit: Option<AppliedLimit>,
+    ) -> DecisionResult {
+        DecisionResult {
+            allowed: false,
+            retry_after_ms,
+            reason: Reason::Insufficient,
+            ..admitted(remaining, 0, limit)
+        }
+    }
+
+    /// A shadow-mode result: the sidecar lets it pass, whatever it would have done.
+    fn shadow(reason: Reason, retry_after_ms: u64, limit: Option<AppliedLimit>) -> DecisionResult {
+        DecisionResult {
+            shadow: true,
+            reason,
+            retry_after_ms,
+            ..admitted(0, 0, limit)
+        }
+    }
+
+    fn answer(results: Vec<DecisionResult>) -> RequestAnswer {
+        RequestAnswer {
             allowed: results.iter().all(|r| r.allowed),
             results,
+            error: None,
+        }
+    }
+
+    fn failed(code: ErrorCode, message: &str) -> RequestAnswer {
+        RequestAnswer {
+            allowed: false,
+            results: Vec::new(),
+            error: Some(RequestError {
+                code,
+                message: message.into(),
+            }),
         }
     }
 
@@ -558,11 +597,49 @@ mod tests {
             .map(|(_, v)| v.as_str())
     }
 
+    fn header_names(reply: &LocalReply) -> Vec<&str> {
+        reply.headers.iter().map(|(n, _)| n.as_str()).collect()
+    }
+
     fn reject(v: Verdict) -> LocalReply {
         match v {
             Verdict::Reject(r) => r,
             other => panic!("expected a rejection, got {other:?}"),
         }
+    }
+
+    fn admit(v: Verdict) -> Vec<(String, String)> {
+        match v {
+            Verdict::Admit { headers } => headers,
+            other => panic!("expected an admission, got {other:?}"),
+        }
+    }
+
+    fn headers(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+        pairs
+            .iter()
+            .map(|(n, v)| (n.to_string(), v.to_string()))
+            .collect()
+    }
+
+    fn always() -> Config {
+        Config {
+            rate_limit_headers: RateLimitHeaders::Always,
+            ..example()
+        }
+    }
+
+    /// The planned decisions of the example's rules `rules` (as the host holds them).
+    fn planned(config: &Config, rules: &[usize]) -> Vec<Planned> {
+        rules
+            .iter()
+            .map(|&i| Planned {
+                rule: i,
+                subject: WireSubject::new(),
+                cost: config.rules[i].cost,
+                id: config.rules[i].name.clone(),
+            })
+            .collect()
     }
 
     #[test]
@@ -574,135 +651,522 @@ mod tests {
         assert_eq!(retry_after_s(2999), 3);
         assert_eq!(retry_after_s(u64::MAX), MAX_SF_INTEGER);
         assert_eq!(retry_after_s(MAX_SF_INTEGER * 1000), MAX_SF_INTEGER);
+        assert_eq!(
+            (ceil_s(0), ceil_s(1), ceil_s(1000), ceil_s(1001)),
+            (0, 1, 1, 2)
+        );
     }
 
     #[test]
-    fn an_exhausted_rule_gives_429_with_its_headers_and_body() {
+    fn an_exhausted_rule_gives_429_with_its_headers_body_and_details() {
         let c = example();
-        let p = planned(&c, &[0, 1]);
         let r = reject(from_answer(
             &c,
-            &p,
             &answer(vec![
-                result(false, 0, 100, 10_000),
-                result(true, 998, 0, 20),
+                rejected(0, 100, per_app()),
+                admitted(998, 20, per_ip()),
             ]),
+            &RULES,
+            &[],
         ));
         assert_eq!(r.status, 429);
-        assert_eq!(header(&r, "content-type"), Some("application/json"));
-        assert_eq!(header(&r, "retry-after"), Some("1"));
         assert_eq!(
-            header(&r, "ratelimit-policy"),
-            Some("\"per-app\";q=100;w=10")
+            r.headers,
+            headers(&[
+                ("content-type", "application/json"),
+                ("retry-after", "1"),
+                ("ratelimit-policy", "\"per-app\";q=100;w=10"),
+                ("ratelimit", "\"per-app\";r=0;t=1"),
+            ])
         );
-        assert_eq!(header(&r, "ratelimit"), Some("\"per-app\";r=0;t=1"));
         assert_eq!(
             r.body,
             r#"{"error":"rate limited","rule":"per-app","retry_after_s":1}"#
         );
-        let body: serde_json::Value = serde_json::from_str(&r.body).unwrap();
-        assert_eq!(body["rule"], "per-app");
+        assert_eq!(r.details, "ratelimit_rejected:per-app");
+    }
+
+    #[test]
+    fn the_policy_header_names_the_limit_and_the_body_names_the_rule() {
+        // The sidecar applied an override of `per-app` (envoy/limits.yaml: clients without a
+        // known API key share `unknown-apps`, 50 at 5/s).
+        let c = example();
+        let r = reject(from_answer(
+            &c,
+            &answer(vec![rejected(3, 1200, limit("unknown-apps", 50, 5.0))]),
+            &RULES[..1],
+            &[],
+        ));
+        assert_eq!(
+            header(&r, "ratelimit-policy"),
+            Some("\"unknown-apps\";q=50;w=10")
+        );
+        assert_eq!(header(&r, "ratelimit"), Some("\"unknown-apps\";r=3;t=2"));
+        assert_eq!(header(&r, "retry-after"), Some("2"));
+        assert_eq!(
+            r.body,
+            r#"{"error":"rate limited","rule":"per-app","retry_after_s":2}"#
+        );
+        assert_eq!(r.details, "ratelimit_rejected:per-app");
     }
 
     #[test]
     fn the_longest_wait_names_the_limiting_rule() {
         let c = example();
-        let p = planned(&c, &[0, 1]);
-        let r = reject(from_answer(
-            &c,
-            &p,
-            &answer(vec![result(false, 0, 100, 0), result(false, 0, 2_500, 0)]),
-        ));
-        assert_eq!(header(&r, "retry-after"), Some("3"));
-        assert_eq!(header(&r, "ratelimit"), Some("\"per-ip\";r=0;t=3"));
-        assert_eq!(
-            header(&r, "ratelimit-policy"),
-            Some("\"per-ip\";q=1000;w=10")
-        );
+        for (results, slow) in [
+            (
+                vec![rejected(0, 100, per_app()), rejected(0, 2_500, per_ip())],
+                "per-ip",
+            ),
+            (
+                vec![rejected(0, 2_500, per_app()), rejected(0, 100, per_ip())],
+                "per-app",
+            ),
+        ] {
+            let r = reject(from_answer(&c, &answer(results), &RULES, &[]));
+            assert_eq!(header(&r, "retry-after"), Some("3"));
+            assert_eq!(
+                header(&r, "ratelimit"),
+                Some(format!("\"{slow}\";r=0;t=3").as_str())
+            );
+            assert_eq!(r.details, format!("ratelimit_rejected:{slow}"));
+            assert!(
+                r.body.contains(&format!("\"rule\":\"{slow}\"")),
+                "{}",
+                r.body
+            );
+        }
     }
 
     #[test]
     fn cost_exceeding_capacity_is_a_429_without_retry_after() {
         let c = example();
-        let p = planned(&c, &[0]);
-        let mut res = result(false, 100, 0, 0);
-        res.reason = Reason::CostExceedsCapacity;
-        let r = reject(from_answer(&c, &p, &answer(vec![res])));
+        let never = DecisionResult {
+            reason: Reason::CostExceedsCapacity,
+            ..rejected(100, 0, per_ip())
+        };
+        // Even when another rule asks for a wait: waiting cannot help.
+        let r = reject(from_answer(
+            &c,
+            &answer(vec![rejected(0, 5_000, per_app()), never]),
+            &RULES,
+            &[],
+        ));
         assert_eq!(r.status, 429);
-        assert_eq!(header(&r, "retry-after"), None);
         assert_eq!(
-            header(&r, "ratelimit-policy"),
-            Some("\"per-app\";q=100;w=10")
+            r.headers,
+            headers(&[
+                ("content-type", "application/json"),
+                ("ratelimit-policy", "\"per-ip\";q=1000;w=10"),
+            ])
         );
         assert_eq!(
             r.body,
-            r#"{"error":"request cost exceeds the rate limit","rule":"per-app"}"#
+            r#"{"error":"request cost exceeds the rate limit","rule":"per-ip"}"#
         );
+        assert_eq!(r.details, "ratelimit_rejected:per-ip");
+    }
+
+    #[test]
+    fn a_blocked_subject_is_a_429_without_retry_after_or_rate_limit_headers() {
+        let c = always();
+        // As the sidecar answers a blocked subject: no bucket, so no figures.
+        let blocked = DecisionResult {
+            reason: Reason::Blocked,
+            ..rejected(0, 0, limit("banned", 0, 0.0))
+        };
+        let r = reject(from_answer(
+            &c,
+            &answer(vec![admitted(99, 100, per_app()), blocked]),
+            &RULES,
+            &[],
+        ));
+        assert_eq!(r.status, 429);
+        assert_eq!(header_names(&r), ["content-type"]);
+        assert_eq!(
+            r.body,
+            r#"{"error":"blocked by the rate limit policy","rule":"per-ip"}"#
+        );
+        assert_eq!(r.details, "ratelimit_rejected:per-ip");
     }
 
     #[test]
     fn admitted_headers_follow_the_configuration() {
         let mut c = example();
-        let p = planned(&c, &[0, 1]);
-        let a = answer(vec![result(true, 99, 0, 100), result(true, 999, 0, 10)]);
-        assert_eq!(from_answer(&c, &p, &a), Verdict::Admit { headers: vec![] });
+        let a = answer(vec![
+            admitted(99, 100, per_app()),
+            admitted(999, 10, per_ip()),
+        ]);
+        assert_eq!(admit(from_answer(&c, &a, &RULES, &[])), []);
         c.rate_limit_headers = RateLimitHeaders::Always;
         assert_eq!(
-            from_answer(&c, &p, &a),
-            Verdict::Admit {
-                headers: vec![
-                    (
-                        "ratelimit-policy".into(),
-                        "\"per-app\";q=100;w=10, \"per-ip\";q=1000;w=10".into()
-                    ),
-                    (
-                        "ratelimit".into(),
-                        "\"per-app\";r=99;t=1, \"per-ip\";r=999;t=1".into()
-                    ),
-                ]
-            }
+            admit(from_answer(&c, &a, &RULES, &[])),
+            headers(&[
+                (
+                    "ratelimit-policy",
+                    "\"per-app\";q=100;w=10, \"per-ip\";q=1000;w=10"
+                ),
+                ("ratelimit", "\"per-app\";r=99;t=1, \"per-ip\";r=999;t=1"),
+            ])
         );
         c.rate_limit_headers = RateLimitHeaders::Never;
+        assert_eq!(admit(from_answer(&c, &a, &RULES, &[])), []);
         let r = reject(from_answer(
             &c,
-            &p,
-            &answer(vec![result(false, 0, 10, 0), result(true, 1, 0, 0)]),
+            &answer(vec![rejected(0, 10, per_app()), admitted(1, 0, per_ip())]),
+            &RULES,
+            &[],
         ));
+        assert_eq!(header_names(&r), ["content-type", "retry-after"]);
+        let never = DecisionResult {
+            reason: Reason::CostExceedsCapacity,
+            ..rejected(0, 0, per_app())
+        };
+        let r = reject(from_answer(&c, &answer(vec![never]), &RULES, &[]));
+        assert_eq!(header_names(&r), ["content-type"]);
+    }
+
+    #[test]
+    fn shadow_results_never_reject_and_are_left_out_of_admitted_headers() {
+        let c = always();
+        let results = vec![
+            admitted(99, 100, per_app()),
+            shadow(Reason::Insufficient, 9_000, limit("trial", 1, 1.0)),
+            shadow(Reason::Blocked, 0, limit("banned", 0, 0.0)),
+            shadow(Reason::CostExceedsCapacity, 0, limit("tiny", 1, 1.0)),
+        ];
+        let rules = ["per-app", "trial", "banned", "tiny"];
+        assert_eq!(
+            admit(from_answer(&c, &answer(results.clone()), &rules, &[])),
+            headers(&[
+                ("ratelimit-policy", "\"per-app\";q=100;w=10"),
+                ("ratelimit", "\"per-app\";r=99;t=1"),
+            ])
+        );
+        // Nor do they name the limiting rule when another rejects, whatever their wait.
+        let mut results = results;
+        results[0] = rejected(0, 500, per_app());
+        let r = reject(from_answer(&c, &answer(results), &rules, &[]));
         assert_eq!(header(&r, "retry-after"), Some("1"));
-        assert_eq!(header(&r, "ratelimit"), None);
-        assert_eq!(header(&r, "ratelimit-policy"), None);
+        assert_eq!(r.details, "ratelimit_rejected:per-app");
+    }
+
+    #[test]
+    fn an_unlimited_subject_adds_no_headers() {
+        let c = always();
+        let unlimited = DecisionResult {
+            reason: Reason::Unlimited,
+            ..admitted(0, 0, None)
+        };
+        assert_eq!(
+            admit(from_answer(
+                &c,
+                &answer(vec![unlimited.clone()]),
+                &RULES,
+                &[]
+            )),
+            []
+        );
+        assert_eq!(
+            admit(from_answer(
+                &c,
+                &answer(vec![unlimited, admitted(5, 2_001, per_ip())]),
+                &RULES,
+                &[]
+            )),
+            headers(&[
+                ("ratelimit-policy", "\"per-ip\";q=1000;w=10"),
+                ("ratelimit", "\"per-ip\";r=5;t=3"),
+            ])
+        );
+    }
+
+    #[test]
+    fn leased_admissions_add_their_headers_with_the_lease_tokens_remaining() {
+        let per_ip = KnownLimit {
+            name: "per-ip".into(),
+            capacity: 1000,
+            refill_per_sec: 100.0,
+        };
+        let leased = [
+            LeasedAdmit {
+                limit: Some(&per_ip),
+                lease_tokens: 37,
+            },
+            // A lease whose limit is not known (yet): it passes, without figures.
+            LeasedAdmit {
+                limit: None,
+                lease_tokens: 5,
+            },
+        ];
+        let c = always();
+        // `t` of a leased admission is the full window: the lease says nothing of the bucket.
+        assert_eq!(
+            admit(from_answer(
+                &c,
+                &answer(vec![admitted(99, 100, per_app())]),
+                &RULES[..1],
+                &leased
+            )),
+            headers(&[
+                (
+                    "ratelimit-policy",
+                    "\"per-app\";q=100;w=10, \"per-ip\";q=1000;w=10"
+                ),
+                ("ratelimit", "\"per-app\";r=99;t=1, \"per-ip\";r=37;t=10"),
+            ])
+        );
+        assert_eq!(
+            admit(from_leases(&c, &leased)),
+            headers(&[
+                ("ratelimit-policy", "\"per-ip\";q=1000;w=10"),
+                ("ratelimit", "\"per-ip\";r=37;t=10"),
+            ])
+        );
+        assert_eq!(admit(from_leases(&c, &leased[1..])), []);
+        assert_eq!(admit(from_leases(&example(), &leased)), []);
+        // A remote rejection answers alone: the leased parts are given back, not reported.
+        let r = reject(from_answer(
+            &c,
+            &answer(vec![rejected(0, 100, per_app())]),
+            &RULES[..1],
+            &leased,
+        ));
+        assert_eq!(header(&r, "ratelimit"), Some("\"per-app\";r=0;t=1"));
+    }
+
+    #[test]
+    fn a_checked_answer_has_one_consistent_result_per_decision() {
+        let ok = answer(vec![admitted(1, 0, per_app()), rejected(0, 5, per_ip())]);
+        assert_eq!(check_answer(&ok, 2), Ok(()));
+        assert_eq!(
+            check_answer(&ok, 3),
+            Err(LimiterError::Results {
+                expected: 3,
+                got: 2
+            })
+        );
+        assert_eq!(
+            check_answer(&answer(vec![]), 1),
+            Err(LimiterError::Results {
+                expected: 1,
+                got: 0
+            })
+        );
+        let liar = RequestAnswer {
+            allowed: true,
+            ..ok.clone()
+        };
+        assert_eq!(
+            check_answer(&liar, 2),
+            Err(LimiterError::Inconsistent { allowed: true })
+        );
+        let mut pessimist = answer(vec![admitted(1, 0, per_app())]);
+        pessimist.allowed = false;
+        assert_eq!(
+            check_answer(&pessimist, 1),
+            Err(LimiterError::Inconsistent { allowed: false })
+        );
+        assert_eq!(
+            LimiterError::Results {
+                expected: 3,
+                got: 2
+            }
+            .to_string(),
+            "answer has 2 results for 3 decisions"
+        );
+    }
+
+    #[test]
+    fn a_per_request_error_is_an_error_and_an_unknown_rule_a_configuration_error() {
+        let e =
+            check_answer(&failed(ErrorCode::UnknownRule, "no rule \"per-app\""), 1).unwrap_err();
+        assert_eq!(
+            e,
+            LimiterError::Request {
+                code: ErrorCode::UnknownRule,
+                message: "no rule \"per-app\"".into()
+            }
+        );
+        assert!(e.is_config_error());
+        assert_eq!(e.to_string(), "UnknownRule: no rule \"per-app\"");
+        for code in [ErrorCode::Unavailable, ErrorCode::ScriptFailed] {
+            let e = check_answer(&failed(code, "redis"), 1).unwrap_err();
+            assert_eq!(
+                e,
+                LimiterError::Request {
+                    code,
+                    message: "redis".into()
+                }
+            );
+            assert!(!e.is_config_error(), "{e}");
+        }
+        // The error wins over whatever else the answer says.
+        let mut both = failed(ErrorCode::Unavailable, "down");
+        both.allowed = true;
+        both.results = vec![admitted(1, 0, per_app())];
+        assert!(matches!(
+            check_answer(&both, 1),
+            Err(LimiterError::Request {
+                code: ErrorCode::Unavailable,
+                ..
+            })
+        ));
+        for e in [
+            LimiterError::NoAnswer,
+            LimiterError::Dispatch("x".into()),
+            LimiterError::Status("500".into()),
+            LimiterError::Malformed("x".into()),
+            LimiterError::Count {
+                expected: 1,
+                got: 0,
+            },
+            LimiterError::Results {
+                expected: 1,
+                got: 0,
+            },
+            LimiterError::Inconsistent { allowed: true },
+        ] {
+            assert!(!e.is_config_error(), "{e}");
+        }
     }
 
     #[test]
     fn answers_that_cannot_be_trusted_are_errors() {
-        let ok = br#"{"allowed":true,"results":[{"allowed":true,"remaining":1,"retry_after_ms":0,"reset_ms":0}]}"#;
-        assert!(parse_answer(Some(b"200"), ok, 1).is_ok());
-        assert_eq!(parse_answer(None, ok, 1), Err(LimiterError::NoAnswer));
+        // The wire's documented answer, and a per-request error (left to `check_answer`).
+        let ok = br#"{"answers":[{"allowed":true,"results":[{"allowed":true,"remaining":99,"retry_after_ms":0,
+            "reset_ms":100,"reason":"ok","limit":{"name":"per-app","capacity":100,"refill_per_sec":10}}]},
+            {"allowed":false,"error":{"code":"unknown_rule","message":"no rule x"}}]}"#;
+        let parsed = parse_answer(Some(b"200"), ok, 2).unwrap();
+        assert_eq!(parsed.answers[0].results[0].limit, per_app());
+        assert_eq!(parsed.answers[1].results, []);
+        assert_eq!(parse_answer(None, ok, 2), Err(LimiterError::NoAnswer));
         assert_eq!(
-            parse_answer(Some(b"503"), ok, 1),
+            parse_answer(Some(b"503"), ok, 2),
             Err(LimiterError::Status("503".into()))
         );
         assert_eq!(
-            parse_answer(Some(b"200"), ok, 2),
+            parse_answer(
+                Some(b"400"),
+                br#"{"error":"requests[0].decisions[0].rule: ..."}"#,
+                2
+            ),
+            Err(LimiterError::Status("400".into()))
+        );
+        assert_eq!(
+            parse_answer(Some(b"200"), ok, 1),
             Err(LimiterError::Count {
-                expected: 2,
-                got: 1
+                expected: 1,
+                got: 2
             })
         );
-        assert!(matches!(
-            parse_answer(Some(b"200"), b"<html>", 1),
-            Err(LimiterError::Malformed(_))
-        ));
-        assert!(matches!(
-            parse_answer(Some(b"200"), b"", 1),
-            Err(LimiterError::Malformed(_))
-        ));
-        let liar = br#"{"allowed":true,"results":[{"allowed":false,"remaining":0,"retry_after_ms":5,"reset_ms":0}]}"#;
         assert_eq!(
-            parse_answer(Some(b"200"), liar, 1),
-            Err(LimiterError::Inconsistent { allowed: true })
+            parse_answer(Some(b"200"), br#"{"answers":[]}"#, 1),
+            Err(LimiterError::Count {
+                expected: 1,
+                got: 0
+            })
         );
-        assert!(parse_answer(Some(&[0xff; 40]), ok, 1).is_err());
+        // The old wire's answer, HTML, nothing, an unknown reason.
+        for body in [
+            &br#"{"allowed":true,"results":[{"allowed":true,"remaining":1,"retry_after_ms":0,"reset_ms":0}]}"#[..],
+            b"<html>",
+            b"",
+            br#"{"answers":[{"allowed":true,"results":[{"allowed":true,"remaining":1,"retry_after_ms":0,"reset_ms":0,"reason":"maybe"}]}]}"#,
+        ] {
+            assert!(
+                matches!(
+                    parse_answer(Some(b"200"), body, 1),
+                    Err(LimiterError::Malformed(_))
+                ),
+                "{}",
+                String::from_utf8_lossy(body)
+            );
+        }
+        // A garbage status is reported, cut short.
+        let Err(LimiterError::Status(s)) = parse_answer(Some(&[0xff; 40]), ok, 2) else {
+            panic!("a garbage status is an error");
+        };
+        assert_eq!(s.chars().count(), 16);
+    }
+
+    #[test]
+    fn a_known_rejection_is_the_reply_the_sidecar_would_give() {
+        let c = example();
+        let known = KnownLimit {
+            name: "per-app".into(),
+            capacity: 100,
+            refill_per_sec: 10.0,
+        };
+        // 1.5 s left of a known wait: the same reply as a remote rejection with that wait.
+        assert_eq!(
+            known_rejection(
+                &c,
+                "per-app",
+                Some(&known),
+                Why::Insufficient,
+                1_500_000_000
+            ),
+            reject(from_answer(
+                &c,
+                &answer(vec![rejected(0, 1_500, per_app())]),
+                &RULES[..1],
+                &[]
+            ))
+        );
+        for (why, reason) in [
+            (Why::CostExceedsCapacity, Reason::CostExceedsCapacity),
+            (Why::Blocked, Reason::Blocked),
+        ] {
+            let remote = DecisionResult {
+                reason,
+                ..rejected(0, 0, per_app())
+            };
+            assert_eq!(
+                known_rejection(&c, "per-app", Some(&known), why, 700_000_000),
+                reject(from_answer(&c, &answer(vec![remote]), &RULES[..1], &[])),
+                "{why:?}"
+            );
+        }
+        // Without a known limit: the same reply without rate-limit headers.
+        let r = known_rejection(&c, "per-ip", None, Why::Insufficient, 1);
+        assert_eq!(
+            r.headers,
+            headers(&[("content-type", "application/json"), ("retry-after", "1")])
+        );
+        assert_eq!(r.details, "ratelimit_rejected:per-ip");
+        // The time left is rounded up to whole milliseconds, then seconds.
+        let r = known_rejection(&c, "per-ip", None, Why::Insufficient, 1_000_000_001);
+        assert_eq!(header(&r, "retry-after"), Some("2"));
+    }
+
+    #[test]
+    fn an_unknown_subject_is_answered_with_the_rules_status() {
+        for status in [401, 429] {
+            let r = unknown_subject("per-app", status);
+            assert_eq!(r.status, status);
+            assert_eq!(r.headers, headers(&[("content-type", "application/json")]));
+            assert_eq!(r.body, r#"{"error":"identity required","rule":"per-app"}"#);
+            assert_eq!(r.details, "ratelimit_unknown_subject:per-app");
+        }
+    }
+
+    #[test]
+    fn a_repeated_identity_header_is_a_400_naming_the_header() {
+        let r = repeated_identity("x-api-key");
+        assert_eq!(r.status, 400);
+        assert_eq!(r.headers, headers(&[("content-type", "application/json")]));
+        assert_eq!(r.body, r#"{"error":"x-api-key must be sent once"}"#);
+        assert_eq!(r.details, "ratelimit_repeated_identity");
+    }
+
+    #[test]
+    fn the_503_says_the_limiter_is_unavailable() {
+        let r = unavailable();
+        assert_eq!(r.status, 503);
+        assert_eq!(r.body, r#"{"error":"rate limiter unavailable"}"#);
+        assert_eq!(r.headers, headers(&[("content-type", "application/json")]));
+        assert_eq!(r.details, "ratelimit_unavailable");
     }
 
     #[test]
@@ -723,22 +1187,17 @@ mod tests {
         assert!(!fails_open(&c, &planned(&c, &[0])));
         c.rules[1].on_error = FailurePolicy::Deny;
         assert_eq!(on_error(&c, &planned(&c, &[0, 1])), FailurePlan::Deny);
+        assert_eq!(on_error(&c, &planned(&c, &[1])), FailurePlan::Deny);
         assert_eq!(
             on_error(&c, &planned(&c, &[0])),
             FailurePlan::Local(vec![(0, &e)])
         );
+        assert!(!fails_open(&c, &planned(&c, &[0, 1])));
         // A `local` rule without a bucket (refused by validation) never admits uncounted.
         c.rules[0].emergency = None;
         assert_eq!(on_error(&c, &planned(&c, &[0])), FailurePlan::Deny);
-    }
-
-    #[test]
-    fn the_503_says_the_limiter_is_unavailable() {
-        let r = unavailable();
-        assert_eq!(r.status, 503);
-        assert_eq!(r.body, r#"{"error":"rate limiter unavailable"}"#);
-        assert_eq!(header(&r, "content-type"), Some("application/json"));
-        assert_eq!(header(&r, "retry-after"), None);
+        // Nothing planned, nothing to deny.
+        assert_eq!(on_error(&c, &[]), FailurePlan::Allow);
     }
 
     fn take(allowed: bool, remaining: u64, retry_after_ms: u64) -> Take {
@@ -756,8 +1215,7 @@ mod tests {
 
     #[test]
     fn emergency_buckets_must_all_admit() {
-        let mut c = example();
-        c.rate_limit_headers = RateLimitHeaders::Always;
+        let c = always();
         let p = planned(&c, &[0, 1]);
         let e = c.rules[0].emergency.clone().unwrap();
         let local = [(0, &e)];
@@ -767,13 +1225,11 @@ mod tests {
             ..take(true, 9, 0)
         };
         assert_eq!(
-            from_emergency(&c, &p, &local, &[Ok(admitted)]),
-            Verdict::Admit {
-                headers: vec![
-                    ("ratelimit-policy".into(), "\"per-app\";q=10;w=10".into()),
-                    ("ratelimit".into(), "\"per-app\";r=9;t=1".into()),
-                ]
-            }
+            admit(from_emergency(&c, &p, &local, &[Ok(admitted)])),
+            headers(&[
+                ("ratelimit-policy", "\"per-app\";q=10;w=10"),
+                ("ratelimit", "\"per-app\";r=9;t=1"),
+            ])
         );
         let r = reject(from_emergency(&c, &p, &local, &[Ok(take(false, 0, 1500))]));
         assert_eq!(r.status, 429);
@@ -787,6 +1243,7 @@ mod tests {
             r.body,
             r#"{"error":"rate limited","rule":"per-app","retry_after_s":2}"#
         );
+        assert_eq!(r.details, "ratelimit_rejected:per-app");
         // A missing result (take_all stopped early) is contention.
         let r = reject(from_emergency(&c, &p, &local, &[]));
         assert_eq!(header(&r, "retry-after"), Some("1"));
@@ -794,32 +1251,39 @@ mod tests {
 
     #[test]
     fn an_emergency_admission_resets_when_the_bucket_is_full() {
-        let c = example();
+        let c = always();
         let e = c.rules[0].emergency.clone().unwrap();
         let p = planned(&c, &[0]);
         let take = Bucket::from(&e).take(None, 0, 1.0);
-        let mut c = c.clone();
-        c.rate_limit_headers = RateLimitHeaders::Always;
-        let Verdict::Admit { headers } = from_emergency(&c, &p, &[(0, &e)], &[Ok(take)]) else {
-            panic!("a full bucket admits");
-        };
+        let headers = admit(from_emergency(&c, &p, &[(0, &e)], &[Ok(take)]));
         assert_eq!(headers[1].1, "\"per-app\";r=9;t=1");
     }
 
     #[test]
-    fn charges_name_each_local_rules_bucket() {
+    fn contention_on_an_emergency_bucket_denies() {
         let c = example();
         let e = c.rules[0].emergency.clone().unwrap();
-        let p = planned(&c, &[0, 1]);
+        let p = planned(&c, &[0]);
+        let r = reject(from_emergency(&c, &p, &[(0, &e)], &[Err(Contention)]));
+        assert_eq!(r.status, 429);
+        assert_eq!(header(&r, "retry-after"), Some("1"));
+    }
+
+    #[test]
+    fn charges_name_each_local_rules_bucket_and_cost() {
+        let mut c = example();
+        c.rules[0].cost = 3;
+        let e = c.rules[0].emergency.clone().unwrap();
+        let p = planned(&c, &[1, 0]);
         assert_eq!(
-            charges(&c, &p, &[(0, &e)]),
+            charges(&c, &p, &[(1, &e)]),
             [Charge {
                 key: "ratelimit.emergency.per-app".into(),
                 bucket: Bucket {
                     capacity: 10.0,
                     refill_per_sec: 1.0
                 },
-                cost: 1.0,
+                cost: 3.0,
             }]
         );
     }
@@ -836,23 +1300,35 @@ mod tests {
         let max = MAX_SF_INTEGER;
         assert_eq!(l.policy(), format!("\"x\";q={max};w={max}"));
         assert_eq!(l.limit(), format!("\"x\";r={max};t={max}"));
-        let c = example();
-        let p = planned(&c, &[0]);
+        // Absurd figures from the sidecar (a zero refill, the largest integers) still make
+        // valid headers, and nothing panics.
+        let c = always();
         let r = reject(from_answer(
             &c,
-            &p,
-            &answer(vec![result(false, u64::MAX, u64::MAX, 0)]),
+            &answer(vec![rejected(
+                u64::MAX,
+                u64::MAX,
+                limit("x", u64::MAX, 0.0),
+            )]),
+            &RULES[..1],
+            &[],
         ));
         assert_eq!(header(&r, "retry-after"), Some("999999999999999"));
-    }
-
-    #[test]
-    fn contention_on_an_emergency_bucket_denies() {
-        let c = example();
-        let e = c.rules[0].emergency.clone().unwrap();
-        let p = planned(&c, &[0]);
-        let r = reject(from_emergency(&c, &p, &[(0, &e)], &[Err(Contention)]));
-        assert_eq!(r.status, 429);
-        assert_eq!(header(&r, "retry-after"), Some("1"));
+        assert_eq!(
+            header(&r, "ratelimit-policy"),
+            Some(format!("\"x\";q={max};w={max}").as_str())
+        );
+        assert_eq!(
+            header(&r, "ratelimit"),
+            Some(format!("\"x\";r={max};t={max}").as_str())
+        );
+        let headers = admit(from_answer(
+            &c,
+            &answer(vec![admitted(u64::MAX, u64::MAX, limit("y", 0, -1.0))]),
+            &RULES[..1],
+            &[],
+        ));
+        assert_eq!(headers[0].1, format!("\"y\";q=0;w={max}"));
+        assert_eq!(headers[1].1, format!("\"y\";r={max};t={max}"));
     }
 }
