@@ -63,7 +63,7 @@ fn default_domain() -> String {
 }
 
 /// What the gateway may decide or batch locally without changing any verdict (see
-/// `crate::fastpath` and `crate::coalesce` for why each is exact).
+/// `crate::fastpath`, and the host adapter's coalescing, for why each is exact).
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct FastPaths {
@@ -840,7 +840,7 @@ impl Config {
                 p.add(
                     format!("{at}[{j}]"),
                     format!(
-                        "{:?} is never known without {source}: the rule would never apply",
+                        "{:?} is never known without {source}: the rule could never tell clients apart",
                         d.as_str()
                     ),
                 );
@@ -1307,11 +1307,11 @@ pub(crate) mod tests {
             v["identity"] = json!({});
             v["rules"][0]["subject"] = json!(["app", "user", "tenant", "route", "app"]);
         }));
-        assert_has(&p, "rules[0].subject[0]: \"app\" is never known without identity.api_key: the rule would never apply");
-        assert_has(&p, "rules[0].subject[1]: \"user\" is never known without identity.jwt: the rule would never apply");
-        assert_has(&p, "rules[0].subject[2]: \"tenant\" is never known without identity.jwt.tenant_claim: the rule would never apply");
+        assert_has(&p, "rules[0].subject[0]: \"app\" is never known without identity.api_key: the rule could never tell clients apart");
+        assert_has(&p, "rules[0].subject[1]: \"user\" is never known without identity.jwt: the rule could never tell clients apart");
+        assert_has(&p, "rules[0].subject[2]: \"tenant\" is never known without identity.jwt.tenant_claim: the rule could never tell clients apart");
         assert_has(&p, "rules[0].subject[4]: duplicate dimension \"app\"");
-        assert_has(&p, "rules[1].subject[0]: \"ip\" is never known without identity.ip: true: the rule would never apply");
+        assert_has(&p, "rules[1].subject[0]: \"ip\" is never known without identity.ip: true: the rule could never tell clients apart");
         assert!(!p.iter().any(|x| x.contains("subject[3]")), "{p:?}");
         assert_eq!(p.len(), 5, "{p:#?}");
     }

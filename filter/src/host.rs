@@ -38,7 +38,7 @@ use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType};
 use ratelimit_wire::{
     DecideRequest, Decision, LeaseAsk, LeaseReturn, Reason, RequestAnswer, RequestDecisions,
-    MAX_LEASE_ID,
+    MAX_CALL_DECISIONS, MAX_LEASE_ID, MAX_RETURNS,
 };
 
 use crate::attempt::Attempts;
@@ -379,14 +379,28 @@ fn pump(vm: &SharedVm) {
                 return;
             }
             let now = now_ns();
+            // At most max_batch requests, and within the wire's bounds on decisions and returns
+            // per call (a request that would pass them waits for the next callout).
             let mut batch = Vec::new();
+            let (mut decisions, mut returns) = (0, 0);
             while batch.len() < fp.max_batch {
-                let Some(ctx) = v.queue.pop_front() else {
+                let Some(&ctx) = v.queue.front() else {
                     break;
                 };
-                if v.waiting.contains_key(&ctx) {
-                    batch.push(ctx);
+                let Some(w) = v.waiting.get(&ctx) else {
+                    v.queue.pop_front();
+                    continue;
+                };
+                let (d, r) = (w.remote.len(), w.returns.len());
+                if !batch.is_empty()
+                    && (decisions + d > MAX_CALL_DECISIONS || returns + r > MAX_RETURNS)
+                {
+                    break;
                 }
+                v.queue.pop_front();
+                batch.push(ctx);
+                decisions += d;
+                returns += r;
             }
             if batch.is_empty() {
                 return;

@@ -41,7 +41,8 @@ pub struct Planned {
     pub subject: WireSubject,
     pub cost: u64,
     /// The bucket's identity at this gateway (for the fast paths' shared data):
-    /// `<rule>|<dimension>=<value>|...`, see [`bucket_id`].
+    /// `<domain>/<rule>|<dimension>=<value>|...`, see [`bucket_id`]; the domain keeps two plugins
+    /// that share a `vm_id` apart.
     pub id: String,
 }
 
@@ -116,7 +117,7 @@ pub fn plan(config: &Config, rules: &[usize], subject: &Subject) -> Plan {
         }
         p.planned.push(Planned {
             rule: i,
-            id: bucket_id(rule, subject),
+            id: format!("{}/{}", config.domain, bucket_id(rule, subject)),
             subject: wire,
             cost: rule.cost,
         });
@@ -239,8 +240,12 @@ mod tests {
         plan(c, &matching(c, r), s)
     }
 
+    /// The planned ids without their `<domain>/` (the domain has no `/`).
     fn ids(planned: &[Planned]) -> Vec<&str> {
-        planned.iter().map(|p| p.id.as_str()).collect()
+        planned
+            .iter()
+            .map(|p| p.id.split_once('/').map_or(p.id.as_str(), |(_, id)| id))
+            .collect()
     }
 
     /// The example with its rule 0 (`per-app`, by `app`) set to `on_unknown`.
@@ -266,13 +271,13 @@ mod tests {
                         rule: 0,
                         subject: wire(&[("app", Some("alpha"))]),
                         cost: 1,
-                        id: "per-app|app=alpha".into(),
+                        id: "ratelimit/per-app|app=alpha".into(),
                     },
                     Planned {
                         rule: 1,
                         subject: wire(&[("ip", Some("10.0.0.1"))]),
                         cost: 1,
-                        id: "per-ip|ip=10.0.0.1".into(),
+                        id: "ratelimit/per-ip|ip=10.0.0.1".into(),
                     },
                 ],
                 subject_unknown: false,
@@ -476,7 +481,7 @@ mod tests {
             serde_json::to_string(&planned.subject).unwrap(),
             r#"{"tenant":"acme","user":null,"route":"api"}"#
         );
-        assert_eq!(planned.id, "r|tenant=acme|user~|route=api");
+        assert_eq!(planned.id, "ratelimit/r|tenant=acme|user~|route=api");
     }
 
     fn rule(subject: Vec<Dimension>) -> Rule {

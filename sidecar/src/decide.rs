@@ -192,12 +192,23 @@ fn check_lease(at: &str, l: &LeaseAsk) -> Result<(), DecideError> {
     Ok(())
 }
 
+/// Descriptor entries: (key, value), a `None` value being an unknown subject.
+pub type Entries = Vec<(String, Option<String>)>;
+
 /// One decision in the generic form both APIs share: descriptor entries, a cost, a lease ask.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Item {
-    pub entries: Vec<(String, Option<String>)>,
+    pub entries: Entries,
     pub cost: u64,
     pub lease: Option<LeaseAsk>,
+}
+
+/// Unused lease tokens given back, in the generic form.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReturnItem {
+    pub entries: Entries,
+    pub lease_id: u64,
+    pub tokens: u64,
 }
 
 /// Who asks: the wasm filter names rules (a rule the policy lacks is a configuration error), Envoy's
@@ -287,10 +298,14 @@ impl<S: BucketStore> Decider<S> {
                     .collect()
             })
             .collect();
-        let returns: Vec<(Vec<(String, Option<String>)>, u64, u64)> = call
+        let returns: Vec<ReturnItem> = call
             .returns
             .into_iter()
-            .map(|r| (rule_entries(r.rule, r.subject), r.id, r.tokens))
+            .map(|r| ReturnItem {
+                entries: rule_entries(r.rule, r.subject),
+                lease_id: r.id,
+                tokens: r.tokens,
+            })
             .collect();
         let answers = self
             .run(
@@ -310,7 +325,7 @@ impl<S: BucketStore> Decider<S> {
         domain: &str,
         attempt: Option<&str>,
         requests: Vec<Vec<Item>>,
-        returns: Vec<(Vec<(String, Option<String>)>, u64, u64)>,
+        returns: Vec<ReturnItem>,
         caller: Caller,
     ) -> Vec<RequestAnswer> {
         let policy = self.policy.current().clone();
@@ -556,12 +571,13 @@ impl<S: BucketStore> Decider<S> {
         &self,
         policy: &Policy,
         domain: &str,
-        returns: &[(Vec<(String, Option<String>)>, u64, u64)],
+        returns: &[ReturnItem],
     ) -> Vec<(NodeId, Return)> {
         returns
             .iter()
-            .filter_map(|(entries, id, tokens)| {
-                let entries: Vec<(&str, Option<&str>)> = entries
+            .filter_map(|r| {
+                let entries: Vec<(&str, Option<&str>)> = r
+                    .entries
                     .iter()
                     .map(|(k, v)| (k.as_str(), v.as_deref()))
                     .collect();
@@ -584,8 +600,8 @@ impl<S: BucketStore> Decider<S> {
                             capacity,
                             refill_per_sec,
                         },
-                        lease_id: *id,
-                        tokens: *tokens,
+                        lease_id: r.lease_id,
+                        tokens: r.tokens,
                     },
                 ))
             })
@@ -860,7 +876,7 @@ impl<S: BucketStore> Decider<S> {
 }
 
 /// The entries of a filter decision: `rule=<name>`, then the subject.
-fn rule_entries(rule: String, subject: ratelimit_wire::Subject) -> Vec<(String, Option<String>)> {
+fn rule_entries(rule: String, subject: ratelimit_wire::Subject) -> Entries {
     let mut entries = Vec::with_capacity(1 + subject.0.len());
     entries.push((RULE_KEY.to_string(), Some(rule)));
     entries.extend(subject.0);

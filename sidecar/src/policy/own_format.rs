@@ -90,6 +90,9 @@ struct LimitSpec {
     blocked: bool,
 }
 
+/// An override's condition: dimensions and values (`None`: unknown).
+type When = Vec<(String, Option<String>)>;
+
 /// One domain in this format.
 #[derive(Debug)]
 pub struct OwnDomain {
@@ -99,7 +102,8 @@ pub struct OwnDomain {
 #[derive(Debug)]
 struct Rule {
     limit: Limit,
-    overrides: Vec<(Vec<(String, Option<String>)>, Limit)>,
+    /// (`when` entries, the limit), in file order.
+    overrides: Vec<(When, Limit)>,
 }
 
 impl OwnDomain {
