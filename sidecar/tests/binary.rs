@@ -121,3 +121,33 @@ fn an_invalid_policy_refuses_to_start_naming_the_field() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--limits"));
 }
+
+#[test]
+fn log_format_json_writes_one_json_object_per_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let limits = dir.path().join("limits.yaml");
+    std::fs::write(&limits, "rules:\n  r: {capacity: 1, refill_per_sec: 1}\n").unwrap();
+    let port = free_port();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ratelimit-sidecar"))
+        .arg("--limits")
+        .arg(&limits)
+        .args([
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--log-format",
+            "json",
+        ])
+        .args(["--redis", "redis://127.0.0.1:1"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stderr = std::io::BufReader::new(child.stderr.take().unwrap());
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut stderr, &mut line).unwrap();
+    let _ = child.kill();
+    let _ = child.wait();
+    let v: serde_json::Value =
+        serde_json::from_str(&line).unwrap_or_else(|e| panic!("not JSON ({e}): {line}"));
+    assert!(v["level"].is_string() && v["message"].is_string(), "{v}");
+}
