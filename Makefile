@@ -39,6 +39,7 @@ run: build
 	ENVOY_CONFIG=$(ENVOY_CONFIG) scripts/run-local.sh
 
 bench: build
+	$(CARGO) build --release -p ratelimit-noop-filter --target wasm32-wasip1
 	RATELIMIT_SIDECAR_BIN=$(CURDIR)/$(SIDECAR) RATELIMIT_FILTER_WASM=$(CURDIR)/$(WASM) \
 		$(CARGO) run --release -p ratelimit-e2e --bin ratelimit-bench -- $(BENCH_ARGS)
 
