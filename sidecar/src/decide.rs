@@ -192,10 +192,16 @@ fn check_lease(at: &str, l: &LeaseAsk) -> Result<(), DecideError> {
     Ok(())
 }
 
+/// Descriptor entries, in order: (key, value); `None` is an unknown value.
+pub type Entries = Vec<(String, Option<String>)>;
+
+/// A lease return in the generic form: its entries, the lease id, the tokens given back.
+pub type ReturnItem = (Entries, u64, u64);
+
 /// One decision in the generic form both APIs share: descriptor entries, a cost, a lease ask.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Item {
-    pub entries: Vec<(String, Option<String>)>,
+    pub entries: Entries,
     pub cost: u64,
     pub lease: Option<LeaseAsk>,
 }
@@ -287,7 +293,7 @@ impl<S: BucketStore> Decider<S> {
                     .collect()
             })
             .collect();
-        let returns: Vec<(Vec<(String, Option<String>)>, u64, u64)> = call
+        let returns: Vec<ReturnItem> = call
             .returns
             .into_iter()
             .map(|r| (rule_entries(r.rule, r.subject), r.id, r.tokens))
@@ -310,7 +316,7 @@ impl<S: BucketStore> Decider<S> {
         domain: &str,
         attempt: Option<&str>,
         requests: Vec<Vec<Item>>,
-        returns: Vec<(Vec<(String, Option<String>)>, u64, u64)>,
+        returns: Vec<ReturnItem>,
         caller: Caller,
     ) -> Vec<RequestAnswer> {
         let policy = self.policy.current().clone();
@@ -556,7 +562,7 @@ impl<S: BucketStore> Decider<S> {
         &self,
         policy: &Policy,
         domain: &str,
-        returns: &[(Vec<(String, Option<String>)>, u64, u64)],
+        returns: &[ReturnItem],
     ) -> Vec<(NodeId, Return)> {
         returns
             .iter()
@@ -860,7 +866,7 @@ impl<S: BucketStore> Decider<S> {
 }
 
 /// The entries of a filter decision: `rule=<name>`, then the subject.
-fn rule_entries(rule: String, subject: ratelimit_wire::Subject) -> Vec<(String, Option<String>)> {
+fn rule_entries(rule: String, subject: ratelimit_wire::Subject) -> Entries {
     let mut entries = Vec::with_capacity(1 + subject.0.len());
     entries.push((RULE_KEY.to_string(), Some(rule)));
     entries.extend(subject.0);

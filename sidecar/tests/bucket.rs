@@ -216,7 +216,7 @@ async fn two_hundred_concurrent_callers_on_a_bucket_of_50_get_exactly_50() {
         .metric("ratelimit_script_call_decisions_count")
         .await;
     println!("200 calls took {batches} script calls");
-    assert!(batches >= 1.0 && batches <= 200.0);
+    assert!((1.0..=200.0).contains(&batches));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -32,17 +32,23 @@ fn bucket_of(key: usize) -> Bucket {
     }
 }
 
+/// One generated decision: (key index, cost, shadow, lease ask (tokens, ttl)).
+type GenDecision = (usize, u64, bool, Option<(u64, u64)>);
+
+/// One generated group: its attempt (if recorded) and its requests of decisions.
+type GenGroup = (Option<u8>, Vec<Vec<GenDecision>>);
+
 #[derive(Debug, Clone)]
 enum Step {
     Apply {
-        groups: Vec<(Option<u8>, Vec<Vec<(usize, u64, bool, Option<(u64, u64)>)>>)>,
+        groups: Vec<GenGroup>,
         returns: Vec<(usize, u64, u64)>,
     },
     /// Refund requests of an earlier recorded group (by its index among recorded groups).
     Refund { group: usize, requests: Vec<usize> },
 }
 
-fn decision() -> impl Strategy<Value = (usize, u64, bool, Option<(u64, u64)>)> {
+fn decision() -> impl Strategy<Value = GenDecision> {
     (
         0..KEYS.len(),
         1..4u64,
@@ -69,11 +75,7 @@ fn step() -> impl Strategy<Value = Step> {
     ]
 }
 
-fn work_of(
-    groups: &[(Option<u8>, Vec<Vec<(usize, u64, bool, Option<(u64, u64)>)>>)],
-    returns: &[(usize, u64, u64)],
-    case: u64,
-) -> Work {
+fn work_of(groups: &[GenGroup], returns: &[(usize, u64, u64)], case: u64) -> Work {
     Work {
         groups: groups
             .iter()

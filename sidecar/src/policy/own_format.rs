@@ -96,10 +96,13 @@ pub struct OwnDomain {
     rules: BTreeMap<String, Rule>,
 }
 
+/// An override's `when`: (dimension, value) pairs that must all hold.
+type When = Vec<(String, Option<String>)>;
+
 #[derive(Debug)]
 struct Rule {
     limit: Limit,
-    overrides: Vec<(Vec<(String, Option<String>)>, Limit)>,
+    overrides: Vec<(When, Limit)>,
 }
 
 impl OwnDomain {

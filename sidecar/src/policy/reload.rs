@@ -235,7 +235,7 @@ mod tests {
         let metrics = Arc::new(Metrics::new());
         let h = PolicyHandle::load(vec![file.clone()], Bounds::default(), metrics.clone()).unwrap();
         assert_eq!(capacity(&h), Some(5));
-        assert_eq!(h.reload("test").unwrap(), false, "unchanged");
+        assert!(!h.reload("test").unwrap(), "unchanged");
         std::fs::write(&file, "rules:\n  r: {capacity: 7, refill_per_sec: 1}\n").unwrap();
         assert!(h.reload("test").unwrap());
         assert_eq!(capacity(&h), Some(7));
