@@ -205,6 +205,14 @@ impl Sidecar {
         Sidecar::start_on(free_port(), redis_url, extra)
     }
 
+    /// Starts the sidecar with the policy file `limits` (`--limits`) and waits until it is ready.
+    pub fn start_with_limits(redis_url: &str, limits: &Path, extra: &[&str]) -> Sidecar {
+        let limits = limits.display().to_string();
+        let mut args = vec!["--limits", limits.as_str()];
+        args.extend_from_slice(extra);
+        Sidecar::start_on(free_port(), redis_url, &args)
+    }
+
     /// Starts the sidecar on a given port (to bring "the same" sidecar back after stopping it).
     pub fn start_on(port: u16, redis_url: &str, extra: &[&str]) -> Sidecar {
         let logs = tempfile::tempdir().expect("temp dir");
