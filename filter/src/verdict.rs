@@ -11,7 +11,7 @@
 //! waiting cannot help.
 
 use ratelimit_wire::headers::{self as fields, Limit};
-pub use ratelimit_wire::headers::{ceil_s, retry_after_s, sf_integer};
+pub use ratelimit_wire::headers::{ceil_s, retry_after_s, sf_integer, MAX_SF_INTEGER};
 use ratelimit_wire::{AppliedLimit, DecideResponse, ErrorCode, Reason, RequestAnswer};
 
 use crate::config::{window_s, Config, Emergency, FailurePolicy, RateLimitHeaders};
