@@ -115,7 +115,11 @@ impl StageResult {
     }
 }
 
-type Op = Arc<dyn Fn(u64) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), String>> + Send>> + Send + Sync>;
+type Op = Arc<
+    dyn Fn(u64) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), String>> + Send>>
+        + Send
+        + Sync,
+>;
 
 /// Runs `concurrency` copies of `op` for `seconds` and measures them.
 async fn stage(name: &str, args: &Args, watched: &[Watched], per_op: usize, op: Op) -> StageResult {
@@ -234,7 +238,6 @@ enum Filter {
     Noop,
     LocalRateLimit,
     Wasm,
-    Native,
 }
 
 const LOCAL_RATELIMIT: &str = r#"          - name: envoy.filters.http.local_ratelimit
@@ -264,7 +267,7 @@ fn edit_config(yaml: &str, filter: Filter, noop_wasm: &str, wasm: &str) -> Strin
         Filter::None => String::new(),
         Filter::Noop => block.replace(wasm, noop_wasm),
         Filter::LocalRateLimit => LOCAL_RATELIMIT.to_string(),
-        Filter::Wasm | Filter::Native => block.to_string(),
+        Filter::Wasm => block.to_string(),
     };
     format!("{}{}{}", &yaml[..start], replacement, &yaml[end..])
 }
@@ -331,7 +334,11 @@ fn http_get_op(client: reqwest::Client, url: String, workload: Workload, keys: u
             let resp = req.send().await.map_err(|e| e.to_string())?;
             let status = resp.status().as_u16();
             resp.bytes().await.map_err(|e| e.to_string())?;
-            let expected = if workload == Workload::Flood { 429 } else { 200 };
+            let expected = if workload == Workload::Flood {
+                429
+            } else {
+                200
+            };
             if status == expected {
                 Ok(())
             } else {
@@ -393,6 +400,38 @@ fn plugin(fast: bool) -> serde_json::Value {
     p
 }
 
+/// The shipped `envoy-native-ratelimit.yaml` (Envoy's native rate limit filter calling the
+/// sidecar over gRPC), rendered with one route per workload whose descriptors name the bench's
+/// rules, the same generous timeout as the wasm stages, and addresses from `X-Forwarded-For`.
+fn native_config(sidecar_port: u16, upstream_port: u16) -> String {
+    let yaml = EnvoyConfig::shipped("envoy-native-ratelimit.yaml", sidecar_port, upstream_port)
+        .render(10000, 9901, "")
+        .replace("use_remote_address: true", "use_remote_address: false")
+        .replace("timeout: 0.05s", "timeout: 2s");
+    let start = yaml
+        .find("              routes:\n")
+        .expect("the native config has routes");
+    let end = yaml
+        .find("          http_filters:")
+        .expect("the native config has http filters");
+    let route = |prefix: &str, actions: &str| {
+        format!(
+            "              - match: {{ prefix: \"{prefix}\" }}\n                route:\n                  cluster: demo_upstream\n                  rate_limits:\n                  - actions:\n{actions}"
+        )
+    };
+    let generic = |rule: &str| {
+        format!("                    - generic_key: {{ descriptor_key: rule, descriptor_value: {rule} }}\n")
+    };
+    let ip = "                    - extension:\n                        name: ip\n                        typed_config:\n                          \"@type\": type.googleapis.com/envoy.extensions.matching.common_inputs.network.v3.SourceIPInput\n";
+    let routes = format!(
+        "              routes:\n{}{}{}",
+        route("/many/", &format!("{}{ip}", generic("many"))),
+        route("/hot/", &generic("hot")),
+        route("/flood/", &generic("flood")),
+    );
+    format!("{}{}{}", &yaml[..start], routes, &yaml[end..])
+}
+
 /// Envoy stage results of one worker count.
 struct EnvoyRun {
     workers: u32,
@@ -401,6 +440,8 @@ struct EnvoyRun {
     local: StageResult,
     /// (workload, per-request callout, fast paths, callouts per request with fast paths)
     wasm: Vec<(Workload, StageResult, StageResult, f64)>,
+    /// (workload, Envoy's native filter over gRPC)
+    native: Vec<(Workload, StageResult)>,
 }
 
 fn main() {
@@ -425,7 +466,10 @@ fn main() {
     let wasm_path = Envoy::wasm();
     let noop_wasm = ratelimit_e2e::workspace_root()
         .join("target/wasm32-wasip1/release/ratelimit_noop_filter.wasm");
-    assert!(noop_wasm.exists(), "build the no-op filter first (make bench does)");
+    assert!(
+        noop_wasm.exists(),
+        "build the no-op filter first (make bench does)"
+    );
     let wasm_size = std::fs::metadata(&wasm_path).map(|m| m.len()).unwrap_or(0);
     println!(
         "ratelimit bench: {} s per stage, {} concurrent callers, {} keys, {cores} cores ({cpu_model}) shared by every process",
@@ -667,13 +711,25 @@ fn main() {
                 println!("{:<58} callouts per request: {callouts:.3}", "");
                 wasm.push((workload, slow, fast, callouts));
             }
-            let _ = Filter::Native;
+            let mut native = Vec::new();
+            for workload in [Workload::ManyKeys, Workload::HotKey, Workload::Flood] {
+                let r = run_stage(
+                    format!("{}: Envoy's native ratelimit filter, gRPC", workload.name()),
+                    native_config(sidecar.port, upstream.port),
+                    workload,
+                )
+                .await
+                .0;
+                print(&r, Some(&baseline));
+                native.push((workload, r));
+            }
             runs.push(EnvoyRun {
                 workers,
                 baseline,
                 noop,
                 local,
                 wasm,
+                native,
             });
         }
 
@@ -767,6 +823,23 @@ fn main() {
                 "[{w} worker(s)] local_ratelimit (no shared budget) for reference: {:.2}x the baseline",
                 run.local.per_second() / run.baseline.per_second()
             );
+            for (wl, native) in &run.native {
+                let (_, _, fast, _) = find(*wl);
+                let t = fast.per_second() / native.per_second();
+                let c = fast.stack_cpu() / native.stack_cpu().max(1e-9);
+                let wanted = *wl != Workload::ManyKeys;
+                println!(
+                    "[{w} worker(s)] {}: the wasm filter vs Envoy's native filter + sidecar (gRPC): {t:.2}x the throughput, {c:.2}x the whole-stack CPU per request ({:.1} vs {:.1} µs){}",
+                    wl.name(),
+                    fast.stack_cpu(),
+                    native.stack_cpu(),
+                    if wanted {
+                        format!(" (goal >= 1.3x and <= 0.7x: {})", goal(t >= 1.3 && c <= 0.7))
+                    } else {
+                        String::new()
+                    }
+                );
+            }
         }
     });
     drop(sidecar);
