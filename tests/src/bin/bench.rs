@@ -184,7 +184,7 @@ async fn stage(name: &str, args: &Args, watched: &[Watched], per_op: usize, op: 
         "load generator",
         (cpu_seconds(std::process::id()) - self_before) * 1e6 / ops as f64,
     ));
-    let r = StageResult {
+    StageResult {
         name: name.to_string(),
         ops,
         per_op,
@@ -192,8 +192,7 @@ async fn stage(name: &str, args: &Args, watched: &[Watched], per_op: usize, op: 
         p50: pick(0.50),
         p99: pick(0.99),
         cpu_us_per_op,
-    };
-    r
+    }
 }
 
 fn rand_u64() -> u64 {
