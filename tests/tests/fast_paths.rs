@@ -153,8 +153,7 @@ fn a_flood_on_an_exhausted_key_costs_no_callouts_until_its_retry_after() {
     // (the bucket has refilled a token), the next request is admitted.
     let last = flood
         .iter()
-        .filter(|a| a.status == 429)
-        .last()
+        .rfind(|a| a.status == 429)
         .expect("some 429");
     let wait: u64 = last
         .header("retry-after")
