@@ -44,7 +44,7 @@ use ratelimit_wire::{
 use crate::attempt::Attempts;
 use crate::config::Config;
 use crate::emergency::{self, Bucket, SharedStore, StoreError};
-use crate::fastpath::{self, Hotness, KnownLimit, Learned, Outcome, Table, Why};
+use crate::fastpath::{self, Hotness, KnownLimit, Learned, Outcome, Probe, Table, Why};
 use crate::identity::{self, Facts, ROUTE_NAME_PROPERTY, SOURCE_ADDRESS_PROPERTY};
 use crate::rules::{self, Planned, RequestFacts};
 use crate::verdict::{
@@ -929,11 +929,26 @@ impl Request {
             deadline_ns: now + config.sidecar.timeout_ms * 1_000_000,
         };
         let uses_table = fp.known_rejections || fp.leases.enabled;
+        // What the leases said about the requests they paid: (limit, tokens left).
+        let mut paid: Vec<(Option<KnownLimit>, u64)> = Vec::new();
         for i in 0..w.planned.len() {
             let p = &w.planned[i];
-            let entry = if uses_table { table.get(&p.id) } else { None };
-            if let (true, Some(e)) = (fp.known_rejections, &entry) {
-                if let Some((why, left_ns)) = e.rejection(p.cost, now) {
+            let probe = if uses_table {
+                table.probe(&p.id, p.cost, now, fp.known_rejections, fp.leases.enabled)
+            } else {
+                Probe::Miss
+            };
+            let rate = if fp.leases.enabled {
+                vm.borrow_mut().hotness.observe(&p.id, now)
+            } else {
+                0.0
+            };
+            match probe {
+                Probe::Rejected {
+                    why,
+                    left_ns,
+                    limit,
+                } => {
                     give_back(plugin, &w);
                     count(m.known_rejections);
                     count(m.rejected);
@@ -942,22 +957,21 @@ impl Request {
                     return Start::Reply(verdict::known_rejection(
                         config,
                         rule,
-                        e.limit.as_ref(),
+                        limit.as_ref(),
                         why,
                         left_ns,
                     ));
                 }
-            }
-            let rate = if fp.leases.enabled {
-                vm.borrow_mut().hotness.observe(&p.id, now)
-            } else {
-                0.0
-            };
-            if entry.as_ref().is_some_and(|e| e.lease_pays(p.cost, now)) {
-                if let Some(lease_id) = table.take_lease(&p.id, p.cost, now) {
+                Probe::Taken {
+                    lease_id,
+                    tokens_left,
+                    limit,
+                } => {
                     w.taken.push((i, lease_id));
+                    paid.push((limit, tokens_left));
                     continue;
                 }
+                Probe::Miss => {}
             }
             // The remote path; a busy bucket asks for a lease on the way.
             let mut ask = None;
@@ -989,16 +1003,11 @@ impl Request {
         }
         if w.remote.is_empty() {
             count(m.lease_admitted);
-            let entries: Vec<Option<fastpath::Entry>> = w
-                .taken
+            let leased: Vec<LeasedAdmit<'_>> = paid
                 .iter()
-                .map(|(i, _)| table.get(&w.planned[*i].id))
-                .collect();
-            let leased: Vec<LeasedAdmit<'_>> = entries
-                .iter()
-                .map(|e| LeasedAdmit {
-                    limit: e.as_ref().and_then(|e| e.limit.as_ref()),
-                    lease_tokens: e.as_ref().map_or(0, |e| e.lease_tokens),
+                .map(|(limit, tokens)| LeasedAdmit {
+                    limit: limit.as_ref(),
+                    lease_tokens: *tokens,
                 })
                 .collect();
             for (i, _) in &w.taken {

@@ -151,10 +151,7 @@ fn a_flood_on_an_exhausted_key_costs_no_callouts_until_its_retry_after() {
     );
     // A cached rejection does not outlive its retry_after: once the wait the 429 named has passed
     // (the bucket has refilled a token), the next request is admitted.
-    let last = flood
-        .iter()
-        .rfind(|a| a.status == 429)
-        .expect("some 429");
+    let last = flood.iter().rfind(|a| a.status == 429).expect("some 429");
     let wait: u64 = last
         .header("retry-after")
         .expect("Retry-After")
