@@ -41,7 +41,6 @@ use ratelimit_wire::{
     MAX_CALL_DECISIONS, MAX_LEASE_ID, MAX_RETURNS,
 };
 
-use crate::attempt::Attempts;
 use crate::config::Config;
 use crate::emergency::{self, Bucket, SharedStore, StoreError};
 use crate::fastpath::{self, Hotness, KnownLimit, Learned, Outcome, Probe, Table, Why};
@@ -172,7 +171,6 @@ struct Vm {
     /// A wake-up of the root is on its way.
     wake_pending: bool,
     hotness: Hotness,
-    attempts: Attempts,
     nonce: u64,
     lease_counter: u64,
     /// Headers to add to the upstream's response, by context.
@@ -315,7 +313,6 @@ impl RootContext for Root {
             flights: HashMap::new(),
             wake_pending: false,
             hotness: Hotness::default(),
-            attempts: Attempts::new(nonce),
             nonce,
             lease_counter: 0,
             response_headers: HashMap::new(),
@@ -412,8 +409,7 @@ fn pump(vm: &SharedVm) {
                 .min()
                 .unwrap_or(now);
             let timeout_ms = deadline.saturating_sub(now).div_ceil(1_000_000).max(1);
-            let attempt = v.attempts.next_id();
-            let body = call_body(&plugin.config, &v, &batch, attempt);
+            let body = call_body(&plugin.config, &v, &batch);
             (plugin, batch, body, timeout_ms)
         };
         let dispatched = dispatch(&plugin, &body, timeout_ms);
@@ -443,7 +439,11 @@ fn pump(vm: &SharedVm) {
 }
 
 /// The body of a callout for `contexts` (waiting requests of this VM).
-fn call_body(config: &Config, vm: &Vm, contexts: &[u32], attempt: String) -> Vec<u8> {
+///
+/// It carries no attempt id: Envoy never repeats a callout, so deduplication would cost Redis a
+/// record per request for nothing (a request split across Cluster nodes gets an id from the
+/// sidecar, for its refunds).
+fn call_body(config: &Config, vm: &Vm, contexts: &[u32]) -> Vec<u8> {
     let mut requests = Vec::with_capacity(contexts.len());
     let mut returns = Vec::new();
     for c in contexts {
@@ -456,7 +456,7 @@ fn call_body(config: &Config, vm: &Vm, contexts: &[u32], attempt: String) -> Vec
     }
     let call = DecideRequest {
         domain: config.domain.clone(),
-        attempt: Some(attempt),
+        attempt: None,
         requests,
         returns,
     };
@@ -1039,11 +1039,9 @@ impl Request {
         }
         // Without coalescing: this request's own callout, answered to this context.
         let body = {
-            let mut v = vm.borrow_mut();
-            let attempt = v.attempts.next_id();
             let call = DecideRequest {
                 domain: config.domain.clone(),
-                attempt: Some(attempt),
+                attempt: None,
                 requests: vec![RequestDecisions {
                     decisions: decisions(config, &w),
                 }],
