@@ -9,8 +9,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use ratelimit_e2e::scenario::{burst, count, Stack, ALPHA};
-use ratelimit_e2e::{http, workspace_root};
-use serde_json::Value;
+use ratelimit_e2e::{http, plugin_json, workspace_root};
+use serde_json::{json, Value};
 use serde_yaml_ng::Value as Yaml;
 
 const ALERTS: &str = "observability/prometheus-alerts.yaml";
@@ -580,10 +580,14 @@ fn get_text(url: &str) -> String {
 #[test]
 fn every_metric_name_in_the_alerts_and_the_dashboard_is_exposed_by_a_real_sidecar_and_envoy() {
     // The shipped envoy.yaml (per-app: `on_error: local`, per-ip: `allow`) with a small per-app
-    // bucket, so a burst gets 429s, known rejections and leases.
+    // bucket, so a burst gets 429s and known rejections, and every bucket counted as busy, so
+    // the first callout already asks for a lease (the sidecar's lease counter appears once one
+    // is granted).
+    let mut plugin = plugin_json(&read("envoy/envoy.yaml"));
+    plugin["fast_paths"] = json!({"leases": {"min_rate_per_sec": 1}});
     let stack = Stack::start(
         "envoy.yaml",
-        None,
+        Some(plugin),
         Some("rules:\n  per-app: {capacity: 20, refill_per_sec: 0.001}\n  per-ip: {capacity: 1000, refill_per_sec: 100}\n"),
     );
     let answers = burst(&stack.envoy.url("/api/orders"), &[ALPHA], 100, 8);
