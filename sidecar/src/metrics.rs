@@ -126,6 +126,9 @@ pub struct Metrics {
     pub policy_limits: Gauge,
     /// `ratelimit_lease_tokens_total{result}`: tokens `granted` to gateways as leases.
     pub lease_tokens: Family<ResultLabels, Counter>,
+    /// `ratelimit_redis_evicting_policy`: 1 when a Redis node's `maxmemory-policy` can evict
+    /// buckets, 0 when every node said `noeviction`; set by each readiness check that reads it.
+    pub redis_evicting_policy: Gauge,
 }
 
 impl Default for Metrics {
@@ -149,6 +152,7 @@ impl Metrics {
         let policy_reloads = Family::<ResultLabels, Counter>::default();
         let policy_limits = Gauge::default();
         let lease_tokens = Family::<ResultLabels, Counter>::default();
+        let redis_evicting_policy = Gauge::default();
         registry.register(
             "ratelimit_decisions",
             "Decisions answered, by limit name and verdict",
@@ -209,6 +213,11 @@ impl Metrics {
             "Tokens granted to gateways as leases",
             lease_tokens.clone(),
         );
+        registry.register(
+            "ratelimit_redis_evicting_policy",
+            "1 when a Redis node's maxmemory-policy can evict buckets (not noeviction), else 0",
+            redis_evicting_policy.clone(),
+        );
         for result in ["ok", "invalid"] {
             let _ = policy_reloads.get_or_create(&ResultLabels { result });
         }
@@ -226,6 +235,7 @@ impl Metrics {
             policy_reloads,
             policy_limits,
             lease_tokens,
+            redis_evicting_policy,
         }
     }
 
@@ -281,6 +291,11 @@ impl Metrics {
             .inc();
     }
 
+    /// What a readiness check read of Redis's `maxmemory-policy`: whether some node can evict.
+    pub fn eviction_policy(&self, evicting: bool) {
+        self.redis_evicting_policy.set(i64::from(evicting));
+    }
+
     /// The metrics in the Prometheus/OpenMetrics text format.
     pub fn encode(&self) -> String {
         let mut out = String::new();
@@ -313,6 +328,7 @@ mod tests {
             "ratelimit_unknown_rule_total",
             "ratelimit_policy_reloads_total{result=\"invalid\"} 0",
             "ratelimit_policy_limits",
+            "ratelimit_redis_evicting_policy 0",
         ] {
             assert!(text.contains(name), "{name} missing in\n{text}");
         }
