@@ -932,6 +932,19 @@ impl Request {
         for i in 0..w.planned.len() {
             let p = &w.planned[i];
             let entry = if uses_table { table.get(&p.id) } else { None };
+            // A lease that pays goes first: its tokens were deducted in Redis for this gateway,
+            // so admitting from it is exact even while a rejection is known (a request decided
+            // remotely while the lease was being granted). Checked after the rejection, the
+            // gateway would strand its own lease until it expires.
+            if entry.as_ref().is_some_and(|e| e.lease_pays(p.cost, now)) {
+                if let Some(lease_id) = table.take_lease(&p.id, p.cost, now) {
+                    if fp.leases.enabled {
+                        vm.borrow_mut().hotness.observe(&p.id, now);
+                    }
+                    w.taken.push((i, lease_id));
+                    continue;
+                }
+            }
             if let (true, Some(e)) = (fp.known_rejections, &entry) {
                 if let Some((why, left_ns)) = e.rejection(p.cost, now) {
                     give_back(plugin, &w);
@@ -953,12 +966,6 @@ impl Request {
             } else {
                 0.0
             };
-            if entry.as_ref().is_some_and(|e| e.lease_pays(p.cost, now)) {
-                if let Some(lease_id) = table.take_lease(&p.id, p.cost, now) {
-                    w.taken.push((i, lease_id));
-                    continue;
-                }
-            }
             // The remote path; a busy bucket asks for a lease on the way.
             let mut ask = None;
             if fp.leases.enabled && rate >= fp.leases.min_rate_per_sec {
