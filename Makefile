@@ -10,7 +10,7 @@ SIDECAR      := target/release/ratelimit-sidecar
 ENVOY_CONFIG ?= envoy/envoy.yaml
 export ENVOY_BIN ?= $(CURDIR)/.venv/bin/envoy
 
-.PHONY: all deps build test test-native test-wasm run bench simulate lint fmt clean
+.PHONY: all deps build test test-native test-wasm run bench reliability simulate lint fmt clean
 
 all: build
 
@@ -42,6 +42,13 @@ bench: build
 	$(CARGO) build --release -p ratelimit-noop-filter --target wasm32-wasip1
 	RATELIMIT_SIDECAR_BIN=$(CURDIR)/$(SIDECAR) RATELIMIT_FILTER_WASM=$(CURDIR)/$(WASM) \
 		$(CARGO) run --release -p ratelimit-e2e --bin ratelimit-bench -- $(BENCH_ARGS)
+
+# Failure behaviour, measured (docs/failure-behaviour.md): real processes on loopback broken on
+# purpose (Redis slow, down, failing over; lost replies; a sidecar killed; floods), one table.
+# RELIABILITY_ARGS="--seconds 5 --scenario 3,4" etc.
+reliability: build
+	RATELIMIT_SIDECAR_BIN=$(CURDIR)/$(SIDECAR) RATELIMIT_FILTER_WASM=$(CURDIR)/$(WASM) \
+		$(CARGO) run --release -p ratelimit-e2e --bin ratelimit-reliability -- $(RELIABILITY_ARGS)
 
 # The regional-quota simulation (docs/regions.md): every scenario, static and rebalanced shares,
 # one table. Pure computation, a second or so in release mode; SIM_ARGS="--seed 2" etc.
