@@ -376,6 +376,7 @@ const POLICY: &str = "rules:
   many: {capacity: 999999999999, refill_per_sec: 1000000000}
   hot: {capacity: 999999999999, refill_per_sec: 1000000000}
   flood: {capacity: 1, refill_per_sec: 0.000001}
+  mem: {capacity: 100, refill_per_sec: 1}
 ";
 
 /// The plugin configuration: one rule per workload; `fast` turns every fast path on (as shipped)
@@ -627,6 +628,8 @@ fn main() {
         .await;
         print(&decide_batch, Some(&script_one));
 
+        let memory = bucket_memory(&redis, &http, &decide_url).await;
+
         let mut runs = Vec::new();
         for &workers in &args.workers {
             println!("\n== Envoy, {workers} worker(s)");
@@ -732,30 +735,6 @@ fn main() {
             });
         }
 
-        // Memory: what one bucket costs Redis (after the many-keys stages).
-        let mut c = redis.connection();
-        let sample: Vec<String> = redis::cmd("SCAN")
-            .arg(0)
-            .arg("MATCH")
-            .arg("rl:{ratelimit|rule=many*")
-            .arg("COUNT")
-            .arg(1000)
-            .query::<(u64, Vec<String>)>(&mut c)
-            .map(|(_, k)| k)
-            .unwrap_or_default();
-        let bytes: Vec<u64> = sample
-            .iter()
-            .take(100)
-            .filter_map(|k| {
-                redis::cmd("MEMORY")
-                    .arg("USAGE")
-                    .arg(k)
-                    .query::<Option<u64>>(&mut c)
-                    .ok()
-                    .flatten()
-            })
-            .collect();
-        let per_bucket = bytes.iter().sum::<u64>() as f64 / bytes.len().max(1) as f64;
 
         println!("\n== summary");
         println!(
@@ -772,8 +751,11 @@ fn main() {
             args.batch
         );
         println!(
-            "Redis memory per bucket: {per_bucket:.0} bytes (MEMORY USAGE, {} sampled); filter module {} KiB",
-            bytes.len(),
+            "Redis memory per bucket: {:.0} bytes (used_memory grew by that per bucket over {} buckets), {:.0} bytes by MEMORY USAGE ({} sampled); filter module {} KiB",
+            memory.used_per_bucket,
+            MEMORY_BUCKETS,
+            memory.usage_per_bucket,
+            memory.sampled,
             wasm_size / 1024
         );
         println!("\n== goals (ratios from this run)");
@@ -848,4 +830,81 @@ fn main() {
 /// The bucket script, as the sidecar embeds it.
 fn ratelimit_sidecar_script() -> &'static str {
     include_str!("../../../lua/token_bucket.lua")
+}
+
+/// Buckets written to measure memory.
+const MEMORY_BUCKETS: usize = 10_000;
+
+/// What one bucket costs Redis.
+struct BucketMemory {
+    used_per_bucket: f64,
+    usage_per_bucket: f64,
+    sampled: usize,
+}
+
+/// Writes [`MEMORY_BUCKETS`] buckets of the `mem` rule through the sidecar (full again only after
+/// 100 s, so none expires meanwhile) and reads what Redis spends on them: the growth of
+/// `used_memory` per bucket (Redis's own overhead included) and `MEMORY USAGE` of a sample.
+async fn bucket_memory(redis: &Redis, http: &reqwest::Client, url: &str) -> BucketMemory {
+    let mut c = redis.connection();
+    let used = |c: &mut redis::Connection| -> f64 {
+        let info: String = redis::cmd("INFO").arg("memory").query(c).expect("INFO");
+        info.lines()
+            .find_map(|l| l.strip_prefix("used_memory:"))
+            .and_then(|v| v.trim().parse().ok())
+            .expect("used_memory")
+    };
+    let before = used(&mut c);
+    let run = std::process::id();
+    for chunk in 0..MEMORY_BUCKETS / 250 {
+        let requests: Vec<serde_json::Value> = (0..250)
+            .map(|j| {
+                serde_json::json!({"decisions": [{"rule": "mem",
+                    "subject": {"ip": format!("m{run}-{}", chunk * 250 + j)}}]})
+            })
+            .collect();
+        let resp = http
+            .post(url)
+            .header("content-type", "application/json")
+            .body(serde_json::json!({ "requests": requests }).to_string())
+            .send()
+            .await
+            .expect("decide");
+        assert_eq!(resp.status(), 200, "the memory stage's decisions");
+    }
+    let after = used(&mut c);
+    let mut sample = Vec::new();
+    let mut cursor = 0u64;
+    loop {
+        let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg("rl:{ratelimit|rule=mem*")
+            .arg("COUNT")
+            .arg(1000)
+            .query(&mut c)
+            .expect("SCAN");
+        sample.extend(keys);
+        cursor = next;
+        if cursor == 0 || sample.len() >= 200 {
+            break;
+        }
+    }
+    let bytes: Vec<u64> = sample
+        .iter()
+        .take(200)
+        .filter_map(|k| {
+            redis::cmd("MEMORY")
+                .arg("USAGE")
+                .arg(k)
+                .query::<Option<u64>>(&mut c)
+                .ok()
+                .flatten()
+        })
+        .collect();
+    BucketMemory {
+        used_per_bucket: (after - before) / MEMORY_BUCKETS as f64,
+        usage_per_bucket: bytes.iter().sum::<u64>() as f64 / bytes.len().max(1) as f64,
+        sampled: bytes.len(),
+    }
 }
