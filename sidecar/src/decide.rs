@@ -596,10 +596,7 @@ impl<S: BucketStore> Decider<S> {
                     self.store.node_of(&key),
                     Return {
                         key,
-                        bucket: Bucket {
-                            capacity,
-                            refill_per_sec,
-                        },
+                        bucket: Bucket::new(capacity, refill_per_sec),
                         lease_id: r.lease_id,
                         tokens: r.tokens,
                     },
@@ -893,10 +890,7 @@ fn charge(limit: &Limit, key: Arc<str>, item: &Item) -> Charge {
     };
     Charge {
         key,
-        bucket: Bucket {
-            capacity,
-            refill_per_sec,
-        },
+        bucket: Bucket::new(capacity, refill_per_sec),
         cost: item.cost,
         shadow: limit.shadow,
         lease: item.lease.filter(|l| l.tokens > 0),
