@@ -390,8 +390,11 @@ if mode == 'refund' then
     push(changed and 1 or 0)
   end
 else
+  -- Records written by this call: a repeat of a group in the same batch (a retry that joined
+  -- its original's call) must see them, though they were read before any write.
+  local written = {}
   for g, group in ipairs(groups) do
-    local recorded = group.record ~= '' and unpack_record(records[g], group)
+    local recorded = group.record ~= '' and unpack_record(written[group.record] or records[g], group)
     if recorded then
       reply_answers(recorded, true)
     else
@@ -452,7 +455,8 @@ else
         any_charged = any_charged or admit
       end
       if group.record ~= '' and any_charged then
-        redis.call('SET', group.record, pack_record(answers), 'PX', record_ttl_ms)
+        written[group.record] = pack_record(answers)
+        redis.call('SET', group.record, written[group.record], 'PX', record_ttl_ms)
       end
       reply_answers(answers, false)
     end
