@@ -31,7 +31,7 @@ use crate::http::AppState;
 use crate::listener::TlsConfigError;
 use crate::metrics::Metrics;
 use crate::policy::reload::PolicyHandle;
-use crate::policy::{Bounds, PolicyError};
+use crate::policy::{Bounds, PolicyError, RegionScope};
 use crate::store::connection::Connection;
 use crate::store::redis_store::StoreOptions;
 use crate::store::{RedisStore, StoreError};
@@ -127,6 +127,7 @@ pub async fn serve(
         args.limits.clone(),
         Bounds {
             max_refill_s: args.max_refill_seconds,
+            region: RegionScope::Sidecar(args.region.clone()),
         },
         metrics.clone(),
     )?;
