@@ -260,6 +260,9 @@ pub trait BucketStore: Send + Sync + 'static {
 pub struct Readiness {
     pub redis_ok: bool,
     pub script_loaded: bool,
+    /// The regional shares this sidecar applies (with `--region`), per regional rule.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub regional_shares: Option<Vec<crate::regional::ShareStatus>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
     /// One entry per node that answered `CONFIG GET maxmemory-policy`.
