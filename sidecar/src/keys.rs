@@ -13,7 +13,8 @@
 //!
 //! Regional rules (`docs/regions.md`), one of each per rule in each region's Redis, in one slot:
 //! the share record `<prefix>share:{<domain>|<rule>}` and the demand counters
-//! `<prefix>demand:{<domain>|<rule>}`. Bucket keys start `<prefix>{`, so neither can be one.
+//! `<prefix>demand:{<domain>|<rule>}`; and in one region's Redis the rebalancer's leader lock
+//! `<prefix>rebalancer:{<domain>|<rule>}`. Bucket keys start `<prefix>{`, so none can be one.
 
 use sha2::{Digest, Sha256};
 
@@ -64,6 +65,11 @@ pub fn share_key(prefix: &str, domain: &str, rule: &str) -> String {
 /// The demand counters of a regional rule (added to by the sidecars, read by the rebalancer).
 pub fn demand_key(prefix: &str, domain: &str, rule: &str) -> String {
     rule_key(prefix, "demand:", domain, rule)
+}
+
+/// The rebalancer's leader lock of a regional rule (one rebalancer at a time per rule).
+pub fn leader_key(prefix: &str, domain: &str, rule: &str) -> String {
+    rule_key(prefix, "rebalancer:", domain, rule)
 }
 
 fn rule_key(prefix: &str, kind: &str, domain: &str, rule: &str) -> String {
