@@ -184,8 +184,14 @@ impl RuleRun {
     }
 
     /// Reads a region's record, creating it with the initial share when there is none; with the
-    /// lease its sidecars may hold (the default one when there was no record).
-    async fn read_record(&self, region: &Region) -> Result<(ShareRecord, u64), RegionError> {
+    /// lease its sidecars may hold (the default one when there was no record). A record this run
+    /// has seen that is gone is an error: the region's Redis lost it, and the initial share may be
+    /// more than the region held.
+    async fn read_record(
+        &self,
+        region: &Region,
+        seen: bool,
+    ) -> Result<(ShareRecord, u64), RegionError> {
         let key = self.share_key();
         if let Some(r) = region.read_record(&key).await? {
             let record = ShareRecord {
@@ -193,6 +199,15 @@ impl RuleRun {
                 version: r.version,
             };
             return Ok((record, r.lease_ms));
+        }
+        if seen {
+            return Err(RegionError::Data {
+                region: region.name.clone(),
+                message: format!(
+                    "{key} is gone (the region's Redis lost it): the region stays frozen until \
+                     its record is written again"
+                ),
+            });
         }
         let initial = self.rule.quota.share(&region.name).unwrap_or(Share::ZERO);
         let seed = ShareWrite {
@@ -238,11 +253,15 @@ impl RuleRun {
         }
         let leadership = self.leadership_changes;
         let observations = self.observe_demand().await;
-        let reads = futures::future::join_all(
-            self.regions
-                .values()
-                .map(|r| async { (r.name.clone(), self.read_record(r).await) }),
-        )
+        let this = &*self;
+        let reads = futures::future::join_all(this.regions.values().map(|r| {
+            let seen = this
+                .rebalancer
+                .as_ref()
+                .and_then(|rb| rb.record(&r.name))
+                .is_some();
+            async move { (r.name.clone(), this.read_record(r, seen).await) }
+        }))
         .await;
         let mut outcomes = Vec::new();
         for (region, read) in reads {

@@ -206,3 +206,30 @@ async fn one_rebalancer_at_a_time_leads_a_rule() {
     first.resign().await;
     assert!(second.lead().await, "the lock is free once resigned");
 }
+
+#[tokio::test]
+async fn a_record_lost_after_it_was_seen_is_not_recreated_with_the_initial_share() {
+    let (eu, us) = (Redis::start(), Redis::start());
+    seed(&eu, 0.3);
+    seed(&us, 0.7);
+    let mut run = run(
+        rule("{eu: 0.5, us: 0.5}"),
+        &[("eu", &eu.url()), ("us", &us.url())],
+        "a",
+    );
+    run.round().await.expect("leading");
+    // eu's Redis loses the record (a restart without persistence).
+    let _: () = redis::cmd("DEL")
+        .arg(SHARE)
+        .query(&mut eu.connection())
+        .unwrap();
+    run.round().await.expect("leading");
+    let fields: Vec<(String, String)> = redis::cmd("HGETALL")
+        .arg(SHARE)
+        .query(&mut eu.connection())
+        .unwrap();
+    assert!(
+        fields.is_empty(),
+        "recreated with 0.5 while us holds 0.7: {fields:?}"
+    );
+}
