@@ -1445,7 +1445,7 @@ rules:
             ..Bounds::default()
         };
         let p = Policy::from_sources(&[("limits.yaml".into(), REGIONAL.into())], &bounds).unwrap();
-        let shares = RegionalShares::new("eu", "rl:");
+        let shares = RegionalShares::new("eu", "rl:", std::time::Duration::ZERO);
         shares.refresh(&*store, &p).await;
         let d = Decider::new(
             store,

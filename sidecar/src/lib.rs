@@ -162,7 +162,11 @@ pub async fn serve(
     // With a region: read its shares of the regional rules, publish their demand.
     let mut regional_tasks = Vec::new();
     if let Some(region) = &args.region {
-        let shares = RegionalShares::new(region.clone(), args.key_prefix.clone());
+        let shares = RegionalShares::new(
+            region.clone(),
+            args.key_prefix.clone(),
+            Duration::from_millis(args.redis_timeout_ms),
+        );
         regional_tasks = shares.start(store, policy);
         decider = decider.with_regional(shares);
         tracing::info!(%region, "regional shares of this region apply to regional rules");

@@ -164,7 +164,7 @@ async fn a_sidecar_applies_its_regions_share_record_under_its_lease() {
             "--redis",
             &redis.url(),
             "--redis-timeout-ms",
-            "2000",
+            "500",
             "--region",
             "eu",
         ],
@@ -214,9 +214,10 @@ async fn a_sidecar_applies_its_regions_share_record_under_its_lease() {
     }
     assert_eq!(counted, (71, 101));
 
-    // A short lease, then a record the sidecar cannot trust: once the lease runs out the
+    // A short lease, then a record the sidecar cannot trust: once the lease (less the time a
+    // decision may take to reach Redis, the Redis timeout) runs out the
     // regional rule answers "unavailable" (the gateway's on_error decides); other rules decide.
-    assert!(write_share(&redis, 5, s(0.8), 300));
+    assert!(write_share(&redis, 5, s(0.8), 1_000));
     wait_for_version(&sidecar, 5).await;
     let _: () = redis::cmd("HSET")
         .arg("rl:share:{ratelimit|global}")
@@ -234,7 +235,10 @@ async fn a_sidecar_applies_its_regions_share_record_under_its_lease() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     let error = answer["error"].as_str().expect("503 unavailable");
-    assert!(error.contains("past its lease of 300 ms"), "{error}");
+    assert!(
+        error.contains("past its lease of 1000 ms less the Redis timeout (500 ms)"),
+        "{error}"
+    );
     assert!(error.contains("not <from_ms>:<ppm>"), "{error}");
     let (status, a) = sidecar.decide(json!([decision("local", "d", 1)])).await;
     assert_eq!((status, a["allowed"].clone()), (200, json!(true)));

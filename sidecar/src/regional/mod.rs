@@ -42,6 +42,9 @@ type RuleId = (String, String);
 pub struct RegionalShares {
     region: String,
     key_prefix: String,
+    /// How long before its lease ends a share stops being applied: a decision planned under the
+    /// lease reaches Redis at most this much later (`--redis-timeout-ms`).
+    decision_time: Duration,
     views: Mutex<HashMap<RuleId, View>>,
     /// Tokens (admitted, rejected) not yet added to the region's counters.
     demand: Mutex<HashMap<RuleId, (u64, u64)>>,
@@ -67,8 +70,10 @@ struct Leased {
 }
 
 impl Leased {
-    fn valid(&self) -> bool {
-        self.read_at.elapsed() < Duration::from_millis(self.lease_ms)
+    /// Whether a decision planned now may apply the share: it reaches Redis within
+    /// `decision_time`, still under the lease.
+    fn valid(&self, decision_time: Duration) -> bool {
+        self.read_at.elapsed() + decision_time < Duration::from_millis(self.lease_ms)
     }
 }
 
@@ -92,10 +97,17 @@ pub struct ShareStatus {
 }
 
 impl RegionalShares {
-    pub fn new(region: impl Into<String>, key_prefix: impl Into<String>) -> Arc<RegionalShares> {
+    /// The shares of `region`; a decision reaches Redis within `decision_time` of its planning
+    /// (the Redis timeout), so a share stops being applied that long before its lease ends.
+    pub fn new(
+        region: impl Into<String>,
+        key_prefix: impl Into<String>,
+        decision_time: Duration,
+    ) -> Arc<RegionalShares> {
         Arc::new(RegionalShares {
             region: region.into(),
             key_prefix: key_prefix.into(),
+            decision_time,
             views: Mutex::new(HashMap::new()),
             demand: Mutex::new(HashMap::new()),
         })
@@ -111,14 +123,15 @@ impl RegionalShares {
         let views = self.views.lock().expect("not poisoned");
         let view = views.get(&(rule.domain.clone(), rule.rule.clone()));
         match view.and_then(|v| v.leased.as_ref().map(|l| (v, l))) {
-            Some((_, l)) if l.valid() => Ok(l.history.clone()),
+            Some((_, l)) if l.valid(self.decision_time) => Ok(l.history.clone()),
             Some((v, l)) => Err(format!(
                 "the share of regional rule {:?} in region {:?} was read {} ms ago, past its \
-                 lease of {} ms{}",
+                 lease of {} ms less the Redis timeout ({} ms){}",
                 rule.rule,
                 self.region,
                 l.read_at.elapsed().as_millis(),
                 l.lease_ms,
+                self.decision_time.as_millis(),
                 v.error
                     .as_ref()
                     .map(|e| format!(" (the last read failed: {e})"))
@@ -202,6 +215,16 @@ impl RegionalShares {
                         if version == 0 { " (no record yet: the policy's initial share)" } else { "" }
                     );
                 }
+                if changed && Duration::from_millis(lease_ms) <= self.decision_time {
+                    tracing::error!(
+                        rule = %rule.rule,
+                        lease_ms,
+                        redis_timeout_ms = self.decision_time.as_millis() as u64,
+                        "the share's lease is no longer than --redis-timeout-ms: it can never be \
+                         applied and the rule answers unavailable; lower the timeout or raise \
+                         the rebalancer's --lease-ms"
+                    );
+                }
                 view.seen_record |= version > 0;
                 view.error = None;
                 view.leased = Some(Leased {
@@ -276,7 +299,7 @@ impl RegionalShares {
                     region: self.region.clone(),
                     share: leased.map(|l| l.history.current().fraction()),
                     version: leased.map(|l| l.version),
-                    leased: leased.is_some_and(Leased::valid),
+                    leased: leased.is_some_and(|l| l.valid(self.decision_time)),
                     error: view.and_then(|v| v.error.clone()),
                 }
             })
@@ -370,7 +393,7 @@ mod tests {
     async fn the_initial_share_applies_until_a_record_exists_then_the_record() {
         let p = policy();
         let store = MemoryStore::new(0, 0.1, 10_000);
-        let shares = RegionalShares::new("eu", "rl:");
+        let shares = RegionalShares::new("eu", "rl:", Duration::ZERO);
         assert!(shares
             .share_for(&rule(&p))
             .unwrap_err()
@@ -418,7 +441,7 @@ mod tests {
         let p = policy();
         let store = MemoryStore::new(0, 0.1, 10_000);
         set(&store, &fields("1", "600000", "40", "0:600000"));
-        let shares = RegionalShares::new("eu", "rl:");
+        let shares = RegionalShares::new("eu", "rl:", Duration::ZERO);
         shares.refresh(&store, &p).await;
         assert!(shares.share_for(&rule(&p)).is_ok());
         assert_eq!(shares.refresh_interval(), Duration::from_millis(10));
@@ -438,7 +461,7 @@ mod tests {
     async fn demand_is_added_to_the_regions_counters() {
         let p = policy();
         let store = MemoryStore::new(0, 0.1, 10_000);
-        let shares = RegionalShares::new("eu", "rl:");
+        let shares = RegionalShares::new("eu", "rl:", Duration::ZERO);
         shares.count(&rule(&p), 5, 0);
         shares.count(&rule(&p), 0, 2);
         shares.flush_demand(&store).await;
