@@ -2,7 +2,7 @@
 #   make run    build everything, then start Redis, the sidecar, Envoy with the filter and a demo upstream
 #   make test   install what is missing, build, and run every test (unit, wasm32, Redis, Envoy end to end)
 # Both install what is missing first (scripts/install-deps.sh: redis-server, wasm targets,
-# wasm-bindgen-test-runner, the pinned Envoy in .venv).
+# wasm-bindgen-test-runner, promtool, the pinned Envoy in .venv).
 
 CARGO        ?= cargo
 WASM         := target/wasm32-wasip1/release/ratelimit_filter.wasm
@@ -11,7 +11,7 @@ REBALANCER   := target/release/ratelimit-rebalancer
 ENVOY_CONFIG ?= envoy/envoy.yaml
 export ENVOY_BIN ?= $(CURDIR)/.venv/bin/envoy
 
-.PHONY: all deps build test test-native test-wasm run bench simulate lint fmt clean
+.PHONY: all deps build test test-native test-wasm run bench reliability simulate lint fmt clean
 
 all: build
 
@@ -40,8 +40,16 @@ run: build
 	ENVOY_CONFIG=$(ENVOY_CONFIG) scripts/run-local.sh
 
 bench: build
+	$(CARGO) build --release -p ratelimit-noop-filter --target wasm32-wasip1
 	RATELIMIT_SIDECAR_BIN=$(CURDIR)/$(SIDECAR) RATELIMIT_FILTER_WASM=$(CURDIR)/$(WASM) \
 		$(CARGO) run --release -p ratelimit-e2e --bin ratelimit-bench -- $(BENCH_ARGS)
+
+# Failure behaviour, measured (docs/failure-behaviour.md): real processes on loopback broken on
+# purpose (Redis slow, down, failing over; lost replies; a sidecar killed; floods), one table.
+# RELIABILITY_ARGS="--seconds 5 --scenario 3,4" etc.
+reliability: build
+	RATELIMIT_SIDECAR_BIN=$(CURDIR)/$(SIDECAR) RATELIMIT_FILTER_WASM=$(CURDIR)/$(WASM) \
+		$(CARGO) run --release -p ratelimit-e2e --bin ratelimit-reliability -- $(RELIABILITY_ARGS)
 
 # The regional-quota simulation (docs/regions.md): every scenario, static and rebalanced shares,
 # one table. Pure computation, a second or so in release mode; SIM_ARGS="--seed 2" etc.

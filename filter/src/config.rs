@@ -18,7 +18,7 @@ pub const MAX_RULES: usize = ratelimit_wire::MAX_DECISIONS;
 pub const MAX_RULE_NAME_BYTES: usize = 64;
 
 /// The largest integer of an RFC 8941 structured field (the `RateLimit` headers): 15 digits.
-pub const MAX_SF_INTEGER: u64 = 999_999_999_999_999;
+pub use ratelimit_wire::headers::MAX_SF_INTEGER;
 
 /// The largest capacity: it appears as `q` in `RateLimit-Policy` (and stays below 2^53, exact in
 /// the `f64` of the wire).
@@ -324,11 +324,9 @@ pub enum UnknownPolicy {
     Reject,
 }
 
-/// Seconds an empty bucket of `capacity` takes to fill at `refill_per_sec`, rounded up.
-pub fn window_s(capacity: u64, refill_per_sec: f64) -> u64 {
-    // Float-to-int `as` saturates, so absurd ratios cannot panic.
-    (capacity as f64 / refill_per_sec).ceil().max(1.0) as u64
-}
+/// Seconds an empty bucket of `capacity` takes to fill at `refill_per_sec`, rounded up (the `w` of
+/// `RateLimit-Policy`; rendered by `ratelimit_wire::headers`, shared with the sidecar).
+pub use ratelimit_wire::headers::window_s;
 
 /// Which requests a rule applies to: all of the given conditions hold.
 #[derive(Debug, Clone, PartialEq, Deserialize)]

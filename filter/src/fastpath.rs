@@ -253,15 +253,25 @@ impl Table<'_> {
         id: &str,
         mut change: impl FnMut(&mut Entry) -> Option<T>,
     ) -> Option<T> {
+        self.update_found(id, |e, _| change(e))
+    }
+
+    /// [`Table::update`], telling `change` whether the slot held an entry of `id`.
+    fn update_found<T>(
+        &self,
+        id: &str,
+        mut change: impl FnMut(&mut Entry, bool) -> Option<T>,
+    ) -> Option<T> {
         let key = slot_key(id, self.slots);
         for _ in 0..MAX_CAS_ATTEMPTS {
             let (bytes, cas) = self.store.get(&key);
-            let mut entry = bytes
+            let found = bytes
                 .as_deref()
                 .and_then(Entry::decode)
-                .filter(|e| e.id == id)
-                .unwrap_or_else(|| Entry::new(id));
-            let out = change(&mut entry)?;
+                .filter(|e| e.id == id);
+            let existed = found.is_some();
+            let mut entry = found.unwrap_or_else(|| Entry::new(id));
+            let out = change(&mut entry, existed)?;
             match self.store.set(&key, &entry.encode(), cas) {
                 Ok(()) => return Some(out),
                 Err(StoreError::CasMismatch) => continue,
@@ -271,15 +281,50 @@ impl Table<'_> {
         None
     }
 
-    /// Takes `cost` from the lease of `id`: the lease id it came from, or `None` (no usable lease).
-    pub fn take_lease(&self, id: &str, cost: u64, now_ns: u64) -> Option<u64> {
-        self.update(id, |e| {
-            if !e.lease_pays(cost, now_ns) {
-                return None;
+    /// One look at the entry of `id` for a request costing `cost`: `cost` taken from a lease
+    /// that pays (when `lease`), else a known rejection that applies (when `rejections`), else
+    /// a miss. A single read unless a lease pays (then a compare-and-swap write).
+    ///
+    /// The lease goes first: its tokens were deducted in Redis for this gateway, so admitting
+    /// from it is exact even while a rejection is known (one decided remotely while the lease
+    /// was being granted); checked after the rejection, the gateway would strand its own lease.
+    pub fn probe(&self, id: &str, cost: u64, now_ns: u64, rejections: bool, lease: bool) -> Probe {
+        let key = slot_key(id, self.slots);
+        for _ in 0..MAX_CAS_ATTEMPTS {
+            let (bytes, cas) = self.store.get(&key);
+            let Some(mut entry) = bytes
+                .as_deref()
+                .and_then(Entry::decode)
+                .filter(|e| e.id == id)
+            else {
+                return Probe::Miss;
+            };
+            if lease && entry.lease_pays(cost, now_ns) {
+                entry.lease_tokens -= cost;
+                match self.store.set(&key, &entry.encode(), cas) {
+                    Ok(()) => {
+                        return Probe::Taken {
+                            lease_id: entry.lease_id,
+                            tokens_left: entry.lease_tokens,
+                            limit: entry.limit,
+                        }
+                    }
+                    Err(StoreError::CasMismatch) => continue,
+                    Err(StoreError::Failed) => {}
+                }
             }
-            e.lease_tokens -= cost;
-            Some(e.lease_id)
-        })
+            if rejections {
+                if let Some((why, left_ns)) = entry.rejection(cost, now_ns) {
+                    return Probe::Rejected {
+                        why,
+                        left_ns,
+                        limit: entry.limit,
+                    };
+                }
+            }
+            return Probe::Miss;
+        }
+        Probe::Miss
     }
 
     /// Gives `cost` back to lease `lease_id` of `id` (a take for a request that was then
@@ -318,8 +363,16 @@ impl Table<'_> {
 
     /// Records what the sidecar answered for a decision of `id` costing `cost`, asked at
     /// `dispatched_ns`: `lease` is (lease id, granted tokens, ttl) when the decision asked for one.
+    /// An admission of a bucket this Envoy holds nothing about writes nothing: only
+    /// rejections and leases are worth a slot.
     pub fn learn(&self, id: &str, learned: &Learned, dispatched_ns: u64) {
-        self.update(id, |e| {
+        let worth_a_slot =
+            matches!(learned.outcome, Outcome::Rejected { .. }) || learned.asked_lease.is_some();
+        self.update_found(id, |e, existed| {
+            if !existed && !worth_a_slot {
+                return None;
+            }
+            let before = e.clone();
             if let Some(limit) = &learned.limit {
                 e.limit = Some(limit.clone());
             }
@@ -354,9 +407,28 @@ impl Table<'_> {
                         dispatched_ns.saturating_add(ttl_ms.saturating_mul(1_000_000));
                 }
             }
-            Some(())
+            (*e != before).then_some(())
         });
     }
+}
+
+/// What [`Table::probe`] found.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Probe {
+    /// A known rejection applies for `left_ns` more.
+    Rejected {
+        why: Why,
+        left_ns: u64,
+        limit: Option<KnownLimit>,
+    },
+    /// The cost was taken from lease `lease_id`, which has `tokens_left`.
+    Taken {
+        lease_id: u64,
+        tokens_left: u64,
+        limit: Option<KnownLimit>,
+    },
+    /// Nothing local decides: the request goes to the sidecar.
+    Miss,
 }
 
 /// What starting a lease ask found.
@@ -579,10 +651,10 @@ mod tests {
             },
             0,
         );
-        assert_eq!(t.take_lease("h", 2, S / 2), Some(77));
-        assert_eq!(t.take_lease("h", 2, S / 2), None, "1 left < 2");
+        assert_eq!(take(&t, "h", 2, S / 2), Some(77));
+        assert_eq!(take(&t, "h", 2, S / 2), None, "1 left < 2");
         t.give_back("h", 77, 2);
-        assert_eq!(t.take_lease("h", 3, S / 2), Some(77));
+        assert_eq!(take(&t, "h", 3, S / 2), Some(77));
         t.give_back("h", 99, 5);
         assert_eq!(
             t.get("h").unwrap().lease_tokens,
@@ -591,7 +663,7 @@ mod tests {
         );
         t.give_back("h", 77, 1);
         assert_eq!(
-            t.take_lease("h", 1, S),
+            take(&t, "h", 1, S),
             None,
             "not at or past its end (1 s after the ask)"
         );
@@ -606,7 +678,99 @@ mod tests {
                 asked_ns: 0
             })
         );
-        assert_eq!(t.take_lease("h", 1, S / 2), None, "stopped");
+        assert_eq!(take(&t, "h", 1, S / 2), None, "stopped");
+    }
+
+    /// The lease id `probe` took `cost` from.
+    fn take(t: &Table<'_>, id: &str, cost: u64, now_ns: u64) -> Option<u64> {
+        match t.probe(id, cost, now_ns, true, true) {
+            Probe::Taken { lease_id, .. } => Some(lease_id),
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn a_lease_that_pays_goes_before_a_known_rejection() {
+        let m = Memory::default();
+        let t = Table {
+            store: &m,
+            slots: 16,
+        };
+        t.begin_lease("h", 0, S);
+        t.learn(
+            "h",
+            &Learned {
+                cost: 1,
+                limit: Some(limit()),
+                outcome: Outcome::Admitted,
+                asked_lease: Some((7, 1000)),
+                leased: 2,
+            },
+            0,
+        );
+        let rejected = Learned {
+            cost: 1,
+            limit: Some(limit()),
+            outcome: Outcome::Rejected {
+                why: Why::Insufficient,
+                retry_after_ms: 500,
+            },
+            asked_lease: None,
+            leased: 0,
+        };
+        t.learn("h", &rejected, 0);
+        assert_eq!(
+            t.probe("h", 1, 1, true, true),
+            Probe::Taken {
+                lease_id: 7,
+                tokens_left: 1,
+                limit: Some(limit())
+            }
+        );
+        assert_eq!(take(&t, "h", 1, 1), Some(7));
+        assert!(
+            matches!(t.probe("h", 1, 1, true, true), Probe::Rejected { why: Why::Insufficient, left_ns, .. } if left_ns == 500_000_000 - 1),
+            "the lease is spent: the rejection answers"
+        );
+        assert_eq!(
+            t.probe("h", 1, 1, false, true),
+            Probe::Miss,
+            "rejections off"
+        );
+    }
+
+    #[test]
+    fn an_admission_of_an_unknown_bucket_writes_nothing() {
+        let m = Memory::default();
+        let t = Table {
+            store: &m,
+            slots: 16,
+        };
+        let admitted = Learned {
+            cost: 1,
+            limit: Some(limit()),
+            outcome: Outcome::Admitted,
+            asked_lease: None,
+            leased: 0,
+        };
+        t.learn("quiet", &admitted, 0);
+        assert!(t.get("quiet").is_none());
+        assert_eq!(t.probe("quiet", 1, 0, true, true), Probe::Miss);
+        // Once known (a rejection), an admission clears it.
+        t.learn(
+            "quiet",
+            &Learned {
+                outcome: Outcome::Rejected {
+                    why: Why::Insufficient,
+                    retry_after_ms: 100,
+                },
+                ..admitted.clone()
+            },
+            0,
+        );
+        assert!(t.get("quiet").is_some());
+        t.learn("quiet", &admitted, 1);
+        assert_eq!(t.get("quiet").unwrap().reject_until_ns, 0);
     }
 
     #[test]
@@ -629,11 +793,11 @@ mod tests {
             0,
         );
         assert!(t.get("a").is_some());
-        assert_eq!(t.take_lease("b", 1, 1), None, "b never pays with a's lease");
+        assert_eq!(take(&t, "b", 1, 1), None, "b never pays with a's lease");
         t.begin_lease("b", 0, S);
         assert!(t.get("a").is_none());
         assert_eq!(
-            t.take_lease("a", 1, 1),
+            take(&t, "a", 1, 1),
             None,
             "a's lease is gone (lost, not reused)"
         );

@@ -41,10 +41,9 @@ use ratelimit_wire::{
     MAX_CALL_DECISIONS, MAX_LEASE_ID, MAX_RETURNS,
 };
 
-use crate::attempt::Attempts;
 use crate::config::Config;
 use crate::emergency::{self, Bucket, SharedStore, StoreError};
-use crate::fastpath::{self, Hotness, KnownLimit, Learned, Outcome, Table, Why};
+use crate::fastpath::{self, Hotness, KnownLimit, Learned, Outcome, Probe, Table, Why};
 use crate::identity::{self, Facts, ROUTE_NAME_PROPERTY, SOURCE_ADDRESS_PROPERTY};
 use crate::rules::{self, Planned, RequestFacts};
 use crate::verdict::{
@@ -172,7 +171,6 @@ struct Vm {
     /// A wake-up of the root is on its way.
     wake_pending: bool,
     hotness: Hotness,
-    attempts: Attempts,
     nonce: u64,
     lease_counter: u64,
     /// Headers to add to the upstream's response, by context.
@@ -315,7 +313,6 @@ impl RootContext for Root {
             flights: HashMap::new(),
             wake_pending: false,
             hotness: Hotness::default(),
-            attempts: Attempts::new(nonce),
             nonce,
             lease_counter: 0,
             response_headers: HashMap::new(),
@@ -412,8 +409,7 @@ fn pump(vm: &SharedVm) {
                 .min()
                 .unwrap_or(now);
             let timeout_ms = deadline.saturating_sub(now).div_ceil(1_000_000).max(1);
-            let attempt = v.attempts.next_id();
-            let body = call_body(&plugin.config, &v, &batch, attempt);
+            let body = call_body(&plugin.config, &v, &batch);
             (plugin, batch, body, timeout_ms)
         };
         let dispatched = dispatch(&plugin, &body, timeout_ms);
@@ -443,7 +439,11 @@ fn pump(vm: &SharedVm) {
 }
 
 /// The body of a callout for `contexts` (waiting requests of this VM).
-fn call_body(config: &Config, vm: &Vm, contexts: &[u32], attempt: String) -> Vec<u8> {
+///
+/// It carries no attempt id: Envoy never repeats a callout, so deduplication would cost Redis a
+/// record per request for nothing (a request split across Cluster nodes gets an id from the
+/// sidecar, for its refunds).
+fn call_body(config: &Config, vm: &Vm, contexts: &[u32]) -> Vec<u8> {
     let mut requests = Vec::with_capacity(contexts.len());
     let mut returns = Vec::new();
     for c in contexts {
@@ -456,7 +456,7 @@ fn call_body(config: &Config, vm: &Vm, contexts: &[u32], attempt: String) -> Vec
     }
     let call = DecideRequest {
         domain: config.domain.clone(),
-        attempt: Some(attempt),
+        attempt: None,
         requests,
         returns,
     };
@@ -929,11 +929,26 @@ impl Request {
             deadline_ns: now + config.sidecar.timeout_ms * 1_000_000,
         };
         let uses_table = fp.known_rejections || fp.leases.enabled;
+        // What the leases said about the requests they paid: (limit, tokens left).
+        let mut paid: Vec<(Option<KnownLimit>, u64)> = Vec::new();
         for i in 0..w.planned.len() {
             let p = &w.planned[i];
-            let entry = if uses_table { table.get(&p.id) } else { None };
-            if let (true, Some(e)) = (fp.known_rejections, &entry) {
-                if let Some((why, left_ns)) = e.rejection(p.cost, now) {
+            let probe = if uses_table {
+                table.probe(&p.id, p.cost, now, fp.known_rejections, fp.leases.enabled)
+            } else {
+                Probe::Miss
+            };
+            let rate = if fp.leases.enabled {
+                vm.borrow_mut().hotness.observe(&p.id, now)
+            } else {
+                0.0
+            };
+            match probe {
+                Probe::Rejected {
+                    why,
+                    left_ns,
+                    limit,
+                } => {
                     give_back(plugin, &w);
                     count(m.known_rejections);
                     count(m.rejected);
@@ -942,22 +957,21 @@ impl Request {
                     return Start::Reply(verdict::known_rejection(
                         config,
                         rule,
-                        e.limit.as_ref(),
+                        limit.as_ref(),
                         why,
                         left_ns,
                     ));
                 }
-            }
-            let rate = if fp.leases.enabled {
-                vm.borrow_mut().hotness.observe(&p.id, now)
-            } else {
-                0.0
-            };
-            if entry.as_ref().is_some_and(|e| e.lease_pays(p.cost, now)) {
-                if let Some(lease_id) = table.take_lease(&p.id, p.cost, now) {
+                Probe::Taken {
+                    lease_id,
+                    tokens_left,
+                    limit,
+                } => {
                     w.taken.push((i, lease_id));
+                    paid.push((limit, tokens_left));
                     continue;
                 }
+                Probe::Miss => {}
             }
             // The remote path; a busy bucket asks for a lease on the way.
             let mut ask = None;
@@ -989,16 +1003,11 @@ impl Request {
         }
         if w.remote.is_empty() {
             count(m.lease_admitted);
-            let entries: Vec<Option<fastpath::Entry>> = w
-                .taken
+            let leased: Vec<LeasedAdmit<'_>> = paid
                 .iter()
-                .map(|(i, _)| table.get(&w.planned[*i].id))
-                .collect();
-            let leased: Vec<LeasedAdmit<'_>> = entries
-                .iter()
-                .map(|e| LeasedAdmit {
-                    limit: e.as_ref().and_then(|e| e.limit.as_ref()),
-                    lease_tokens: e.as_ref().map_or(0, |e| e.lease_tokens),
+                .map(|(limit, tokens)| LeasedAdmit {
+                    limit: limit.as_ref(),
+                    lease_tokens: *tokens,
                 })
                 .collect();
             for (i, _) in &w.taken {
@@ -1030,11 +1039,9 @@ impl Request {
         }
         // Without coalescing: this request's own callout, answered to this context.
         let body = {
-            let mut v = vm.borrow_mut();
-            let attempt = v.attempts.next_id();
             let call = DecideRequest {
                 domain: config.domain.clone(),
-                attempt: Some(attempt),
+                attempt: None,
                 requests: vec![RequestDecisions {
                     decisions: decisions(config, &w),
                 }],

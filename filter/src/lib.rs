@@ -5,7 +5,6 @@
 //! - [`config`]: the plugin configuration, its defaults and validation;
 //! - [`identity`]: the request's [`identity::Subject`] from trustworthy facts;
 //! - [`rules`]: which rules apply, and what each asks the sidecar (rule and subject);
-//! - [`attempt`]: the attempt id of a callout (deduplication and refunds in the sidecar);
 //! - [`fastpath`]: known rejections and leases in shared data (the exact local fast paths);
 //! - [`emergency`]: the local token bucket of the `local` failure policy;
 //! - [`verdict`]: admit or reject from the sidecar's answer, local knowledge or the failure
@@ -13,7 +12,6 @@
 //!
 //! `host` (only in the `wasm32-wasip1` build) adapts the proxy-wasm ABI to them.
 
-pub mod attempt;
 pub mod config;
 pub mod emergency;
 pub mod fastpath;

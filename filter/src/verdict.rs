@@ -5,20 +5,16 @@
 //! details: `ratelimit_rejected:<rule>`, `ratelimit_unavailable`, `ratelimit_unknown_subject:<rule>`,
 //! `ratelimit_repeated_identity`).
 //!
-//! Headers (IETF draft `httpapi-ratelimit-headers`, structured fields):
-//! - `RateLimit-Policy: "per-app";q=100;w=10`: quota `q` = capacity, window `w` = seconds a full
-//!   refill takes (`capacity / refill_per_sec`, rounded up).
-//! - `RateLimit: "per-app";r=0;t=1`: `r` = whole tokens remaining, `t` = seconds, rounded up,
-//!   until the request's cost is available again (on a 429, equal to `Retry-After`) or, on an
-//!   admitted response, until the bucket is full.
-//! - `Retry-After` (429): seconds until the cost is available, rounded up, at least 1. Absent when
-//!   the cost exceeds the bucket's capacity: waiting cannot help.
-//!
-//! Every integer is clamped to [`MAX_SF_INTEGER`], the largest RFC 8941 structured-field integer.
+//! Headers: `RateLimit-Policy`, `RateLimit` and `Retry-After`, rendered by
+//! [`ratelimit_wire::headers`] (one definition, shared with the sidecar's gRPC answers; it
+//! documents the fields). `Retry-After` is absent when the cost exceeds the bucket's capacity:
+//! waiting cannot help.
 
+use ratelimit_wire::headers::{self as fields, Limit};
+pub use ratelimit_wire::headers::{ceil_s, retry_after_s, sf_integer, MAX_SF_INTEGER};
 use ratelimit_wire::{AppliedLimit, DecideResponse, ErrorCode, Reason, RequestAnswer};
 
-use crate::config::{window_s, Config, Emergency, FailurePolicy, RateLimitHeaders, MAX_SF_INTEGER};
+use crate::config::{window_s, Config, Emergency, FailurePolicy, RateLimitHeaders};
 use crate::emergency::{self, Bucket, Charge, Contention, Take};
 use crate::fastpath::{KnownLimit, Why};
 use crate::rules::Planned;
@@ -129,51 +125,6 @@ pub fn check_answer(answer: &RequestAnswer, decisions: usize) -> Result<(), Limi
     Ok(())
 }
 
-/// One bucket's figures for the rate-limit headers.
-#[derive(Debug, Clone, PartialEq, Eq)]
-struct Limit<'a> {
-    name: &'a str,
-    quota: u64,
-    window_s: u64,
-    remaining: u64,
-    reset_s: u64,
-}
-
-impl Limit<'_> {
-    fn policy(&self) -> String {
-        format!(
-            "\"{}\";q={};w={}",
-            self.name,
-            sf_integer(self.quota),
-            sf_integer(self.window_s)
-        )
-    }
-    fn limit(&self) -> String {
-        format!(
-            "\"{}\";r={};t={}",
-            self.name,
-            sf_integer(self.remaining),
-            sf_integer(self.reset_s)
-        )
-    }
-}
-
-/// `n`, clamped to the largest structured-field integer.
-pub fn sf_integer(n: u64) -> u64 {
-    n.min(MAX_SF_INTEGER)
-}
-
-/// Whole seconds, rounded up.
-pub fn ceil_s(ms: u64) -> u64 {
-    ms.div_ceil(1000)
-}
-
-/// `Retry-After` for a wait of `retry_after_ms`: seconds rounded up, at least 1, at most
-/// [`MAX_SF_INTEGER`].
-pub fn retry_after_s(retry_after_ms: u64) -> u64 {
-    sf_integer(ceil_s(retry_after_ms).max(1))
-}
-
 /// One decision the gateway admitted from a lease: its rule's limit as last seen, and the tokens
 /// the lease still holds (the `r` of its `RateLimit` header; `t` is then the full window).
 #[derive(Debug, Clone, PartialEq)]
@@ -184,13 +135,7 @@ pub struct LeasedAdmit<'a> {
 
 /// The headers figures of a limit the sidecar applied.
 fn applied<'a>(l: &'a AppliedLimit, remaining: u64, reset_s: u64) -> Limit<'a> {
-    Limit {
-        name: &l.name,
-        quota: l.capacity,
-        window_s: window_s(l.capacity.max(1), l.refill_per_sec.max(f64::MIN_POSITIVE)),
-        remaining,
-        reset_s,
-    }
+    Limit::applied(l, remaining, reset_s)
 }
 
 /// The verdict from a checked answer (see [`check_answer`]); `answer.results[i]` belongs to the
@@ -450,13 +395,11 @@ fn content_type() -> (String, String) {
 }
 
 fn admit(config: &Config, limits: &[Limit<'_>]) -> Verdict {
-    let headers = if config.rate_limit_headers == RateLimitHeaders::Always && !limits.is_empty() {
-        let policies: Vec<_> = limits.iter().map(Limit::policy).collect();
-        let remaining: Vec<_> = limits.iter().map(Limit::limit).collect();
-        vec![
-            ("ratelimit-policy".into(), policies.join(", ")),
-            ("ratelimit".into(), remaining.join(", ")),
-        ]
+    let headers = if config.rate_limit_headers == RateLimitHeaders::Always {
+        fields::admitted(limits)
+            .into_iter()
+            .map(|(name, value)| (name.to_string(), value))
+            .collect()
     } else {
         Vec::new()
     };
@@ -464,10 +407,13 @@ fn admit(config: &Config, limits: &[Limit<'_>]) -> Verdict {
 }
 
 fn rate_limited(config: &Config, rule: &str, limit: Option<&Limit<'_>>, wait_s: u64) -> LocalReply {
-    let mut headers = vec![content_type(), ("retry-after".into(), wait_s.to_string())];
+    let mut headers = vec![
+        content_type(),
+        (fields::RETRY_AFTER.into(), wait_s.to_string()),
+    ];
     if let (Some(limit), true) = (limit, config.rate_limit_headers != RateLimitHeaders::Never) {
-        headers.push(("ratelimit-policy".into(), limit.policy()));
-        headers.push(("ratelimit".into(), limit.limit()));
+        headers.push((fields::RATELIMIT_POLICY.into(), limit.policy()));
+        headers.push((fields::RATELIMIT.into(), limit.limit()));
     }
     LocalReply {
         status: 429,
@@ -486,7 +432,7 @@ fn never(config: &Config, rule: &str, limit: Option<&Limit<'_>>, reason: Reason)
     let mut headers = vec![content_type()];
     if let (Some(limit), true) = (limit, config.rate_limit_headers != RateLimitHeaders::Never) {
         if reason == Reason::CostExceedsCapacity {
-            headers.push(("ratelimit-policy".into(), limit.policy()));
+            headers.push((fields::RATELIMIT_POLICY.into(), limit.policy()));
         }
     }
     LocalReply {

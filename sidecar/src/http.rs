@@ -1,5 +1,6 @@
-//! The HTTP edge: `POST /v1/decide`, `GET /healthz`, `GET /readyz`, `GET /metrics`. Every error
-//! answer is JSON `{"error":"..."}`.
+//! The HTTP edge: `POST /v1/decide`, `GET /healthz`, `GET /readyz`, `GET /metrics`, and the router
+//! that also carries the gRPC service of [`crate::grpc`] on the same listener (HTTP/1.1 and h2c).
+//! Every error answer of the HTTP API is JSON `{"error":"..."}`.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -14,6 +15,7 @@ use axum::{Json, Router};
 use ratelimit_wire::{DecideResponse, ErrorBody, ErrorCode, DECIDE_PATH};
 
 use crate::decide::{parse_request, Decider};
+use crate::grpc::RateLimitApi;
 use crate::metrics::{CallOutcome, Metrics};
 use crate::store::BucketStore;
 
@@ -23,17 +25,26 @@ pub struct AppState<S> {
     pub metrics: Arc<Metrics>,
 }
 
-/// The sidecar's routes.
+/// The sidecar's routes: the decision endpoints (`POST /v1/decide` and the gRPC rate limit
+/// service) and the health and metrics paths.
 pub fn router<S: BucketStore>(state: Arc<AppState<S>>, max_body_bytes: usize) -> Router {
-    Router::new()
+    let decide_json = Router::new()
         .route(DECIDE_PATH, post(decide::<S>))
-        .merge(health_router(state.clone()))
-        .fallback(|| async { error(StatusCode::NOT_FOUND, "no such path".into()) })
         .method_not_allowed_fallback(|| async {
             error(StatusCode::METHOD_NOT_ALLOWED, "method not allowed".into())
         })
         .layer(DefaultBodyLimit::max(max_body_bytes))
-        .with_state(state)
+        .with_state(state.clone());
+    let grpc = RateLimitApi::new(state.decider.clone(), state.metrics.clone()).into_router();
+    // Every route that decides: `POST /v1/decide` and the gRPC service. Authentication
+    // (`crate::auth::protect`, applied by `serve` around this whole router) covers both alike
+    // (gRPC metadata are HTTP/2 headers: `authorization: Bearer <token>`) and leaves only
+    // /healthz, /readyz and /metrics open.
+    let decisions: Router = decide_json.merge(grpc);
+    Router::new()
+        .merge(health_router(state.clone()).with_state(state))
+        .merge(decisions)
+        .fallback(|| async { error(StatusCode::NOT_FOUND, "no such path".into()) })
 }
 
 /// `/healthz`, `/readyz`, `/metrics` only (the admin listener).

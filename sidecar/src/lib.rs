@@ -1,15 +1,18 @@
 //! `ratelimit-sidecar`: the decision service of the rate limiter. It answers `POST /v1/decide`
-//! (the contract of `ratelimit-wire`) by running the token bucket of `lua/token_bucket.lua` in
-//! Redis (one node, a primary found through Sentinel, or a Cluster), and serves `/healthz`, `/readyz` and `/metrics`.
+//! (the contract of `ratelimit-wire`) and Envoy's gRPC rate limit service
+//! (`envoy.service.ratelimit.v3.RateLimitService`) on one listener, by running the token bucket of
+//! `lua/token_bucket.lua` in Redis (one node, a primary found through Sentinel, or a Cluster), and
+//! serves `/healthz`, `/readyz` and `/metrics`.
 //!
 //! Pure core, thin edges: [`policy`] owns the limits, [`decide`] validates calls, resolves limits,
 //! splits the work by Redis node and merges answers, behind the [`store::BucketStore`] trait;
-//! [`http`] and `main` only adapt. [`auth`] decides who may ask, [`listener`] accepts
+//! [`http`], [`grpc`] and `main` only adapt. [`auth`] decides who may ask, [`listener`] accepts
 //! connections (TLS, HTTP/1.1 and HTTP/2).
 
 pub mod auth;
 pub mod config;
 pub mod decide;
+pub mod grpc;
 pub mod http;
 pub mod keys;
 pub mod listener;

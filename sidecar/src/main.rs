@@ -6,6 +6,12 @@ use clap::Parser;
 use ratelimit_sidecar::{serve, Args};
 use tracing_subscriber::EnvFilter;
 
+// Every decision allocates (JSON, keys, script arguments) on several threads: mimalloc spends
+// less CPU there than the system allocator (profiled: malloc and free were about an eighth of
+// the sidecar's CPU under load).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();

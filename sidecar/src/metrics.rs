@@ -9,6 +9,44 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// At most one "limit reached" log line per limit in this time.
+pub const LIMIT_LOG_INTERVAL: Duration = Duration::from_secs(10);
+
+/// The "limit reached" log: one line per limit and per [`LIMIT_LOG_INTERVAL`] at most, naming
+/// the limit and how many refusals it stands for (never a subject: logs are not for tracking
+/// clients). The map holds one entry per limit name, which the policy bounds.
+#[derive(Debug, Default)]
+pub struct LimitLog {
+    last: Mutex<HashMap<String, (Instant, u64)>>,
+}
+
+impl LimitLog {
+    /// Notes one refusal by `limit` at `now`; the count to log when a line is due.
+    pub fn refused(&self, limit: &str, now: Instant) -> Option<u64> {
+        let mut last = self.last.lock().unwrap_or_else(|e| e.into_inner());
+        match last.get_mut(limit) {
+            Some((at, count)) => {
+                *count += 1;
+                if now.duration_since(*at) < LIMIT_LOG_INTERVAL {
+                    return None;
+                }
+                let n = *count;
+                *at = now;
+                *count = 0;
+                Some(n)
+            }
+            None => {
+                last.insert(limit.to_string(), (now, 0));
+                Some(1)
+            }
+        }
+    }
+}
+
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct DecisionLabels {
     /// The limit's (rule's or override's) name.
@@ -126,6 +164,10 @@ pub struct Metrics {
     pub policy_limits: Gauge,
     /// `ratelimit_lease_tokens_total{result}`: tokens `granted` to gateways as leases.
     pub lease_tokens: Family<ResultLabels, Counter>,
+    /// `ratelimit_redis_evicting_policy`: 1 when a Redis node's `maxmemory-policy` can evict
+    /// buckets, 0 when every node said `noeviction`; set by each readiness check that reads it.
+    pub redis_evicting_policy: Gauge,
+    limit_log: LimitLog,
 }
 
 impl Default for Metrics {
@@ -149,6 +191,7 @@ impl Metrics {
         let policy_reloads = Family::<ResultLabels, Counter>::default();
         let policy_limits = Gauge::default();
         let lease_tokens = Family::<ResultLabels, Counter>::default();
+        let redis_evicting_policy = Gauge::default();
         registry.register(
             "ratelimit_decisions",
             "Decisions answered, by limit name and verdict",
@@ -209,6 +252,11 @@ impl Metrics {
             "Tokens granted to gateways as leases",
             lease_tokens.clone(),
         );
+        registry.register(
+            "ratelimit_redis_evicting_policy",
+            "1 when a Redis node's maxmemory-policy can evict buckets (not noeviction), else 0",
+            redis_evicting_policy.clone(),
+        );
         for result in ["ok", "invalid"] {
             let _ = policy_reloads.get_or_create(&ResultLabels { result });
         }
@@ -226,10 +274,13 @@ impl Metrics {
             policy_reloads,
             policy_limits,
             lease_tokens,
+            redis_evicting_policy,
+            limit_log: LimitLog::default(),
         }
     }
 
     /// Counts one decision.
+    /// A refusal (rejected, shadow-rejected, blocked) may also write the "limit reached" line.
     pub fn decision(&self, limit: &str, verdict: Verdict) {
         self.decisions
             .get_or_create(&DecisionLabels {
@@ -237,6 +288,19 @@ impl Metrics {
                 verdict: verdict.label(),
             })
             .inc();
+        if matches!(
+            verdict,
+            Verdict::Rejected | Verdict::ShadowRejected | Verdict::Blocked
+        ) {
+            if let Some(refusals) = self.limit_log.refused(limit, Instant::now()) {
+                tracing::info!(
+                    limit,
+                    verdict = verdict.label(),
+                    refusals,
+                    "limit reached ({refusals} refusals since the last line for this limit)"
+                );
+            }
+        }
     }
 
     /// Counts one call.
@@ -281,6 +345,11 @@ impl Metrics {
             .inc();
     }
 
+    /// What a readiness check read of Redis's `maxmemory-policy`: whether some node can evict.
+    pub fn eviction_policy(&self, evicting: bool) {
+        self.redis_evicting_policy.set(i64::from(evicting));
+    }
+
     /// The metrics in the Prometheus/OpenMetrics text format.
     pub fn encode(&self) -> String {
         let mut out = String::new();
@@ -293,6 +362,30 @@ impl Metrics {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_limit_is_logged_once_per_interval_with_the_refusals_it_stands_for() {
+        let log = LimitLog::default();
+        let t0 = Instant::now();
+        assert_eq!(
+            log.refused("per-app", t0),
+            Some(1),
+            "the first refusal is logged"
+        );
+        assert_eq!(log.refused("per-app", t0 + Duration::from_secs(1)), None);
+        assert_eq!(
+            log.refused("per-ip", t0 + Duration::from_secs(1)),
+            Some(1),
+            "per limit"
+        );
+        assert_eq!(log.refused("per-app", t0 + Duration::from_secs(9)), None);
+        assert_eq!(
+            log.refused("per-app", t0 + LIMIT_LOG_INTERVAL),
+            Some(3),
+            "the two held back and this one"
+        );
+        assert_eq!(log.refused("per-app", t0 + LIMIT_LOG_INTERVAL), None);
+    }
 
     #[test]
     fn names_are_the_documented_ones() {
@@ -313,6 +406,7 @@ mod tests {
             "ratelimit_unknown_rule_total",
             "ratelimit_policy_reloads_total{result=\"invalid\"} 0",
             "ratelimit_policy_limits",
+            "ratelimit_redis_evicting_policy 0",
         ] {
             assert!(text.contains(name), "{name} missing in\n{text}");
         }

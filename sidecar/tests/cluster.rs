@@ -127,3 +127,66 @@ async fn a_rejection_on_one_node_refunds_the_node_that_charged() {
     );
     assert_eq!(sidecar.metric("ratelimit_compensations_total").await, 2.0);
 }
+
+/// Moves the slot of `key` (and the keys in it) from the primary serving it to another one.
+fn migrate_slot(cluster: &RedisCluster, key: &str) -> (u16, u16) {
+    let from = node_of(cluster, key);
+    let src = cluster.nodes.iter().find(|n| n.port == from).unwrap();
+    let dst = cluster.nodes.iter().find(|n| n.port != from).unwrap();
+    let slot = src.cli(&["CLUSTER", "KEYSLOT", key]).trim().to_string();
+    let id = |n: &ratelimit_e2e::Redis| n.cli(&["CLUSTER", "MYID"]).trim().to_string();
+    let (src_id, dst_id) = (id(src), id(dst));
+    assert!(dst
+        .cli(&["CLUSTER", "SETSLOT", &slot, "IMPORTING", &src_id])
+        .contains("OK"));
+    assert!(src
+        .cli(&["CLUSTER", "SETSLOT", &slot, "MIGRATING", &dst_id])
+        .contains("OK"));
+    let keys = src.cli(&["CLUSTER", "GETKEYSINSLOT", &slot, "1000"]);
+    for k in keys.lines().map(str::trim).filter(|k| !k.is_empty()) {
+        let moved = src.cli(&[
+            "MIGRATE",
+            "127.0.0.1",
+            &dst.port.to_string(),
+            k,
+            "0",
+            "5000",
+        ]);
+        assert!(moved.contains("OK"), "MIGRATE {k}: {moved}");
+    }
+    for n in &cluster.nodes {
+        assert!(n
+            .cli(&["CLUSTER", "SETSLOT", &slot, "NODE", &dst_id])
+            .contains("OK"));
+    }
+    (from, dst.port)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bucket_whose_slot_moved_is_decided_on_its_new_primary_and_charged_once() {
+    let (cluster, sidecar) = cluster_and_sidecar().await;
+    let client = unique("moving");
+    let key = bucket("b10", &client);
+    let (_, a) = sidecar.decide(json!([decision("b10", &client, 3)])).await;
+    assert_eq!(a["allowed"], true, "{a}");
+
+    let (from, to) = migrate_slot(&cluster, &key);
+    assert_eq!(node_of(&cluster, &key), to, "moved off {from}");
+
+    // The sidecar's slot map still names the old primary: it answers MOVED before writing
+    // anything, the map is read again, and the decision runs once, on the new primary.
+    let (status, a) = sidecar.decide(json!([decision("b10", &client, 2)])).await;
+    assert_eq!(status, 200, "{a}");
+    assert_eq!(a["allowed"], true, "{a}");
+    let remaining = a["results"][0]["remaining"].as_u64().unwrap();
+    assert!(
+        (5..=6).contains(&remaining),
+        "the migrated bucket continued (10 - 3 - 2, plus refill): {a}"
+    );
+    let mut c = cluster.client();
+    let tokens = stored(&mut c, &key).unwrap().tokens;
+    assert!(
+        (5.0..7.0).contains(&tokens),
+        "charged once on the new primary: {tokens}"
+    );
+}

@@ -34,13 +34,19 @@ impl EnvoyConfig {
         let path = crate::workspace_root().join("envoy").join(file);
         let template = std::fs::read_to_string(&path)
             .unwrap_or_else(|e| panic!("read {}: {e}", path.display()));
+        // A config with Envoy's native rate limit filter loads no wasm module.
+        let wasm = template
+            .contains("envoy.filters.http.wasm")
+            .then_some(SHIPPED_WASM);
         for needle in [
             SHIPPED_LISTENER,
             SHIPPED_ADMIN,
             SHIPPED_SIDECAR,
             SHIPPED_UPSTREAM,
-            SHIPPED_WASM,
-        ] {
+        ]
+        .into_iter()
+        .chain(wasm)
+        {
             assert!(
                 template.contains(needle),
                 "{file} no longer contains `{needle}`"
@@ -94,6 +100,18 @@ impl EnvoyConfig {
             ca = ca.display(),
         );
         self.cluster_addition(name, &yaml)
+    }
+
+    /// Changes one setting of the shipped config for a test (e.g. a longer timeout on a busy
+    /// machine); `from` must be in the file, so a renamed setting fails loudly.
+    pub fn replace(mut self, from: &str, to: &str) -> EnvoyConfig {
+        assert!(
+            self.template.contains(from),
+            "{} no longer contains `{from}`",
+            self.file
+        );
+        self.template = self.template.replace(from, to);
+        self
     }
 
     pub fn concurrency(mut self, n: u32) -> EnvoyConfig {
@@ -205,11 +223,13 @@ impl Envoy {
     pub fn spawn(config: &EnvoyConfig) -> Envoy {
         let dir = tempfile::tempdir().expect("temp dir");
         let (listen_port, admin_port) = (free_port(), free_port());
-        let yaml = config.render(
-            listen_port,
-            admin_port,
-            &Envoy::wasm().display().to_string(),
-        );
+        // Only a config that loads the filter needs it built.
+        let wasm = if config.template.contains(SHIPPED_WASM) {
+            Envoy::wasm().display().to_string()
+        } else {
+            String::new()
+        };
+        let yaml = config.render(listen_port, admin_port, &wasm);
         let path = dir.path().join(&config.file);
         std::fs::write(&path, yaml).expect("write envoy config");
         let mut cmd = Command::new(Envoy::bin());

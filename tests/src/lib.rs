@@ -10,6 +10,7 @@
 //! - `REDIS_SERVER_BIN` (default `redis-server` on the PATH)
 
 pub mod envoy;
+pub mod fault_proxy;
 pub mod redis;
 pub mod scenario;
 pub mod tls;
@@ -26,6 +27,7 @@ use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 
 pub use envoy::{plugin_json, Envoy, EnvoyConfig};
+pub use fault_proxy::FaultProxy;
 pub use redis::{Redis, RedisCluster, RedisOptions, Sentinel, SentinelOptions};
 pub use tls::TestPki;
 pub use upstream::Upstream;
@@ -261,6 +263,44 @@ impl Sidecar {
             policy: policy_path,
             _logs: logs,
         }
+    }
+
+    /// Starts the sidecar with a policy of the test's own and `args` that name Redis themselves
+    /// (`--redis-cluster <seeds>`, `--redis-sentinel <urls>`, ...), on `port`, without waiting:
+    /// see [`Sidecar::wait_ready`].
+    pub fn spawn_with_args(port: u16, policy: &str, args: &[&str]) -> Sidecar {
+        let logs = tempfile::tempdir().expect("temp dir");
+        let policy_path = logs.path().join("limits.yaml");
+        std::fs::write(&policy_path, policy).expect("write the policy file");
+        let mut cmd = Command::new(Sidecar::bin());
+        cmd.args(["--listen", &format!("127.0.0.1:{port}"), "--limits"])
+            .arg(&policy_path)
+            .args(args)
+            .env(
+                "RUST_LOG",
+                std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),
+            );
+        let process = Process::spawn(&format!("sidecar-{port}"), cmd, logs.path());
+        Sidecar {
+            port,
+            process,
+            policy: policy_path,
+            _logs: logs,
+        }
+    }
+
+    /// [`Sidecar::spawn_with_args`] on a free port, then waits until `/readyz` answers 200.
+    pub fn start_with_args(policy: &str, args: &[&str]) -> Sidecar {
+        let mut sidecar = Sidecar::spawn_with_args(free_port(), policy, args);
+        sidecar.wait_ready();
+        sidecar
+    }
+
+    /// Waits until `/readyz` answers 200 (Redis answers, the script is loaded), failing at once
+    /// if the sidecar exits meanwhile.
+    pub fn wait_ready(&mut self) {
+        let url = format!("{}/readyz", self.base_url());
+        self.wait_for(&http(), &url, 200);
     }
 
     /// Starts the sidecar binary `bin` with `--listen 127.0.0.1:<port>` and `args` (RUST_LOG

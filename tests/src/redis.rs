@@ -296,6 +296,86 @@ impl RedisCluster {
         Self { nodes }
     }
 
+    /// Three primaries, each with one replica (`--cluster-replicas 1`): six nodes in `nodes`.
+    /// A primary unreachable for `node_timeout_ms` is failed over to its replica. With
+    /// `cluster-require-full-coverage no`, the other primaries keep serving their slots meanwhile
+    /// (with the default `yes`, every slot stops until the promotion). Returns once every node
+    /// says `cluster_state:ok` and every replica's link to its primary is up.
+    pub fn start_replicated(node_timeout_ms: u64) -> Self {
+        let timeout = node_timeout_ms.to_string();
+        let options = RedisOptions::default().args(&[
+            "--cluster-enabled",
+            "yes",
+            "--cluster-config-file",
+            "nodes.conf",
+            "--cluster-node-timeout",
+            &timeout,
+            "--cluster-require-full-coverage",
+            "no",
+        ]);
+        let nodes: Vec<Redis> = (0..6)
+            .map(|_| Redis::start_with_options(&options))
+            .collect();
+        let addrs: Vec<String> = nodes
+            .iter()
+            .map(|n| format!("127.0.0.1:{}", n.port))
+            .collect();
+        let out = Command::new("redis-cli")
+            .args(["--cluster", "create"])
+            .args(&addrs)
+            .args(["--cluster-replicas", "1", "--cluster-yes"])
+            .stdin(Stdio::null())
+            .output()
+            .expect("redis-cli --cluster create");
+        assert!(
+            out.status.success(),
+            "cluster create failed: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        let cluster = Self { nodes };
+        for n in &cluster.nodes {
+            wait_until("cluster_state:ok", Duration::from_secs(30), || {
+                n.cli(&["CLUSTER", "INFO"]).contains("cluster_state:ok")
+            });
+        }
+        for i in 0..cluster.nodes.len() {
+            if cluster.primary_port_of_replica(i).is_some() {
+                wait_until("a replica's link up", Duration::from_secs(30), || {
+                    cluster.nodes[i]
+                        .cli(&["INFO", "replication"])
+                        .contains("master_link_status:up")
+                });
+            }
+        }
+        cluster
+    }
+
+    /// The index in `nodes` of the primary that serves `key` now (the others answer MOVED; a
+    /// stopped node answers nothing).
+    pub fn primary_of(&self, key: &str) -> Option<usize> {
+        self.nodes.iter().position(|n| {
+            let out = n.cli(&["EXISTS", key]);
+            out == "0" || out == "1"
+        })
+    }
+
+    /// The port of the primary node `i` replicates, if it is a replica (`INFO replication`).
+    pub fn primary_port_of_replica(&self, i: usize) -> Option<u16> {
+        let info = self.nodes[i].cli(&["INFO", "replication"]);
+        if !info.contains("role:slave") {
+            return None;
+        }
+        info.lines()
+            .find_map(|l| l.trim().strip_prefix("master_port:"))
+            .and_then(|p| p.trim().parse().ok())
+    }
+
+    /// The index of a replica of the primary `primary` (by index), if it has one.
+    pub fn replica_of(&self, primary: usize) -> Option<usize> {
+        let port = self.nodes[primary].port;
+        (0..self.nodes.len()).find(|&i| self.primary_port_of_replica(i) == Some(port))
+    }
+
     /// The nodes' URLs, comma-separated (the sidecar's `--redis-cluster`).
     pub fn seeds(&self) -> String {
         self.nodes

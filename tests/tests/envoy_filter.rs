@@ -547,3 +547,37 @@ fn hostile_header_bytes_and_huge_values_neither_crash_the_filter_nor_escape_the_
     }
     assert_eq!(get(&c, &url, &[ALPHA]).status, 429);
 }
+
+#[test]
+fn the_filter_authenticates_to_the_sidecar_with_its_bearer_token() {
+    let redis = ratelimit_e2e::Redis::start();
+    let sidecar = Sidecar::with_policy(
+        &redis.url(),
+        "rules:\n  guarded: {capacity: 2, refill_per_sec: 0.001}\n",
+        &["--auth-token", "gw-secret-7f3c"],
+    );
+    let upstream = ratelimit_e2e::Upstream::start();
+    let rules = json!([{"name": "guarded", "match": {"path_prefix": "/"}, "subject": ["ip"],
+                        "on_error": "deny"}]);
+    let start = |token: &str| {
+        let mut plugin = plugin_with_rules(rules.clone());
+        plugin["sidecar"]["token"] = json!(token);
+        plugin["fast_paths"] = json!({"leases": {"enabled": false}, "known_rejections": false});
+        Envoy::start(
+            &EnvoyConfig::shipped("envoy.yaml", sidecar.port, upstream.port)
+                .plugin(&plugin.to_string()),
+        )
+    };
+    let good = start("gw-secret-7f3c");
+    let c = http();
+    let statuses: Vec<u16> = (0..3)
+        .map(|_| get(&c, &good.url("/x"), &[]).status)
+        .collect();
+    assert_eq!(statuses, [200, 200, 429], "decided by the sidecar");
+    // A gateway with the wrong token gets no decision: its rule's on_error (deny) answers.
+    let bad = start("not-the-token");
+    let a = get(&c, &bad.url("/x"), &[]);
+    assert_eq!(a.status, 503, "{}", a.body);
+    assert_eq!(bad.counter("ratelimit.limiter_error"), 1);
+    assert_eq!(upstream.hits(), 2);
+}

@@ -14,11 +14,12 @@ const LOCAL_WASM: &str = "target/wasm32-wasip1/release/ratelimit_filter.wasm";
 const COMPOSE_WASM: &str = "/etc/envoy/ratelimit_filter.wasm";
 
 /// Every Envoy config shipped for an edge Envoy.
-const EDGE_CONFIGS: [&str; 4] = [
+const EDGE_CONFIGS: [&str; 5] = [
     "envoy/envoy.yaml",
     "envoy/envoy-jwt.yaml",
     "envoy/compose/envoy.yaml",
     "envoy/envoy-edge-tls.yaml",
+    "envoy/envoy-native-ratelimit.yaml",
 ];
 
 fn read(path: &str) -> String {
@@ -67,6 +68,9 @@ fn every_shipped_envoy_config_validates_with_the_filter_loaded() {
     for path in ["envoy/envoy.yaml", "envoy/envoy-jwt.yaml"] {
         validate(path, with_built_wasm(path, LOCAL_WASM));
     }
+    // Envoy's native rate limit filter instead of the wasm one: nothing to load.
+    let native = "envoy/envoy-native-ratelimit.yaml";
+    validate(native, read(native));
     let compose = "envoy/compose/envoy.yaml";
     validate(compose, with_built_wasm(compose, COMPOSE_WASM));
     // The TLS example, with a certificate made for the test in place of its placeholders.

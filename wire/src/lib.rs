@@ -20,6 +20,8 @@
 
 use std::fmt;
 
+pub mod headers;
+
 use serde::de::{MapAccess, Visitor};
 use serde::ser::SerializeMap;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};

@@ -312,7 +312,15 @@ pub(crate) fn deserialize<T: serde::de::DeserializeOwned>(
             } else {
                 format!("{source}: {path}")
             };
-            problems.add(at, e.into_inner().to_string());
+            // serde_yaml_ng puts its own (shorter) path in front of its message: say it once.
+            let message = e.into_inner().to_string();
+            let message = match message.split_once(": ") {
+                Some((head, rest)) if !head.contains(' ') && path.starts_with(head) => {
+                    rest.to_string()
+                }
+                _ => message,
+            };
+            problems.add(at, message);
             None
         }
     }
@@ -341,7 +349,7 @@ pub(crate) fn check_bucket(
         problems.add(
             format!("{path}.refill_per_sec"),
             format!(
-                "a full refill (capacity / refill_per_sec = {:.0} s) may take at most {} s (--max-refill-seconds); raise refill_per_sec",
+                "a full refill (capacity / refill_per_sec = {:.0} s) may take at most {} s (--max-refill-seconds): raise refill_per_sec",
                 capacity as f64 / refill_per_sec,
                 bounds.max_refill_s
             ),

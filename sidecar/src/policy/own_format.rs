@@ -663,7 +663,16 @@ rules:
             assert!(text.contains(needle), "{needle} missing in {text}");
         }
         let e = policy("rules:\n  a: {capacity: 1, refill_per_sec: 1, colour: red}\n").unwrap_err();
-        assert!(e.to_string().contains("rules.a"), "{e}");
+        assert!(
+            e.to_string()
+                .contains("rules.a.colour: unknown field `colour`"),
+            "{e}"
+        );
+        assert_eq!(
+            e.to_string().matches("rules.a").count(),
+            1,
+            "the path once: {e}"
+        );
         let e = policy("rules:\n  a: {capacity: -1, refill_per_sec: 1}\n").unwrap_err();
         assert!(e.to_string().contains("rules.a"), "{e}");
     }

@@ -399,7 +399,11 @@ impl Connection {
             .collect::<Result<Vec<_>, _>>()?;
         let tls = infos.first().is_some_and(is_tls);
         access.check_tls_used("--redis-cluster", seeds, tls)?;
-        let mut builder = ClusterClientBuilder::new(infos);
+        // No retries inside the client: a script call whose connection dropped after Redis ran
+        // it would be sent again and charged twice. A failed call is answered as such, and a
+        // MOVED is followed by the store (slot map refreshed, work regrouped). The client still
+        // reconnects after a dropped connection.
+        let mut builder = ClusterClientBuilder::new(infos).retries(0);
         if let Some(certs) = access.certificates.clone() {
             builder = builder.certs(certs);
         }

@@ -341,6 +341,12 @@ impl RedisStore {
                 maxmemory_policies(&v, &mut policies, &mut refused);
                 r.maxmemory_policy = policies;
                 r.warning = eviction_warning(&r.maxmemory_policy);
+                // 0 only when every node answered noeviction: a refused CONFIG GET leaves the
+                // gauge as it was, unless another node shows it can evict.
+                let evicting = r.warning.is_some();
+                if evicting || (refused.is_none() && !r.maxmemory_policy.is_empty()) {
+                    self.inner.metrics.eviction_policy(evicting);
+                }
                 if let Some(e) = refused {
                     r.warning.get_or_insert(format!(
                         "could not check maxmemory-policy (CONFIG GET refused: {e}); make sure it is noeviction"

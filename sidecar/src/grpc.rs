@@ -1,0 +1,550 @@
+//! The gRPC edge: Envoy's rate limit service, `envoy.service.ratelimit.v3.RateLimitService/
+//! ShouldRateLimit`, for Envoy's native `envoy.filters.http.ratelimit` (and any other client of
+//! that API). A thin adapter over [`Decider::run`]; served on the same listener as the HTTP API
+//! (see [`crate::http::router`]). docs/grpc.md is the operator's reference.
+//!
+//! # Mapping
+//!
+//! - `domain` is the policy domain.
+//! - Each descriptor is one decision: its entries, in order, are looked up in the policy (a first
+//!   entry `rule=<name>` reaches a rule of this sidecar's own format; any entries reach a domain in
+//!   envoyproxy/ratelimit's format). A descriptor that matches no limit is not limited.
+//! - All descriptors of one `RateLimitRequest` are ONE request, decided all-or-nothing: if one is
+//!   over its limit, none is charged (envoyproxy/ratelimit would still count the others).
+//! - The cost of a descriptor is its own `hits_addend` when set, else the request's `hits_addend`;
+//!   0 means 1. `is_negative_hits` (giving tokens back) is refused: a caller never adds budget.
+//! - A limit carried inside a descriptor (`RateLimitDescriptor.limit`, Envoy's `limit` action
+//!   override) is ignored: the policy owns the numbers, a caller never chooses its limit.
+//!
+//! # Answer
+//!
+//! `overall_code` is OK or OVER_LIMIT; one `DescriptorStatus` per descriptor: `code` (OVER_LIMIT
+//! for a descriptor whose own bucket refused, OK otherwise, and always OK under shadow mode),
+//! `current_limit` (`requests_per_unit` = capacity, `unit` = the unit whose length is exactly
+//! `capacity / refill_per_sec`, else UNKNOWN; absent when no limit or an unlimited one applies),
+//! `limit_remaining` (whole tokens), `duration_until_reset` (OVER_LIMIT: the wait until the cost is
+//! available; OK: until the bucket is full). `response_headers_to_add` carries `RateLimit-Policy`,
+//! `RateLimit` and, over the limit, `Retry-After`, rendered by [`ratelimit_wire::headers`] exactly
+//! as the wasm filter renders them.
+//!
+//! # Errors
+//!
+//! A malformed request is `INVALID_ARGUMENT` naming the field (the limits of `ratelimit-wire`
+//! bound it, as they bound `POST /v1/decide`); so is a domain no policy file defines. Redis
+//! unavailable for the request is `UNAVAILABLE`, a failed script `INTERNAL`: Envoy's
+//! `failure_mode_deny` then decides.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use envoy_types::pb::envoy::config::core::v3::HeaderValue;
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{
+    Code, DescriptorStatus, RateLimit,
+};
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::{
+    RateLimitService, RateLimitServiceServer,
+};
+use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use envoy_types::pb::google::protobuf::Duration;
+use ratelimit_wire::headers::{self, ceil_s, retry_after_s, Limit};
+use ratelimit_wire::{
+    AppliedLimit, DecisionResult, ErrorCode, Reason, RequestAnswer, MAX_DECISIONS, MAX_NAME_BYTES,
+    MAX_SUBJECT_ENTRIES, MAX_VALUE_BYTES,
+};
+use tonic::server::NamedService;
+use tonic::{Request, Response, Status};
+
+use crate::decide::{Caller, Decider, Item};
+use crate::metrics::{CallOutcome, Metrics};
+use crate::policy::MAX_CAPACITY;
+use crate::store::BucketStore;
+
+/// The most entries of one descriptor: a rule and a subject of the wire's largest size.
+pub const MAX_DESCRIPTOR_ENTRIES: usize = 1 + MAX_SUBJECT_ENTRIES;
+
+/// The rate limit service over a [`Decider`].
+pub struct RateLimitApi<S> {
+    decider: Arc<Decider<S>>,
+    metrics: Arc<Metrics>,
+}
+
+impl<S: BucketStore> RateLimitApi<S> {
+    pub fn new(decider: Arc<Decider<S>>, metrics: Arc<Metrics>) -> Self {
+        Self { decider, metrics }
+    }
+
+    /// The service as routes of the sidecar's router: `/<service name>/<method>` (the path gRPC
+    /// uses); an unknown method of the service is answered UNIMPLEMENTED by tonic.
+    pub fn into_router(self) -> axum::Router {
+        let path = format!(
+            "/{}/{{*method}}",
+            <RateLimitServiceServer<Self> as NamedService>::NAME
+        );
+        axum::Router::new().route_service(&path, RateLimitServiceServer::new(self))
+    }
+}
+
+/// A request checked and turned into the decider's items.
+#[derive(Debug, PartialEq)]
+pub struct Checked {
+    pub domain: String,
+    pub items: Vec<Item>,
+}
+
+/// Checks a request; the error names the field (`descriptors[1].entries[0].key: ...`).
+pub fn check(request: RateLimitRequest) -> Result<Checked, String> {
+    let RateLimitRequest {
+        domain,
+        descriptors,
+        hits_addend,
+    } = request;
+    if domain.is_empty() || domain.len() > MAX_NAME_BYTES {
+        return Err(format!("domain: must be 1 to {MAX_NAME_BYTES} bytes"));
+    }
+    if descriptors.is_empty() || descriptors.len() > MAX_DECISIONS {
+        return Err(format!(
+            "descriptors: must hold 1 to {MAX_DECISIONS} descriptors, got {}",
+            descriptors.len()
+        ));
+    }
+    let default_cost = u64::from(hits_addend.max(1));
+    let items = descriptors
+        .into_iter()
+        .enumerate()
+        .map(|(d, descriptor)| item(d, descriptor, default_cost))
+        .collect::<Result<_, _>>()?;
+    Ok(Checked { domain, items })
+}
+
+fn item(d: usize, descriptor: RateLimitDescriptor, default_cost: u64) -> Result<Item, String> {
+    let RateLimitDescriptor {
+        entries,
+        limit: _ignored_a_caller_never_chooses_its_limit,
+        hits_addend,
+        is_negative_hits,
+    } = descriptor;
+    let at = format!("descriptors[{d}]");
+    if entries.is_empty() || entries.len() > MAX_DESCRIPTOR_ENTRIES {
+        return Err(format!(
+            "{at}.entries: must hold 1 to {MAX_DESCRIPTOR_ENTRIES} entries, got {}",
+            entries.len()
+        ));
+    }
+    if is_negative_hits {
+        return Err(format!(
+            "{at}.is_negative_hits: not supported; a caller cannot give tokens back"
+        ));
+    }
+    let cost = match hits_addend {
+        Some(h) if h.value > MAX_CAPACITY => {
+            return Err(format!("{at}.hits_addend: must be at most {MAX_CAPACITY}"))
+        }
+        Some(h) => h.value.max(1),
+        None => default_cost,
+    };
+    let mut checked = Vec::with_capacity(entries.len());
+    for (e, entry) in entries.into_iter().enumerate() {
+        if entry.key.is_empty() || entry.key.len() > MAX_NAME_BYTES {
+            return Err(format!(
+                "{at}.entries[{e}].key: must be 1 to {MAX_NAME_BYTES} bytes"
+            ));
+        }
+        if entry.value.len() > MAX_VALUE_BYTES {
+            return Err(format!(
+                "{at}.entries[{e}].value: longer than {MAX_VALUE_BYTES} bytes"
+            ));
+        }
+        checked.push((entry.key, Some(entry.value)));
+    }
+    Ok(Item {
+        entries: checked,
+        cost,
+        lease: None,
+    })
+}
+
+#[tonic::async_trait]
+impl<S: BucketStore> RateLimitService for RateLimitApi<S> {
+    async fn should_rate_limit(
+        &self,
+        request: Request<RateLimitRequest>,
+    ) -> Result<Response<RateLimitResponse>, Status> {
+        let started = Instant::now();
+        let answer = self.decide(request.into_inner()).await;
+        self.metrics
+            .decision_duration
+            .observe(started.elapsed().as_secs_f64());
+        answer.map(Response::new)
+    }
+}
+
+impl<S: BucketStore> RateLimitApi<S> {
+    async fn decide(&self, request: RateLimitRequest) -> Result<RateLimitResponse, Status> {
+        let checked = check(request).map_err(|e| {
+            self.metrics.call("grpc", CallOutcome::BadRequest);
+            Status::invalid_argument(e)
+        })?;
+        // The decision runs in a task of its own: a caller that gives up (Envoy's `timeout`
+        // resets the stream) cancels neither its Redis calls nor the refunds that follow them.
+        let decider = self.decider.clone();
+        let task = tokio::spawn(async move {
+            let Checked { domain, items } = checked;
+            decider
+                .run(
+                    &domain,
+                    None,
+                    vec![items],
+                    Vec::new(),
+                    Caller::RateLimitService,
+                )
+                .await
+        });
+        let answer = match task.await {
+            Ok(mut answers) if answers.len() == 1 => answers.remove(0),
+            Ok(_) | Err(_) => {
+                self.metrics.call("grpc", CallOutcome::Error);
+                tracing::error!("decision task failed");
+                return Err(Status::internal("decision failed"));
+            }
+        };
+        if let Some(e) = &answer.error {
+            let (outcome, status, request_outcome) = match e.code {
+                ErrorCode::Unavailable => (
+                    CallOutcome::Unavailable,
+                    Status::unavailable(&e.message),
+                    "unavailable",
+                ),
+                ErrorCode::ScriptFailed => {
+                    (CallOutcome::Error, Status::internal(&e.message), "error")
+                }
+                // Envoy's API: only a domain no policy file defines gets here.
+                ErrorCode::UnknownRule => (
+                    CallOutcome::BadRequest,
+                    Status::invalid_argument(format!("domain: {}", e.message)),
+                    "unknown_rule",
+                ),
+            };
+            self.metrics.request(request_outcome);
+            self.metrics.call("grpc", outcome);
+            tracing::warn!("gRPC decision failed: {}", e.message);
+            return Err(status);
+        }
+        self.metrics.request(if answer.allowed {
+            "allowed"
+        } else {
+            "rejected"
+        });
+        self.metrics.call("grpc", CallOutcome::Answered);
+        Ok(respond(&answer))
+    }
+}
+
+/// The answer to a request the decider answered (no error).
+pub fn respond(answer: &RequestAnswer) -> RateLimitResponse {
+    let overall = if answer.allowed {
+        Code::Ok
+    } else {
+        Code::OverLimit
+    };
+    RateLimitResponse {
+        overall_code: overall as i32,
+        statuses: answer.results.iter().map(status).collect(),
+        response_headers_to_add: response_headers(answer)
+            .into_iter()
+            .map(|(key, value)| HeaderValue {
+                key: key.to_string(),
+                value,
+                raw_value: Vec::new(),
+            })
+            .collect(),
+        ..Default::default()
+    }
+}
+
+/// Whether this decision's own bucket refused (the request is rejected for it).
+fn refused(r: &DecisionResult) -> bool {
+    !r.allowed && r.reason != Reason::Ok
+}
+
+fn status(r: &DecisionResult) -> DescriptorStatus {
+    let over = refused(r);
+    let wait_ms = match r.reason {
+        // Waiting cannot help, and an unlimited subject has nothing to reset.
+        Reason::CostExceedsCapacity | Reason::Blocked | Reason::Unlimited => None,
+        _ if over => Some(r.retry_after_ms),
+        _ => Some(r.reset_ms),
+    };
+    DescriptorStatus {
+        code: if over { Code::OverLimit } else { Code::Ok } as i32,
+        current_limit: r.limit.as_ref().map(current_limit),
+        limit_remaining: u32::try_from(r.remaining).unwrap_or(u32::MAX),
+        duration_until_reset: wait_ms.filter(|_| r.limit.is_some()).map(duration),
+        quota: None,
+    }
+}
+
+fn duration(ms: u64) -> Duration {
+    Duration {
+        seconds: i64::try_from(ms / 1000).unwrap_or(i64::MAX),
+        nanos: ((ms % 1000) * 1_000_000) as i32,
+    }
+}
+
+/// `requests_per_unit` = capacity (saturated to u32); `unit` = the unit whose length equals a
+/// full refill (`capacity / refill_per_sec`) exactly, else UNKNOWN.
+pub fn current_limit(l: &AppliedLimit) -> RateLimit {
+    RateLimit {
+        name: l.name.clone(),
+        requests_per_unit: u32::try_from(l.capacity).unwrap_or(u32::MAX),
+        unit: unit_of(l.capacity, l.refill_per_sec) as i32,
+    }
+}
+
+/// The unit whose length in seconds is `capacity / refill_per_sec`: the window that turns
+/// `requests_per_unit` into this refill rate (envoyproxy/ratelimit's format maps a window to a
+/// bucket the same way, so its limits come back with their unit).
+pub fn unit_of(capacity: u64, refill_per_sec: f64) -> Unit {
+    const UNITS: [(Unit, u64); 7] = [
+        (Unit::Second, 1),
+        (Unit::Minute, 60),
+        (Unit::Hour, 3_600),
+        (Unit::Day, 86_400),
+        (Unit::Week, 7 * 86_400),
+        (Unit::Month, 30 * 86_400),
+        (Unit::Year, 365 * 86_400),
+    ];
+    if capacity == 0 || !(refill_per_sec.is_finite() && refill_per_sec > 0.0) {
+        return Unit::Unknown;
+    }
+    UNITS
+        .into_iter()
+        .find(|&(_, seconds)| {
+            let rate = capacity as f64 / seconds as f64;
+            (rate - refill_per_sec).abs() <= rate * 1e-12
+        })
+        .map_or(Unit::Unknown, |(unit, _)| unit)
+}
+
+/// The headers the wasm filter would add for this answer (`verdict::from_answer` there): over the
+/// limit, `Retry-After` and the figures of the limit that makes the client wait longest (none but
+/// `RateLimit-Policy` when waiting cannot help: a cost above the capacity; nothing for a blocked
+/// subject); admitted, `RateLimit-Policy` and `RateLimit` of every limit that is not in shadow
+/// mode.
+pub fn response_headers(answer: &RequestAnswer) -> Vec<(&'static str, String)> {
+    let results = &answer.results;
+    if let Some(r) = results
+        .iter()
+        .find(|r| !r.allowed && matches!(r.reason, Reason::CostExceedsCapacity | Reason::Blocked))
+    {
+        return match (&r.limit, r.reason) {
+            (Some(l), Reason::CostExceedsCapacity) => {
+                vec![(headers::RATELIMIT_POLICY, Limit::applied(l, 0, 0).policy())]
+            }
+            _ => Vec::new(),
+        };
+    }
+    if let Some(r) = results
+        .iter()
+        .filter(|r| refused(r))
+        .max_by_key(|r| r.retry_after_ms)
+    {
+        let wait_s = retry_after_s(r.retry_after_ms);
+        let mut out = vec![(headers::RETRY_AFTER, wait_s.to_string())];
+        if let Some(l) = &r.limit {
+            let limit = Limit::applied(l, r.remaining, wait_s);
+            out.push((headers::RATELIMIT_POLICY, limit.policy()));
+            out.push((headers::RATELIMIT, limit.limit()));
+        }
+        return out;
+    }
+    let limits: Vec<Limit<'_>> = results
+        .iter()
+        .filter(|r| !r.shadow)
+        .filter_map(|r| {
+            r.limit
+                .as_ref()
+                .map(|l| Limit::applied(l, r.remaining, ceil_s(r.reset_ms)))
+        })
+        .collect();
+    headers::admitted(&limits)
+}
+
+#[cfg(test)]
+mod tests {
+    use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::{
+        Entry, RateLimitOverride,
+    };
+    use envoy_types::pb::google::protobuf::UInt64Value;
+
+    use super::*;
+
+    fn descriptor(entries: &[(&str, &str)]) -> RateLimitDescriptor {
+        RateLimitDescriptor {
+            entries: entries
+                .iter()
+                .map(|(k, v)| Entry {
+                    key: k.to_string(),
+                    value: v.to_string(),
+                })
+                .collect(),
+            ..Default::default()
+        }
+    }
+
+    fn request(descriptors: Vec<RateLimitDescriptor>, hits_addend: u32) -> RateLimitRequest {
+        RateLimitRequest {
+            domain: "ratelimit".into(),
+            descriptors,
+            hits_addend,
+        }
+    }
+
+    #[test]
+    fn costs_come_from_hits_addend_and_limits_in_descriptors_are_ignored() {
+        let mut with_limit = descriptor(&[("rule", "per-ip"), ("ip", "1.2.3.4")]);
+        with_limit.limit = Some(RateLimitOverride {
+            requests_per_unit: 1_000_000,
+            unit: Unit::Second as i32,
+        });
+        let mut own_cost = descriptor(&[("path", "/x")]);
+        own_cost.hits_addend = Some(UInt64Value { value: 7 });
+        let c = check(request(vec![with_limit, own_cost], 0)).unwrap();
+        assert_eq!(c.domain, "ratelimit");
+        assert_eq!(c.items[0].cost, 1, "hits_addend 0 is 1");
+        assert_eq!(
+            c.items[0].entries,
+            [
+                ("rule".to_string(), Some("per-ip".to_string())),
+                ("ip".to_string(), Some("1.2.3.4".to_string()))
+            ]
+        );
+        assert_eq!(c.items[1].cost, 7, "the descriptor's own hits_addend wins");
+        let c = check(request(vec![descriptor(&[("a", "b")])], 3)).unwrap();
+        assert_eq!(c.items[0].cost, 3);
+    }
+
+    #[test]
+    fn bad_requests_name_the_field() {
+        let err = |r: RateLimitRequest| check(r).unwrap_err();
+        let mut r = request(vec![descriptor(&[("a", "b")])], 0);
+        r.domain.clear();
+        assert!(err(r).starts_with("domain:"));
+        assert!(err(request(vec![], 0)).starts_with("descriptors: must hold 1 to 64"));
+        let many = vec![descriptor(&[("a", "b")]); MAX_DECISIONS + 1];
+        assert!(err(request(many, 0)).starts_with("descriptors:"));
+        let e = err(request(vec![descriptor(&[("a", "b")]), descriptor(&[])], 0));
+        assert!(e.starts_with("descriptors[1].entries:"), "{e}");
+        let e = err(request(vec![descriptor(&[("", "b")])], 0));
+        assert!(e.starts_with("descriptors[0].entries[0].key:"), "{e}");
+        let long = "v".repeat(MAX_VALUE_BYTES + 1);
+        let e = err(request(vec![descriptor(&[("a", "b"), ("k", &long)])], 0));
+        assert!(e.starts_with("descriptors[0].entries[1].value:"), "{e}");
+        let mut negative = descriptor(&[("a", "b")]);
+        negative.is_negative_hits = true;
+        let e = err(request(vec![negative], 0));
+        assert!(e.starts_with("descriptors[0].is_negative_hits:"), "{e}");
+        let mut huge = descriptor(&[("a", "b")]);
+        huge.hits_addend = Some(UInt64Value { value: u64::MAX });
+        let e = err(request(vec![huge], 0));
+        assert!(e.starts_with("descriptors[0].hits_addend:"), "{e}");
+    }
+
+    #[test]
+    fn a_unit_is_named_only_when_a_full_refill_takes_exactly_one() {
+        assert_eq!(unit_of(10, 10.0), Unit::Second);
+        assert_eq!(unit_of(600, 10.0), Unit::Minute);
+        assert_eq!(unit_of(5, 5.0 / 60.0), Unit::Minute);
+        assert_eq!(unit_of(24, 24.0 / 86_400.0), Unit::Day);
+        assert_eq!(unit_of(7, 7.0 / 604_800.0), Unit::Week);
+        assert_eq!(unit_of(30, 30.0 / 2_592_000.0), Unit::Month);
+        assert_eq!(unit_of(100, 10.0), Unit::Unknown, "a 10 s refill");
+        assert_eq!(unit_of(0, 0.0), Unit::Unknown, "a blocking limit");
+    }
+
+    fn result(allowed: bool, reason: Reason, remaining: u64, wait_ms: u64) -> DecisionResult {
+        DecisionResult {
+            allowed,
+            remaining,
+            retry_after_ms: if allowed { 0 } else { wait_ms },
+            reset_ms: wait_ms,
+            reason,
+            limit: Some(AppliedLimit {
+                name: "per-ip".into(),
+                capacity: 5,
+                refill_per_sec: 1.0,
+            }),
+            shadow: false,
+            leased: 0,
+        }
+    }
+
+    #[test]
+    fn an_answer_maps_to_codes_figures_and_the_filters_headers() {
+        let ok = RequestAnswer {
+            allowed: true,
+            results: vec![result(true, Reason::Ok, 4, 1000)],
+            error: None,
+        };
+        let r = respond(&ok);
+        assert_eq!(r.overall_code, Code::Ok as i32);
+        let s = &r.statuses[0];
+        assert_eq!(s.code, Code::Ok as i32);
+        assert_eq!(s.limit_remaining, 4);
+        assert_eq!(
+            s.current_limit,
+            Some(RateLimit {
+                name: "per-ip".into(),
+                requests_per_unit: 5,
+                unit: Unit::Unknown as i32
+            })
+        );
+        assert_eq!(s.duration_until_reset, Some(duration(1000)));
+        let h: Vec<(String, String)> = r
+            .response_headers_to_add
+            .iter()
+            .map(|h| (h.key.clone(), h.value.clone()))
+            .collect();
+        assert_eq!(
+            h,
+            [
+                ("ratelimit-policy".into(), "\"per-ip\";q=5;w=5".into()),
+                ("ratelimit".into(), "\"per-ip\";r=4;t=1".into())
+            ]
+        );
+
+        let over = RequestAnswer {
+            allowed: false,
+            results: vec![
+                result(true, Reason::Ok, 3, 2000),
+                result(false, Reason::Insufficient, 0, 1500),
+            ],
+            error: None,
+        };
+        let r = respond(&over);
+        assert_eq!(r.overall_code, Code::OverLimit as i32);
+        assert_eq!(r.statuses[0].code, Code::Ok as i32);
+        assert_eq!(r.statuses[1].code, Code::OverLimit as i32);
+        assert_eq!(r.statuses[1].duration_until_reset, Some(duration(1500)));
+        assert_eq!(
+            response_headers(&over),
+            [
+                ("retry-after", "2".to_string()),
+                ("ratelimit-policy", "\"per-ip\";q=5;w=5".to_string()),
+                ("ratelimit", "\"per-ip\";r=0;t=2".to_string())
+            ]
+        );
+
+        let never = RequestAnswer {
+            allowed: false,
+            results: vec![result(false, Reason::CostExceedsCapacity, 5, 0)],
+            error: None,
+        };
+        assert_eq!(
+            response_headers(&never),
+            [("ratelimit-policy", "\"per-ip\";q=5;w=5".to_string())]
+        );
+        assert_eq!(respond(&never).statuses[0].duration_until_reset, None);
+    }
+}

@@ -1,0 +1,1574 @@
+//! `make reliability`: failure behaviour, measured. Starts the real processes on loopback (Redis
+//! single, Sentinel or Cluster, the sidecar binary, Envoy with the filter, an upstream), puts load
+//! on them, breaks them on purpose, and prints ONE table (markdown, as docs/failure-behaviour.md
+//! carries it): per scenario the load, the fault, what was admitted and rejected, the
+//! over-admission against the exact bound, the gateway's decision time (p50/p99 at the client,
+//! and from the filter's `decision_us` histogram where useful), errors and recovery time.
+//!
+//! Every scenario is bounded in time; its processes are stopped when it ends, also when it fails
+//! (the harness kills on drop; a failed scenario becomes a row saying so). Bounds are computed and
+//! checked (✓/✗) in the last column; timings are printed, never judged.
+//!
+//! Scenarios (`--scenario 1,3` runs some): 1 shared budget, 2 hot key, 3 Redis slow/down per
+//! `on_error`, 4 failover (Sentinel, Cluster), 5 uncertain results, 6 sidecar restart, 7 flood,
+//! 8 many clients.
+
+use std::collections::HashMap;
+use std::net::IpAddr;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use nix::sys::signal::Signal;
+use ratelimit_e2e::scenario::plugin_with;
+use ratelimit_e2e::{
+    http, Envoy, EnvoyConfig, FaultProxy, Redis, RedisCluster, Sentinel, Sidecar, Upstream,
+};
+use serde_json::{json, Value};
+
+#[derive(Parser, Clone)]
+#[command(
+    about = "Failure behaviour, measured: every scenario of docs/failure-behaviour.md, one table"
+)]
+struct Args {
+    /// Seconds of load per phase (a fault lasts as long).
+    #[arg(long, default_value_t = 3)]
+    seconds: u64,
+    /// Scenarios to run, by number (1-8), comma separated; all by default.
+    #[arg(long, value_delimiter = ',')]
+    scenario: Vec<u32>,
+    /// Concurrent clients on the loaded key(s).
+    #[arg(long, default_value_t = 16)]
+    clients: usize,
+    /// Distinct keys of scenario 8.
+    #[arg(long, default_value_t = 100_000)]
+    keys: usize,
+    /// Lost replies (and repeats) in scenario 5.
+    #[arg(long, default_value_t = 100)]
+    lost: usize,
+    /// Also write the table to this file.
+    #[arg(long)]
+    out: Option<PathBuf>,
+}
+
+/// One line of the table; every cell already formatted.
+#[derive(Default, Clone)]
+struct Row {
+    scenario: String,
+    load: String,
+    fault: String,
+    admitted: String,
+    rejected: String,
+    over: String,
+    client: String,
+    filter: String,
+    errors: String,
+    recovery: String,
+    check: String,
+}
+
+const HEADER: [&str; 11] = [
+    "scenario",
+    "load",
+    "fault",
+    "admitted",
+    "rejected",
+    "over-admission (exact bound)",
+    "decision p50 / p99, client",
+    "p50 / p99, filter decision_us",
+    "errors",
+    "recovery",
+    "bounds checked",
+];
+
+impl Row {
+    fn cells(&self) -> [&str; 11] {
+        [
+            &self.scenario,
+            &self.load,
+            &self.fault,
+            &self.admitted,
+            &self.rejected,
+            &self.over,
+            &self.client,
+            &self.filter,
+            &self.errors,
+            &self.recovery,
+            &self.check,
+        ]
+    }
+}
+
+fn table(rows: &[Row]) -> String {
+    let clean = |s: &str| s.replace('|', "/").replace('\n', " ");
+    let mut out = format!("| {} |\n", HEADER.join(" | "));
+    out += &format!("|{}\n", " --- |".repeat(HEADER.len()));
+    for r in rows {
+        let cells: Vec<String> = r
+            .cells()
+            .iter()
+            .map(|c| if c.is_empty() { "—".into() } else { clean(c) })
+            .collect();
+        out += &format!("| {} |\n", cells.join(" | "));
+    }
+    out
+}
+
+// ---------------------------------------------------------------------------------------------
+// Load: closed-loop HTTP clients on a runtime of their own, recording every answer.
+
+/// A group of identical clients.
+#[derive(Clone)]
+struct Clients {
+    /// Which group the samples belong to.
+    group: usize,
+    count: usize,
+    /// Requests go round-robin over these URLs.
+    urls: Vec<String>,
+    headers: Vec<(String, String)>,
+    /// The loopback address to send from (the client's "ip" as Envoy sees it).
+    from: Option<IpAddr>,
+    /// Pause between two requests of one client (None: closed loop, as fast as answered).
+    pause: Option<Duration>,
+}
+
+impl Clients {
+    fn new(group: usize, count: usize, urls: &[String]) -> Clients {
+        Clients {
+            group,
+            count,
+            urls: urls.to_vec(),
+            headers: Vec::new(),
+            from: None,
+            pause: None,
+        }
+    }
+    fn header(mut self, k: &str, v: &str) -> Clients {
+        self.headers.push((k.into(), v.into()));
+        self
+    }
+    fn from(mut self, ip: IpAddr) -> Clients {
+        self.from = Some(ip);
+        self
+    }
+    fn pause(mut self, d: Duration) -> Clients {
+        self.pause = Some(d);
+        self
+    }
+}
+
+/// One answer (status 0: no answer, the request failed or timed out at the client).
+#[derive(Clone, Copy)]
+struct Sample {
+    group: usize,
+    /// When it was sent, since the load started.
+    at: Duration,
+    latency: Duration,
+    status: u16,
+}
+
+impl Sample {
+    fn done(&self) -> Duration {
+        self.at + self.latency
+    }
+    fn failed(&self) -> bool {
+        !matches!(self.status, 200 | 429)
+    }
+}
+
+struct Load {
+    t0: Instant,
+    stop: Arc<AtomicBool>,
+    thread: std::thread::JoinHandle<Vec<Sample>>,
+}
+
+impl Load {
+    fn start(groups: Vec<Clients>) -> Load {
+        let stop = Arc::new(AtomicBool::new(false));
+        let t0 = Instant::now();
+        let stop2 = stop.clone();
+        let thread = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+                .expect("load runtime");
+            rt.block_on(async move {
+                let samples = Arc::new(Mutex::new(Vec::new()));
+                let mut tasks = Vec::new();
+                for g in groups {
+                    let mut builder = reqwest::Client::builder()
+                        .timeout(Duration::from_secs(5))
+                        .no_proxy();
+                    if let Some(ip) = g.from {
+                        builder = builder.local_address(ip);
+                    }
+                    let client = builder.build().expect("client");
+                    for c in 0..g.count {
+                        let (client, g, stop, samples) =
+                            (client.clone(), g.clone(), stop2.clone(), samples.clone());
+                        tasks.push(tokio::spawn(async move {
+                            let mut i = c;
+                            let mut mine = Vec::new();
+                            while !stop.load(Ordering::Relaxed) {
+                                let url = &g.urls[i % g.urls.len()];
+                                i += 1;
+                                let mut req = client.get(url);
+                                for (k, v) in &g.headers {
+                                    req = req.header(k, v);
+                                }
+                                let sent = Instant::now();
+                                let status = match req.send().await {
+                                    Ok(r) => {
+                                        let s = r.status().as_u16();
+                                        let _ = r.bytes().await;
+                                        s
+                                    }
+                                    Err(_) => 0,
+                                };
+                                mine.push(Sample {
+                                    group: g.group,
+                                    at: sent - t0,
+                                    latency: sent.elapsed(),
+                                    status,
+                                });
+                                if let Some(p) = g.pause {
+                                    tokio::time::sleep(p).await;
+                                }
+                            }
+                            samples.lock().expect("not poisoned").extend(mine);
+                        }));
+                    }
+                }
+                for t in tasks {
+                    let _ = t.await;
+                }
+                Arc::try_unwrap(samples)
+                    .ok()
+                    .expect("tasks done")
+                    .into_inner()
+                    .expect("not poisoned")
+            })
+        });
+        Load { t0, stop, thread }
+    }
+
+    /// Time since the load started.
+    fn now(&self) -> Duration {
+        self.t0.elapsed()
+    }
+
+    fn finish(self) -> Vec<Sample> {
+        self.stop.store(true, Ordering::Relaxed);
+        self.thread.join().expect("load thread")
+    }
+}
+
+/// Figures of a set of samples.
+struct Figures {
+    n: usize,
+    admitted: usize,
+    rejected: usize,
+    errors: usize,
+    p50: Duration,
+    p99: Duration,
+    /// From the first send to the last answer.
+    span: Duration,
+}
+
+fn figures<'a>(samples: impl IntoIterator<Item = &'a Sample>) -> Figures {
+    let s: Vec<&Sample> = samples.into_iter().collect();
+    let mut lat: Vec<Duration> = s.iter().map(|x| x.latency).collect();
+    lat.sort();
+    let pick = |q: f64| {
+        if lat.is_empty() {
+            Duration::ZERO
+        } else {
+            lat[((lat.len() as f64 * q) as usize).min(lat.len() - 1)]
+        }
+    };
+    let first = s.iter().map(|x| x.at).min().unwrap_or_default();
+    let last = s.iter().map(|x| x.done()).max().unwrap_or_default();
+    Figures {
+        n: s.len(),
+        admitted: s.iter().filter(|x| x.status == 200).count(),
+        rejected: s.iter().filter(|x| x.status == 429).count(),
+        errors: s.iter().filter(|x| x.failed()).count(),
+        p50: pick(0.5),
+        p99: pick(0.99),
+        span: last.saturating_sub(first),
+    }
+}
+
+fn ms(d: Duration) -> String {
+    let v = d.as_secs_f64() * 1000.0;
+    if v < 10.0 {
+        format!("{v:.1} ms")
+    } else {
+        format!("{v:.0} ms")
+    }
+}
+
+fn p50_p99(f: &Figures) -> String {
+    format!("{} / {}", ms(f.p50), ms(f.p99))
+}
+
+/// Errors of a group of samples, by kind: `503 x12, no answer x3`.
+fn errors_by_kind<'a>(samples: impl IntoIterator<Item = &'a Sample>) -> String {
+    let mut by: std::collections::BTreeMap<u16, usize> = Default::default();
+    for s in samples.into_iter().filter(|s| s.failed()) {
+        *by.entry(s.status).or_default() += 1;
+    }
+    if by.is_empty() {
+        return "0".into();
+    }
+    by.iter()
+        .map(|(s, n)| match s {
+            0 => format!("no answer ×{n}"),
+            s => format!("{s} ×{n}"),
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// How long decisions kept failing after `from`: from `from` to the answer of the last failed
+/// request sent in [from, until) (zero when none failed).
+fn recovery(samples: &[Sample], group: usize, from: Duration, until: Duration) -> Duration {
+    samples
+        .iter()
+        .filter(|s| s.group == group && s.at >= from && s.at < until && s.failed())
+        .map(|s| s.done().saturating_sub(from))
+        .max()
+        .unwrap_or_default()
+}
+
+fn mark(ok: bool) -> &'static str {
+    if ok {
+        "✓"
+    } else {
+        "✗"
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// What the processes say about themselves.
+
+/// The filter's `decision_us` histogram (p50, p99 in µs) once Envoy has merged every callout into
+/// it (histograms are merged at each stats flush, every 5 s by default).
+fn filter_decision_us(envoy: &Envoy) -> Option<(f64, f64)> {
+    let c = http();
+    let callouts = envoy.counter("ratelimit.callouts");
+    let deadline = Instant::now() + Duration::from_secs(7);
+    let base = format!("http://127.0.0.1:{}", envoy.admin_port);
+    loop {
+        let text = c
+            .get(format!("{base}/stats/prometheus?filter=decision_us"))
+            .send()
+            .and_then(|r| r.text())
+            .unwrap_or_default();
+        let count: u64 = text
+            .lines()
+            .find(|l| l.contains("decision_us_count"))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0);
+        if count >= callouts || Instant::now() > deadline {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    let v: Value = c
+        .get(format!("{base}/stats?format=json&filter=decision_us"))
+        .send()
+        .and_then(|r| r.json())
+        .ok()?;
+    for stat in v["stats"].as_array()? {
+        let h = &stat["histograms"];
+        let Some(quantiles) = h["supported_quantiles"].as_array() else {
+            continue;
+        };
+        let at = |q: f64| quantiles.iter().position(|x| x.as_f64() == Some(q));
+        let (i50, i99) = (at(50.0)?, at(99.0)?);
+        for computed in h["computed_quantiles"].as_array()? {
+            if computed["name"]
+                .as_str()
+                .is_some_and(|n| n.ends_with("decision_us"))
+            {
+                let values = computed["values"].as_array()?;
+                let get = |i: usize| values.get(i)?["cumulative"].as_f64();
+                return Some((get(i50)?, get(i99)?));
+            }
+        }
+    }
+    None
+}
+
+fn filter_cell(envoys: &[&Envoy]) -> String {
+    envoys
+        .iter()
+        .filter_map(|e| filter_decision_us(e))
+        .map(|(p50, p99)| format!("{:.1} / {:.1} ms", p50 / 1000.0, p99 / 1000.0))
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+/// `INFO <section>` as key/value pairs.
+fn info(redis: &Redis, section: &str) -> HashMap<String, String> {
+    redis
+        .cli(&["INFO", section])
+        .lines()
+        .filter_map(|l| l.trim().split_once(':'))
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
+/// Calls of one command (`INFO commandstats`), 0 when it never ran.
+fn command_calls(redis: &Redis, command: &str) -> u64 {
+    info(redis, "commandstats")
+        .get(&format!("cmdstat_{command}"))
+        .and_then(|v| v.strip_prefix("calls="))
+        .and_then(|v| v.split(',').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+/// Calls of the commands that write (what the bucket script may call).
+fn write_calls(redis: &Redis) -> u64 {
+    [
+        "set",
+        "del",
+        "pexpireat",
+        "expire",
+        "pexpire",
+        "hset",
+        "setex",
+        "psetex",
+    ]
+    .iter()
+    .map(|c| command_calls(redis, c))
+    .sum()
+}
+
+fn script_calls(redis: &Redis) -> u64 {
+    command_calls(redis, "evalsha") + command_calls(redis, "eval")
+}
+
+/// Seconds of CPU Redis used so far (user + system).
+fn redis_cpu(redis: &Redis) -> f64 {
+    let i = info(redis, "cpu");
+    let get = |k: &str| {
+        i.get(k)
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or_default()
+    };
+    get("used_cpu_user") + get("used_cpu_sys")
+}
+
+fn used_memory(redis: &Redis) -> i64 {
+    info(redis, "memory")
+        .get("used_memory")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+fn dbsize(redis: &Redis) -> u64 {
+    redis.cli(&["DBSIZE"]).parse().unwrap_or(0)
+}
+
+/// A bucket as the script stores it: (tokens, ts µs, expiry ms the key carries).
+fn stored(conn: &mut redis::Connection, key: &str) -> Option<(f64, f64, f64)> {
+    let raw: Option<Vec<u8>> = redis::cmd("GET").arg(key).query(conn).ok()?;
+    let raw = raw?;
+    let d = |i: usize| -> Option<f64> {
+        Some(f64::from_le_bytes(
+            raw.get(i * 8..i * 8 + 8)?.try_into().ok()?,
+        ))
+    };
+    Some((d(0)?, d(1)?, d(2)?))
+}
+
+/// Envoy counter deltas.
+fn counters(envoys: &[&Envoy], name: &str) -> u64 {
+    envoys.iter().map(|e| e.counter(name)).sum()
+}
+
+fn emergency_admits(envoys: &[&Envoy]) -> u64 {
+    counters(envoys, "ratelimit.emergency_activations")
+        .saturating_sub(counters(envoys, "ratelimit.emergency_rejected"))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Stacks.
+
+/// The rule set of the filter with the callout timeout `timeout_ms`.
+fn plugin(rules: Value, timeout_ms: u64) -> String {
+    plugin_with(rules, timeout_ms).to_string()
+}
+
+fn envoy(sidecar: &Sidecar, upstream: &Upstream, plugin: &str) -> Envoy {
+    Envoy::start(
+        &EnvoyConfig::shipped("envoy.yaml", sidecar.port, upstream.port)
+            .plugin(plugin)
+            .concurrency(2),
+    )
+}
+
+/// The shipped timeouts: the filter waits 50 ms, the sidecar bounds Redis at 30 ms.
+const FILTER_TIMEOUT_MS: u64 = 50;
+
+fn log(what: &str) {
+    eprintln!("[reliability] {what}");
+}
+
+fn sleep(d: Duration) {
+    std::thread::sleep(d);
+}
+
+// ---------------------------------------------------------------------------------------------
+// 1. Shared budget.
+
+fn shared_budget(a: &Args) -> Vec<Row> {
+    let (capacity, refill) = (200.0, 50.0);
+    let gateways = 2;
+    let redis = Redis::start();
+    let upstream = Upstream::start();
+    let policy = format!("rules:\n  per-app: {{capacity: {capacity}, refill_per_sec: {refill}}}\n");
+    let rules = json!([{"name": "per-app", "match": {"path_prefix": "/api/"}, "subject": ["app"],
+                        "on_error": "deny"}]);
+    let p = plugin(rules, FILTER_TIMEOUT_MS);
+    let mut sidecars = Vec::new();
+    let mut envoys = Vec::new();
+    for _ in 0..gateways {
+        let s = Sidecar::with_policy(&redis.url(), &policy, &[]);
+        envoys.push(envoy(&s, &upstream, &p));
+        sidecars.push(s);
+    }
+    let urls: Vec<String> = envoys.iter().map(|e| e.url("/api/x")).collect();
+    log("1: shared budget, load");
+    let load = Load::start(vec![
+        Clients::new(0, a.clients, &urls).header("x-api-key", "alpha-key")
+    ]);
+    sleep(Duration::from_secs(a.seconds));
+    let samples = load.finish();
+    let f = figures(&samples);
+    let t = f.span.as_secs_f64();
+    let bound = capacity + refill * t;
+    let over = (f.admitted as f64 - bound.floor()).max(0.0);
+    // A lease is at most --lease-max-share (10%) of the capacity; each gateway may end holding one.
+    let lease = (0.1 * capacity).floor();
+    let lower = capacity + refill * t - gateways as f64 * lease - f.errors as f64;
+    let er: Vec<&Envoy> = envoys.iter().collect();
+    let leased = counters(&er, "ratelimit.lease_admitted");
+    let known = counters(&er, "ratelimit.known_rejections");
+    let callouts = counters(&er, "ratelimit.callouts");
+    vec![Row {
+        scenario: "1 shared budget".into(),
+        load: format!(
+            "{} clients, 1 key, {gateways} Envoys ×2 workers, a sidecar each, 1 Redis; {capacity} + {refill}/s; {} req in {t:.1} s",
+            a.clients, f.n
+        ),
+        fault: "none".into(),
+        admitted: format!("{} ({leased} from leases)", f.admitted),
+        rejected: format!("{} ({known} known locally)", f.rejected),
+        over: format!("{over} (≤ C + r·T = {bound:.0})"),
+        client: p50_p99(&f),
+        filter: filter_cell(&er),
+        errors: format!("{} ({callouts} callouts)", errors_by_kind(&samples)),
+        recovery: String::new(),
+        check: format!(
+            "admitted ≤ {bound:.0} {}; ≥ C + r·T − N·lease − errors = {lower:.0} {}; upstream saw {} {}",
+            mark(f.admitted as f64 <= bound.floor()),
+            mark(f.admitted as f64 >= lower.floor()),
+            upstream.hits(),
+            mark(upstream.hits() as usize == f.admitted)
+        ),
+    }]
+}
+
+// ---------------------------------------------------------------------------------------------
+// 2. Hot key beside quiet keys, on a Cluster.
+
+fn hot_key(a: &Args) -> Vec<Row> {
+    let (capacity, refill) = (100.0, 50.0);
+    let cluster = RedisCluster::start();
+    let policy = format!("rules:\n  per-ip: {{capacity: {capacity}, refill_per_sec: {refill}}}\n");
+    let sidecar = Sidecar::start_with_args(&policy, &["--redis-cluster", &cluster.seeds()]);
+    let upstream = Upstream::start();
+    let rules = json!([{"name": "per-ip", "match": {"path_prefix": "/"}, "subject": ["ip"],
+                        "on_error": "deny"}]);
+    let e = envoy(&sidecar, &upstream, &plugin(rules, FILTER_TIMEOUT_MS));
+    let url = vec![e.url("/x")];
+    let quiet_clients = 50u8;
+    let mut groups = vec![Clients::new(0, a.clients, &url).from([127, 0, 0, 1].into())];
+    for i in 0..quiet_clients {
+        groups.push(
+            Clients::new(1, 1, &url)
+                .from([127, 0, 1, 10 + i].into())
+                .pause(Duration::from_millis(200)),
+        );
+    }
+    let before: Vec<(u64, f64)> = cluster
+        .nodes
+        .iter()
+        .map(|n| (script_calls(n), redis_cpu(n)))
+        .collect();
+    log("2: hot key, load");
+    let load = Load::start(groups);
+    sleep(Duration::from_secs(a.seconds));
+    let samples = load.finish();
+    let after: Vec<(u64, f64)> = cluster
+        .nodes
+        .iter()
+        .map(|n| (script_calls(n), redis_cpu(n)))
+        .collect();
+    // The hot client's bucket and its node.
+    let hot_node = cluster
+        .nodes
+        .iter()
+        .position(|n| !n.cli(&["--scan", "--pattern", "*ip=127.0.0.1}"]).is_empty());
+    let hot: Vec<&Sample> = samples.iter().filter(|s| s.group == 0).collect();
+    let quiet: Vec<&Sample> = samples.iter().filter(|s| s.group == 1).collect();
+    let fh = figures(hot.iter().copied());
+    let fq = figures(quiet.iter().copied());
+    let t = fh.span.as_secs_f64();
+    let bound = capacity + refill * t;
+    let per_node: Vec<String> = cluster
+        .nodes
+        .iter()
+        .enumerate()
+        .map(|(i, n)| {
+            format!(
+                "{}:{} {} calls {:.2} s CPU",
+                if Some(i) == hot_node { "HOT " } else { "" },
+                n.port,
+                after[i].0 - before[i].0,
+                after[i].1 - before[i].1
+            )
+        })
+        .collect();
+    let quiet_rejected = fq.rejected;
+    vec![
+        Row {
+            scenario: "2 hot key".into(),
+            load: format!(
+                "hot: {} clients from one address, {} req in {t:.1} s; {capacity} + {refill}/s; 1 Envoy, 3-primary Cluster",
+                a.clients, fh.n
+            ),
+            fault: "none".into(),
+            admitted: fh.admitted.to_string(),
+            rejected: fh.rejected.to_string(),
+            over: format!(
+                "{} (≤ {bound:.0})",
+                (fh.admitted as f64 - bound.floor()).max(0.0)
+            ),
+            client: p50_p99(&fh),
+            filter: filter_cell(&[&e]),
+            errors: errors_by_kind(hot.iter().copied()),
+            recovery: String::new(),
+            check: format!(
+                "admitted ≤ {bound:.0} {}; shard load: {}",
+                mark(fh.admitted as f64 <= bound.floor()),
+                per_node.join(", ")
+            ),
+        },
+        Row {
+            scenario: "2 quiet keys".into(),
+            load: format!(
+                "{quiet_clients} quiet clients, each its own address at 5 req/s; {} req",
+                fq.n
+            ),
+            fault: "beside the hot key".into(),
+            admitted: fq.admitted.to_string(),
+            rejected: fq.rejected.to_string(),
+            over: "0 (each under its limit)".into(),
+            client: p50_p99(&fq),
+            filter: String::new(),
+            errors: errors_by_kind(quiet.iter().copied()),
+            recovery: String::new(),
+            check: format!("quiet clients rejected: {quiet_rejected} {}", mark(quiet_rejected == 0)),
+        },
+    ]
+}
+
+// ---------------------------------------------------------------------------------------------
+// 3. Redis slow (frozen) and down (stopped), for each on_error.
+
+fn redis_outage(a: &Args) -> Vec<Row> {
+    let (em_capacity, em_refill) = (20u64, 2.0);
+    let mut redis = Redis::start();
+    let policy = "rules:\n  allow: {capacity: 100000, refill_per_sec: 10000}\n  deny: {capacity: 100000, refill_per_sec: 10000}\n  local: {capacity: 100000, refill_per_sec: 10000}\n";
+    let sidecar = Sidecar::with_policy(&redis.url(), policy, &[]);
+    let upstream = Upstream::start();
+    let rules = json!([
+        {"name": "allow", "match": {"path_prefix": "/allow/"}, "subject": ["ip"], "on_error": "allow"},
+        {"name": "deny", "match": {"path_prefix": "/deny/"}, "subject": ["ip"], "on_error": "deny"},
+        {"name": "local", "match": {"path_prefix": "/local/"}, "subject": ["ip"], "on_error": "local",
+         "emergency": {"capacity": em_capacity, "refill_per_sec": em_refill}}
+    ]);
+    // Leases off: what is admitted during the fault is the policy's doing alone (with leases, a
+    // gateway also admits, exactly, from a lease it held when the fault began, for at most the
+    // lease's ttl_ms).
+    let mut p = plugin_with(rules, FILTER_TIMEOUT_MS);
+    p["fast_paths"] = json!({"leases": {"enabled": false}});
+    let e = envoy(&sidecar, &upstream, &p.to_string());
+    let per = (a.clients / 3).max(1);
+    let names = ["allow", "deny", "local"];
+    let groups: Vec<Clients> = names
+        .iter()
+        .enumerate()
+        .map(|(g, n)| Clients::new(g, per, &[e.url(&format!("/{n}/x"))]))
+        .collect();
+    let d = Duration::from_secs(a.seconds);
+    log("3: Redis outage, load");
+    let load = Load::start(groups);
+    sleep(Duration::from_secs(1));
+    let em0 = emergency_admits(&[&e]);
+    let frozen_at = load.now();
+    redis.process.signal(Signal::SIGSTOP);
+    sleep(d);
+    redis.process.signal(Signal::SIGCONT);
+    let thawed_at = load.now();
+    let em1 = emergency_admits(&[&e]);
+    sleep(Duration::from_secs(2));
+    let em2 = emergency_admits(&[&e]);
+    let stopped_at = load.now();
+    redis.stop();
+    sleep(d);
+    let restarting_at = load.now();
+    redis.restart();
+    let em3 = emergency_admits(&[&e]);
+    sleep(Duration::from_secs(2));
+    let end = load.now();
+    let samples = load.finish();
+    let mut rows = Vec::new();
+    for (fault, from, until, back, next, em) in [
+        (
+            format!("Redis frozen (SIGSTOP) {} s", a.seconds),
+            frozen_at,
+            thawed_at,
+            thawed_at,
+            stopped_at,
+            em1 - em0,
+        ),
+        (
+            format!("Redis stopped {} s, restarted empty", a.seconds),
+            stopped_at,
+            restarting_at,
+            restarting_at,
+            end,
+            em3 - em2,
+        ),
+    ] {
+        let outage = (until - from).as_secs_f64();
+        let rec = recovery(&samples, 1, back, next);
+        for (g, name) in names.iter().enumerate() {
+            let window: Vec<&Sample> = samples
+                .iter()
+                .filter(|s| s.group == g && s.at >= from && s.done() < until)
+                .collect();
+            let f = figures(window.iter().copied());
+            let (over, check) = match *name {
+                "allow" => (
+                    "unbounded (fail open)".to_string(),
+                    format!(
+                        "admits all {} {}",
+                        f.admitted,
+                        mark(f.admitted + f.errors == f.n)
+                    ),
+                ),
+                "deny" => (
+                    "0".to_string(),
+                    format!("admitted 0 {}", mark(f.admitted == 0)),
+                ),
+                _ => {
+                    let bound = em_capacity as f64 + em_refill * outage;
+                    (
+                        format!("{em} emergency (≤ N·(C_e + r_e·t) = {bound:.0})"),
+                        format!(
+                            "emergency admits {em} ≤ {bound:.0} {}",
+                            mark(em as f64 <= bound)
+                        ),
+                    )
+                }
+            };
+            rows.push(Row {
+                scenario: format!("3 Redis outage, on_error {name}"),
+                load: format!(
+                    "{per} clients on /{name}/ (leases off), {} req sent and answered during the fault",
+                    f.n
+                ),
+                fault: fault.clone(),
+                admitted: f.admitted.to_string(),
+                rejected: f.rejected.to_string(),
+                over,
+                client: p50_p99(&f),
+                filter: String::new(),
+                errors: errors_by_kind(window.iter().copied()),
+                recovery: if *name == "deny" {
+                    format!("{} after Redis is back (resumed / restart began)", ms(rec))
+                } else {
+                    String::new()
+                },
+                // The decision time is printed, not judged: the filter gives up at its timeout,
+                // but a saturated machine adds its own scheduling delay on top.
+                check: format!("{check}; the filter's timeout is {FILTER_TIMEOUT_MS} ms"),
+            });
+        }
+    }
+    drop(sidecar);
+    rows
+}
+
+// ---------------------------------------------------------------------------------------------
+// 4. Failover under load: Sentinel, and Cluster with a replica per primary.
+
+struct Failover {
+    samples: Vec<Sample>,
+    killed_at: Duration,
+    lag_bytes: i64,
+    capacity: f64,
+    refill: f64,
+    /// Single charges (a fresh bucket of 1 each, no refill) acknowledged, and how many of them a
+    /// repeat after the failover admitted again (their write was lost at promotion).
+    charges: usize,
+    lost: usize,
+}
+
+/// Charges fresh buckets of one token (rule `once`) straight at the sidecar from 2 callers until
+/// `stop`: the keys answered allowed.
+fn charge_fresh_keys(url: String, stop: Arc<AtomicBool>) -> std::thread::JoinHandle<Vec<String>> {
+    std::thread::spawn(move || {
+        std::thread::scope(|s| {
+            let callers: Vec<_> = (0..2)
+                .map(|t| {
+                    let (url, stop) = (&url, stop.clone());
+                    s.spawn(move || {
+                        let c = http();
+                        let mut allowed = Vec::new();
+                        let mut i = 0u64;
+                        while !stop.load(Ordering::Relaxed) {
+                            i += 1;
+                            let id = format!("k-{t}-{i}");
+                            if once(&c, url, &id) == Some(true) {
+                                allowed.push(id);
+                            } else {
+                                sleep(Duration::from_millis(5));
+                            }
+                        }
+                        allowed
+                    })
+                })
+                .collect();
+            callers
+                .into_iter()
+                .flat_map(|c| c.join().expect("caller"))
+                .collect()
+        })
+    })
+}
+
+/// One decision of rule `once` for `id`: whether it was allowed (None: no answer).
+fn once(c: &reqwest::blocking::Client, url: &str, id: &str) -> Option<bool> {
+    let body =
+        json!({"requests": [{"decisions": [{"rule": "once", "subject": {"id": id}, "cost": 1}]}]});
+    let r = c.post(url).json(&body).send().ok()?;
+    if r.status() != 200 {
+        return None;
+    }
+    let v: Value = r.json().ok()?;
+    v["answers"][0]["allowed"].as_bool()
+}
+
+/// Replication offsets: what `primary` wrote that `replica` had not received, in bytes.
+fn lag_bytes(primary: &Redis, replica: &Redis) -> i64 {
+    let offset = |r: &Redis, k: &str| -> i64 {
+        info(r, "replication")
+            .get(k)
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    };
+    // The replica first: the difference can only overstate the lag.
+    let received = offset(replica, "slave_repl_offset");
+    (offset(primary, "master_repl_offset") - received).max(0)
+}
+
+/// Loads `envoy` on one key, and after `a.seconds` runs `kill` (which kills the primary and
+/// returns the replication lag it saw just before); keeps the load until decisions have gone
+/// 2 s without a limiter error (at most 30 s after the kill).
+fn failover_run(a: &Args, e: &Envoy, sidecar: &Sidecar, kill: impl FnOnce() -> i64) -> Failover {
+    let load = Load::start(vec![
+        Clients::new(0, a.clients, &[e.url("/api/x")]).header("x-api-key", "alpha-key")
+    ]);
+    let url = format!("{}/v1/decide", sidecar.base_url());
+    let stop_charges = Arc::new(AtomicBool::new(false));
+    let charging = charge_fresh_keys(url.clone(), stop_charges.clone());
+    sleep(Duration::from_secs(a.seconds));
+    let killed_at = load.now();
+    let lag_bytes = kill();
+    let admitted = || counters(&[e], "ratelimit.admitted");
+    let errors = || counters(&[e], "ratelimit.limiter_error");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    // Until no limiter error for 2 s while decisions are admitted again.
+    let mut quiet_since: Option<(Instant, u64, u64)> = None;
+    while Instant::now() < deadline {
+        sleep(Duration::from_millis(100));
+        let (ad, er) = (admitted(), errors());
+        match quiet_since {
+            Some((t, a0, e0)) if er == e0 => {
+                if t.elapsed() > Duration::from_secs(2) && ad > a0 {
+                    break;
+                }
+            }
+            _ => quiet_since = Some((Instant::now(), ad, er)),
+        }
+    }
+    let samples = load.finish();
+    stop_charges.store(true, Ordering::Relaxed);
+    let charged = charging.join().expect("charging thread");
+    // Every bucket of one token answered allowed must now be empty: a repeat admitted again
+    // found the write of its charge lost at the promotion.
+    let c = http();
+    let lost = charged
+        .iter()
+        .filter(|id| once(&c, &url, id) == Some(true))
+        .count();
+    Failover {
+        samples,
+        killed_at,
+        lag_bytes,
+        capacity: 0.0,
+        refill: 0.0,
+        charges: charged.len(),
+        lost,
+    }
+}
+
+fn failover_row(name: &str, topology: &str, f: Failover, envoy: &Envoy) -> Row {
+    let all = figures(&f.samples);
+    let during: Vec<&Sample> = f.samples.iter().filter(|s| s.at >= f.killed_at).collect();
+    let rec = recovery(&f.samples, 0, f.killed_at, Duration::MAX);
+    let meanwhile = during
+        .iter()
+        .filter(|s| s.at <= f.killed_at + rec && s.failed())
+        .count();
+    let t = all.span.as_secs_f64();
+    let bound = f.capacity + f.refill * t;
+    let over = (all.admitted as f64 - bound.floor()).max(0.0);
+    Row {
+        scenario: format!("4 failover, {name}"),
+        load: format!(
+            "{} req on 1 key, {} + {}/s; {topology}",
+            all.n, f.capacity, f.refill
+        ),
+        fault: "primary killed (SIGKILL)".into(),
+        admitted: all.admitted.to_string(),
+        rejected: all.rejected.to_string(),
+        over: format!(
+            "{over} on the hot key (≤ C + r·T = {bound:.0}); {} on {} buckets of 1 (writes lost)",
+            f.lost, f.charges
+        ),
+        client: p50_p99(&all),
+        filter: filter_cell(&[envoy]),
+        errors: errors_by_kind(&f.samples),
+        recovery: format!("{} after the kill; {meanwhile} req denied (on_error deny) meanwhile", ms(rec)),
+        check: format!(
+            "hot key admitted ≤ C + r·T + lost = {:.0} {}; writes lost at promotion: {} of {} single charges admitted again when repeated (replication lag at the kill {} B)",
+            bound + f.lost as f64,
+            mark(all.admitted as f64 <= bound.floor() + f.lost as f64),
+            f.lost,
+            f.charges,
+            f.lag_bytes
+        ),
+    }
+}
+
+fn failover(a: &Args) -> Vec<Row> {
+    let (capacity, refill) = (100.0, 100.0);
+    let policy = format!(
+        "rules:\n  per-app: {{capacity: {capacity}, refill_per_sec: {refill}}}\n  once: {{capacity: 1, refill_per_sec: 0.001}}\n"
+    );
+    let rules = json!([{"name": "per-app", "match": {"path_prefix": "/api/"}, "subject": ["app"],
+                        "on_error": "deny"}]);
+    let p = plugin(rules, FILTER_TIMEOUT_MS);
+    let upstream = Upstream::start();
+    let mut rows = Vec::new();
+
+    // Sentinel: a primary, its replica, three Sentinels (quorum 2, down-after 1 s).
+    {
+        let mut primary = Redis::start();
+        let replica = Redis::start_with(&["--replicaof", "127.0.0.1", &primary.port.to_string()]);
+        ratelimit_e2e::wait_until("the replica's link", Duration::from_secs(30), || {
+            replica
+                .cli(&["INFO", "replication"])
+                .contains("master_link_status:up")
+        });
+        let sentinels: Vec<Sentinel> = (0..3)
+            .map(|_| Sentinel::start("mymaster", primary.port, 2))
+            .collect();
+        let urls: Vec<String> = sentinels.iter().map(Sentinel::url).collect();
+        let sidecar = Sidecar::start_with_args(
+            &policy,
+            &[
+                "--redis-sentinel",
+                &urls.join(","),
+                "--sentinel-master",
+                "mymaster",
+            ],
+        );
+        let e = envoy(&sidecar, &upstream, &p);
+        log("4: Sentinel failover, load");
+        let mut f = failover_run(a, &e, &sidecar, || {
+            let lag = lag_bytes(&primary, &replica);
+            primary.stop();
+            lag
+        });
+        f.capacity = capacity;
+        f.refill = refill;
+        rows.push(failover_row(
+            "Sentinel",
+            "primary + replica + 3 Sentinels (down-after 1 s)",
+            f,
+            &e,
+        ));
+    }
+
+    // Cluster: three primaries with a replica each (node timeout 2 s).
+    {
+        let mut cluster = RedisCluster::start_replicated(2000);
+        let sidecar = Sidecar::start_with_args(&policy, &["--redis-cluster", &cluster.seeds()]);
+        let e = envoy(&sidecar, &upstream, &p);
+        let key = "rl:{ratelimit|rule=per-app|app=alpha}";
+        let p_index = cluster.primary_of(key).expect("a primary serves the key");
+        let r_index = cluster
+            .replica_of(p_index)
+            .expect("the primary has a replica");
+        log("4: Cluster failover, load");
+        let mut f = failover_run(a, &e, &sidecar, || {
+            let lag = lag_bytes(&cluster.nodes[p_index], &cluster.nodes[r_index]);
+            cluster.nodes[p_index].stop();
+            lag
+        });
+        f.capacity = capacity;
+        f.refill = refill;
+        rows.push(failover_row(
+            "Cluster",
+            "3 primaries + 1 replica each (node timeout 2 s)",
+            f,
+            &e,
+        ));
+    }
+    rows
+}
+
+// ---------------------------------------------------------------------------------------------
+// 5. Uncertain results: the reply is lost after Redis applied the call.
+
+fn uncertain(a: &Args) -> Vec<Row> {
+    let capacity = 10_000.0;
+    let redis = Redis::start();
+    let proxy = FaultProxy::start(redis.port);
+    let policy = format!("rules:\n  once: {{capacity: {capacity}, refill_per_sec: 0.001}}\n");
+    let sidecar = Sidecar::start_with_args(&policy, &["--redis", &proxy.url()]);
+    let c = http();
+    let url = format!("{}/v1/decide", sidecar.base_url());
+    let mut conn = redis.connection();
+    let mut rows = Vec::new();
+    for (same_attempt, label) in [(true, "same attempt id"), (false, "a new attempt id")] {
+        let id = if same_attempt { "same" } else { "new" };
+        let key = format!("rl:{{ratelimit|rule=once|id={id}}}");
+        let body = |attempt: &str| {
+            json!({"attempt": attempt,
+                   "requests": [{"decisions": [{"rule": "once", "subject": {"id": id}, "cost": 1}]}]})
+        };
+        let mut latencies = Vec::new();
+        let (mut first_failed, mut repeats, mut answered, mut errors) = (0, 0, 0, 0);
+        log(&format!("5: lost replies, repeat with {label}"));
+        let started = Instant::now();
+        for i in 0..a.lost {
+            let lost_before = proxy.lost();
+            proxy.lose_replies(1);
+            let attempt = format!("{id}-{i}");
+            let t = Instant::now();
+            let status = c
+                .post(&url)
+                .json(&body(&attempt))
+                .send()
+                .map_or(0, |r| r.status().as_u16());
+            latencies.push(t.elapsed());
+            if status != 200 {
+                first_failed += 1;
+            }
+            // Bounded: the connection is closed once Redis has answered.
+            let wait = Instant::now() + Duration::from_secs(5);
+            while proxy.lost() == lost_before && Instant::now() < wait {
+                sleep(Duration::from_millis(1));
+            }
+            // The caller repeats until it gets an answer (bounded).
+            let repeat = if same_attempt {
+                attempt.clone()
+            } else {
+                format!("{attempt}-retry")
+            };
+            let wait = Instant::now() + Duration::from_secs(10);
+            loop {
+                repeats += 1;
+                let t = Instant::now();
+                let r = c.post(&url).json(&body(&repeat)).send();
+                latencies.push(t.elapsed());
+                match r.map(|r| r.status().as_u16()) {
+                    Ok(200) => {
+                        answered += 1;
+                        break;
+                    }
+                    _ if Instant::now() > wait => break,
+                    _ => errors += 1,
+                }
+                sleep(Duration::from_millis(5));
+            }
+        }
+        let elapsed = started.elapsed();
+        let charged =
+            stored(&mut conn, &key).map_or(0.0, |(tokens, _, _)| (capacity - tokens).round());
+        let decisions = a.lost as f64;
+        latencies.sort();
+        let pick =
+            |q: f64| latencies[((latencies.len() as f64 * q) as usize).min(latencies.len() - 1)];
+        let over_charge = charged - decisions;
+        rows.push(Row {
+            scenario: format!("5 uncertain result, repeat with {label}"),
+            load: format!(
+                "{} decisions straight to the sidecar, each reply lost once, repeated until answered ({repeats} repeats, {} in all)",
+                a.lost,
+                ms(elapsed)
+            ),
+            fault: "proxy drops the script's reply after Redis applied it (connection closed)".into(),
+            admitted: format!("{answered} answered allowed"),
+            rejected: "0".into(),
+            over: if same_attempt {
+                "0".into()
+            } else {
+                format!("0 (but {over_charge} tokens charged twice: under-admission)")
+            },
+            client: format!("{} / {}", ms(pick(0.5)), ms(pick(0.99))),
+            filter: String::new(),
+            errors: format!("{first_failed} lost answers (503), {errors} failed repeats"),
+            recovery: String::new(),
+            check: if same_attempt {
+                format!(
+                    "charged {charged} for {decisions} decisions: once {}",
+                    mark(charged == decisions)
+                )
+            } else {
+                format!(
+                    "charged {charged} for {decisions} decisions (twice without the id) {}",
+                    mark(charged == 2.0 * decisions)
+                )
+            },
+        });
+    }
+    rows
+}
+
+// ---------------------------------------------------------------------------------------------
+// 6. Sidecar killed and restarted under load.
+
+fn sidecar_restart(a: &Args) -> Vec<Row> {
+    let (capacity, refill) = (100.0, 50.0);
+    let (em_capacity, em_refill) = (10u64, 1.0);
+    let redis = Redis::start();
+    let policy = format!(
+        "rules:\n  per-app: {{capacity: {capacity}, refill_per_sec: {refill}}}\n  probe: {{capacity: 100000, refill_per_sec: 10000}}\n"
+    );
+    let mut sidecar = Sidecar::with_policy(&redis.url(), &policy, &[]);
+    let upstream = Upstream::start();
+    let rules = json!([
+        {"name": "per-app", "match": {"path_prefix": "/api/"}, "subject": ["app"], "on_error": "local",
+         "emergency": {"capacity": em_capacity, "refill_per_sec": em_refill}},
+        {"name": "probe", "match": {"path_prefix": "/probe/"}, "subject": ["ip"], "on_error": "deny"}
+    ]);
+    let e = envoy(&sidecar, &upstream, &plugin(rules, FILTER_TIMEOUT_MS));
+    log("6: sidecar restart, load");
+    let load = Load::start(vec![
+        Clients::new(0, a.clients, &[e.url("/api/x")]).header("x-api-key", "alpha-key"),
+        Clients::new(1, 1, &[e.url("/probe/x")]).pause(Duration::from_millis(10)),
+    ]);
+    sleep(Duration::from_secs(a.seconds));
+    let em0 = emergency_admits(&[&e]);
+    let killed_at = load.now();
+    sidecar.process.stop();
+    sleep(Duration::from_secs(a.seconds));
+    let restart_at = load.now();
+    let port = sidecar.port;
+    sidecar = Sidecar::start_on(port, &redis.url(), &policy, &[]);
+    let ready_at = load.now();
+    let em1 = emergency_admits(&[&e]);
+    sleep(Duration::from_secs(2));
+    let samples = load.finish();
+    let outage = (restart_at - killed_at).as_secs_f64();
+    let during: Vec<&Sample> = samples
+        .iter()
+        .filter(|s| s.group == 0 && s.at >= killed_at && s.at < ready_at)
+        .collect();
+    let f = figures(during.iter().copied());
+    let all = figures(samples.iter().filter(|s| s.group == 0));
+    let em = em1 - em0;
+    let em_bound = em_capacity as f64 + em_refill * (ready_at - killed_at).as_secs_f64();
+    let bound = capacity + refill * all.span.as_secs_f64();
+    let by_sidecar = all.admitted as f64 - (emergency_admits(&[&e]) as f64);
+    let rec = recovery(&samples, 1, restart_at, Duration::MAX);
+    let probe_failures: Vec<&Sample> = samples
+        .iter()
+        .filter(|s| s.group == 1 && s.at >= killed_at && s.failed())
+        .collect();
+    let first_failure = probe_failures.iter().map(|s| s.done()).min();
+    let last_failure = probe_failures.iter().map(|s| s.done()).max();
+    drop(sidecar);
+    vec![Row {
+        scenario: "6 sidecar restart".into(),
+        load: format!(
+            "{} clients on 1 key ({capacity} + {refill}/s), on_error local (emergency {em_capacity} + {em_refill}/s); {} req during the outage",
+            a.clients, f.n
+        ),
+        fault: format!("sidecar killed (SIGKILL), restarted after {outage:.1} s"),
+        admitted: format!("{} during the outage ({em} by the emergency bucket)", f.admitted),
+        rejected: f.rejected.to_string(),
+        over: format!(
+            "{} by decisions (≤ {bound:.0}); {em} emergency",
+            (by_sidecar - bound.floor()).max(0.0)
+        ),
+        client: p50_p99(&f),
+        filter: String::new(),
+        errors: errors_by_kind(during.iter().copied()),
+        recovery: format!(
+            "{} after the restart began (ready {} after it); probe (on_error deny) failed from {} after the kill to {} after it",
+            ms(rec),
+            ms(ready_at - restart_at),
+            first_failure.map_or("—".into(), |t| ms(t.saturating_sub(killed_at))),
+            last_failure.map_or("—".into(), |t| ms(t.saturating_sub(killed_at)))
+        ),
+        check: format!(
+            "emergency admits {em} ≤ N·(C_e + r_e·t) = {em_bound:.0} {}; decisions {by_sidecar} ≤ {bound:.0} {}",
+            mark(em as f64 <= em_bound),
+            mark(by_sidecar <= bound.floor())
+        ),
+    }]
+}
+
+// ---------------------------------------------------------------------------------------------
+// 7. Flood: one key far over its limit.
+
+fn flood(a: &Args) -> Vec<Row> {
+    let capacity = 100.0;
+    let redis = Redis::start();
+    let policy = format!("rules:\n  per-app: {{capacity: {capacity}, refill_per_sec: 0.001}}\n");
+    let sidecar = Sidecar::with_policy(&redis.url(), &policy, &[]);
+    let upstream = Upstream::start();
+    let rules = json!([{"name": "per-app", "match": {"path_prefix": "/api/"}, "subject": ["app"],
+                        "on_error": "deny"}]);
+    let e = envoy(&sidecar, &upstream, &plugin(rules, FILTER_TIMEOUT_MS));
+    let mut rows = Vec::new();
+
+    // Exhaust the bucket, then measure only the flood of rejections.
+    let c = http();
+    for _ in 0..(capacity as usize + 20) {
+        let _ = c
+            .get(e.url("/api/x"))
+            .header("x-api-key", "alpha-key")
+            .send();
+    }
+    let _ = redis.cli(&["CONFIG", "RESETSTAT"]);
+    let (mem0, keys0) = (used_memory(&redis), dbsize(&redis));
+    log("7: flood through Envoy");
+    let load = Load::start(vec![
+        Clients::new(0, a.clients, &[e.url("/api/x")]).header("x-api-key", "alpha-key")
+    ]);
+    sleep(Duration::from_secs(a.seconds));
+    let samples = load.finish();
+    let f = figures(&samples);
+    let (writes, scripts) = (write_calls(&redis), script_calls(&redis));
+    let (mem1, keys1) = (used_memory(&redis), dbsize(&redis));
+    rows.push(Row {
+        scenario: "7 flood, through Envoy".into(),
+        load: format!(
+            "{} clients on 1 exhausted key ({capacity}, no refill) for {} s: {:.0} req/s",
+            a.clients,
+            a.seconds,
+            f.n as f64 / f.span.as_secs_f64()
+        ),
+        fault: "far over the limit".into(),
+        admitted: f.admitted.to_string(),
+        rejected: format!(
+            "{} ({} known at the gateway)",
+            f.rejected,
+            e.counter("ratelimit.known_rejections")
+        ),
+        over: format!("{} (≤ 0 after exhaustion)", f.admitted),
+        client: p50_p99(&f),
+        filter: filter_cell(&[&e]),
+        errors: errors_by_kind(&samples),
+        recovery: String::new(),
+        check: format!(
+            "Redis writes {writes} for {} rejections: {} per rejection {}; {scripts} script calls ({:.4} per rejection); memory {:+} B, keys {keys0}→{keys1}",
+            f.rejected,
+            writes as f64 / f.rejected.max(1) as f64,
+            mark(writes == 0),
+            scripts as f64 / f.rejected.max(1) as f64,
+            mem1 - mem0
+        ),
+    });
+
+    // Straight to the sidecar: every rejection reaches Redis (no gateway fast path), each with
+    // an attempt id of its own as the filter sends.
+    let _ = redis.cli(&["CONFIG", "RESETSTAT"]);
+    let (mem0, keys0) = (used_memory(&redis), dbsize(&redis));
+    log("7: flood straight to the sidecar");
+    let url = format!("{}/v1/decide", sidecar.base_url());
+    let stop = Arc::new(AtomicBool::new(false));
+    let count = Arc::new(AtomicU64::new(0));
+    let rejected = Arc::new(AtomicU64::new(0));
+    let started = Instant::now();
+    std::thread::scope(|s| {
+        for t in 0..a.clients.min(8) {
+            let (url, stop, count, rejected) =
+                (&url, stop.clone(), count.clone(), rejected.clone());
+            s.spawn(move || {
+                let c = http();
+                let mut i = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    i += 1;
+                    let body = json!({"attempt": format!("f-{t}-{i}"), "requests": [{"decisions": [
+                        {"rule": "per-app", "subject": {"app": "alpha"}, "cost": 1}]}]});
+                    if let Ok(r) = c.post(url).json(&body).send() {
+                        if let Ok(v) = r.json::<Value>() {
+                            count.fetch_add(1, Ordering::Relaxed);
+                            if v["answers"][0]["allowed"] == false {
+                                rejected.fetch_add(1, Ordering::Relaxed);
+                            }
+                        }
+                    }
+                }
+            });
+        }
+        sleep(Duration::from_secs(a.seconds));
+        stop.store(true, Ordering::Relaxed);
+    });
+    let elapsed = started.elapsed().as_secs_f64();
+    let (n, rej) = (
+        count.load(Ordering::Relaxed),
+        rejected.load(Ordering::Relaxed),
+    );
+    let (writes, scripts) = (write_calls(&redis), script_calls(&redis));
+    let (mem1, keys1) = (used_memory(&redis), dbsize(&redis));
+    rows.push(Row {
+        scenario: "7 flood, straight to the sidecar".into(),
+        load: format!(
+            "{} callers, 1 decision per call, an attempt id each: {:.0} calls/s",
+            a.clients.min(8),
+            n as f64 / elapsed
+        ),
+        fault: "far over the limit".into(),
+        admitted: (n - rej).to_string(),
+        rejected: rej.to_string(),
+        over: format!("{} (≤ 0)", n - rej),
+        client: String::new(),
+        filter: String::new(),
+        errors: "0".into(),
+        recovery: String::new(),
+        check: format!(
+            "Redis writes {writes} for {rej} rejections {}; {scripts} script calls (batched: {:.2} per rejection); memory {:+} B, keys {keys0}→{keys1}",
+            mark(writes == 0),
+            scripts as f64 / rej.max(1) as f64,
+            mem1 - mem0
+        ),
+    });
+    rows
+}
+
+// ---------------------------------------------------------------------------------------------
+// 8. Many clients: memory per bucket and expiry.
+
+fn many_clients(a: &Args) -> Vec<Row> {
+    // One token of 10 refilling at 0.1/s: the bucket is full again 10 s after its charge.
+    let (capacity, refill) = (10.0, 0.1);
+    let full_ms = 1.0 / refill * 1000.0;
+    let redis = Redis::start();
+    let policy = format!("rules:\n  many: {{capacity: {capacity}, refill_per_sec: {refill}}}\n");
+    let sidecar = Sidecar::with_policy(&redis.url(), &policy, &["--redis-timeout-ms", "2000"]);
+    let url = format!("{}/v1/decide", sidecar.base_url());
+    let mem0 = used_memory(&redis);
+    let next = Arc::new(AtomicU64::new(0));
+    let failed = Arc::new(AtomicU64::new(0));
+    let keys = a.keys as u64;
+    let per_call = ratelimit_wire::MAX_REQUESTS as u64;
+    log(&format!("8: {keys} keys"));
+    let started = Instant::now();
+    let deadline = started + Duration::from_secs(120);
+    std::thread::scope(|s| {
+        for _ in 0..4 {
+            let (url, next, failed) = (&url, next.clone(), failed.clone());
+            s.spawn(move || {
+                let c = http();
+                loop {
+                    let from = next.fetch_add(per_call, Ordering::Relaxed);
+                    if from >= keys || Instant::now() > deadline {
+                        break;
+                    }
+                    let requests: Vec<Value> = (from..(from + per_call).min(keys))
+                        .map(|k| json!({"decisions": [{"rule": "many", "subject": {"id": format!("client-{k}")}, "cost": 1}]}))
+                        .collect();
+                    let ok = c
+                        .post(url)
+                        .json(&json!({ "requests": requests }))
+                        .send()
+                        .is_ok_and(|r| r.status() == 200);
+                    if !ok {
+                        failed.fetch_add(requests.len() as u64, Ordering::Relaxed);
+                    }
+                }
+            });
+        }
+    });
+    let wrote = started.elapsed();
+    let written_at = Instant::now();
+    let mem1 = used_memory(&redis);
+    let n = dbsize(&redis);
+    // MEMORY USAGE and the stored expiry on a sample.
+    let mut conn = redis.connection();
+    let sample: Vec<u64> = (0..keys).step_by((keys as usize / 1000).max(1)).collect();
+    let mut usage = Vec::new();
+    let (mut ttl_ok, mut ttl_n) = (0, 0);
+    let (mut ttl_min, mut ttl_max) = (f64::MAX, 0.0f64);
+    for k in &sample {
+        let key = format!("rl:{{ratelimit|rule=many|id=client-{k}}}");
+        if usage.len() < 200 {
+            let u: Option<u64> = redis::cmd("MEMORY")
+                .arg("USAGE")
+                .arg(&key)
+                .query(&mut conn)
+                .ok()
+                .flatten();
+            usage.extend(u);
+        }
+        let Some((tokens, ts_us, exp_ms)) = stored(&mut conn, &key) else {
+            continue;
+        };
+        let pexpiretime: i64 = redis::cmd("PEXPIRETIME")
+            .arg(&key)
+            .query(&mut conn)
+            .unwrap_or(-1);
+        // The key lives until the bucket is full again plus 1 to 3 s.
+        let full_at_ms = ts_us / 1000.0 + (capacity - tokens) / refill * 1000.0;
+        let margin = pexpiretime as f64 - full_at_ms;
+        ttl_n += 1;
+        ttl_min = ttl_min.min(margin);
+        ttl_max = ttl_max.max(margin);
+        if (999.0..=3001.0).contains(&margin) && (pexpiretime as f64 - exp_ms).abs() < 1.0 {
+            ttl_ok += 1;
+        }
+    }
+    let avg_usage = usage.iter().sum::<u64>() as f64 / usage.len().max(1) as f64;
+    // Wait for every key to expire (bounded): the last was written at `written_at`.
+    let mut gone_after = None;
+    while written_at.elapsed() < Duration::from_millis(full_ms as u64 + 15_000) {
+        if dbsize(&redis) == 0 {
+            gone_after = Some(written_at.elapsed());
+            break;
+        }
+        sleep(Duration::from_millis(100));
+    }
+    let failed = failed.load(Ordering::Relaxed);
+    vec![Row {
+        scenario: "8 many clients".into(),
+        load: format!(
+            "{keys} distinct keys straight to the sidecar, {per_call} per call, 4 callers: {:.0} decisions/s",
+            keys as f64 / wrote.as_secs_f64()
+        ),
+        fault: "none".into(),
+        admitted: (keys - failed).to_string(),
+        rejected: "0".into(),
+        over: String::new(),
+        client: String::new(),
+        filter: String::new(),
+        errors: failed.to_string(),
+        recovery: String::new(),
+        check: format!(
+            "{n} keys; {:.0} B per bucket (used_memory Δ / keys), MEMORY USAGE {avg_usage:.0} B (sample of {}); expiry − full-again time in [{:.2}, {:.2}] s, in [1, 3] s for {ttl_ok}/{ttl_n} {}; all expired {} after the last write (≤ {:.0} s + 3 s {})",
+            (mem1 - mem0) as f64 / n.max(1) as f64,
+            usage.len(),
+            ttl_min / 1000.0,
+            ttl_max / 1000.0,
+            mark(ttl_ok == ttl_n && ttl_n > 0),
+            gone_after.map_or("not yet".into(), |d| format!("{:.1} s", d.as_secs_f64())),
+            full_ms / 1000.0,
+            mark(gone_after.is_some_and(|d| d.as_secs_f64() <= full_ms / 1000.0 + 3.0 + 1.0))
+        ),
+    }]
+}
+
+// ---------------------------------------------------------------------------------------------
+
+type Scenario = fn(&Args) -> Vec<Row>;
+
+fn main() {
+    let args = Args::parse();
+    let all: [(u32, &str, Scenario); 8] = [
+        (1, "shared budget", shared_budget),
+        (2, "hot key", hot_key),
+        (3, "Redis slow and down", redis_outage),
+        (4, "failover", failover),
+        (5, "uncertain results", uncertain),
+        (6, "sidecar restart", sidecar_restart),
+        (7, "flood", flood),
+        (8, "many clients", many_clients),
+    ];
+    let mut rows = Vec::new();
+    let started = Instant::now();
+    let mut failed = false;
+    for (n, name, run) in all {
+        if !args.scenario.is_empty() && !args.scenario.contains(&n) {
+            continue;
+        }
+        let t = Instant::now();
+        log(&format!("scenario {n}: {name}"));
+        // A failed scenario becomes a row; its processes were stopped as it unwound.
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run(&args))) {
+            Ok(r) => {
+                failed |= r.iter().any(|r| r.check.contains('✗'));
+                rows.extend(r);
+            }
+            Err(e) => {
+                failed = true;
+                let msg = e
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_default();
+                let msg = msg.lines().next().unwrap_or_default().to_string();
+                rows.push(Row {
+                    scenario: format!("{n} {name}"),
+                    check: format!("✗ FAILED: {msg}"),
+                    ..Row::default()
+                });
+            }
+        }
+        log(&format!(
+            "scenario {n} took {:.1} s",
+            t.elapsed().as_secs_f64()
+        ));
+    }
+    let out = table(&rows);
+    println!("{out}");
+    println!(
+        "({} scenarios in {:.0} s; ✓ a bound held, ✗ it did not)",
+        rows.len(),
+        started.elapsed().as_secs_f64()
+    );
+    if let Some(path) = &args.out {
+        std::fs::write(path, &out).unwrap_or_else(|e| panic!("write {}: {e}", path.display()));
+    }
+    if failed {
+        std::process::exit(1);
+    }
+}

@@ -1,0 +1,190 @@
+//! The fast paths are exact: across two Envoy processes (two workers each) with leases, known
+//! rejections and coalesced callouts on, admitted never exceeds capacity + refill x elapsed; a
+//! lease never admits more than it holds; a flood on an exhausted key costs no callouts until its
+//! `retry_after`, and a cached rejection does not outlive it.
+
+use std::time::{Duration, Instant};
+
+use ratelimit_e2e::scenario::{burst_to, count, get, plugin_with_rules};
+use ratelimit_e2e::{http, Envoy, EnvoyConfig, Redis, Sidecar, Upstream};
+use serde_json::json;
+
+/// One Envoy (2 workers) with its own sidecar, both on the shared Redis.
+struct Gateway {
+    sidecar: Sidecar,
+    envoy: Envoy,
+}
+
+fn gateways(redis: &Redis, upstream: &Upstream, policy: &str, n: usize) -> Vec<Gateway> {
+    let plugin = plugin_with_rules(json!([
+        {"name": "hot", "match": {"path_prefix": "/"}, "subject": [], "on_error": "deny"}
+    ]));
+    (0..n)
+        .map(|_| {
+            let sidecar =
+                Sidecar::with_policy(&redis.url(), policy, &["--redis-timeout-ms", "500"]);
+            let config = EnvoyConfig::shipped("envoy.yaml", sidecar.port, upstream.port)
+                .plugin(&plugin.to_string())
+                .concurrency(2);
+            let envoy = Envoy::start(&config);
+            Gateway { sidecar, envoy }
+        })
+        .collect()
+}
+
+#[test]
+fn two_envoys_with_leases_and_known_rejections_never_admit_more_than_the_bucket() {
+    let (capacity, refill) = (200.0, 20.0);
+    let redis = Redis::start();
+    let upstream = Upstream::start();
+    let policy = format!("rules:\n  hot: {{capacity: {capacity}, refill_per_sec: {refill}}}\n");
+    let gws = gateways(&redis, &upstream, &policy, 2);
+    let urls: Vec<String> = gws.iter().map(|g| g.envoy.url("/x")).collect();
+    let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
+    let started = Instant::now();
+    let answers = burst_to(&urls, &[], 1500, 16);
+    let elapsed = started.elapsed().as_secs_f64();
+    let admitted = count(&answers, 200);
+    let bound = capacity + refill * elapsed;
+    println!(
+        "2 Envoys, 1500 requests in {elapsed:.2} s: {admitted} admitted (bound {bound:.1}), {} rejected",
+        count(&answers, 429)
+    );
+    assert_eq!(admitted + count(&answers, 429), 1500, "only 200 and 429");
+    assert!(
+        admitted as f64 <= bound,
+        "over-admission: {admitted} > capacity + refill x elapsed = {bound:.1}"
+    );
+    assert!(
+        admitted as f64 >= capacity,
+        "{admitted} < capacity: budget lost"
+    );
+    assert_eq!(upstream.hits() as usize, admitted);
+    for (i, g) in gws.iter().enumerate() {
+        let leased = g.envoy.counter("ratelimit.lease_admitted");
+        let granted = g
+            .sidecar
+            .metric("ratelimit_lease_tokens_total{result=\"granted\"}");
+        let known = g.envoy.counter("ratelimit.known_rejections");
+        let callouts = g.envoy.counter("ratelimit.callouts");
+        println!(
+            "  Envoy {i}: {leased} admitted from leases of {granted} tokens granted, {known} known rejections, {callouts} callouts"
+        );
+        // A lease never admits more than it holds: every request admitted from a lease (cost 1)
+        // was paid by tokens the sidecar granted to this Envoy.
+        assert!(
+            leased as f64 <= granted,
+            "Envoy {i} admitted {leased} from leases of {granted} tokens"
+        );
+    }
+    let fast: u64 = gws
+        .iter()
+        .map(|g| {
+            g.envoy.counter("ratelimit.lease_admitted")
+                + g.envoy.counter("ratelimit.known_rejections")
+        })
+        .sum();
+    assert!(fast > 0, "the fast paths were not exercised");
+}
+
+#[test]
+fn a_flood_on_an_exhausted_key_costs_no_callouts_until_its_retry_after() {
+    let redis = Redis::start();
+    let upstream = Upstream::start();
+    // 3 tokens, one back per second: after the burst a rejection says "wait about 1 s".
+    let gws = gateways(
+        &redis,
+        &upstream,
+        "rules:\n  hot: {capacity: 3, refill_per_sec: 1}\n",
+        2,
+    );
+    let urls: Vec<String> = gws.iter().map(|g| g.envoy.url("/x")).collect();
+    let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
+    let c = http();
+    // Exhaust the bucket and let each Envoy learn the rejection.
+    let mut admitted = 0;
+    for u in urls.iter().cycle().take(6) {
+        admitted += usize::from(get(&c, u, &[]).status == 200);
+    }
+    assert!(admitted <= 3 + 1, "{admitted}");
+    let calls_before: f64 = gws
+        .iter()
+        .map(|g| {
+            g.sidecar
+                .metric("ratelimit_calls_total{api=\"http\",outcome=\"answered\"}")
+        })
+        .sum();
+    let writes_before = writes(&redis);
+    // A flood of 200 requests over both Envoys, for well under the wait.
+    let started = Instant::now();
+    let flood = burst_to(&urls, &[], 200, 8);
+    let flood_s = started.elapsed().as_secs_f64();
+    let calls: f64 = gws
+        .iter()
+        .map(|g| {
+            g.sidecar
+                .metric("ratelimit_calls_total{api=\"http\",outcome=\"answered\"}")
+        })
+        .sum::<f64>()
+        - calls_before;
+    let rejected = count(&flood, 429);
+    println!(
+        "flood of 200 in {flood_s:.2} s: {rejected} rejected, {} admitted, {calls} callouts, {} Redis writes",
+        count(&flood, 200),
+        writes(&redis) - writes_before
+    );
+    // Every admission is a token the bucket refilled during the flood (1/s).
+    assert!(
+        count(&flood, 200) as f64 <= 1.0 + flood_s,
+        "over-admission in the flood"
+    );
+    // Callouts happen only when a known rejection runs out (about once a second per Envoy), never
+    // per request.
+    assert!(
+        calls <= 4.0 * (1.0 + flood_s),
+        "{calls} callouts for a flood of 200"
+    );
+    // A rejected request writes nothing in Redis.
+    assert!(
+        writes(&redis) - writes_before <= count(&flood, 200) as u64 * 2,
+        "rejections wrote to Redis"
+    );
+    // A cached rejection does not outlive its retry_after: once the wait the 429 named has passed
+    // (the bucket has refilled a token), the next request is admitted.
+    let last = flood.iter().rfind(|a| a.status == 429).expect("some 429");
+    let wait: u64 = last
+        .header("retry-after")
+        .expect("Retry-After")
+        .parse()
+        .expect("seconds");
+    // The wait the sidecar announced must pass: this is the bucket's time, not a synchronisation.
+    std::thread::sleep(Duration::from_secs(wait) + Duration::from_millis(100));
+    let next = get(&c, urls[0], &[]);
+    assert_eq!(
+        next.status, 200,
+        "the cached rejection outlived its Retry-After of {wait} s"
+    );
+}
+
+/// Write commands Redis has executed so far (`INFO commandstats`).
+fn writes(redis: &Redis) -> u64 {
+    redis
+        .cli(&["INFO", "commandstats"])
+        .lines()
+        .filter(|l| {
+            [
+                "cmdstat_set:",
+                "cmdstat_hset:",
+                "cmdstat_pexpire:",
+                "cmdstat_del:",
+            ]
+            .iter()
+            .any(|w| l.starts_with(w))
+        })
+        .filter_map(|l| {
+            l.split(['=', ','])
+                .nth(1)
+                .and_then(|n| n.parse::<u64>().ok())
+        })
+        .sum()
+}

@@ -1,0 +1,175 @@
+//! The rate-limit response headers, rendered in one place for every gateway: the wasm filter adds
+//! them to its replies and admitted responses, and the sidecar hands them to Envoy's native rate
+//! limit filter (`response_headers_to_add` of the gRPC answer), so a client sees the same fields
+//! whichever path limited it.
+//!
+//! Fields (IETF draft `httpapi-ratelimit-headers`, RFC 8941 structured fields):
+//! - `RateLimit-Policy: "per-app";q=100;w=10`: quota `q` = capacity, window `w` = seconds a full
+//!   refill takes (`capacity / refill_per_sec`, rounded up, at least 1).
+//! - `RateLimit: "per-app";r=0;t=1`: `r` = whole tokens remaining, `t` = seconds, rounded up,
+//!   until the request's cost is available again (on a 429, equal to `Retry-After`) or, on an
+//!   admitted response, until the bucket is full.
+//! - `Retry-After` (429): seconds until the cost is available, rounded up, at least 1.
+//!
+//! Every integer is clamped to [`MAX_SF_INTEGER`], the largest RFC 8941 structured-field integer.
+
+use crate::AppliedLimit;
+
+/// The largest integer of an RFC 8941 structured field: 15 digits.
+pub const MAX_SF_INTEGER: u64 = 999_999_999_999_999;
+
+/// Header names, lowercase (HTTP/2 and Envoy's header maps want them so).
+pub const RATELIMIT_POLICY: &str = "ratelimit-policy";
+pub const RATELIMIT: &str = "ratelimit";
+pub const RETRY_AFTER: &str = "retry-after";
+
+/// `n`, clamped to the largest structured-field integer.
+pub fn sf_integer(n: u64) -> u64 {
+    n.min(MAX_SF_INTEGER)
+}
+
+/// Whole seconds, rounded up.
+pub fn ceil_s(ms: u64) -> u64 {
+    ms.div_ceil(1000)
+}
+
+/// `Retry-After` for a wait of `retry_after_ms`: seconds rounded up, at least 1, at most
+/// [`MAX_SF_INTEGER`].
+pub fn retry_after_s(retry_after_ms: u64) -> u64 {
+    sf_integer(ceil_s(retry_after_ms).max(1))
+}
+
+/// Seconds an empty bucket of `capacity` takes to fill at `refill_per_sec`, rounded up, at least 1.
+pub fn window_s(capacity: u64, refill_per_sec: f64) -> u64 {
+    // Float-to-int `as` saturates, so absurd ratios cannot panic.
+    (capacity as f64 / refill_per_sec).ceil().max(1.0) as u64
+}
+
+/// One bucket's figures for the headers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Limit<'a> {
+    /// The limit's name (a policy rule or override: `[A-Za-z0-9_.-]`, so it needs no escaping
+    /// inside the quoted string).
+    pub name: &'a str,
+    /// `q`: the capacity.
+    pub quota: u64,
+    /// `w`: seconds a full refill takes.
+    pub window_s: u64,
+    /// `r`: whole tokens remaining.
+    pub remaining: u64,
+    /// `t`: seconds until the cost is available (rejected) or the bucket is full (admitted).
+    pub reset_s: u64,
+}
+
+impl<'a> Limit<'a> {
+    /// The figures of a limit the sidecar applied, with `remaining` tokens and `reset_s` seconds.
+    pub fn applied(limit: &'a AppliedLimit, remaining: u64, reset_s: u64) -> Limit<'a> {
+        Limit {
+            name: &limit.name,
+            quota: limit.capacity,
+            window_s: window_s(
+                limit.capacity.max(1),
+                limit.refill_per_sec.max(f64::MIN_POSITIVE),
+            ),
+            remaining,
+            reset_s,
+        }
+    }
+
+    /// One member of `RateLimit-Policy`: `"name";q=..;w=..`.
+    pub fn policy(&self) -> String {
+        format!(
+            "\"{}\";q={};w={}",
+            self.name,
+            sf_integer(self.quota),
+            sf_integer(self.window_s)
+        )
+    }
+
+    /// One member of `RateLimit`: `"name";r=..;t=..`.
+    pub fn limit(&self) -> String {
+        format!(
+            "\"{}\";r={};t={}",
+            self.name,
+            sf_integer(self.remaining),
+            sf_integer(self.reset_s)
+        )
+    }
+}
+
+/// `RateLimit-Policy` and `RateLimit` for several limits (structured-field lists), in order;
+/// nothing when `limits` is empty.
+pub fn admitted(limits: &[Limit<'_>]) -> Vec<(&'static str, String)> {
+    if limits.is_empty() {
+        return Vec::new();
+    }
+    let policies: Vec<_> = limits.iter().map(Limit::policy).collect();
+    let remaining: Vec<_> = limits.iter().map(Limit::limit).collect();
+    vec![
+        (RATELIMIT_POLICY, policies.join(", ")),
+        (RATELIMIT, remaining.join(", ")),
+    ]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn integers_are_clamped_and_seconds_round_up() {
+        assert_eq!(sf_integer(u64::MAX), MAX_SF_INTEGER);
+        assert_eq!(ceil_s(0), 0);
+        assert_eq!(ceil_s(1), 1);
+        assert_eq!(ceil_s(1000), 1);
+        assert_eq!(ceil_s(1001), 2);
+        assert_eq!(retry_after_s(0), 1, "at least 1");
+        assert_eq!(retry_after_s(1500), 2);
+        assert_eq!(retry_after_s(u64::MAX), MAX_SF_INTEGER);
+        assert_eq!(window_s(10, 1.0), 10);
+        assert_eq!(window_s(10, 3.0), 4);
+        assert_eq!(window_s(1, 100.0), 1, "at least 1");
+        assert_eq!(window_s(u64::MAX, f64::MIN_POSITIVE), u64::MAX);
+    }
+
+    #[test]
+    fn fields_render_as_structured_field_lists() {
+        let a = AppliedLimit {
+            name: "per-app".into(),
+            capacity: 100,
+            refill_per_sec: 10.0,
+        };
+        let b = AppliedLimit {
+            name: "per-ip".into(),
+            capacity: 5,
+            refill_per_sec: 0.5,
+        };
+        let limits = [Limit::applied(&a, 99, 1), Limit::applied(&b, 0, 2)];
+        assert_eq!(limits[0].policy(), "\"per-app\";q=100;w=10");
+        assert_eq!(limits[1].limit(), "\"per-ip\";r=0;t=2");
+        assert_eq!(
+            admitted(&limits),
+            vec![
+                (
+                    RATELIMIT_POLICY,
+                    "\"per-app\";q=100;w=10, \"per-ip\";q=5;w=10".to_string()
+                ),
+                (
+                    RATELIMIT,
+                    "\"per-app\";r=99;t=1, \"per-ip\";r=0;t=2".to_string()
+                ),
+            ]
+        );
+        assert!(admitted(&[]).is_empty());
+        let huge = Limit {
+            name: "x",
+            quota: u64::MAX,
+            window_s: u64::MAX,
+            remaining: u64::MAX,
+            reset_s: u64::MAX,
+        };
+        assert_eq!(
+            huge.policy(),
+            format!("\"x\";q={MAX_SF_INTEGER};w={MAX_SF_INTEGER}")
+        );
+    }
+}
