@@ -7,6 +7,7 @@
 CARGO        ?= cargo
 WASM         := target/wasm32-wasip1/release/ratelimit_filter.wasm
 SIDECAR      := target/release/ratelimit-sidecar
+REBALANCER   := target/release/ratelimit-rebalancer
 ENVOY_CONFIG ?= envoy/envoy.yaml
 export ENVOY_BIN ?= $(CURDIR)/.venv/bin/envoy
 
@@ -18,16 +19,16 @@ deps:
 	@scripts/install-deps.sh
 
 build: deps
-	$(CARGO) build --release -p ratelimit-sidecar
+	$(CARGO) build --release -p ratelimit-sidecar -p ratelimit-rebalancer
 	$(CARGO) build --release -p ratelimit-filter --target wasm32-wasip1
-	@ls -l $(WASM) $(SIDECAR)
+	@ls -l $(WASM) $(SIDECAR) $(REBALANCER)
 
 test: build test-native test-wasm
 
 # Unit tests, the sidecar against real Redis (single, Cluster), and the end-to-end tests with
 # real Envoy, sidecar, Redis and upstream. The e2e tests use the release artifacts built above.
 test-native:
-	RATELIMIT_SIDECAR_BIN=$(CURDIR)/$(SIDECAR) RATELIMIT_FILTER_WASM=$(CURDIR)/$(WASM) \
+	RATELIMIT_SIDECAR_BIN=$(CURDIR)/$(SIDECAR) RATELIMIT_FILTER_WASM=$(CURDIR)/$(WASM) RATELIMIT_REBALANCER_BIN=$(CURDIR)/$(REBALANCER) \
 		$(CARGO) test --workspace --no-fail-fast
 
 # The filter's pure logic (and the wire types) again, compiled to wasm32 and run under Node.

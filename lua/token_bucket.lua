@@ -13,6 +13,21 @@
 --   else retry_after_ms = ceil((cost - tokens) / refill_per_sec * 1000)   (a lower bound of the wait)
 --   reset_ms    = ceil((capacity - tokens) / refill_per_sec * 1000)       (time until full again)
 --
+-- Regional shares (docs/regions.md): a limit may carry its region's share history, changes
+-- (from_ms on this Redis's clock, share in parts per million) in time order, the last in force now.
+-- The bucket is then taken under m, the SMALLEST share in force at any instant since its last
+-- decision, which keeps the regions together within the global bucket:
+--   horizon_us  = capacity / refill_per_sec * 1e6                  the fill time: the look-back
+--   since       = the bucket's stored ts (before this call), or now - horizon_us when missing
+--   from_ms     = max(since, now - horizon_us) / 1000 - share_margin_ms   (the margin covers
+--                 clock offsets between the node that stamped the history and this one)
+--   m           = min of the shares of the changes in force at any instant of [from_ms, now]
+--                 (every change whose successor starts after from_ms, and the last one)
+--   capacity, refill_per_sec = floor(x * m) / 1e6 of the limit's (rounded down: never a token more)
+-- and the formulas above use these (a missing bucket is full at the smallest share of the last
+-- horizon). One exception: cost_exceeds_capacity compares the cost with the capacity under the
+-- share in force now (the last change), since m only lasts until the next decision.
+--
 -- Leases: a decision may ask for `want` tokens more than its cost, held by the gateway for `ttl_ms`
 -- under a lease id. They are deducted now and the lease is recorded in the bucket; while it is
 -- unexpired the bucket's ceiling is lowered by its amount, so tokens held by gateways plus tokens
@@ -44,8 +59,9 @@
 -- ARGV (all numbers as decimal strings):
 --   1 mode ("apply" | "refund"), 2 record_ttl_ms, 3 max_share (lease cap as a fraction of capacity),
 --   4 cluster (1: one key per command, as a Cluster requires; 0: MGET the buckets at once)
---   5 B, then B bucket key names
---   then L, then L x (capacity, refill_per_sec)
+--   5 share_margin_ms (see regional shares above)
+--   6 B, then B bucket key names
+--   then L, then L x (capacity, refill_per_sec, H, then H x (from_ms, share_ppm)); H = 0: no share
 --   then G, then per group: record key ("" = none), R, then per request: D, then D x
 --        (bucket index, limit index, cost, shadow 0/1, lease id, lease want, lease ttl_ms)
 --   then N returns: N x (bucket index, limit index, lease id, tokens)
@@ -81,8 +97,9 @@ end
 local record_ttl_ms = num()
 local max_share = num()
 local one_slot_per_command = num()
-if record_ttl_ms < 1 or max_share < 0 or max_share > 1 then
-  return redis.error_reply('ERR usage: record_ttl_ms >= 1 and 0 <= max_share <= 1')
+local share_margin_ms = num()
+if record_ttl_ms < 1 or max_share < 0 or max_share > 1 or share_margin_ms < 0 then
+  return redis.error_reply('ERR usage: record_ttl_ms >= 1, 0 <= max_share <= 1, share_margin_ms >= 0')
 end
 
 local nb = num()
@@ -95,7 +112,22 @@ for i = 1, nl do
   if capacity <= 0 or refill <= 0 then
     return redis.error_reply('ERR invalid limit ' .. i .. ': capacity and refill_per_sec must be > 0')
   end
-  limits[i] = { capacity = capacity, refill = refill }
+  local nh = num()
+  local shares = nil
+  if nh > 0 then
+    shares = {}
+    local last = -1
+    for j = 1, nh do
+      local from_ms, ppm = num(), num()
+      if from_ms < last or ppm < 0 or ppm > 1000000 then
+        return redis.error_reply('ERR invalid limit ' .. i .. ': share changes must be in time order, each 0 to 1000000 ppm')
+      end
+      last = from_ms
+      shares[j] = { from_ms, ppm }
+    end
+  end
+  limits[i] = { capacity = capacity, refill = refill, shares = shares,
+                horizon = capacity / refill * 1000000 }
 end
 local ng = num()
 local groups = {}
@@ -168,7 +200,7 @@ local function state(b, limit)
   local s = states[b]
   if s then return s end
   s = { limit = limit, tokens = limit.capacity, ts = now, exp = 0, leases = {}, dirty = false,
-        future = false }
+        future = false, since = nil }
   local v = raw[b]
   if v and #v >= 24 and (#v - 24) % 24 == 0 then
     local n = (#v - 24) / 24
@@ -182,6 +214,7 @@ local function state(b, limit)
     end
     if s.tokens ~= s.tokens or s.tokens < 0 then s.tokens = 0 end
     if s.ts > now then s.future = true end
+    s.since = s.ts
   end
   states[b] = s
   return s
@@ -193,12 +226,44 @@ local function leased(s)
   return sum
 end
 
+-- x scaled by ppm parts per million, rounded down to a millionth.
+local function scaled(x, ppm)
+  return math.floor(x * ppm) / 1000000
+end
+
+-- The smallest share (ppm) of the limit's history in force at any instant since `since` (see the
+-- header: bounded by the fill time, widened by the margin).
+local function smallest_share(limit, since)
+  local h = limit.shares
+  local from_ms = math.max(since, now - limit.horizon) / 1000 - share_margin_ms
+  local m = h[#h][2]
+  for j = 1, #h - 1 do
+    if h[j + 1][1] > from_ms and h[j][2] < m then m = h[j][2] end
+  end
+  return m
+end
+
+-- The capacity and refill a bucket is taken under in this call: the limit's, or for a regional
+-- limit the limit's scaled by the smallest share since the bucket's last decision.
+local function effective(s, limit)
+  if not limit.shares then return limit.capacity, limit.refill end
+  local m = smallest_share(limit, s.since or (now - limit.horizon))
+  return scaled(limit.capacity, m), scaled(limit.refill, m)
+end
+
+-- The capacity under the share in force now (the largest cost that can ever succeed).
+local function capacity_now(limit)
+  if not limit.shares then return limit.capacity end
+  return scaled(limit.capacity, limit.shares[#limit.shares][2])
+end
+
 -- The bucket's tokens now (refilled, capped by capacity minus unexpired leases).
 local function tokens_now(s, limit)
+  local capacity, refill = effective(s, limit)
   local elapsed = now - s.ts
   if elapsed < 0 then elapsed = 0 end
-  local tokens = s.tokens + limit.refill * elapsed / 1000000
-  local ceiling = limit.capacity - leased(s)
+  local tokens = s.tokens + refill * elapsed / 1000000
+  local ceiling = capacity - leased(s)
   if tokens > ceiling then tokens = ceiling end
   if tokens < 0 then tokens = 0 end
   return tokens
@@ -235,7 +300,8 @@ for _, r in ipairs(returns) do
   local lease = remove_lease(s, r.id)
   if lease then
     local back = math.min(r.tokens, lease.amount)
-    set_tokens(s, math.min(tokens + back, r.limit.capacity - leased(s)))
+    local capacity = effective(s, r.limit)
+    set_tokens(s, math.min(tokens + back, capacity - leased(s)))
   end
 end
 
@@ -288,7 +354,8 @@ local function reply_answers(answers, replayed)
 end
 
 local function reset_ms(s, limit, tokens)
-  return ms_ceil((limit.capacity - tokens) / limit.refill * 1000)
+  local capacity, refill = effective(s, limit)
+  return ms_ceil((capacity - tokens) / refill * 1000)
 end
 
 if mode == 'refund' then
@@ -308,7 +375,8 @@ if mode == 'refund' then
               -- The lease's part comes back only while the lease is still held (a returned or
               -- expired lease gave its tokens back, or lost them, already).
               if x[6] > 0 and not remove_lease(s, lease_id) then charged = charged - x[6] end
-              tokens = math.min(tokens + charged, dec.limit.capacity - leased(s))
+              local capacity = effective(s, dec.limit)
+              tokens = math.min(tokens + charged, capacity - leased(s))
               set_tokens(s, tokens)
               x[1], x[2], x[4], x[6] = 0, int(tokens), reset_ms(s, dec.limit, tokens), 0
             end
@@ -322,8 +390,11 @@ if mode == 'refund' then
     push(changed and 1 or 0)
   end
 else
+  -- Records written by this call: a repeat of a group in the same batch (a retry that joined
+  -- its original's call) must see them, though they were read before any write.
+  local written = {}
   for g, group in ipairs(groups) do
-    local recorded = group.record ~= '' and unpack_record(records[g], group)
+    local recorded = group.record ~= '' and unpack_record(written[group.record] or records[g], group)
     if recorded then
       reply_answers(recorded, true)
     else
@@ -338,11 +409,12 @@ else
           local s = state(dec.b, dec.limit)
           local tokens = avail[dec.b] or tokens_now(s, dec.limit)
           local x = { 0, 0, 0, 0, OK, 0, 0, 0 }
-          if dec.cost > dec.limit.capacity then
+          if dec.cost > capacity_now(dec.limit) then
             x[5] = COST_EXCEEDS_CAPACITY
           elseif tokens < dec.cost then
             x[5] = INSUFFICIENT
-            x[3] = ms_ceil((dec.cost - tokens) / dec.limit.refill * 1000)
+            local _, refill = effective(s, dec.limit)
+            x[3] = ms_ceil((dec.cost - tokens) / refill * 1000)
           else
             x[1] = 1
             tokens = tokens - dec.cost
@@ -360,7 +432,7 @@ else
             tokens = tokens - dec.cost
             local grant = 0
             if dec.want > 0 and #s.leases < MAX_LEASES then
-              local cap = math.floor(max_share * dec.limit.capacity)
+              local cap = math.floor(max_share * effective(s, dec.limit))
               grant = math.min(dec.want, cap, math.floor(tokens))
               if grant < 0 then grant = 0 end
               if grant > 0 then
@@ -383,7 +455,8 @@ else
         any_charged = any_charged or admit
       end
       if group.record ~= '' and any_charged then
-        redis.call('SET', group.record, pack_record(answers), 'PX', record_ttl_ms)
+        written[group.record] = pack_record(answers)
+        redis.call('SET', group.record, written[group.record], 'PX', record_ttl_ms)
       end
       reply_answers(answers, false)
     end
@@ -393,10 +466,14 @@ end
 -- Writes: each changed bucket once (a bucket that only lost expired leases is left alone).
 for b, s in pairs(states) do
   if s.dirty then
-    local limit = s.limit
+    local capacity, refill = effective(s, s.limit)
     local last_lease = now
     for _, l in ipairs(s.leases) do if l.expiry > last_lease then last_lease = l.expiry end end
-    local full_ms = math.ceil(((limit.capacity - s.tokens) / limit.refill * 1000000 + (last_lease - now)) / 1000)
+    -- A refill rounded down to 0 (a tiny share) never fills: expire after the fill time (a
+    -- missing bucket is full at the smallest share of the last fill time, see the header).
+    local full_us = s.limit.horizon
+    if refill > 0 then full_us = (capacity - s.tokens) / refill * 1000000 end
+    local full_ms = math.ceil((full_us + (last_lease - now)) / 1000)
     local need = now_ms + full_ms + MARGIN_MS
     local parts = { s.tokens, s.ts, s.exp }
     for _, l in ipairs(s.leases) do

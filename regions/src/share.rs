@@ -124,7 +124,7 @@ pub enum QuotaProblem {
     },
     #[error("rules.{rule}.regions: the shares sum to {sum_ppm} ppm ({}), more than the whole budget (1); lower some shares", *sum_ppm as f64 / f64::from(Share::PPM))]
     SumAboveWhole { rule: String, sum_ppm: u64 },
-    #[error("rules.{rule}.floor: {floor} for {regions} regions leaves more than the whole budget to the floors; lower it")]
+    #[error("rules.{rule}.region_floor: {floor} for {regions} regions leaves more than the whole budget to the floors; lower it")]
     FloorTooLarge {
         rule: String,
         floor: Share,
@@ -346,7 +346,7 @@ mod tests {
         .unwrap_err();
         let text = err.to_string();
         assert!(
-            text.contains("rules.r.floor: 0.4000 for 3 regions"),
+            text.contains("rules.r.region_floor: 0.4000 for 3 regions"),
             "{text}"
         );
         assert!(text.contains("rules.r: capacity: must be > 0"), "{text}");

@@ -72,7 +72,7 @@ fn a_floor_the_regions_cannot_all_hold_is_refused_by_name() {
     let err = run(&scenarios(config.duration_ms)[0], Mode::Static, &config).unwrap_err();
     assert!(
         err.to_string()
-            .contains("rules.steady.floor: 0.4000 for 3 regions"),
+            .contains("rules.steady.region_floor: 0.4000 for 3 regions"),
         "{err}"
     );
 }

@@ -35,6 +35,12 @@ pub struct Args {
     #[arg(long, env = "RATELIMIT_REDIS_PIPELINE", default_value_t = 4, value_parser = clap::value_parser!(u64).range(1..=64))]
     pub redis_pipeline: u64,
 
+    /// This sidecar's region, for rules whose budget is partitioned across regions (`regions:`
+    /// in the policy): it applies that region's share. A regional rule that does not list it, or
+    /// one without this flag, is refused at load. See docs/regions.md.
+    #[arg(long, env = "RATELIMIT_REGION", value_name = "NAME")]
+    pub region: Option<String>,
+
     /// Log line format: `text` or `json`.
     #[arg(long, env = "RATELIMIT_LOG_FORMAT", default_value = "text", value_parser = ["text", "json"])]
     pub log_format: String,

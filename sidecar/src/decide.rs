@@ -36,6 +36,14 @@
 //!
 //! The whole decision runs in a task of its own (see [`crate::http`]), so a caller that hangs up
 //! cancels neither the calls in flight nor the refunds that follow them.
+//!
+//! # Regional rules
+//!
+//! A decision of a regional rule (`docs/regions.md`) is charged under this region's share: its
+//! bucket carries the share history this sidecar holds under a lease ([`RegionalShares`]), and
+//! the script takes the bucket under the smallest share since its last decision. Without a valid
+//! lease the request is answered "unavailable" (the gateway's `on_error` decides). The answer's
+//! applied limit is the region's: the rule's numbers scaled by the share in force.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
@@ -46,13 +54,17 @@ use ratelimit_wire::{
     MAX_REQUESTS, MAX_RETURNS, MAX_VALUE_BYTES,
 };
 
+use ratelimit_regions::ShareHistory;
+
 use crate::keys::{bucket_key, record_key};
 use crate::metrics::{Metrics, Verdict};
 use crate::policy::own_format::RULE_KEY;
 use crate::policy::reload::PolicyHandle;
 use crate::policy::{Limit, LimitKind, Policy, Resolution, MAX_CAPACITY};
+use crate::regional::RegionalShares;
 use crate::store::{
-    Bucket, BucketStore, Charge, Group, NodeId, Outcome, RequestOutcome, Return, StoreError, Work,
+    Bucket, BucketStore, Charge, Group, NodeId, Outcome, Readiness, RequestOutcome, Return,
+    StoreError, Work,
 };
 
 /// The longest lease a caller may ask for, in milliseconds.
@@ -221,8 +233,12 @@ pub enum Caller {
 
 /// A resolved decision.
 enum Plan {
-    /// Counted in Redis.
-    Charge { limit: Arc<Limit>, key: Arc<str> },
+    /// Counted in Redis (under this region's share history, for a regional limit).
+    Charge {
+        limit: Arc<Limit>,
+        key: Arc<str>,
+        share: Option<Arc<ShareHistory>>,
+    },
     /// Answered here: unlimited (or not limited at all, for Envoy's API).
     Unlimited { limit: Option<Arc<Limit>> },
     /// Answered here: never admitted.
@@ -256,6 +272,8 @@ pub struct Decider<S> {
     /// Unknown (domain, rule) pairs already logged, so a misconfigured gateway does not flood the
     /// log (bounded; every occurrence is still counted).
     logged_unknown: Mutex<HashSet<(String, String)>>,
+    /// This region's shares of the regional rules (with `--region`).
+    regional: Option<Arc<RegionalShares>>,
 }
 
 impl<S: BucketStore> Decider<S> {
@@ -271,7 +289,35 @@ impl<S: BucketStore> Decider<S> {
             key_prefix: key_prefix.into(),
             metrics,
             logged_unknown: Mutex::new(HashSet::new()),
+            regional: None,
         }
+    }
+
+    /// Decides regional rules under `shares` (this sidecar's region).
+    pub fn with_regional(mut self, shares: Arc<RegionalShares>) -> Self {
+        self.regional = Some(shares);
+        self
+    }
+
+    pub fn regional(&self) -> Option<&Arc<RegionalShares>> {
+        self.regional.as_ref()
+    }
+
+    /// What `/readyz` reports: the store's readiness, and with regional rules the shares this
+    /// region applies (not ready until each was read once).
+    pub async fn readiness(&self) -> Readiness {
+        let mut r = self.store.readiness().await;
+        if let Some(shares) = &self.regional {
+            let policy = self.policy.current();
+            if !shares.all_read(&policy) {
+                r.error.get_or_insert_with(|| {
+                    "the regional shares have not all been read yet".to_string()
+                });
+                r.redis_ok = false;
+            }
+            r.regional_shares = Some(shares.status(&policy));
+        }
+        r
     }
 
     pub fn store(&self) -> &Arc<S> {
@@ -363,7 +409,7 @@ impl<S: BucketStore> Decider<S> {
                 .collect();
             let cross_node = nodes.len() > 1;
             for (d, p) in plan.iter().enumerate() {
-                let Plan::Charge { limit, key } = p else {
+                let Plan::Charge { limit, key, share } = p else {
                     continue;
                 };
                 let node = self.store.node_of(key);
@@ -386,7 +432,7 @@ impl<S: BucketStore> Decider<S> {
                 }
                 let request = ng.group.requests.len() - 1;
                 let charges = &mut ng.group.requests[request];
-                charges.push(charge(limit, key.clone(), &requests[r][d]));
+                charges.push(charge(limit, key.clone(), share.clone(), &requests[r][d]));
                 placed[d] = Some(Placement {
                     group: g,
                     request,
@@ -508,6 +554,7 @@ impl<S: BucketStore> Decider<S> {
                     match limit.kind {
                         LimitKind::Bucket { .. } => Plan::Charge {
                             key: Arc::from(bucket_key(&self.key_prefix, domain, &entries)),
+                            share: self.share_for(&limit)?,
                             limit,
                         },
                         LimitKind::Unlimited => Plan::Unlimited { limit: Some(limit) },
@@ -567,6 +614,25 @@ impl<S: BucketStore> Decider<S> {
         Ok(plans)
     }
 
+    /// The share history a regional limit is charged under; none for other limits. A regional
+    /// limit without a share under lease fails the request as "unavailable".
+    fn share_for(&self, limit: &Limit) -> Result<Option<Arc<ShareHistory>>, RequestError> {
+        let Some(rule) = &limit.regional else {
+            return Ok(None);
+        };
+        let unavailable = |message: String| RequestError {
+            code: ErrorCode::Unavailable,
+            message,
+        };
+        match &self.regional {
+            None => Err(unavailable(format!(
+                "rule {:?} is regional and this sidecar has no region (--region)",
+                rule.rule
+            ))),
+            Some(shares) => shares.share_for(rule).map(Some).map_err(unavailable),
+        }
+    }
+
     fn plan_returns(
         &self,
         policy: &Policy,
@@ -591,6 +657,8 @@ impl<S: BucketStore> Decider<S> {
                 else {
                     return None;
                 };
+                // Without a share under lease the tokens are not given back (under-admission).
+                let share = self.share_for(limit).ok()?;
                 let key: Arc<str> = Arc::from(bucket_key(&self.key_prefix, domain, &entries));
                 Some((
                     self.store.node_of(&key),
@@ -599,6 +667,7 @@ impl<S: BucketStore> Decider<S> {
                         bucket: Bucket {
                             capacity,
                             refill_per_sec,
+                            share,
                         },
                         lease_id: r.lease_id,
                         tokens: r.tokens,
@@ -775,13 +844,25 @@ impl<S: BucketStore> Decider<S> {
                     leased: 0,
                 }
             }
-            Plan::Charge { limit, .. } => {
+            Plan::Charge { limit, share, .. } => {
                 let LimitKind::Bucket {
                     capacity,
                     refill_per_sec,
                 } = limit.kind
                 else {
                     unreachable!("a charge has a bucket limit")
+                };
+                // A regional limit applies the region's part: the numbers under the share in
+                // force, rounded down as the script does.
+                let (capacity, refill_per_sec) = match share.as_ref().map(|h| h.current()) {
+                    None => (capacity, refill_per_sec),
+                    Some(s) => {
+                        let ppm = f64::from(s.ppm());
+                        (
+                            (capacity as f64 * ppm / 1_000_000.0).floor() as u64,
+                            (refill_per_sec * ppm).floor() / 1_000_000.0,
+                        )
+                    }
                 };
                 let applied = Some(AppliedLimit {
                     name: limit.name.clone(),
@@ -809,6 +890,14 @@ impl<S: BucketStore> Decider<S> {
                     (false, false) => Verdict::Rejected,
                 };
                 self.metrics.decision(&limit.name, verdict);
+                if let (Some(rule), Some(shares)) = (&limit.regional, &self.regional) {
+                    // The demand the rebalancer reads, in tokens: taken (cost and lease) or refused.
+                    match verdict {
+                        Verdict::Allowed => shares.count(rule, cost + o.leased, 0),
+                        Verdict::Rejected | Verdict::ShadowRejected => shares.count(rule, 0, cost),
+                        _ => {}
+                    }
+                }
                 if !request_allowed && part_charged && o.allowed {
                     // Another node rejected: as it will be once the refund has given the cost
                     // and the lease back.
@@ -883,7 +972,7 @@ fn rule_entries(rule: String, subject: ratelimit_wire::Subject) -> Entries {
     entries
 }
 
-fn charge(limit: &Limit, key: Arc<str>, item: &Item) -> Charge {
+fn charge(limit: &Limit, key: Arc<str>, share: Option<Arc<ShareHistory>>, item: &Item) -> Charge {
     let LimitKind::Bucket {
         capacity,
         refill_per_sec,
@@ -896,6 +985,7 @@ fn charge(limit: &Limit, key: Arc<str>, item: &Item) -> Charge {
         bucket: Bucket {
             capacity,
             refill_per_sec,
+            share,
         },
         cost: item.cost,
         shadow: limit.shadow,
@@ -950,6 +1040,7 @@ mod tests {
 
     use super::*;
     use crate::policy::Bounds;
+    use crate::regional::RegionalShares;
     use crate::store::memory::MemoryStore;
 
     const T0: u64 = 1_700_000_000_000_000;
@@ -1329,6 +1420,107 @@ rules:
         assert_eq!(
             store.stored_tokens("rl:{ratelimit|rule=per-app|app=a}"),
             Some(4.0)
+        );
+    }
+
+    const REGIONAL: &str = r#"
+rules:
+  global:
+    capacity: 100
+    refill_per_sec: 10
+    regions: {eu: 0.3, us: 0.7}
+    overrides:
+      - when: {app: big}
+        capacity: 1000
+        refill_per_sec: 100
+"#;
+
+    /// A decider for region eu of [`REGIONAL`], whose share of `global` is read from `store`.
+    async fn regional_decider(
+        store: Arc<MemoryStore>,
+    ) -> (Decider<MemoryStore>, Arc<RegionalShares>) {
+        let metrics = Arc::new(Metrics::new());
+        let bounds = Bounds {
+            region: crate::policy::RegionScope::Sidecar(Some("eu".into())),
+            ..Bounds::default()
+        };
+        let p = Policy::from_sources(&[("limits.yaml".into(), REGIONAL.into())], &bounds).unwrap();
+        let shares = RegionalShares::new("eu", "rl:", std::time::Duration::ZERO);
+        shares.refresh(&*store, &p).await;
+        let d = Decider::new(
+            store,
+            PolicyHandle::fixed(p, metrics.clone()),
+            "rl:",
+            metrics,
+        )
+        .with_regional(shares.clone());
+        (d, shares)
+    }
+
+    #[tokio::test]
+    async fn a_regional_rule_is_charged_under_this_regions_share() {
+        let store = Arc::new(MemoryStore::new(T0, 0.1, 10_000));
+        let (d, _) = regional_decider(store.clone()).await;
+        let burst = |app: &'static str, n: usize| {
+            call(vec![vec![decision("global", &[("app", Some(app))])]; n])
+        };
+        // No record yet: the policy's initial share, 0.3 of 100.
+        let a = d.decide(burst("a", 40)).await;
+        assert_eq!(a.answers.iter().filter(|a| a.allowed).count(), 30);
+        assert_eq!(
+            a.answers[0].results[0].limit,
+            Some(AppliedLimit {
+                name: "global".into(),
+                capacity: 30,
+                refill_per_sec: 3.0
+            }),
+            "the answer names the region's part"
+        );
+        // An override is scaled alike: 0.3 of 1000.
+        let a = d.decide(burst("big", 400)).await;
+        assert_eq!(a.answers.iter().filter(|a| a.allowed).count(), 300);
+    }
+
+    #[tokio::test]
+    async fn a_share_without_a_lease_answers_unavailable_and_demand_is_counted() {
+        let store = Arc::new(MemoryStore::new(T0, 0.1, 10_000));
+        store.set_hash(
+            "rl:share:{ratelimit|global}",
+            &[
+                ("version", "4"),
+                ("share_ppm", "500000"),
+                ("lease_ms", "30"),
+                ("history", "0:500000"),
+            ],
+        );
+        let (d, shares) = regional_decider(store.clone()).await;
+        let a = d
+            .decide(call(vec![
+                vec![decision("global", &[("app", Some("a"))])];
+                60
+            ]))
+            .await;
+        assert_eq!(
+            a.answers.iter().filter(|a| a.allowed).count(),
+            50,
+            "the record's 0.5"
+        );
+        shares.flush_demand(&*store).await;
+        assert_eq!(
+            crate::regional::record::parse_demand(&store.hash("rl:demand:{ratelimit|global}"))
+                .unwrap(),
+            (50, 10)
+        );
+        std::thread::sleep(std::time::Duration::from_millis(40));
+        let a = d
+            .decide(call(vec![vec![decision("global", &[("app", Some("a"))])]]))
+            .await;
+        let e = a.answers[0].error.as_ref().expect("unavailable");
+        assert_eq!(e.code, ErrorCode::Unavailable);
+        assert!(
+            e.message.contains("past its lease of 30 ms"),
+            "{}",
+            e.message
         );
     }
 }

@@ -153,7 +153,7 @@ fn respond(metrics: &Metrics, answer: DecideResponse) -> Response {
 }
 
 async fn readyz<S: BucketStore>(State(s): State<Arc<AppState<S>>>) -> Response {
-    let r = s.decider.store().readiness().await;
+    let r = s.decider.readiness().await;
     let status = if r.redis_ok && r.script_loaded {
         StatusCode::OK
     } else {

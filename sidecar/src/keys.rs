@@ -10,6 +10,11 @@
 //!
 //! Record (deduplication, refunds): `<bucket key of a group's first decision>:a:<attempt>`, in
 //! the same slot as that bucket.
+//!
+//! Regional rules (`docs/regions.md`), one of each per rule in each region's Redis, in one slot:
+//! the share record `<prefix>share:{<domain>|<rule>}` and the demand counters
+//! `<prefix>demand:{<domain>|<rule>}`; and in one region's Redis the rebalancer's leader lock
+//! `<prefix>rebalancer:{<domain>|<rule>}`. Bucket keys start `<prefix>{`, so none can be one.
 
 use sha2::{Digest, Sha256};
 
@@ -49,6 +54,33 @@ pub fn record_key(bucket_key: &str, attempt: &str) -> String {
     key.push_str(bucket_key);
     key.push_str(":a:");
     push_escaped(&mut key, attempt);
+    key
+}
+
+/// The share record of a regional rule (written by the rebalancer, read by the sidecars).
+pub fn share_key(prefix: &str, domain: &str, rule: &str) -> String {
+    rule_key(prefix, "share:", domain, rule)
+}
+
+/// The demand counters of a regional rule (added to by the sidecars, read by the rebalancer).
+pub fn demand_key(prefix: &str, domain: &str, rule: &str) -> String {
+    rule_key(prefix, "demand:", domain, rule)
+}
+
+/// The rebalancer's leader lock of a regional rule (one rebalancer at a time per rule).
+pub fn leader_key(prefix: &str, domain: &str, rule: &str) -> String {
+    rule_key(prefix, "rebalancer:", domain, rule)
+}
+
+fn rule_key(prefix: &str, kind: &str, domain: &str, rule: &str) -> String {
+    let mut key = String::with_capacity(prefix.len() + kind.len() + domain.len() + rule.len() + 3);
+    key.push_str(prefix);
+    key.push_str(kind);
+    key.push('{');
+    push_escaped(&mut key, domain);
+    key.push('|');
+    push_escaped(&mut key, rule);
+    key.push('}');
     key
 }
 
@@ -132,6 +164,22 @@ mod tests {
         let b = bucket_key("rl:", "ratelimit", &[("rule", Some("r"))]);
         let r = record_key(&b, "c-1/{x}");
         assert_eq!(cluster_slot(b.as_bytes()), cluster_slot(r.as_bytes()));
+    }
+
+    #[test]
+    fn a_regional_rule_keeps_its_share_and_demand_in_one_slot() {
+        let share = share_key("rl:", "ratelimit", "per-app");
+        let demand = demand_key("rl:", "ratelimit", "per-app");
+        assert_eq!(share, "rl:share:{ratelimit|per-app}");
+        assert_eq!(demand, "rl:demand:{ratelimit|per-app}");
+        assert_eq!(
+            cluster_slot(share.as_bytes()),
+            cluster_slot(demand.as_bytes())
+        );
+        assert_ne!(
+            share,
+            bucket_key("rl:", "ratelimit", &[("rule", Some("per-app"))])
+        );
     }
 
     #[test]

@@ -18,6 +18,7 @@ pub mod keys;
 pub mod listener;
 pub mod metrics;
 pub mod policy;
+pub mod regional;
 pub mod store;
 
 use std::future::Future;
@@ -34,7 +35,8 @@ use crate::http::AppState;
 use crate::listener::TlsConfigError;
 use crate::metrics::Metrics;
 use crate::policy::reload::PolicyHandle;
-use crate::policy::{Bounds, PolicyError};
+use crate::policy::{Bounds, PolicyError, RegionScope};
+use crate::regional::RegionalShares;
 use crate::store::connection::Connection;
 use crate::store::redis_store::StoreOptions;
 use crate::store::{RedisStore, StoreError};
@@ -130,6 +132,7 @@ pub async fn serve(
         args.limits.clone(),
         Bounds {
             max_refill_s: args.max_refill_seconds,
+            region: RegionScope::Sidecar(args.region.clone()),
         },
         metrics.clone(),
     )?;
@@ -153,13 +156,26 @@ pub async fn serve(
     let store = Arc::new(RedisStore::new(connection, options, metrics.clone()));
     store.start_background();
     let startup_check = tokio::spawn(check_redis_until_ready(store.clone()));
-    let state = Arc::new(AppState {
-        decider: Arc::new(Decider::new(
-            store,
-            policy,
+    let mut decider = Decider::new(
+        store.clone(),
+        policy.clone(),
+        args.key_prefix.clone(),
+        metrics.clone(),
+    );
+    // With a region: read its shares of the regional rules, publish their demand.
+    let mut regional_tasks = Vec::new();
+    if let Some(region) = &args.region {
+        let shares = RegionalShares::new(
+            region.clone(),
             args.key_prefix.clone(),
-            metrics.clone(),
-        )),
+            Duration::from_millis(args.redis_timeout_ms),
+        );
+        regional_tasks = shares.start(store, policy);
+        decider = decider.with_regional(shares);
+        tracing::info!(%region, "regional shares of this region apply to regional rules");
+    }
+    let state = Arc::new(AppState {
+        decider: Arc::new(decider),
         metrics,
     });
     let app = http::router(state, args.max_body_bytes);
@@ -201,6 +217,9 @@ pub async fn serve(
     );
     signal.abort();
     startup_check.abort();
+    for t in regional_tasks {
+        t.abort();
+    }
     if let Some(t) = token_watch {
         t.abort();
     }

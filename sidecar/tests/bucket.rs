@@ -94,24 +94,36 @@ async fn the_script_refuses_invalid_arguments_by_itself_and_writes_nothing() {
     let mut c = redis.connection();
     let script = ratelimit_sidecar::store::SCRIPT;
     // Defense in depth: the sidecar never sends these; the script errors, never allows.
-    for (capacity, refill, needle) in [
-        ("0", "1", "invalid limit 1"),
-        ("10", "-1", "invalid limit 1"),
-        ("10", "abc", "must be a finite number"),
-        ("inf", "1", "must be a finite number"),
+    for (capacity, refill, shares, needle) in [
+        ("0", "1", &["0"][..], "invalid limit 1"),
+        ("10", "-1", &["0"][..], "invalid limit 1"),
+        ("10", "abc", &["0"][..], "must be a finite number"),
+        ("inf", "1", &["0"][..], "must be a finite number"),
+        // A regional share history out of time order, or a share above the whole.
+        (
+            "10",
+            "1",
+            &["2", "5", "1000", "3", "1000"][..],
+            "invalid limit 1",
+        ),
+        ("10", "1", &["1", "5", "1000001"][..], "invalid limit 1"),
     ] {
         let e = redis::cmd("EVAL")
             .arg(script)
             .arg(1)
             .arg("rl:{x}")
             .arg(&[
-                "apply", "10000", "0.1", "0", "1", "rl:{x}", "1", capacity, refill,
+                "apply", "10000", "0.1", "0", "1000", "1", "rl:{x}", "1", capacity, refill,
             ])
+            .arg(shares)
             .arg(&["1", "", "1", "1", "1", "1", "1", "0", "0", "0", "0", "0"])
             .query::<redis::Value>(&mut c)
             .expect_err("the script must refuse");
         let text = e.to_string();
-        assert!(text.contains(needle), "{capacity} {refill}: {text}");
+        assert!(
+            text.contains(needle),
+            "{capacity} {refill} {shares:?}: {text}"
+        );
     }
     let exists: bool = c.exists("rl:{x}").unwrap();
     assert!(!exists, "a refused call writes nothing");

@@ -6,12 +6,19 @@
 //! Time differs by microseconds between the two (Redis reads its own clock), so refill is tiny
 //! (0.001 token/s: under 0.01 token over a run) and leases and records outlive the run: integer
 //! figures must match exactly, waits (`retry_after_ms`, `reset_ms`) within the run's duration.
+//!
+//! Regional shares: some keys' limits carry a share history (`docs/regions.md`): changes long
+//! before the run, some after the fill time's edge and some before it, some in the future, and
+//! changes made during the run; shares from 0 to the whole. Every change is stamped far (seconds)
+//! from any edge of the look-back, and shares leave no fraction just below a whole token, so the
+//! microseconds between the two clocks cannot tell them apart.
 
 use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use proptest::prelude::*;
 use ratelimit_e2e::Redis;
+use ratelimit_regions::{Share, ShareHistory};
 use ratelimit_sidecar::metrics::Metrics;
 use ratelimit_sidecar::store::memory::MemoryStore;
 use ratelimit_sidecar::store::redis_store::StoreOptions;
@@ -24,12 +31,43 @@ const KEYS: [&str; 4] = ["rl:{a}", "rl:{b}", "rl:{c}", "rl:{d}"];
 const REFILL: f64 = 0.001;
 const MAX_SHARE: f64 = 0.4;
 
-/// Each key has its own fixed limit, as a policy gives.
-fn bucket_of(key: usize) -> Bucket {
+/// Each key has its own fixed limit, as a policy gives, and some a regional share history.
+fn bucket_of(key: usize, shares: &[Option<Arc<ShareHistory>>]) -> Bucket {
     Bucket {
         capacity: [5, 3, 8, 1][key],
         refill_per_sec: REFILL,
+        share: shares[key].clone(),
     }
+}
+
+/// Times of the changes before the run, in seconds from its start: the fill times of the keys
+/// are 5000, 3000, 8000 and 1000 s, so these sit on both sides of every look-back's edge.
+const CHANGE_AT_S: [i64; 6] = [-9_000, -4_500, -2_000, -500, -30, 600];
+/// Shares, in parts per million. A share's part of every capacity is a whole number or 0.01 token
+/// or more below one (4.95 of 5 at 990000 ppm, never 4.999995): the run's refill (under 0.01
+/// token) must not carry one store across a whole token and not the other.
+const PPM: [u32; 7] = [0, 1, 250_000, 300_000, 500_000, 990_000, 1_000_000];
+
+/// One generated history: (index into CHANGE_AT_S, index into PPM), sorted by time.
+type GenHistory = Vec<(usize, usize)>;
+
+fn history() -> impl Strategy<Value = Option<GenHistory>> {
+    prop::option::weighted(
+        0.6,
+        prop::collection::vec((0..CHANGE_AT_S.len(), 0..PPM.len()), 1..4),
+    )
+}
+
+fn history_of(generated: &Option<GenHistory>, start_ms: u64) -> Option<Arc<ShareHistory>> {
+    let mut changes = generated.clone()?;
+    changes.sort();
+    let at = |i: usize| (start_ms as i64 + CHANGE_AT_S[i] * 1000) as u64;
+    let share = |i: usize| Share::from_ppm(PPM[i]).unwrap();
+    let mut h = ShareHistory::new(at(changes[0].0), share(changes[0].1));
+    for &(t, p) in &changes[1..] {
+        h.record(at(t), share(p));
+    }
+    Some(Arc::new(h))
 }
 
 /// One generated decision: key index, cost, shadow, lease ask (id, tokens).
@@ -45,6 +83,8 @@ enum Step {
     },
     /// Refund requests of an earlier recorded group (by its index among recorded groups).
     Refund { group: usize, requests: Vec<usize> },
+    /// A key's regional share changes (stamped half a second ago: in every bucket's look-back).
+    Share { key: usize, ppm: usize },
 }
 
 fn decision() -> impl Strategy<Value = Gen> {
@@ -71,10 +111,16 @@ fn step() -> impl Strategy<Value = Step> {
             .prop_map(|(groups, returns)| Step::Apply { groups, returns }),
         1 => (0..4usize, prop::collection::vec(0..4usize, 1..3))
             .prop_map(|(group, requests)| Step::Refund { group, requests }),
+        2 => (0..KEYS.len(), 0..PPM.len()).prop_map(|(key, ppm)| Step::Share { key, ppm }),
     ]
 }
 
-fn work_of(groups: &[GenGroup], returns: &[(usize, u64, u64)], case: u64) -> Work {
+fn work_of(
+    groups: &[GenGroup],
+    returns: &[(usize, u64, u64)],
+    case: u64,
+    shares: &[Option<Arc<ShareHistory>>],
+) -> Work {
     Work {
         groups: groups
             .iter()
@@ -88,7 +134,7 @@ fn work_of(groups: &[GenGroup], returns: &[(usize, u64, u64)], case: u64) -> Wor
                             r.iter()
                                 .map(|&(k, cost, shadow, lease)| Charge {
                                     key: Arc::from(KEYS[k]),
-                                    bucket: bucket_of(k),
+                                    bucket: bucket_of(k, shares),
                                     cost,
                                     shadow,
                                     lease: lease.map(|(id, tokens)| LeaseAsk {
@@ -107,7 +153,7 @@ fn work_of(groups: &[GenGroup], returns: &[(usize, u64, u64)], case: u64) -> Wor
             .iter()
             .map(|&(k, id, tokens)| Return {
                 key: Arc::from(KEYS[k]),
-                bucket: bucket_of(k),
+                bucket: bucket_of(k, shares),
                 lease_id: id,
                 tokens,
             })
@@ -189,59 +235,85 @@ fn the_lua_bucket_and_the_rust_model_answer_alike() {
         ..ProptestConfig::default()
     });
     runner
-        .run(&prop::collection::vec(step(), 1..12), |steps| {
-            let case = case.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
-            let _: () = redis::cmd("FLUSHALL")
-                .query(&mut redis.connection())
-                .unwrap();
-            let model = MemoryStore::new(now_us(), MAX_SHARE, 600_000);
-            let started = Instant::now();
-            let mut recorded: Vec<Group> = Vec::new();
-            for step in &steps {
-                model.set_now_us(now_us());
-                match step {
-                    Step::Apply { groups, returns } => {
-                        let work = work_of(groups, returns, case);
-                        let from_redis = rt
-                            .block_on(store.apply(NodeId::primary(), work.clone()))
-                            .map_err(|e| TestCaseError::fail(e.to_string()))?;
-                        let from_model = model.run(&work);
-                        let slack = started.elapsed().as_millis() as u64 + 1_000;
-                        same(&from_redis, &from_model, slack * 1000)
-                            .map_err(|e| TestCaseError::fail(format!("{e}\n{work:#?}")))?;
-                        recorded.extend(work.groups.into_iter().filter(|g| g.record.is_some()));
-                    }
-                    Step::Refund { group, requests } => {
-                        let Some(g) = recorded.get(*group % recorded.len().max(1)).cloned() else {
-                            continue;
-                        };
-                        let requests: Vec<usize> =
-                            requests.iter().map(|r| r % g.requests.len()).collect();
-                        let a = rt
-                            .block_on(store.refund(NodeId::primary(), g.clone(), requests.clone()))
-                            .map_err(|e| TestCaseError::fail(e.to_string()))?;
-                        let b = model.refund_now(&g, &requests);
-                        prop_assert_eq!(a, b, "refund of {:?} {:?}", g, requests);
-                    }
-                }
-            }
-            // The stored tokens agree too.
-            for key in KEYS {
-                let from_redis: Option<Vec<u8>> = redis::cmd("GET")
-                    .arg(key)
+        .run(
+            &(
+                prop::collection::vec(step(), 1..12),
+                prop::collection::vec(history(), KEYS.len()),
+            ),
+            |(steps, histories)| {
+                let case = case.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+                let _: () = redis::cmd("FLUSHALL")
                     .query(&mut redis.connection())
                     .unwrap();
-                let redis_tokens =
-                    from_redis.map(|v| f64::from_le_bytes(v[..8].try_into().unwrap()));
-                let model_tokens = model.stored_tokens(key);
-                match (redis_tokens, model_tokens) {
-                    (Some(a), Some(b)) => prop_assert!((a - b).abs() < 0.02, "{key}: {a} vs {b}"),
-                    (a, b) => {
-                        prop_assert_eq!(a.is_some(), b.is_some(), "{}: {:?} vs {:?}", key, a, b)
+                let model = MemoryStore::new(now_us(), MAX_SHARE, 600_000);
+                let started = Instant::now();
+                let start_ms = now_us() / 1000;
+                let mut shares: Vec<Option<Arc<ShareHistory>>> =
+                    histories.iter().map(|h| history_of(h, start_ms)).collect();
+                let mut recorded: Vec<Group> = Vec::new();
+                for step in &steps {
+                    model.set_now_us(now_us());
+                    match step {
+                        Step::Share { key, ppm } => {
+                            if let Some(h) = &shares[*key] {
+                                let mut h = (**h).clone();
+                                h.record(
+                                    now_us() / 1000 - 500,
+                                    Share::from_ppm(PPM[*ppm]).unwrap(),
+                                );
+                                shares[*key] = Some(Arc::new(h));
+                            }
+                        }
+                        Step::Apply { groups, returns } => {
+                            let work = work_of(groups, returns, case, &shares);
+                            let from_redis = rt
+                                .block_on(store.apply(NodeId::primary(), work.clone()))
+                                .map_err(|e| TestCaseError::fail(e.to_string()))?;
+                            let from_model = model.run(&work);
+                            let slack = started.elapsed().as_millis() as u64 + 1_000;
+                            same(&from_redis, &from_model, slack * 1000)
+                                .map_err(|e| TestCaseError::fail(format!("{e}\n{work:#?}")))?;
+                            recorded.extend(work.groups.into_iter().filter(|g| g.record.is_some()));
+                        }
+                        Step::Refund { group, requests } => {
+                            let Some(g) = recorded.get(*group % recorded.len().max(1)).cloned()
+                            else {
+                                continue;
+                            };
+                            let requests: Vec<usize> =
+                                requests.iter().map(|r| r % g.requests.len()).collect();
+                            let a = rt
+                                .block_on(store.refund(
+                                    NodeId::primary(),
+                                    g.clone(),
+                                    requests.clone(),
+                                ))
+                                .map_err(|e| TestCaseError::fail(e.to_string()))?;
+                            let b = model.refund_now(&g, &requests);
+                            prop_assert_eq!(a, b, "refund of {:?} {:?}", g, requests);
+                        }
                     }
                 }
-            }
-            Ok(())
-        })
+                // The stored tokens agree too.
+                for key in KEYS {
+                    let from_redis: Option<Vec<u8>> = redis::cmd("GET")
+                        .arg(key)
+                        .query(&mut redis.connection())
+                        .unwrap();
+                    let redis_tokens =
+                        from_redis.map(|v| f64::from_le_bytes(v[..8].try_into().unwrap()));
+                    let model_tokens = model.stored_tokens(key);
+                    match (redis_tokens, model_tokens) {
+                        (Some(a), Some(b)) => {
+                            prop_assert!((a - b).abs() < 0.02, "{key}: {a} vs {b}")
+                        }
+                        (a, b) => {
+                            prop_assert_eq!(a.is_some(), b.is_some(), "{}: {:?} vs {:?}", key, a, b)
+                        }
+                    }
+                }
+                Ok(())
+            },
+        )
         .unwrap();
 }

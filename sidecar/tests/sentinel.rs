@@ -183,10 +183,7 @@ fn call(key: &str) -> ratelimit_sidecar::store::Work {
             record: None,
             requests: vec![vec![Charge {
                 key: std::sync::Arc::from(bucket("b10", key)),
-                bucket: Bucket {
-                    capacity: 10,
-                    refill_per_sec: 1.0,
-                },
+                bucket: Bucket::new(10, 1.0),
                 cost: 1,
                 shadow: false,
                 lease: None,

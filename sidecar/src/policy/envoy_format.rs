@@ -287,6 +287,7 @@ fn build(
                     kind,
                     shadow: spec.shadow_mode,
                     replaces,
+                    regional: None,
                 });
             }
         }

@@ -21,6 +21,9 @@ pub mod reload;
 use std::collections::BTreeMap;
 use std::fmt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use ratelimit_regions::RegionalQuota;
 
 /// The largest capacity: `q` of `RateLimit-Policy` is an RFC 8941 integer (15 digits).
 pub const MAX_CAPACITY: u64 = 999_999_999_999_999;
@@ -44,6 +47,37 @@ pub struct Limit {
     /// Names of limits this one replaces when both apply to one request (envoyproxy/ratelimit's
     /// `replaces`).
     pub replaces: Vec<String>,
+    /// The rule's budget is partitioned across regions: this region applies its share of the
+    /// bucket's numbers (the rule's and its overrides' alike). `None`: the whole limit.
+    pub regional: Option<Arc<Regional>>,
+}
+
+/// A rule whose `capacity` and `refill_per_sec` are a global budget partitioned across regions
+/// (this sidecar's format, `regions:`). Each region applies its share of the budget, read from
+/// its Redis under a lease (`crate::regional`); `quota` holds the initial shares.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Regional {
+    pub domain: String,
+    pub rule: String,
+    /// The initial shares (in force until a share record exists) and the floor, validated.
+    pub quota: RegionalQuota,
+    /// The rule's global budget, as written (`quota` holds it rounded for the rebalancer's
+    /// planning).
+    pub capacity: u64,
+    pub refill_per_sec: f64,
+    /// The longest fill time (`capacity / refill_per_sec`) of the rule and its overrides, in
+    /// milliseconds: how far back a bucket looks at the share history, so how much of it the
+    /// share record keeps.
+    pub fill_time_ms: u64,
+}
+
+/// Which region's view a policy is loaded with.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RegionScope {
+    /// A sidecar's (`--region`): every regional rule must list it; `None` refuses regional rules.
+    Sidecar(Option<String>),
+    /// Every region's (the rebalancer): no region is checked.
+    Every,
 }
 
 /// What a limit does.
@@ -68,16 +102,19 @@ pub enum Resolution<'a> {
 }
 
 /// Bounds every policy must respect.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Bounds {
     /// The longest full refill accepted, in seconds (`--max-refill-seconds`).
     pub max_refill_s: f64,
+    /// The region the policy is loaded for (`--region`): a regional rule must list it.
+    pub region: RegionScope,
 }
 
 impl Default for Bounds {
     fn default() -> Self {
         Bounds {
             max_refill_s: DEFAULT_MAX_REFILL_S,
+            region: RegionScope::Sidecar(None),
         }
     }
 }
@@ -195,6 +232,18 @@ impl Policy {
     /// The domains defined, in order.
     pub fn domains(&self) -> impl Iterator<Item = &str> {
         self.domains.keys().map(String::as_str)
+    }
+
+    /// The rules whose budget is partitioned across regions, by domain and rule name.
+    pub fn regional_rules(&self) -> Vec<Arc<Regional>> {
+        self.domains
+            .values()
+            .filter_map(|d| match d {
+                Domain::Own(d) => Some(d.regional_rules()),
+                Domain::Envoy(_) => None,
+            })
+            .flatten()
+            .collect()
     }
 
     /// How many limits the policy defines (defaults and overrides).

@@ -18,6 +18,11 @@
 //!       - when: {app: null}    # every client the gateway could not name, together
 //!         capacity: 50
 //!         refill_per_sec: 5
+//!   global-app:
+//!     capacity: 1000           # with `regions`: the GLOBAL budget, all regions together
+//!     refill_per_sec: 100
+//!     regions: {eu: 0.6, us: 0.4}   # optional: initial shares per region (sum <= 1)
+//!     region_floor: 0.05       # optional: the smallest share a region keeps (default 0.05)
 //! ```
 //!
 //! A decision for rule `R` resolves to `R`'s first override whose `when` entries all appear in
@@ -25,12 +30,24 @@
 //! are exactly one of: `capacity` with `refill_per_sec`, `unlimited: true`, `blocked: true`.
 //! Envoy's native rate limit filter reaches these rules with descriptors whose first entry is
 //! `rule` (e.g. a `generic_key` action with `descriptor_key: rule`).
+//!
+//! A rule with `regions` has a global budget partitioned across regions (`docs/regions.md`):
+//! each region's sidecars apply their region's share of the rule's numbers, and of its overrides'
+//! numbers alike (`unlimited` and `blocked` overrides are not scaled). The shares are the initial
+//! ones: once the rebalancer has written a region's share record, the record is in force.
+//! Each share is in [`region_floor`, 1], they sum to at most 1, and a sidecar refuses a regional
+//! rule that does not list its `--region`.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
+use ratelimit_regions::{Budget, RegionalQuota, Share};
 use serde::Deserialize;
 
-use super::{check_bucket, deserialize, is_name, Bounds, Limit, LimitKind, Problems, Resolution};
+use super::{
+    check_bucket, deserialize, is_name, Bounds, Limit, LimitKind, Problems, RegionScope, Regional,
+    Resolution,
+};
 
 /// The entry key that names the rule in a decision.
 pub const RULE_KEY: &str = "rule";
@@ -62,6 +79,13 @@ struct RuleSpec {
     shadow_mode: bool,
     #[serde(default)]
     overrides: Vec<OverrideSpec>,
+    /// Initial shares of the global budget per region. Default: none (not regional).
+    #[serde(default)]
+    regions: Option<BTreeMap<String, f64>>,
+    /// The smallest share of a regional rule's region. Default 0.05
+    /// ([`RegionalQuota::DEFAULT_FLOOR`]).
+    #[serde(default)]
+    region_floor: Option<f64>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -134,6 +158,14 @@ impl OwnDomain {
     pub fn limit_count(&self) -> usize {
         self.rules.values().map(|r| 1 + r.overrides.len()).sum()
     }
+
+    /// The rules with regional shares.
+    pub fn regional_rules(&self) -> Vec<Arc<Regional>> {
+        self.rules
+            .values()
+            .filter_map(|r| r.limit.regional.clone())
+            .collect()
+    }
 }
 
 /// Parses a document of this format: (domain, rules), or records its problems.
@@ -172,11 +204,34 @@ pub(crate) fn parse(
         let Some(kind) = limit_kind(&path, &own, bounds, problems) else {
             continue;
         };
+        let regional = match &spec.regions {
+            None => {
+                if spec.region_floor.is_some() {
+                    problems.add(
+                        format!("{path}.region_floor"),
+                        "only a rule with `regions` has a floor",
+                    );
+                }
+                None
+            }
+            Some(regions) => regional(
+                source,
+                &file.domain,
+                &name,
+                kind,
+                &spec.overrides,
+                regions,
+                spec.region_floor,
+                bounds,
+                problems,
+            ),
+        };
         let limit = Limit {
             name: name.clone(),
             kind,
             shadow: spec.shadow_mode,
             replaces: Vec::new(),
+            regional: regional.clone(),
         };
         let mut overrides = Vec::new();
         for (i, o) in spec.overrides.into_iter().enumerate() {
@@ -213,6 +268,9 @@ pub(crate) fn parse(
                         kind,
                         shadow: spec.shadow_mode,
                         replaces: Vec::new(),
+                        regional: regional
+                            .clone()
+                            .filter(|_| matches!(kind, LimitKind::Bucket { .. })),
                     },
                 ));
             }
@@ -220,6 +278,107 @@ pub(crate) fn parse(
         rules.insert(name, Rule { limit, overrides });
     }
     (problems.list.len() == before).then_some((file.domain, OwnDomain { rules }))
+}
+
+/// Validates a rule's `regions` (and `region_floor`) against its numbers and this sidecar's
+/// region; records every problem.
+#[allow(clippy::too_many_arguments)]
+fn regional(
+    source: &str,
+    domain: &str,
+    rule: &str,
+    kind: LimitKind,
+    overrides: &[OverrideSpec],
+    regions: &BTreeMap<String, f64>,
+    floor: Option<f64>,
+    bounds: &Bounds,
+    problems: &mut Problems,
+) -> Option<Arc<Regional>> {
+    let path = format!("{source}: rules.{rule}");
+    let before = problems.list.len();
+    let LimitKind::Bucket {
+        capacity,
+        refill_per_sec,
+    } = kind
+    else {
+        problems.add(
+            format!("{path}.regions"),
+            "a regional rule needs capacity and refill_per_sec (its global budget)",
+        );
+        return None;
+    };
+    let floor = match floor {
+        None => RegionalQuota::DEFAULT_FLOOR,
+        Some(f) => Share::from_fraction(f).unwrap_or_else(|| {
+            problems.add(
+                format!("{path}.region_floor"),
+                format!("must be a number in [0, 1], got {f}"),
+            );
+            RegionalQuota::DEFAULT_FLOOR
+        }),
+    };
+    let mut shares = Vec::with_capacity(regions.len());
+    for (region, &fraction) in regions {
+        match Share::from_fraction(fraction) {
+            Some(share) => shares.push((region.clone(), share)),
+            None => problems.add(
+                format!("{path}.regions.{region}"),
+                format!("a share is a number in [0, 1], got {fraction}"),
+            ),
+        }
+    }
+    // The planner's view of the budget: refill rounded to whole tokens per second (it only weighs
+    // demand with it); the buckets use the numbers as written.
+    let budget = Budget {
+        capacity,
+        refill_per_sec: (refill_per_sec.round() as u64).max(1),
+    };
+    let quota = match RegionalQuota::new(rule, budget, floor, shares) {
+        Ok(q) => Some(q),
+        Err(e) => {
+            for problem in e.0 {
+                problems.add(source, problem.to_string());
+            }
+            None
+        }
+    };
+    if let Some(q) = &quota {
+        let listed = || q.regions().collect::<Vec<_>>().join(", ");
+        match &bounds.region {
+            RegionScope::Every => {}
+            RegionScope::Sidecar(None) => problems.add(
+                format!("{path}.regions"),
+                format!(
+                    "this sidecar has no region: start it with --region NAME (RATELIMIT_REGION), one of {}",
+                    listed()
+                ),
+            ),
+            RegionScope::Sidecar(Some(region)) if q.share(region).is_none() => problems.add(
+                format!("{path}.regions"),
+                format!(
+                    "this sidecar's region {region:?} (--region) is not listed; add it, or start the sidecar with one of {}",
+                    listed()
+                ),
+            ),
+            RegionScope::Sidecar(Some(_)) => {}
+        }
+    }
+    let fill_time = |capacity: u64, refill: f64| (capacity as f64 / refill * 1000.0).ceil();
+    let fill_time_ms = overrides
+        .iter()
+        .filter_map(|o| Some(fill_time(o.capacity?, o.refill_per_sec?)))
+        .fold(fill_time(capacity, refill_per_sec), f64::max) as u64;
+    let quota = quota?;
+    (problems.list.len() == before).then(|| {
+        Arc::new(Regional {
+            domain: domain.to_string(),
+            rule: rule.to_string(),
+            quota,
+            capacity,
+            refill_per_sec,
+            fill_time_ms,
+        })
+    })
 }
 
 fn limit_kind(
@@ -264,7 +423,7 @@ fn limit_kind(
 
 #[cfg(test)]
 mod tests {
-    use super::super::{Policy, PolicyError, Resolution};
+    use super::super::{Policy, PolicyError, RegionScope, Resolution};
     use super::*;
 
     const EXAMPLE: &str = r#"
@@ -357,6 +516,122 @@ rules:
             Resolution::NoLimit
         );
         assert_eq!(p.resolve("ratelimit", &[]), Resolution::NoLimit);
+    }
+
+    fn in_region(text: &str, region: RegionScope) -> Result<Policy, PolicyError> {
+        Policy::from_sources(
+            &[("limits.yaml".into(), text.into())],
+            &Bounds {
+                region,
+                ..Bounds::default()
+            },
+        )
+    }
+
+    const REGIONAL: &str = r#"
+rules:
+  global:
+    capacity: 1000
+    refill_per_sec: 100
+    regions: {eu: 0.6, us: 0.4}
+    overrides:
+      - when: {app: alpha}
+        capacity: 5000
+        refill_per_sec: 50
+      - when: {app: root}
+        unlimited: true
+  local: {capacity: 10, refill_per_sec: 1}
+"#;
+
+    #[test]
+    fn a_regional_rule_and_its_bucket_overrides_carry_the_shares() {
+        let p = in_region(REGIONAL, RegionScope::Sidecar(Some("eu".into()))).unwrap();
+        let rules = p.regional_rules();
+        assert_eq!(rules.len(), 1);
+        let g = &rules[0];
+        assert_eq!(
+            (g.domain.as_str(), g.rule.as_str()),
+            ("ratelimit", "global")
+        );
+        assert_eq!(g.quota.share("eu").map(|s| s.ppm()), Some(600_000));
+        assert_eq!(g.quota.floor().ppm(), 50_000, "the default floor");
+        assert_eq!(
+            g.fill_time_ms, 100_000,
+            "the override's 5000 / 50 is the longest"
+        );
+        let of = |app: &str| {
+            limit(&p, &[("rule", Some("global")), ("app", Some(app))])
+                .regional
+                .clone()
+        };
+        assert_eq!(of("beta").as_deref(), Some(&**g));
+        assert_eq!(
+            of("alpha").as_deref(),
+            Some(&**g),
+            "overrides are scaled alike"
+        );
+        assert_eq!(of("root"), None, "unlimited is not scaled");
+        assert_eq!(limit(&p, &[("rule", Some("local"))]).regional, None);
+        // The rebalancer sees every region.
+        assert!(in_region(REGIONAL, RegionScope::Every).is_ok());
+    }
+
+    #[test]
+    fn a_regional_rule_needs_this_sidecars_region() {
+        let e = in_region(REGIONAL, RegionScope::Sidecar(None))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("limits.yaml: rules.global.regions: this sidecar has no region: start it with --region NAME (RATELIMIT_REGION), one of eu, us"),
+            "{e}"
+        );
+        let e = in_region(REGIONAL, RegionScope::Sidecar(Some("ap".into())))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains(
+                "rules.global.regions: this sidecar's region \"ap\" (--region) is not listed"
+            ),
+            "{e}"
+        );
+        // A policy without regional rules needs no region.
+        assert!(in_region(
+            "rules:\n  a: {capacity: 1, refill_per_sec: 1}\n",
+            RegionScope::Sidecar(None)
+        )
+        .is_ok());
+    }
+
+    #[test]
+    fn regional_shares_are_validated_with_every_problem_named() {
+        let every = RegionScope::Every;
+        let e = in_region(
+            r#"
+rules:
+  a: {capacity: 10, refill_per_sec: 1, regions: {eu: 0.7, us: 0.5}}
+  b: {capacity: 10, refill_per_sec: 1, regions: {eu: 1.5, "bad name": 0.1}}
+  c: {capacity: 10, refill_per_sec: 1, regions: {eu: 0.5, us: 0.02}}
+  d: {unlimited: true, regions: {eu: 1}}
+  e: {capacity: 10, refill_per_sec: 1, region_floor: 0.1}
+  f: {capacity: 10, refill_per_sec: 1, regions: {eu: 0.5, us: 0.5}, region_floor: 0.6}
+  g: {capacity: 10, refill_per_sec: 1, regions: {}}
+"#,
+            every,
+        )
+        .unwrap_err()
+        .to_string();
+        for needle in [
+            "rules.a.regions: the shares sum to 1200000 ppm (1.2)",
+            "rules.b.regions.eu: a share is a number in [0, 1], got 1.5",
+            "rules.b.regions: \"bad name\" is not a region name",
+            "rules.c.regions.us: share 0.0200 is below the floor 0.0500",
+            "rules.d.regions: a regional rule needs capacity and refill_per_sec",
+            "rules.e.region_floor: only a rule with `regions` has a floor",
+            "rules.f.region_floor: 0.6000 for 2 regions",
+            "rules.g.regions: at least one region is required",
+        ] {
+            assert!(e.contains(needle), "{needle} missing in {e}");
+        }
     }
 
     #[test]

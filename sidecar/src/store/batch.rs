@@ -168,10 +168,7 @@ mod tests {
                 record: None,
                 requests: vec![vec![Charge {
                     key: Arc::from(key),
-                    bucket: Bucket {
-                        capacity: 1,
-                        refill_per_sec: 1.0,
-                    },
+                    bucket: Bucket::new(1, 1.0),
                     cost: 1,
                     shadow: false,
                     lease: None,

@@ -9,10 +9,12 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
+use ratelimit_regions::ShareHistory;
 use ratelimit_wire::Reason;
 
 use super::{
-    BucketStore, Charge, Group, NodeId, Outcome, RequestOutcome, Return, Status, StoreError, Work,
+    Bucket, BucketStore, Charge, Group, NodeId, Outcome, RequestOutcome, Return, Status,
+    StoreError, Work, SHARE_MARGIN_MS,
 };
 
 /// Lease entries one bucket holds (as the script).
@@ -31,6 +33,9 @@ struct State {
     tokens: f64,
     ts_us: f64,
     leases: Vec<Lease>,
+    /// The stored ts when the call began (`None`: the bucket was missing): where the look-back
+    /// of a regional share starts.
+    since_us: Option<f64>,
 }
 
 /// One request as a record keeps it: status (0 rejected, 1 charged, 2 refunded) and per decision
@@ -45,6 +50,8 @@ struct Recorded {
 struct Inner {
     buckets: HashMap<Arc<str>, State>,
     records: HashMap<String, (Vec<Recorded>, u64)>,
+    /// Hashes (regional share records, demand counters): key -> fields.
+    hashes: HashMap<String, Vec<(String, String)>>,
 }
 
 /// The in-memory store. The clock is Unix microseconds, settable by tests.
@@ -84,6 +91,28 @@ impl MemoryStore {
             .buckets
             .get(key)
             .map(|s| s.tokens)
+    }
+
+    /// Replaces a hash (a regional share record).
+    pub fn set_hash(&self, key: &str, fields: &[(&str, &str)]) {
+        self.inner.lock().expect("not poisoned").hashes.insert(
+            key.to_string(),
+            fields
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        );
+    }
+
+    /// The fields of a hash (empty when missing).
+    pub fn hash(&self, key: &str) -> Vec<(String, String)> {
+        self.inner
+            .lock()
+            .expect("not poisoned")
+            .hashes
+            .get(key)
+            .cloned()
+            .unwrap_or_default()
     }
 
     /// Decides `work` at the store's clock.
@@ -154,11 +183,12 @@ impl MemoryStore {
                 .unwrap_or_else(|| tokens_now(s, c, now));
             let mut x = [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0];
             let cost = c.cost as f64;
-            if cost > c.bucket.capacity as f64 {
+            if cost > capacity_now(&c.bucket) {
                 x[4] = 2.0;
             } else if tokens < cost {
                 x[4] = 1.0;
-                x[2] = ms_ceil((cost - tokens) / c.bucket.refill_per_sec * 1000.0);
+                let (_, refill) = effective(s, &c.bucket, now);
+                x[2] = ms_ceil((cost - tokens) / refill * 1000.0);
             } else {
                 x[0] = 1.0;
                 tokens -= cost;
@@ -177,7 +207,8 @@ impl MemoryStore {
                 let mut grant = 0.0;
                 if let Some(ask) = c.lease.filter(|a| a.tokens > 0) {
                     if s.leases.len() < MAX_LEASES {
-                        let cap = (self.max_share * c.bucket.capacity as f64).floor();
+                        let (capacity, _) = effective(s, &c.bucket, now);
+                        let cap = (self.max_share * capacity).floor();
                         grant = (ask.tokens as f64).min(cap).min(tokens.floor()).max(0.0);
                         if grant > 0.0 {
                             s.leases.retain(|l| l.id != ask.id as f64);
@@ -202,7 +233,7 @@ impl MemoryStore {
                 mark(dirty, &c.key);
             }
             x[1] = int(tokens);
-            x[3] = ms_ceil((c.bucket.capacity as f64 - tokens) / c.bucket.refill_per_sec * 1000.0);
+            x[3] = reset_ms(s, &c.bucket, tokens, now);
         }
         let status = if admit {
             Status::Charged
@@ -258,15 +289,14 @@ impl MemoryStore {
                             charged -= x[5];
                         }
                     }
-                    let tokens = (tokens + charged).min(c.bucket.capacity as f64 - leased(s));
+                    let (capacity, _) = effective(s, &c.bucket, now);
+                    let tokens = (tokens + charged).min(capacity - leased(s));
                     s.tokens = tokens;
                     s.ts_us = now;
                     mark(&mut dirty, &c.key);
                     x[0] = 0.0;
                     x[1] = int(tokens);
-                    x[3] = ms_ceil(
-                        (c.bucket.capacity as f64 - tokens) / c.bucket.refill_per_sec * 1000.0,
-                    );
+                    x[3] = reset_ms(s, &c.bucket, tokens, now);
                     x[5] = 0.0;
                 }
             }
@@ -316,11 +346,13 @@ fn state<'a>(
                     .filter(|l| l.expiry_us > now)
                     .cloned()
                     .collect(),
+                since_us: Some(s.ts_us),
             },
             None => State {
                 tokens: capacity,
                 ts_us: now,
                 leases: Vec::new(),
+                since_us: None,
             },
         })
 }
@@ -329,11 +361,66 @@ fn leased(s: &State) -> f64 {
     s.leases.iter().map(|l| l.amount).sum()
 }
 
-fn tokens_now(s: &State, c: &Charge, now: f64) -> f64 {
-    tokens_at(s, c.bucket.capacity as f64, c.bucket.refill_per_sec, now)
+/// `x` scaled by `ppm` parts per million, rounded down to a millionth.
+fn scaled(x: f64, ppm: f64) -> f64 {
+    (x * ppm).floor() / 1_000_000.0
 }
 
-fn tokens_at(s: &State, capacity: f64, refill: f64, now: f64) -> f64 {
+/// The fill time of a limit, in microseconds: how far a regional share looks back.
+fn horizon_us(b: &Bucket) -> f64 {
+    b.capacity as f64 / b.refill_per_sec * 1_000_000.0
+}
+
+/// The smallest share (ppm) of `history` in force at any instant since `since_us`, looking back
+/// at most the fill time, widened by [`SHARE_MARGIN_MS`].
+fn smallest_share(history: &ShareHistory, b: &Bucket, since_us: f64, now: f64) -> f64 {
+    let changes: Vec<(f64, f64)> = history
+        .changes()
+        .map(|(t, s)| (t as f64, f64::from(s.ppm())))
+        .collect();
+    let from_ms = since_us.max(now - horizon_us(b)) / 1000.0 - SHARE_MARGIN_MS as f64;
+    let mut m = changes.last().map_or(0.0, |c| c.1);
+    for pair in changes.windows(2) {
+        if pair[1].0 > from_ms && pair[0].1 < m {
+            m = pair[0].1;
+        }
+    }
+    m
+}
+
+/// The capacity and refill a bucket is taken under in this call (the script's `effective`).
+fn effective(s: &State, b: &Bucket, now: f64) -> (f64, f64) {
+    let capacity = b.capacity as f64;
+    match &b.share {
+        None => (capacity, b.refill_per_sec),
+        Some(history) => {
+            let since = s.since_us.unwrap_or(now - horizon_us(b));
+            let m = smallest_share(history, b, since, now);
+            (scaled(capacity, m), scaled(b.refill_per_sec, m))
+        }
+    }
+}
+
+/// The capacity under the share in force now.
+fn capacity_now(b: &Bucket) -> f64 {
+    let capacity = b.capacity as f64;
+    match b.share.as_ref().and_then(|h| h.changes().last()) {
+        None => capacity,
+        Some((_, share)) => scaled(capacity, f64::from(share.ppm())),
+    }
+}
+
+fn reset_ms(s: &State, b: &Bucket, tokens: f64, now: f64) -> f64 {
+    let (capacity, refill) = effective(s, b, now);
+    ms_ceil((capacity - tokens) / refill * 1000.0)
+}
+
+fn tokens_now(s: &State, c: &Charge, now: f64) -> f64 {
+    tokens_at(s, &c.bucket, now)
+}
+
+fn tokens_at(s: &State, b: &Bucket, now: f64) -> f64 {
+    let (capacity, refill) = effective(s, b, now);
     let elapsed = (now - s.ts_us).max(0.0);
     let mut tokens = s.tokens + refill * elapsed / 1_000_000.0;
     let ceiling = capacity - leased(s);
@@ -353,12 +440,12 @@ fn return_lease(
     now: f64,
     r: &Return,
 ) {
-    let capacity = r.bucket.capacity as f64;
-    let s = state(inner, states, &r.key, capacity, now);
-    let tokens = tokens_at(s, capacity, r.bucket.refill_per_sec, now);
+    let s = state(inner, states, &r.key, r.bucket.capacity as f64, now);
+    let tokens = tokens_at(s, &r.bucket, now);
     if let Some(i) = s.leases.iter().position(|l| l.id == r.lease_id as f64) {
         let lease = s.leases.remove(i);
         let back = (r.tokens as f64).min(lease.amount);
+        let (capacity, _) = effective(s, &r.bucket, now);
         s.tokens = (tokens + back).min(capacity - leased(s));
         s.ts_us = now;
         mark(dirty, &r.key);
@@ -441,6 +528,32 @@ impl BucketStore for MemoryStore {
         }
         Ok(self.refund_now(&group, &requests))
     }
+
+    async fn read_hash(&self, key: String) -> Result<Vec<(String, String)>, StoreError> {
+        if let Some(e) = self.fail.lock().expect("not poisoned").clone() {
+            return Err(e);
+        }
+        Ok(self.hash(&key))
+    }
+
+    async fn add_to_hash(
+        &self,
+        key: String,
+        counters: Vec<(&'static str, u64)>,
+    ) -> Result<(), StoreError> {
+        if let Some(e) = self.fail.lock().expect("not poisoned").clone() {
+            return Err(e);
+        }
+        let mut inner = self.inner.lock().expect("not poisoned");
+        let fields = inner.hashes.entry(key).or_default();
+        for (name, n) in counters {
+            match fields.iter_mut().find(|(k, _)| k == name) {
+                Some((_, v)) => *v = (v.parse::<u64>().unwrap_or(0) + n).to_string(),
+                None => fields.push((name.to_string(), n.to_string())),
+            }
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]
@@ -453,10 +566,7 @@ mod tests {
     fn charge(key: &str, capacity: u64, refill: f64, cost: u64) -> Charge {
         Charge {
             key: Arc::from(key),
-            bucket: Bucket {
-                capacity,
-                refill_per_sec: refill,
-            },
+            bucket: Bucket::new(capacity, refill),
             cost,
             shadow: false,
             lease: None,
@@ -531,10 +641,7 @@ mod tests {
             groups: vec![],
             returns: vec![Return {
                 key: Arc::from("h"),
-                bucket: Bucket {
-                    capacity: 100,
-                    refill_per_sec: 10.0,
-                },
+                bucket: Bucket::new(100, 10.0),
                 lease_id: 7,
                 tokens: 20,
             }],

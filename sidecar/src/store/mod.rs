@@ -18,6 +18,7 @@ pub mod sentinel;
 use std::future::Future;
 use std::sync::Arc;
 
+use ratelimit_regions::ShareHistory;
 use ratelimit_wire::Reason;
 use redis::{ErrorKind, RedisError, ServerErrorKind};
 
@@ -42,11 +43,32 @@ impl NodeId {
     }
 }
 
+/// How far the script widens the look-back of a regional share, in milliseconds: the share history
+/// is stamped by the clock of the node that holds the share record, a bucket's time by the clock
+/// of its own node (another node of a Cluster, a new primary after a failover). Offsets below this
+/// cannot make a bucket miss a smaller share (`lua/token_bucket.lua`, regional shares).
+pub const SHARE_MARGIN_MS: u64 = 1_000;
+
 /// A bucket's numbers, as the script takes them.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Bucket {
     pub capacity: u64,
     pub refill_per_sec: f64,
+    /// A regional limit: this region's share history (stamped by its Redis's clock); the bucket
+    /// is taken under the smallest share in force since its last decision (`docs/regions.md`).
+    /// `None`: the whole limit.
+    pub share: Option<Arc<ShareHistory>>,
+}
+
+impl Bucket {
+    /// A bucket of the whole limit (no regional share).
+    pub fn new(capacity: u64, refill_per_sec: f64) -> Bucket {
+        Bucket {
+            capacity,
+            refill_per_sec,
+            share: None,
+        }
+    }
 }
 
 /// One decision as the script takes it: its bucket key built, its limit resolved.
@@ -201,6 +223,26 @@ pub trait BucketStore: Send + Sync + 'static {
         async {}
     }
 
+    /// The fields of a hash (a regional rule's share record, `crate::regional`), empty when
+    /// the key is missing; bounded like every call.
+    fn read_hash(
+        &self,
+        key: String,
+    ) -> impl Future<Output = Result<Vec<(String, String)>, StoreError>> + Send {
+        let _ = key;
+        async { Ok(Vec::new()) }
+    }
+
+    /// Adds to counters of a hash (a regional rule's demand counters).
+    fn add_to_hash(
+        &self,
+        key: String,
+        counters: Vec<(&'static str, u64)>,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        let _ = (key, counters);
+        async { Ok(()) }
+    }
+
     /// Whether the store can decide (for `/readyz`).
     fn readiness(&self) -> impl Future<Output = Readiness> + Send {
         async {
@@ -218,6 +260,9 @@ pub trait BucketStore: Send + Sync + 'static {
 pub struct Readiness {
     pub redis_ok: bool,
     pub script_loaded: bool,
+    /// The regional shares this sidecar applies (with `--region`), per regional rule.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub regional_shares: Option<Vec<crate::regional::ShareStatus>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
     /// One entry per node that answered `CONFIG GET maxmemory-policy`.

@@ -22,8 +22,8 @@ use redis::{Cmd, ErrorKind, RedisError, ServerErrorKind, Value};
 use super::batch::Batcher;
 use super::connection::Connection;
 use super::{
-    eviction_warning, is_script_failure, script_sha1, BucketStore, Group, NodeId, Outcome,
-    Readiness, RequestOutcome, Status, StoreError, Work, SCRIPT,
+    eviction_warning, is_script_failure, script_sha1, Bucket, BucketStore, Group, NodeId, Outcome,
+    Readiness, RequestOutcome, Status, StoreError, Work, SCRIPT, SHARE_MARGIN_MS,
 };
 use crate::keys::cluster_slot;
 use crate::metrics::Metrics;
@@ -405,6 +405,28 @@ impl BucketStore for RedisStore {
         }
     }
 
+    async fn read_hash(&self, key: String) -> Result<Vec<(String, String)>, StoreError> {
+        let mut cmd = redis::cmd("HGETALL");
+        cmd.arg(&key);
+        let v = self.bounded(self.query(cmd)).await?;
+        redis::from_redis_value::<std::collections::BTreeMap<String, String>>(v)
+            .map(|m| m.into_iter().collect())
+            .map_err(|e| StoreError::Reply(format!("HGETALL {key}: {e}")))
+    }
+
+    async fn add_to_hash(
+        &self,
+        key: String,
+        counters: Vec<(&'static str, u64)>,
+    ) -> Result<(), StoreError> {
+        for (field, n) in counters.into_iter().filter(|(_, n)| *n > 0) {
+            let mut cmd = redis::cmd("HINCRBY");
+            cmd.arg(&key).arg(field).arg(n);
+            self.bounded(self.query(cmd)).await?;
+        }
+        Ok(())
+    }
+
     async fn refund(
         &self,
         _node: NodeId,
@@ -455,28 +477,31 @@ enum ArgValue {
 }
 
 impl ScriptArgs {
-    fn build(
+    fn build<'a>(
         mode: &'static str,
         options: &StoreOptions,
         cluster: bool,
-        work: &Work,
+        work: &'a Work,
         refunds: Option<&[Vec<usize>]>,
     ) -> ScriptArgs {
         let mut keys: Vec<Arc<str>> = Vec::new();
         let mut key_index: HashMap<Arc<str>, usize> = HashMap::new();
-        let mut limits: Vec<(u64, f64)> = Vec::new();
-        let mut limit_index: HashMap<(u64, u64), usize> = HashMap::new();
+        let mut limits: Vec<&Bucket> = Vec::new();
+        // A limit is the same when its numbers and its share history (one leased copy per rule,
+        // shared by pointer) are.
+        let mut limit_index: HashMap<(u64, u64, usize), usize> = HashMap::new();
         let mut key_of = |k: &Arc<str>| -> usize {
             *key_index.entry(k.clone()).or_insert_with(|| {
                 keys.push(k.clone());
                 keys.len()
             })
         };
-        let mut limit_of = |capacity: u64, refill: f64| -> usize {
+        let mut limit_of = |bucket: &'a Bucket| -> usize {
+            let share = bucket.share.as_ref().map_or(0, |h| Arc::as_ptr(h) as usize);
             *limit_index
-                .entry((capacity, refill.to_bits()))
+                .entry((bucket.capacity, bucket.refill_per_sec.to_bits(), share))
                 .or_insert_with(|| {
-                    limits.push((capacity, refill));
+                    limits.push(bucket);
                     limits.len()
                 })
         };
@@ -489,9 +514,7 @@ impl ScriptArgs {
                 body.push(ArgValue::Int(request.len() as u64));
                 for c in request {
                     body.push(ArgValue::Int(key_of(&c.key) as u64));
-                    body.push(ArgValue::Int(
-                        limit_of(c.bucket.capacity, c.bucket.refill_per_sec) as u64,
-                    ));
+                    body.push(ArgValue::Int(limit_of(&c.bucket) as u64));
                     body.push(ArgValue::Int(c.cost));
                     body.push(ArgValue::Int(u64::from(c.shadow)));
                     let (id, want, ttl) = c.lease.map_or((0, 0, 0), |l| (l.id, l.tokens, l.ttl_ms));
@@ -504,9 +527,7 @@ impl ScriptArgs {
         body.push(ArgValue::Int(work.returns.len() as u64));
         for r in &work.returns {
             body.push(ArgValue::Int(key_of(&r.key) as u64));
-            body.push(ArgValue::Int(
-                limit_of(r.bucket.capacity, r.bucket.refill_per_sec) as u64,
-            ));
+            body.push(ArgValue::Int(limit_of(&r.bucket) as u64));
             body.push(ArgValue::Int(r.lease_id));
             body.push(ArgValue::Int(r.tokens));
         }
@@ -523,13 +544,24 @@ impl ScriptArgs {
         argv.push(ArgValue::Int(options.record_ttl_ms));
         argv.push(ArgValue::Float(options.lease_max_share));
         argv.push(ArgValue::Int(u64::from(cluster)));
+        argv.push(ArgValue::Int(SHARE_MARGIN_MS));
         argv.push(ArgValue::Int(keys.len() as u64));
         let routing_key = keys.first().cloned().unwrap_or_else(|| Arc::from(""));
         argv.extend(keys.into_iter().map(ArgValue::Text));
         argv.push(ArgValue::Int(limits.len() as u64));
-        for (capacity, refill) in limits {
-            argv.push(ArgValue::Int(capacity));
-            argv.push(ArgValue::Float(refill));
+        for bucket in limits {
+            argv.push(ArgValue::Int(bucket.capacity));
+            argv.push(ArgValue::Float(bucket.refill_per_sec));
+            match &bucket.share {
+                None => argv.push(ArgValue::Int(0)),
+                Some(history) => {
+                    argv.push(ArgValue::Int(history.changes().count() as u64));
+                    for (from_ms, share) in history.changes() {
+                        argv.push(ArgValue::Int(from_ms));
+                        argv.push(ArgValue::Int(u64::from(share.ppm())));
+                    }
+                }
+            }
         }
         argv.extend(body);
         ScriptArgs { routing_key, argv }
@@ -673,10 +705,7 @@ mod tests {
         use super::super::{Bucket, Charge};
         let charge = |k: &str| Charge {
             key: Arc::from(k),
-            bucket: Bucket {
-                capacity: 10,
-                refill_per_sec: 1.0,
-            },
+            bucket: Bucket::new(10, 1.0),
             cost: 1,
             shadow: false,
             lease: None,
@@ -712,10 +741,7 @@ mod tests {
         use super::super::{Bucket, Charge};
         let charge = |k: &str, capacity: u64| Charge {
             key: Arc::from(k),
-            bucket: Bucket {
-                capacity,
-                refill_per_sec: 0.5,
-            },
+            bucket: Bucket::new(capacity, 0.5),
             cost: 2,
             shadow: true,
             lease: None,
@@ -743,7 +769,7 @@ mod tests {
             .collect();
         assert_eq!(
             text.join(" "),
-            "apply 10000 0.1 0 2 a b 2 10 0.5 20 0.5 1 rec 2 2 1 1 2 1 0 0 0 2 1 2 1 0 0 0 1 1 2 2 1 0 0 0 0"
+            "apply 10000 0.1 0 1000 2 a b 2 10 0.5 0 20 0.5 0 1 rec 2 2 1 1 2 1 0 0 0 2 1 2 1 0 0 0 1 1 2 2 1 0 0 0 0"
         );
         assert_eq!(&*args.routing_key, "a");
     }

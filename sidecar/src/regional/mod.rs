@@ -1,0 +1,473 @@
+//! Regional shares on the sidecar (`docs/regions.md`): for each regional rule of the policy, the
+//! share of its global budget this region applies, read from the region's Redis under a lease,
+//! and the demand counters the rebalancer reads.
+//!
+//! - The lease: each rule's share record ([`record`]) is read every `lease_ms / 4`, `lease_ms`
+//!   being the record's (until a record exists, [`record::default_lease_ms`]). A share read
+//!   `lease_ms` ago or more is not applied: the rule's requests are answered "unavailable" and
+//!   the gateway's `on_error` decides. The lease counts from when the read was *sent*, on the
+//!   monotonic clock. So `lease_ms` after a smaller share is written no sidecar of the region
+//!   applies the larger one: the fence the rebalancer waits before it grows another region.
+//! - No record yet: the policy's initial share of this region applies, as in force since always
+//!   (a history of one change at 0). The rebalancer writes that same change first when it creates
+//!   the record, so the two agree. A record once seen that goes missing is an error (the region's
+//!   Redis lost it), not a return to the initial share: the lease runs out and the rule answers
+//!   "unavailable" until a record is back.
+//! - Applying the share: [`RegionalShares::share_for`] hands the decision the record's history;
+//!   the bucket script takes the bucket under the smallest share since its last decision.
+//! - Demand: per rule, tokens admitted (cost plus lease grants) and rejected, counted in memory
+//!   and added to the region's counters ([`record::ADMITTED`], [`record::REJECTED`]) every
+//!   [`DEMAND_FLUSH`] with `HINCRBY`.
+
+pub mod record;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use ratelimit_regions::{Share, ShareHistory};
+
+use crate::keys::{demand_key, share_key};
+use crate::policy::reload::PolicyHandle;
+use crate::policy::{Policy, Regional};
+use crate::store::BucketStore;
+
+/// How often the demand counted in memory is added to the region's counters.
+pub const DEMAND_FLUSH: Duration = Duration::from_secs(1);
+
+/// A rule, by domain and name.
+type RuleId = (String, String);
+
+/// This region's shares of the regional rules, and their demand.
+pub struct RegionalShares {
+    region: String,
+    key_prefix: String,
+    /// How long before its lease ends a share stops being applied: a decision planned under the
+    /// lease reaches Redis at most this much later (`--redis-timeout-ms`).
+    decision_time: Duration,
+    views: Mutex<HashMap<RuleId, View>>,
+    /// Tokens (admitted, rejected) not yet added to the region's counters.
+    demand: Mutex<HashMap<RuleId, (u64, u64)>>,
+}
+
+#[derive(Debug, Default)]
+struct View {
+    leased: Option<Leased>,
+    /// Why the last read failed (logged when it changes).
+    error: Option<String>,
+    /// A record was seen: its absence is now an error, not the initial share.
+    seen_record: bool,
+}
+
+#[derive(Debug)]
+struct Leased {
+    history: Arc<ShareHistory>,
+    /// 0 while the region has no record.
+    version: u64,
+    lease_ms: u64,
+    /// When the read was sent.
+    read_at: Instant,
+}
+
+impl Leased {
+    /// Whether a decision planned now may apply the share: it reaches Redis within
+    /// `decision_time`, still under the lease.
+    fn valid(&self, decision_time: Duration) -> bool {
+        self.read_at.elapsed() + decision_time < Duration::from_millis(self.lease_ms)
+    }
+}
+
+/// One regional rule's share as `/readyz` shows it.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct ShareStatus {
+    /// `<domain>/<rule>`
+    pub rule: String,
+    pub region: String,
+    /// The share in force (a fraction of the rule's global budget), once read.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub share: Option<f64>,
+    /// The record's version (0: no record yet, the policy's initial share applies).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub version: Option<u64>,
+    /// Whether the share is applied now (read less than a lease ago).
+    pub leased: bool,
+    /// Why the last read failed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+impl RegionalShares {
+    /// The shares of `region`; a decision reaches Redis within `decision_time` of its planning
+    /// (the Redis timeout), so a share stops being applied that long before its lease ends.
+    pub fn new(
+        region: impl Into<String>,
+        key_prefix: impl Into<String>,
+        decision_time: Duration,
+    ) -> Arc<RegionalShares> {
+        Arc::new(RegionalShares {
+            region: region.into(),
+            key_prefix: key_prefix.into(),
+            decision_time,
+            views: Mutex::new(HashMap::new()),
+            demand: Mutex::new(HashMap::new()),
+        })
+    }
+
+    pub fn region(&self) -> &str {
+        &self.region
+    }
+
+    /// The share history to charge `rule`'s buckets under, or why there is none (a lease that
+    /// ran out, a rule never read): the request is then answered "unavailable".
+    pub fn share_for(&self, rule: &Regional) -> Result<Arc<ShareHistory>, String> {
+        let views = self.views.lock().expect("not poisoned");
+        let view = views.get(&(rule.domain.clone(), rule.rule.clone()));
+        match view.and_then(|v| v.leased.as_ref().map(|l| (v, l))) {
+            Some((_, l)) if l.valid(self.decision_time) => Ok(l.history.clone()),
+            Some((v, l)) => Err(format!(
+                "the share of regional rule {:?} in region {:?} was read {} ms ago, past its \
+                 lease of {} ms less the Redis timeout ({} ms){}",
+                rule.rule,
+                self.region,
+                l.read_at.elapsed().as_millis(),
+                l.lease_ms,
+                self.decision_time.as_millis(),
+                v.error
+                    .as_ref()
+                    .map(|e| format!(" (the last read failed: {e})"))
+                    .unwrap_or_default()
+            )),
+            None => Err(format!(
+                "the share of regional rule {:?} in region {:?} has not been read yet{}",
+                rule.rule,
+                self.region,
+                view.and_then(|v| v.error.as_ref())
+                    .map(|e| format!(" ({e})"))
+                    .unwrap_or_default()
+            )),
+        }
+    }
+
+    /// Counts a decision of `rule`: `admitted` tokens taken (cost and lease grant), `rejected`
+    /// tokens refused.
+    pub fn count(&self, rule: &Regional, admitted: u64, rejected: u64) {
+        let mut demand = self.demand.lock().expect("not poisoned");
+        let c = demand
+            .entry((rule.domain.clone(), rule.rule.clone()))
+            .or_default();
+        c.0 += admitted;
+        c.1 += rejected;
+    }
+
+    /// Reads the share record of every regional rule of `policy` once (concurrently).
+    pub async fn refresh<S: BucketStore>(&self, store: &S, policy: &Policy) {
+        let rules = policy.regional_rules();
+        futures::future::join_all(rules.iter().map(|r| self.refresh_rule(store, r))).await;
+        let current: Vec<RuleId> = rules
+            .iter()
+            .map(|r| (r.domain.clone(), r.rule.clone()))
+            .collect();
+        self.views
+            .lock()
+            .expect("not poisoned")
+            .retain(|id, _| current.contains(id));
+    }
+
+    async fn refresh_rule<S: BucketStore>(&self, store: &S, rule: &Regional) {
+        let key = share_key(&self.key_prefix, &rule.domain, &rule.rule);
+        let sent = Instant::now();
+        let read = match store.read_hash(key.clone()).await {
+            Ok(fields) => record::parse(&fields),
+            Err(e) => Err(e.to_string()),
+        };
+        let mut views = self.views.lock().expect("not poisoned");
+        let view = views
+            .entry((rule.domain.clone(), rule.rule.clone()))
+            .or_default();
+        let read = match read {
+            Ok(None) if view.seen_record => Err(format!(
+                "the share record {key} is gone (the region's Redis lost it?); the rule stays \
+                 unavailable until a record is written"
+            )),
+            other => other,
+        };
+        match read {
+            Ok(found) => {
+                let (history, version, lease_ms) = match found {
+                    Some(r) => (r.history, r.version, r.lease_ms),
+                    None => (
+                        ShareHistory::new(0, rule.quota.share(&self.region).unwrap_or(Share::ZERO)),
+                        0,
+                        record::default_lease_ms(),
+                    ),
+                };
+                let changed = view.leased.as_ref().is_none_or(|l| l.version != version)
+                    || view.error.is_some();
+                if changed {
+                    tracing::info!(
+                        rule = %rule.rule,
+                        domain = %rule.domain,
+                        region = %self.region,
+                        share = %history.current(),
+                        version,
+                        lease_ms,
+                        "regional share read{}",
+                        if version == 0 { " (no record yet: the policy's initial share)" } else { "" }
+                    );
+                }
+                if changed && Duration::from_millis(lease_ms) <= self.decision_time {
+                    tracing::error!(
+                        rule = %rule.rule,
+                        lease_ms,
+                        redis_timeout_ms = self.decision_time.as_millis() as u64,
+                        "the share's lease is no longer than --redis-timeout-ms: it can never be \
+                         applied and the rule answers unavailable; lower the timeout or raise \
+                         the rebalancer's --lease-ms"
+                    );
+                }
+                view.seen_record |= version > 0;
+                view.error = None;
+                view.leased = Some(Leased {
+                    history: Arc::new(history),
+                    version,
+                    lease_ms,
+                    read_at: sent,
+                });
+            }
+            Err(e) => {
+                if view.error.as_ref() != Some(&e) {
+                    tracing::warn!(
+                        rule = %rule.rule,
+                        domain = %rule.domain,
+                        region = %self.region,
+                        "cannot read the regional share ({e}); the last one read applies until its \
+                         lease runs out, then the rule answers unavailable"
+                    );
+                }
+                view.error = Some(e);
+            }
+        }
+    }
+
+    /// Adds the demand counted since the last flush to the region's counters; what cannot be
+    /// added is kept for the next flush.
+    pub async fn flush_demand<S: BucketStore>(&self, store: &S) {
+        let counts: Vec<(RuleId, (u64, u64))> =
+            self.demand.lock().expect("not poisoned").drain().collect();
+        for ((domain, rule), (admitted, rejected)) in counts {
+            let key = demand_key(&self.key_prefix, &domain, &rule);
+            let added = store
+                .add_to_hash(
+                    key,
+                    vec![(record::ADMITTED, admitted), (record::REJECTED, rejected)],
+                )
+                .await;
+            if let Err(e) = added {
+                tracing::debug!(%rule, "demand counters not updated, kept for the next flush: {e}");
+                let mut demand = self.demand.lock().expect("not poisoned");
+                let c = demand.entry((domain, rule)).or_default();
+                c.0 += admitted;
+                c.1 += rejected;
+            }
+        }
+    }
+
+    /// How long until the next read: a quarter of the shortest lease.
+    pub fn refresh_interval(&self) -> Duration {
+        let shortest = self
+            .views
+            .lock()
+            .expect("not poisoned")
+            .values()
+            .filter_map(|v| v.leased.as_ref().map(|l| l.lease_ms))
+            .min()
+            .unwrap_or_else(record::default_lease_ms);
+        Duration::from_millis((shortest / 4).max(10))
+    }
+
+    /// Every regional rule of `policy`, as `/readyz` shows it.
+    pub fn status(&self, policy: &Policy) -> Vec<ShareStatus> {
+        let views = self.views.lock().expect("not poisoned");
+        policy
+            .regional_rules()
+            .iter()
+            .map(|r| {
+                let view = views.get(&(r.domain.clone(), r.rule.clone()));
+                let leased = view.and_then(|v| v.leased.as_ref());
+                ShareStatus {
+                    rule: format!("{}/{}", r.domain, r.rule),
+                    region: self.region.clone(),
+                    share: leased.map(|l| l.history.current().fraction()),
+                    version: leased.map(|l| l.version),
+                    leased: leased.is_some_and(|l| l.valid(self.decision_time)),
+                    error: view.and_then(|v| v.error.clone()),
+                }
+            })
+            .collect()
+    }
+
+    /// Whether every regional rule of `policy` has been read once (the start-up part of
+    /// `/readyz`; a lease that runs out later shows in the status, and only its rule answers
+    /// "unavailable").
+    pub fn all_read(&self, policy: &Policy) -> bool {
+        let views = self.views.lock().expect("not poisoned");
+        policy.regional_rules().iter().all(|r| {
+            views
+                .get(&(r.domain.clone(), r.rule.clone()))
+                .is_some_and(|v| v.leased.is_some())
+        })
+    }
+
+    /// Starts reading the shares and flushing the demand in the background, for as long as the
+    /// returned tasks live.
+    pub fn start<S: BucketStore>(
+        self: &Arc<Self>,
+        store: Arc<S>,
+        policy: Arc<PolicyHandle>,
+    ) -> Vec<tokio::task::JoinHandle<()>> {
+        let shares = self.clone();
+        let reader_store = store.clone();
+        let reader = tokio::spawn(async move {
+            loop {
+                let current = policy.current().clone();
+                shares.refresh(&*reader_store, &current).await;
+                tokio::time::sleep(shares.refresh_interval()).await;
+            }
+        });
+        let shares = self.clone();
+        let flusher = tokio::spawn(async move {
+            let mut tick = tokio::time::interval(DEMAND_FLUSH);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                shares.flush_demand(&*store).await;
+            }
+        });
+        vec![reader, flusher]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::{Bounds, RegionScope};
+    use crate::store::memory::MemoryStore;
+
+    const POLICY: &str = "rules:\n  g:\n    capacity: 100\n    refill_per_sec: 10\n    regions: {eu: 0.6, us: 0.4}\n";
+
+    fn policy() -> Policy {
+        Policy::from_sources(
+            &[("limits.yaml".into(), POLICY.into())],
+            &Bounds {
+                region: RegionScope::Sidecar(Some("eu".into())),
+                ..Bounds::default()
+            },
+        )
+        .unwrap()
+    }
+
+    fn rule(p: &Policy) -> Arc<Regional> {
+        p.regional_rules().remove(0)
+    }
+
+    fn fields(
+        version: &str,
+        share: &str,
+        lease: &str,
+        history: &str,
+    ) -> Vec<(&'static str, String)> {
+        vec![
+            ("version", version.into()),
+            ("share_ppm", share.into()),
+            ("lease_ms", lease.into()),
+            ("history", history.into()),
+        ]
+    }
+
+    fn set(store: &MemoryStore, fields: &[(&'static str, String)]) {
+        let f: Vec<(&str, &str)> = fields.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        store.set_hash("rl:share:{ratelimit|g}", &f);
+    }
+
+    #[tokio::test]
+    async fn the_initial_share_applies_until_a_record_exists_then_the_record() {
+        let p = policy();
+        let store = MemoryStore::new(0, 0.1, 10_000);
+        let shares = RegionalShares::new("eu", "rl:", Duration::ZERO);
+        assert!(shares
+            .share_for(&rule(&p))
+            .unwrap_err()
+            .contains("not been read yet"));
+        assert!(!shares.all_read(&p));
+        shares.refresh(&store, &p).await;
+        let h = shares.share_for(&rule(&p)).unwrap();
+        assert_eq!(
+            h.changes().collect::<Vec<_>>(),
+            [(0, Share::from_ppm(600_000).unwrap())]
+        );
+        assert!(shares.all_read(&p));
+
+        set(
+            &store,
+            &fields("2", "700000", "5000", "0:600000,1000:700000"),
+        );
+        shares.refresh(&store, &p).await;
+        assert_eq!(
+            shares.share_for(&rule(&p)).unwrap().current().ppm(),
+            700_000
+        );
+        let status = shares.status(&p);
+        assert_eq!(status[0].version, Some(2));
+        assert_eq!(status[0].share, Some(0.7));
+        assert!(status[0].leased);
+
+        // Gone after it was seen: not the initial share again.
+        store.set_hash("rl:share:{ratelimit|g}", &[]);
+        shares.refresh(&store, &p).await;
+        assert_eq!(
+            shares.status(&p)[0].version,
+            Some(2),
+            "the old lease still runs"
+        );
+        assert!(shares.status(&p)[0]
+            .error
+            .as_deref()
+            .unwrap()
+            .contains("is gone"));
+    }
+
+    #[tokio::test]
+    async fn a_share_is_applied_only_under_its_lease() {
+        let p = policy();
+        let store = MemoryStore::new(0, 0.1, 10_000);
+        set(&store, &fields("1", "600000", "40", "0:600000"));
+        let shares = RegionalShares::new("eu", "rl:", Duration::ZERO);
+        shares.refresh(&store, &p).await;
+        assert!(shares.share_for(&rule(&p)).is_ok());
+        assert_eq!(shares.refresh_interval(), Duration::from_millis(10));
+        // The record becomes unreadable: the share read last applies until its lease runs out.
+        set(&store, &fields("2", "600000", "40", "garbage"));
+        shares.refresh(&store, &p).await;
+        std::thread::sleep(Duration::from_millis(50));
+        let e = shares.share_for(&rule(&p)).unwrap_err();
+        assert!(
+            e.contains("past its lease of 40 ms") && e.contains("not <from_ms>:<ppm>"),
+            "{e}"
+        );
+        assert!(!shares.status(&p)[0].leased);
+    }
+
+    #[tokio::test]
+    async fn demand_is_added_to_the_regions_counters() {
+        let p = policy();
+        let store = MemoryStore::new(0, 0.1, 10_000);
+        let shares = RegionalShares::new("eu", "rl:", Duration::ZERO);
+        shares.count(&rule(&p), 5, 0);
+        shares.count(&rule(&p), 0, 2);
+        shares.flush_demand(&store).await;
+        shares.count(&rule(&p), 1, 1);
+        shares.flush_demand(&store).await;
+        let fields = store.hash("rl:demand:{ratelimit|g}");
+        assert_eq!(record::parse_demand(&fields).unwrap(), (6, 3));
+    }
+}

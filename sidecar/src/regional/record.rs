@@ -1,0 +1,231 @@
+//! The share record of a regional rule, as each region's Redis holds it: its layout (written by
+//! `lua/share_record.lua`, the rebalancer's write), how a read of it is parsed, and the demand
+//! counters next to it. One definition for the sidecars, which read records and add to the
+//! counters, and the rebalancer, which writes records and reads the counters.
+//!
+//! - share record `<prefix>share:{<domain>|<rule>}` ([`crate::keys::share_key`]), a hash:
+//!   `version`, `share_ppm`, `lease_ms`, `history` (`<from_ms>:<ppm>,...`, stamped by that Redis's
+//!   clock; see the script's header);
+//! - demand counters `<prefix>demand:{<domain>|<rule>}` ([`crate::keys::demand_key`]), a hash of
+//!   two counters that only grow: `admitted` and `rejected` tokens, summed over the region's
+//!   sidecars; the rebalancer reads the difference between two reads.
+
+use ratelimit_regions::{Params, Share, ShareHistory};
+
+/// The script that writes a share record, one source of truth in `lua/`.
+pub const WRITE_SCRIPT: &str = include_str!("../../../lua/share_record.lua");
+
+/// The most changes a record keeps (older ones are merged conservatively, see the script).
+pub const MAX_CHANGES: usize = 32;
+
+/// The demand counters' fields.
+pub const ADMITTED: &str = "admitted";
+pub const REJECTED: &str = "rejected";
+
+/// The lease a sidecar applies while its region has no record yet: the rebalancer's default
+/// (`ratelimit_regions::Params`), which writes its own into every record.
+pub fn default_lease_ms() -> u64 {
+    Params::default().lease_ms
+}
+
+/// A share record as read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShareRecord {
+    pub version: u64,
+    pub share: Share,
+    pub lease_ms: u64,
+    pub history: ShareHistory,
+}
+
+/// Parses the fields of a record (`HGETALL`): `Ok(None)` when there is none, `Err` naming what is
+/// wrong with one that cannot be trusted.
+pub fn parse(fields: &[(String, String)]) -> Result<Option<ShareRecord>, String> {
+    if fields.is_empty() {
+        return Ok(None);
+    }
+    let field = |name: &str| -> Result<&str, String> {
+        fields
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
+            .ok_or_else(|| format!("the share record has no `{name}`"))
+    };
+    let number = |name: &str| -> Result<u64, String> {
+        let v = field(name)?;
+        v.parse()
+            .map_err(|_| format!("the share record's `{name}` is {v:?}, not a whole number"))
+    };
+    let version = number("version")?;
+    let share = ppm(number("share_ppm")?)
+        .ok_or_else(|| "the share record's `share_ppm` is above 1000000".to_string())?;
+    let lease_ms = number("lease_ms")?;
+    if lease_ms == 0 {
+        return Err("the share record's `lease_ms` is 0".into());
+    }
+    let text = field("history")?;
+    let mut history: Option<ShareHistory> = None;
+    let mut last = 0;
+    for change in text.split(',') {
+        let parsed = change
+            .split_once(':')
+            .and_then(|(t, p)| Some((t.parse::<u64>().ok()?, ppm(p.parse().ok()?)?)));
+        let Some((from_ms, s)) = parsed else {
+            return Err(format!(
+                "the share record's history has {change:?}, not <from_ms>:<ppm>"
+            ));
+        };
+        if from_ms < last {
+            return Err("the share record's history is not in time order".into());
+        }
+        last = from_ms;
+        match &mut history {
+            None => history = Some(ShareHistory::new(from_ms, s)),
+            Some(h) => h.record(from_ms, s),
+        }
+    }
+    let history = history.ok_or("the share record's history is empty")?;
+    if history.current() != share {
+        return Err(format!(
+            "the share record's `share_ppm` ({}) is not its history's last share ({})",
+            share.ppm(),
+            history.current().ppm()
+        ));
+    }
+    Ok(Some(ShareRecord {
+        version,
+        share,
+        lease_ms,
+        history,
+    }))
+}
+
+fn ppm(v: u64) -> Option<Share> {
+    u32::try_from(v).ok().and_then(Share::from_ppm)
+}
+
+/// The counters' values in the fields of a demand hash (missing ones are 0).
+pub fn parse_demand(fields: &[(String, String)]) -> Result<(u64, u64), String> {
+    let get = |name: &str| -> Result<u64, String> {
+        match fields.iter().find(|(k, _)| k == name) {
+            None => Ok(0),
+            Some((_, v)) => v
+                .parse()
+                .map_err(|_| format!("the demand counter `{name}` is {v:?}, not a whole number")),
+        }
+    };
+    Ok((get(ADMITTED)?, get(REJECTED)?))
+}
+
+/// What the rebalancer writes: `share` under `version`, with the lease the sidecars must apply
+/// and how much history to keep (the script's ARGV, in order).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ShareWrite {
+    pub version: u64,
+    pub share: Share,
+    pub lease_ms: u64,
+    pub keep_ms: u64,
+    /// The share in force before the record existed (the policy's initial share).
+    pub initial: Share,
+}
+
+impl ShareWrite {
+    /// The write of the record `key` (an `EVAL` of [`WRITE_SCRIPT`]: writes are rare, a round
+    /// or so per rule every few seconds). Its reply: `[1, version]` when written, `[0, stored
+    /// version]` when refused.
+    pub fn cmd(&self, key: &str) -> redis::Cmd {
+        let mut cmd = redis::cmd("EVAL");
+        cmd.arg(WRITE_SCRIPT).arg(1).arg(key);
+        for a in self.args() {
+            cmd.arg(a);
+        }
+        cmd
+    }
+
+    /// The script's arguments.
+    pub fn args(&self) -> [u64; 6] {
+        [
+            self.version,
+            u64::from(self.share.ppm()),
+            self.lease_ms,
+            self.keep_ms,
+            u64::from(self.initial.ppm()),
+            MAX_CHANGES as u64,
+        ]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fields(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn a_record_parses_with_its_history() {
+        let r = parse(&fields(&[
+            ("version", "3"),
+            ("share_ppm", "600000"),
+            ("lease_ms", "5000"),
+            (
+                "history",
+                "0:500000,1700000000000:100000,1700000001000:600000",
+            ),
+        ]))
+        .unwrap()
+        .unwrap();
+        assert_eq!(r.version, 3);
+        assert_eq!(r.share.ppm(), 600_000);
+        assert_eq!(
+            r.history
+                .changes()
+                .map(|(t, s)| (t, s.ppm()))
+                .collect::<Vec<_>>(),
+            [
+                (0, 500_000),
+                (1_700_000_000_000, 100_000),
+                (1_700_000_001_000, 600_000)
+            ]
+        );
+        assert_eq!(parse(&[]).unwrap(), None, "no record");
+    }
+
+    #[test]
+    fn a_record_that_cannot_be_trusted_is_an_error_naming_the_field() {
+        let base = [
+            ("version", "3"),
+            ("share_ppm", "600000"),
+            ("lease_ms", "5000"),
+            ("history", "0:600000"),
+        ];
+        for (field, value, needle) in [
+            ("version", "x", "`version` is \"x\""),
+            ("share_ppm", "1000001", "above 1000000"),
+            ("share_ppm", "500000", "not its history's last share"),
+            ("lease_ms", "0", "`lease_ms` is 0"),
+            ("history", "5:1,3:1", "not in time order"),
+            ("history", "0;600000", "not <from_ms>:<ppm>"),
+        ] {
+            let mut f = fields(&base);
+            f.iter_mut().find(|(k, _)| k == field).unwrap().1 = value.into();
+            let e = parse(&f).unwrap_err();
+            assert!(e.contains(needle), "{field}={value}: {e}");
+        }
+        let missing = fields(&base[..3]);
+        assert!(parse(&missing).unwrap_err().contains("no `history`"));
+    }
+
+    #[test]
+    fn demand_counters_default_to_zero() {
+        assert_eq!(parse_demand(&[]).unwrap(), (0, 0));
+        assert_eq!(
+            parse_demand(&fields(&[("admitted", "7"), ("rejected", "2")])).unwrap(),
+            (7, 2)
+        );
+        assert!(parse_demand(&fields(&[("admitted", "-1")])).is_err());
+    }
+}
