@@ -536,11 +536,14 @@ fn main() {
                     let bucket = |j: u64| format!("rl:{{bench|k={}}}", (i + j * 7919) % keys);
                     let mut c = redis::cmd("EVALSHA");
                     c.arg(&sha).arg(1).arg(bucket(0));
-                    c.arg("apply").arg(10_000).arg(0.1).arg(0).arg(n);
+                    // As lua/token_bucket.lua's header lays out ARGV: mode, record ttl, lease
+                    // share, cluster 0, share margin; the buckets; one limit with no regional
+                    // share; one group without a record of n one-decision requests; no returns.
+                    c.arg("apply").arg(10_000).arg(0.1).arg(0).arg(1000).arg(n);
                     for j in 0..n as u64 {
                         c.arg(bucket(j));
                     }
-                    c.arg(1).arg(999_999_999_999u64).arg(1_000_000_000u64);
+                    c.arg(1).arg(999_999_999_999u64).arg(1_000_000_000u64).arg(0);
                     c.arg(1).arg("").arg(n);
                     for j in 0..n {
                         c.arg(1).arg(j + 1).arg(1).arg(1).arg(0).arg(0).arg(0).arg(0);
