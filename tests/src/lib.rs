@@ -10,6 +10,7 @@
 //! - `REDIS_SERVER_BIN` (default `redis-server` on the PATH)
 
 pub mod envoy;
+pub mod netns;
 pub mod redis;
 pub mod scenario;
 pub mod tls;
