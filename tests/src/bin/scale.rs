@@ -98,6 +98,11 @@ struct Args {
     /// Model: replicas per primary.
     #[arg(long, default_value_t = 1)]
     replicas_per_primary: usize,
+    /// Model: decisions per script call the fleet's calls carry. Batches form only while a
+    /// sidecar has calls in flight to a node, and a large fleet splits its load over many
+    /// (sidecar, primary) pairs, each carrying a few hundred decisions/s: about 1.
+    #[arg(long, default_value_t = 1.0)]
+    fleet_batch: f64,
     /// Model: gateways (Envoys) sharing the load, which decides which keys are busy enough at one
     /// gateway to be leased.
     #[arg(long, default_value_t = 100)]
@@ -1534,6 +1539,17 @@ fn print_part2(args: &Args, part: &Part2) {
             on.m.per_second() / off.m.per_second()
         );
     }
+    let ceiling = |s: &HotStage| {
+        let us = s.per_admitted(s.m.cpu_of(&format!("redis-{}", part.hot_node)) * 1e6);
+        1e6 / us.max(1e-9)
+    };
+    if let (Some(off), Some(on)) = (part.stages.get(1), part.stages.get(2)) {
+        println!(
+            "one key on one primary core at 100%: about {:.0} requests/s without leases, {:.0} with (1 s / hot µs)",
+            ceiling(off),
+            ceiling(on)
+        );
+    }
     println!("per adm.: decisions reaching Redis per admitted request; hot µs: the hot shard's CPU per admitted request; leased: requests admitted from a lease in Envoy");
 }
 
@@ -1945,6 +1961,29 @@ fn calibrate_t_ask(reach: f64, r: f64) -> f64 {
     ((reach * r / lease_renewals(r) - 1.0) / r).max(0.0)
 }
 
+/// `(c_call, c_dec)` of `c = c_call / b + c_dec` fitted to `(b, c)` points by least squares;
+/// None without two distinct batch sizes or when a coefficient comes out negative.
+fn batch_fit(points: &[(f64, f64)]) -> Option<(f64, f64)> {
+    let n = points.len() as f64;
+    let xs: Vec<f64> = points.iter().map(|(b, _)| 1.0 / b).collect();
+    let (mx, my) = (
+        xs.iter().sum::<f64>() / n,
+        points.iter().map(|(_, c)| c).sum::<f64>() / n,
+    );
+    let sxx: f64 = xs.iter().map(|x| (x - mx) * (x - mx)).sum();
+    if points.len() < 2 || sxx < 1e-6 {
+        return None;
+    }
+    let sxy: f64 = xs
+        .iter()
+        .zip(points)
+        .map(|(x, (_, c))| (x - mx) * (c - my))
+        .sum();
+    let c_call = sxy / sxx;
+    let c_dec = my - c_call * mx;
+    (c_call >= 0.0 && c_dec >= 0.0).then_some((c_call, c_dec))
+}
+
 /// The smallest number of primaries whose busiest one stays within `utilisation` for `load`
 /// decisions/s reaching Redis at `c_us` µs each, with the shares of slots `by_slot` (summing to
 /// 1); None if even one slot alone is too much (a single key cannot be split).
@@ -1976,8 +2015,20 @@ fn print_model(args: &Args, keys: &Keyspace, p1: Option<&Part1>, p2: Option<&Par
         .filter(|s| s.dist == Dist::Uniform)
         .max_by_key(|s| s.primaries);
     let Some(largest) = largest else { return };
-    let c_redis = largest.redis_us();
-    let per_call = largest.decisions() / largest.calls_per_node.iter().sum::<u64>().max(1) as f64;
+    // Redis CPU per decision against decisions per script call, over every sidecar stage:
+    // c(b) = c_call / b + c_dec (least squares on 1/b), priced at the fleet's batch.
+    let points: Vec<(f64, f64)> = sidecar
+        .iter()
+        .map(|s| {
+            let b = s.decisions() / s.calls_per_node.iter().sum::<u64>().max(1) as f64;
+            (b, s.redis_us())
+        })
+        .collect();
+    let fit = batch_fit(&points);
+    let c_redis = match fit {
+        Some((c_call, c_dec)) => c_call / args.fleet_batch + c_dec,
+        None => largest.redis_us(),
+    };
     // The sidecar's cost behind Envoy (the filter coalesces requests into callouts) when that
     // ran, else on the direct API with one request per call (the most it costs).
     let through_envoy = p1
@@ -2000,7 +2051,8 @@ fn print_model(args: &Args, keys: &Keyspace, p1: Option<&Part1>, p2: Option<&Par
         }
         _ => (1.0, 0.0),
     };
-    let c_primary = c_redis * repl_factor;
+    // A replica cannot make its primary cheaper: a factor below 1 is the machine's noise.
+    let c_primary = c_redis * repl_factor.max(1.0);
     let (d, u, g) = (args.target, args.utilisation, args.gateways as f64);
     println!(
         "\n== 4. the shard model: {:.0} decisions/s, every Redis primary and sidecar core at most {:.0}% busy",
@@ -2008,12 +2060,26 @@ fn print_model(args: &Args, keys: &Keyspace, p1: Option<&Part1>, p2: Option<&Par
         u * 100.0
     );
     println!("figures from this run:");
+    let measured: Vec<String> = points
+        .iter()
+        .map(|(b, c)| format!("{c:.1} µs at {b:.1}"))
+        .collect();
     println!(
-        "  c_redis   = {c_redis:.1} µs of Redis CPU per decision ({} primaries, uniform keys, sidecar path, {per_call:.1} decisions per script call)",
-        largest.primaries
+        "  Redis CPU per decision at b decisions per script call (sidecar stages): {}",
+        measured.join(", ")
     );
+    match fit {
+        Some((c_call, c_dec)) => println!(
+            "  c(b)      = c_call / b + c_dec = {c_call:.1} / b + {c_dec:.1} µs (least squares); c_redis = c({}) = {c_redis:.1} µs at the fleet's batch",
+            args.fleet_batch
+        ),
+        None => println!(
+            "  c_redis   = {c_redis:.1} µs ({} primaries, uniform keys: the batches measured did not fit c_call / b + c_dec)",
+            largest.primaries
+        ),
+    }
     println!(
-        "  f_repl    = {repl_factor:.2}: a primary's cost with a replica attached over without (1 primary); c_primary = c_redis x f_repl = {c_primary:.1} µs"
+        "  f_repl    = {repl_factor:.2}: a primary's cost with a replica attached over without (1 primary; taken as at least 1); c_primary = c_redis x f_repl = {c_primary:.1} µs"
     );
     println!("  c_replica = {c_replica:.1} µs of a replica's CPU per decision it applies");
     match through_envoy {
@@ -2049,6 +2115,7 @@ fn print_model(args: &Args, keys: &Keyspace, p1: Option<&Part1>, p2: Option<&Par
         t_ask * 1e3
     );
     println!("formula (redo it with your own figures):");
+    println!("  c_primary = (c_call / b + c_dec) x f_repl   (b: decisions per script call, about 1 in a large fleet)");
     println!("  S(P)      = the share of decisions on the busiest of P primaries (even slot ranges), from the keys' weights and slots");
     println!("  primaries = the smallest P with  D_redis x S(P) x c_primary <= u   (a primary runs scripts on one core)");
     println!("              impossible when one key alone has D_redis x w_key x c_primary > u: that key must be leased (or split)");
