@@ -519,18 +519,24 @@ fn envoy_stat(envoy: &Envoy, suffix: &str) -> f64 {
 
 /// Script calls a node has run so far (`EVALSHA` and the `EVAL` that heals a NOSCRIPT).
 fn script_calls(node: &Redis) -> u64 {
+    script_stats(node).0 as u64
+}
+
+/// Script calls a node has run so far and the µs it spent inside them (`INFO commandstats`:
+/// `calls` and `usec` of `EVALSHA` and `EVAL`; the rest of its CPU is reading, parsing and
+/// answering commands).
+fn script_stats(node: &Redis) -> (f64, f64) {
+    let field = |line: &str, name: &str| -> f64 {
+        line.split([':', ','])
+            .find_map(|kv| kv.strip_prefix(name)?.strip_prefix('=')?.parse().ok())
+            .unwrap_or(0.0)
+    };
     node.cli(&["INFO", "commandstats"])
         .lines()
         .filter(|l| l.starts_with("cmdstat_evalsha:") || l.starts_with("cmdstat_eval:"))
-        .filter_map(|l| {
-            l.split_once("calls=")?
-                .1
-                .split(',')
-                .next()?
-                .parse::<u64>()
-                .ok()
+        .fold((0.0, 0.0), |(c, u), l| {
+            (c + field(l, "calls"), u + field(l, "usec"))
         })
-        .sum()
 }
 
 fn dbsize(node: &Redis) -> u64 {
@@ -901,6 +907,8 @@ struct ShardStage {
     sidecar_decisions: f64,
     /// Script calls per node.
     calls_per_node: Vec<u64>,
+    /// µs each node spent inside script calls (its `INFO commandstats`).
+    script_us_per_node: Vec<f64>,
     predicted_shares: Vec<f64>,
 }
 
@@ -1042,14 +1050,13 @@ fn run_part1(
         let owner = Arc::new(node_of_slot(p));
         let mut watch = cluster_watch(&cluster);
         watch.push(watched("sidecar", sidecar.pid()));
-        // Per stage: each node's script calls, then the decisions the sidecar answered.
+        // Per stage: each node's script calls, the decisions the sidecar answered, then each
+        // node's µs inside scripts.
         let probe = || -> Vec<f64> {
-            let mut v: Vec<f64> = cluster
-                .nodes
-                .iter()
-                .map(|n| script_calls(n) as f64)
-                .collect();
+            let stats: Vec<(f64, f64)> = cluster.nodes.iter().map(script_stats).collect();
+            let mut v: Vec<f64> = stats.iter().map(|s| s.0).collect();
             v.push(sidecar_metric(sidecar_addr, "ratelimit_decisions_total"));
+            v.extend(stats.iter().map(|s| s.1));
             v
         };
         let shard_stage = |path, dist, replica, m: Measured, slots: &[u16]| ShardStage {
@@ -1060,6 +1067,7 @@ fn run_part1(
             keys_per_node: cluster.nodes.iter().map(dbsize).collect(),
             calls_per_node: m.probed[..p].iter().map(|c| *c as u64).collect(),
             sidecar_decisions: m.probed[p],
+            script_us_per_node: m.probed[p + 1..].to_vec(),
             predicted_shares: shard_shares(&keys.weights(dist), slots, p),
             m,
         };
@@ -1260,7 +1268,7 @@ fn print_part1(args: &Args, keys: &Keyspace, part: &Part1) {
 
     println!("\nper shard:");
     println!(
-        "{:<28} {:>3} {:>5} {:>13} {:>11} {:>7} {:>9} {:>7} {:>7} {:>9} {:>7} {:>9}",
+        "{:<28} {:>3} {:>5} {:>13} {:>11} {:>7} {:>9} {:>7} {:>7} {:>9} {:>7} {:>9} {:>9}",
         "keys",
         "P",
         "shard",
@@ -1272,7 +1280,8 @@ fn print_part1(args: &Args, keys: &Keyspace, part: &Part1) {
         "of cpu",
         "keys",
         "of keys",
-        "dec/call"
+        "dec/call",
+        "in script"
     );
     for s in sidecar.iter().filter(|s| !s.replica) {
         let total: u64 = s.m.per_node.iter().sum();
@@ -1280,7 +1289,7 @@ fn print_part1(args: &Args, keys: &Keyspace, part: &Part1) {
         for (i, (a, b)) in even_slot_ranges(s.primaries).into_iter().enumerate() {
             let d = s.m.per_node[i] as f64;
             println!(
-                "{:<28} {:>3} {:>5} {:>13} {:>11.0} {:>6.1}% {:>9.1} {:>6.0}% {:>6.1}% {:>9} {:>6.1}% {:>9.1}",
+                "{:<28} {:>3} {:>5} {:>13} {:>11.0} {:>6.1}% {:>9.1} {:>6.0}% {:>6.1}% {:>9} {:>6.1}% {:>9.1} {:>9.1}",
                 keys.name(s.dist),
                 s.primaries,
                 i,
@@ -1293,10 +1302,12 @@ fn print_part1(args: &Args, keys: &Keyspace, part: &Part1) {
                 s.keys_per_node[i],
                 s.keys_per_node[i] as f64 * 100.0 / keys_total.max(1) as f64,
                 d / s.calls_per_node[i].max(1) as f64,
+                s.script_us_per_node[i] / d.max(1.0),
             );
         }
     }
-    println!("busy: the share of one core the node used; dec/call: decisions per script call (the sidecar's batching per node)");
+    println!("busy: the share of one core the node used; dec/call: decisions per script call (the sidecar's batching per node);\n\
+              in script: µs per decision inside EVALSHA (INFO commandstats; the rest of µs/dec is reading, parsing and answering commands)");
 
     let envoy: Vec<&ShardStage> = part.stages.iter().filter(|s| s.path == "envoy").collect();
     if envoy.is_empty() {
@@ -2067,6 +2078,12 @@ fn print_model(args: &Args, keys: &Keyspace, p1: Option<&Part1>, p2: Option<&Par
     println!(
         "  Redis CPU per decision at b decisions per script call (sidecar stages): {}",
         measured.join(", ")
+    );
+    println!(
+        "  of it inside the script (INFO commandstats) with {} primaries, uniform: {:.1} of {:.1} µs",
+        largest.primaries,
+        largest.script_us_per_node.iter().sum::<f64>() / largest.decisions().max(1.0),
+        largest.redis_us()
     );
     match fit {
         Some((c_call, c_dec)) => println!(
