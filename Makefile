@@ -51,6 +51,15 @@ reliability: build
 	RATELIMIT_SIDECAR_BIN=$(CURDIR)/$(SIDECAR) RATELIMIT_FILTER_WASM=$(CURDIR)/$(WASM) \
 		$(CARGO) run --release -p ratelimit-e2e --bin ratelimit-reliability -- $(RELIABILITY_ARGS)
 
+# The shard model (docs/scaling.md): the decision path over a Redis Cluster of 1, 2 and 3
+# primaries (uniform and Zipf keys), a hot key with and without leases, the latency a network hop
+# adds (network namespaces: needs root), and the model for 1M decisions/s from the run's own
+# figures. Not part of `make test`; about 5 minutes. SCALE_ARGS="--seconds 4 --parts 1,2" etc.
+.PHONY: scale
+scale: build
+	RATELIMIT_SIDECAR_BIN=$(CURDIR)/$(SIDECAR) RATELIMIT_FILTER_WASM=$(CURDIR)/$(WASM) \
+		$(CARGO) run --release -p ratelimit-e2e --bin ratelimit-scale -- $(SCALE_ARGS)
+
 # The regional-quota simulation (docs/regions.md): every scenario, static and rebalanced shares,
 # one table. Pure computation, a second or so in release mode; SIM_ARGS="--seed 2" etc.
 simulate:

@@ -11,6 +11,7 @@
 
 pub mod envoy;
 pub mod fault_proxy;
+pub mod netns;
 pub mod redis;
 pub mod scenario;
 pub mod tls;

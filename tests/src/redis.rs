@@ -527,3 +527,69 @@ impl Sentinel {
         out.lines().nth(1)?.trim().parse().ok()
     }
 }
+
+/// The slots of a Cluster of `n` primaries split evenly, in order: primary `i` serves
+/// `16384 * i / n ..= 16384 * (i + 1) / n - 1`.
+pub fn even_slot_ranges(n: usize) -> Vec<(u16, u16)> {
+    assert!(n >= 1, "a Cluster has at least one primary");
+    (0..n)
+        .map(|i| ((16384 * i / n) as u16, (16384 * (i + 1) / n - 1) as u16))
+        .collect()
+}
+
+impl RedisCluster {
+    /// `n` cluster-enabled primaries (1 or more, no replicas), primary `i` serving
+    /// [`even_slot_ranges`]`(n)[i]`, joined by hand: `CLUSTER ADDSLOTSRANGE`,
+    /// `CLUSTER SET-CONFIG-EPOCH` and `CLUSTER MEET` (`redis-cli --cluster create` wants at least
+    /// three). Returns once every node sees all `n` nodes and all 16384 slots served.
+    pub fn start_primaries(n: usize) -> Self {
+        RedisCluster::start_primaries_with_options(n, &RedisOptions::default())
+    }
+
+    /// [`RedisCluster::start_primaries`] with every node started with `options`.
+    pub fn start_primaries_with_options(n: usize, options: &RedisOptions) -> Self {
+        let ranges = even_slot_ranges(n);
+        let mut options = options.clone().args(&[
+            "--cluster-enabled",
+            "yes",
+            "--cluster-config-file",
+            "nodes.conf",
+            "--cluster-node-timeout",
+            "5000",
+        ]);
+        if options.tls.is_some() {
+            options = options.args(&["--tls-cluster", "yes"]);
+        }
+        let nodes: Vec<Redis> = (0..n)
+            .map(|_| Redis::start_with_options(&options))
+            .collect();
+        for (i, (node, (first, last))) in nodes.iter().zip(&ranges).enumerate() {
+            let (first, last, epoch) = (first.to_string(), last.to_string(), (i + 1).to_string());
+            for cmd in [
+                &["CLUSTER", "ADDSLOTSRANGE", &first, &last][..],
+                &["CLUSTER", "SET-CONFIG-EPOCH", &epoch][..],
+            ] {
+                let out = node.cli(cmd);
+                assert_eq!(out, "OK", "{cmd:?} on node {}: {out}", node.port);
+            }
+        }
+        for node in &nodes[1..] {
+            let out = nodes[0].cli(&["CLUSTER", "MEET", "127.0.0.1", &node.port.to_string()]);
+            assert_eq!(out, "OK", "CLUSTER MEET {}: {out}", node.port);
+        }
+        let known = format!("cluster_known_nodes:{n}");
+        for node in &nodes {
+            wait_until(
+                &format!("node {} to see {n} nodes and every slot", node.port),
+                Duration::from_secs(30),
+                || {
+                    let info = node.cli(&["CLUSTER", "INFO"]);
+                    ["cluster_state:ok", "cluster_slots_ok:16384", &known]
+                        .iter()
+                        .all(|want| info.lines().any(|l| l.trim() == *want))
+                },
+            );
+        }
+        RedisCluster { nodes }
+    }
+}

@@ -1,0 +1,2297 @@
+//! `make scale`: how the decision path scales over Redis Cluster shards, measured with real
+//! processes, and the shard model for a target load computed from this run's own figures
+//! (docs/scaling.md explains every figure and the formula).
+//!
+//! 1. Shards: the sidecar's `POST /v1/decide` (and Envoy with the filter in front of it) against a
+//!    Redis Cluster of 1, 2 and 3 primaries, for uniform keys and Zipf-skewed keys: decisions/s,
+//!    Redis CPU per decision per shard (from `/proc/<pid>/stat` of each redis-server), the spread
+//!    of keys (`DBSIZE`) and of load (decisions, CPU) across shards, the sidecar's CPU per
+//!    decision; a primary with a replica, for what replication costs.
+//! 2. A hot key (one bucket, so one shard): its shard's load per admitted request through the
+//!    sidecar alone, and through Envoy with leases off and on.
+//! 3. Latency with real hops: the gateway (this load generator), the sidecar and Redis in three
+//!    network namespaces joined by veth pairs, a delay on one hop at a time (`tc netem`, or a
+//!    userspace delay relay where the kernel has no netem), p50/p95/p99 of a decision.
+//! 4. The model: Redis primaries, replicas and sidecar cores for the target decisions/s at the
+//!    target utilisation, uniform and Zipf, from the figures above.
+//!
+//! Every stage runs against processes on this machine, which the load generator shares: read CPU
+//! per decision (a cost, whatever the core count) and the ratios against the baseline of the same
+//! run, not the absolute throughput. Nothing is asserted about timing.
+
+use std::future::Future;
+use std::net::{SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use ratelimit_e2e::netns::{self, DelayRelay, Netns};
+use ratelimit_e2e::redis::even_slot_ranges;
+use ratelimit_e2e::{
+    wait_until, Envoy, EnvoyConfig, Process, Redis, RedisCluster, RedisOptions, Sidecar, Upstream,
+    READY_TIMEOUT,
+};
+
+#[derive(Parser)]
+#[command(
+    about = "Measures the decision path over Redis Cluster shards, a hot key, network hops, and prints the shard model"
+)]
+struct Args {
+    /// Seconds each throughput stage (parts 1 and 2) measures, after 1 s of warm-up.
+    #[arg(long, default_value_t = 8.0)]
+    seconds: f64,
+    /// Seconds each latency stage (part 3) measures, after 0.5 s of warm-up.
+    #[arg(long, default_value_t = 5.0)]
+    latency_seconds: f64,
+    /// Concurrent callers in the throughput stages (a closed loop).
+    #[arg(long, default_value_t = 32)]
+    concurrency: usize,
+    /// Gateway requests per `POST /v1/decide` call (one decision each) in the sidecar stages.
+    #[arg(long, default_value_t = 1)]
+    requests_per_call: usize,
+    /// Distinct keys (clients) of the uniform and the Zipf workloads.
+    #[arg(long, default_value_t = 100_000)]
+    keys: usize,
+    /// The Zipf exponent s: the key of rank k is drawn with weight 1/k^s.
+    #[arg(long, default_value_t = 1.0)]
+    zipf_s: f64,
+    /// Cluster sizes to measure, comma separated; the first is the baseline.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,3")]
+    primaries: Vec<usize>,
+    /// Parts to run, comma separated (4, the model, is always printed from what ran).
+    #[arg(long, value_delimiter = ',', default_value = "1,2,3")]
+    parts: Vec<u8>,
+    /// Skip the stages through Envoy in part 1 (part 2 always goes through Envoy).
+    #[arg(long)]
+    skip_envoy: bool,
+    /// Envoy worker threads.
+    #[arg(long, default_value_t = 1)]
+    envoy_workers: u32,
+    /// Decisions per second the latency stages send (an open loop: paced, whatever the answers).
+    #[arg(long, default_value_t = 1000.0)]
+    latency_rate: f64,
+    /// Round trips to add to one hop at a time, in milliseconds.
+    #[arg(long, value_delimiter = ',', default_value = "0.2,1,5")]
+    rtt_ms: Vec<f64>,
+    /// How a hop's delay is made: `netem` (tc qdisc), `relay` (a userspace delay relay), or
+    /// `auto` (netem when the kernel has it).
+    #[arg(long, default_value = "auto", value_parser = ["auto", "netem", "relay"])]
+    delay: String,
+    /// The sidecars' `--redis-pipeline` (script calls in flight per Redis node); the sidecar's
+    /// default when not given.
+    #[arg(long)]
+    redis_pipeline: Option<u64>,
+    /// Part 3 also measures the sidecar-Redis hop with a sidecar started with this
+    /// `--redis-pipeline` (0: not), to show what calls in flight do for a distant Redis.
+    #[arg(long, default_value_t = 16)]
+    alt_pipeline: u64,
+    /// Model: decisions per second to plan for.
+    #[arg(long, default_value_t = 1_000_000.0)]
+    target: f64,
+    /// Model: the busiest a Redis primary or sidecar core may be at the target load (0.5 keeps
+    /// 50% headroom).
+    #[arg(long, default_value_t = 0.5)]
+    utilisation: f64,
+    /// Model: replicas per primary.
+    #[arg(long, default_value_t = 1)]
+    replicas_per_primary: usize,
+    /// Model: decisions per script call the fleet's calls carry. Batches form only while a
+    /// sidecar has calls in flight to a node, and a large fleet splits its load over many
+    /// (sidecar, primary) pairs, each carrying a few hundred decisions/s: about 1.
+    #[arg(long, default_value_t = 1.0)]
+    fleet_batch: f64,
+    /// Model: gateways (Envoys) sharing the load, which decides which keys are busy enough at one
+    /// gateway to be leased.
+    #[arg(long, default_value_t = 100)]
+    gateways: usize,
+}
+
+// ---------------------------------------------------------------------------------------------
+// Interruption: a first Ctrl-C (or SIGTERM) ends the current stage and unwinds (every process
+// killed, every namespace deleted by its Drop); a second one removes the namespaces and exits.
+
+static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+fn watch_signals() {
+    std::thread::spawn(|| {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("signal runtime");
+        rt.block_on(async {
+            use tokio::signal::unix::{signal, SignalKind};
+            let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
+            loop {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
+                }
+                if INTERRUPTED.swap(true, Ordering::SeqCst) {
+                    netns::remove_all();
+                    std::process::exit(130);
+                }
+                eprintln!("\ninterrupted: stopping and cleaning up (again to exit at once)");
+            }
+        });
+    });
+}
+
+fn check_interrupted() {
+    if INTERRUPTED.load(Ordering::SeqCst) {
+        std::panic::resume_unwind(Box::new("interrupted"));
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The machine, and CPU from /proc.
+
+fn clock_ticks_per_second() -> f64 {
+    static TICKS: std::sync::OnceLock<f64> = std::sync::OnceLock::new();
+    *TICKS.get_or_init(|| {
+        std::process::Command::new("getconf")
+            .arg("CLK_TCK")
+            .output()
+            .ok()
+            .and_then(|o| String::from_utf8_lossy(&o.stdout).trim().parse().ok())
+            .unwrap_or(100.0)
+    })
+}
+
+/// The CPU time (user + system) a process has used so far, in seconds.
+fn cpu_seconds(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // Fields after the command name (which may contain spaces) start after the last ')'.
+    let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: f64 = [11, 12] // utime, stime (fields 14 and 15 counted from the pid)
+        .iter()
+        .filter_map(|i| fields.get(*i).and_then(|v| v.parse::<f64>().ok()))
+        .sum();
+    ticks / clock_ticks_per_second()
+}
+
+/// CPU seconds the whole machine has been busy (all cores, from /proc/stat).
+fn machine_busy_seconds() -> f64 {
+    let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+    let v: Vec<f64> = stat
+        .lines()
+        .next()
+        .unwrap_or("")
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|x| x.parse().ok())
+        .collect();
+    // user nice system idle iowait irq softirq steal: busy = all but idle and iowait.
+    let total: f64 = v.iter().take(8).sum();
+    let idle = v.get(3).copied().unwrap_or(0.0) + v.get(4).copied().unwrap_or(0.0);
+    (total - idle) / clock_ticks_per_second()
+}
+
+fn first_line(cmd: &str, args: &[&str]) -> String {
+    std::process::Command::new(cmd)
+        .args(args)
+        .output()
+        .ok()
+        .map(|o| {
+            let s = String::from_utf8_lossy(&o.stdout).to_string();
+            s.lines()
+                .map(str::trim)
+                .find(|l| !l.is_empty())
+                .unwrap_or("")
+                .to_string()
+        })
+        .unwrap_or_else(|| "unknown".into())
+}
+
+fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_default()
+}
+
+fn describe_machine() {
+    let cores = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
+    let cpu_model = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|c| {
+            c.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split_once(':'))
+                .map(|(_, m)| m.trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown CPU".into());
+    let redis = first_line("redis-server", &["--version"]);
+    let envoy = Envoy::bin();
+    let envoy = first_line(&envoy.display().to_string(), &["--version"]);
+    println!("== machine");
+    println!(
+        "nproc {cores}, {cpu_model}, kernel {}",
+        first_line("uname", &["-r"])
+    );
+    println!("{redis}");
+    println!(
+        "envoy {}",
+        envoy
+            .trim_start_matches(|c| c != ':')
+            .trim_start_matches(':')
+            .trim()
+    );
+    println!("load average at start: {}", load_average());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Keys: names, Cluster slots, and how the workloads draw them.
+
+/// The Cluster slot of a hash tag (CRC16/XMODEM modulo 16384), as Redis computes it.
+fn slot(tag: &str) -> u16 {
+    crc16::State::<crc16::XMODEM>::calculate(tag.as_bytes()) % 16384
+}
+
+/// The subject value of key `i` for the sidecar stages (`id`), and its bucket's hash tag.
+fn key_id(i: usize) -> String {
+    format!("k{i}")
+}
+
+/// The client address of key `i` for the Envoy stages (sent as `X-Forwarded-For`).
+fn key_ip(i: usize) -> String {
+    format!("10.{}.{}.{}", (i >> 16) & 255, (i >> 8) & 255, i & 255)
+}
+
+/// The hash tag of a bucket, as the sidecar names it (`rl:{<domain>|rule=<rule>|<dim>=<v>}`;
+/// the values used here need no escaping).
+fn tag(rule: &str, dim: Option<(&str, &str)>) -> String {
+    match dim {
+        Some((d, v)) => format!("ratelimit|rule={rule}|{d}={v}"),
+        None => format!("ratelimit|rule={rule}"),
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Dist {
+    Uniform,
+    Zipf,
+}
+
+/// The keyspace: `n` keys, their slots for both paths, and the Zipf weights (rank `i + 1` is
+/// key `i`).
+struct Keyspace {
+    n: usize,
+    s: f64,
+    zipf_cdf: Vec<f64>,
+    zipf_weights: Vec<f64>,
+    slot_id: Vec<u16>,
+    slot_ip: Vec<u16>,
+}
+
+impl Keyspace {
+    fn new(n: usize, s: f64) -> Keyspace {
+        let raw: Vec<f64> = (1..=n).map(|k| (k as f64).powf(-s)).collect();
+        let h: f64 = raw.iter().sum();
+        let zipf_weights: Vec<f64> = raw.iter().map(|w| w / h).collect();
+        let mut acc = 0.0;
+        let zipf_cdf = zipf_weights
+            .iter()
+            .map(|w| {
+                acc += w;
+                acc
+            })
+            .collect();
+        Keyspace {
+            n,
+            s,
+            zipf_cdf,
+            zipf_weights,
+            slot_id: (0..n)
+                .map(|i| slot(&tag("scale", Some(("id", &key_id(i))))))
+                .collect(),
+            slot_ip: (0..n)
+                .map(|i| slot(&tag("scale-ip", Some(("ip", &key_ip(i))))))
+                .collect(),
+        }
+    }
+
+    /// A key drawn from `dist` with the random bits `r`.
+    fn pick(&self, dist: Dist, r: u64) -> usize {
+        match dist {
+            Dist::Uniform => (r % self.n as u64) as usize,
+            Dist::Zipf => {
+                let u = (r >> 11) as f64 / (1u64 << 53) as f64;
+                self.zipf_cdf.partition_point(|c| *c < u).min(self.n - 1)
+            }
+        }
+    }
+
+    fn weights(&self, dist: Dist) -> Vec<f64> {
+        match dist {
+            Dist::Uniform => vec![1.0 / self.n as f64; self.n],
+            Dist::Zipf => self.zipf_weights.clone(),
+        }
+    }
+
+    fn name(&self, dist: Dist) -> String {
+        match dist {
+            Dist::Uniform => format!("uniform over {} keys", self.n),
+            Dist::Zipf => format!("Zipf s={} over {} keys", self.s, self.n),
+        }
+    }
+}
+
+/// The share of decisions on each of `p` primaries holding even slot ranges, for key weights
+/// `weights` whose slots are `slots`.
+fn shard_shares(weights: &[f64], slots: &[u16], p: usize) -> Vec<f64> {
+    let mut by_slot = vec![0.0; 16384];
+    for (w, s) in weights.iter().zip(slots) {
+        by_slot[*s as usize] += w;
+    }
+    shares_from_slots(&by_slot, p)
+}
+
+fn shares_from_slots(by_slot: &[f64], p: usize) -> Vec<f64> {
+    even_slot_ranges(p)
+        .into_iter()
+        .map(|(a, b)| by_slot[a as usize..=b as usize].iter().sum())
+        .collect()
+}
+
+fn node_of_slot(p: usize) -> Vec<u8> {
+    let mut owner = vec![0u8; 16384];
+    for (i, (a, b)) in even_slot_ranges(p).into_iter().enumerate() {
+        for s in a..=b {
+            owner[s as usize] = i as u8;
+        }
+    }
+    owner
+}
+
+/// splitmix64: the random bits of one draw.
+fn mix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9E3779B97F4A7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58476D1CE4E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D049BB133111EB);
+    z ^ (z >> 31)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Processes of this program's own: the sidecar with the scale policy, on any address, in any
+// namespace.
+
+/// The policy of every stage: buckets so large and slow that nothing is ever rejected and every
+/// bucket touched stays in Redis for the rest of its stage (a token takes 1000 s to come back),
+/// so `DBSIZE` counts the keys a stage touched. The sidecar is started with a
+/// `--max-refill-seconds` that allows it.
+const POLICY: &str = "rules:
+  scale: {capacity: 999999999999, refill_per_sec: 0.001}
+  scale-ip: {capacity: 999999999999, refill_per_sec: 0.001}
+  hot: {capacity: 999999999999, refill_per_sec: 0.001}
+";
+
+struct Workdir {
+    dir: tempfile::TempDir,
+    policy: PathBuf,
+}
+
+impl Workdir {
+    fn new() -> Workdir {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let policy = dir.path().join("limits.yaml");
+        std::fs::write(&policy, POLICY).expect("write the policy");
+        Workdir { dir, policy }
+    }
+
+    fn path(&self) -> &Path {
+        self.dir.path()
+    }
+}
+
+/// `GET <path>` over a plain socket (from the calling thread's namespace): the status code.
+fn http_status(addr: SocketAddr, path: &str) -> Option<u16> {
+    use std::io::{Read, Write};
+    let mut s = TcpStream::connect_timeout(&addr, Duration::from_millis(500)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nhost: scale\r\nconnection: close\r\n\r\n"
+    )
+    .ok()?;
+    let mut head = [0u8; 16];
+    let n = s.read(&mut head).ok()?;
+    std::str::from_utf8(&head[..n])
+        .ok()?
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()
+}
+
+/// Starts the sidecar binary listening on `listen` (inside `ns` if given) with `redis` flags
+/// and waits for its `/readyz`.
+fn start_sidecar(
+    args: &Args,
+    work: &Workdir,
+    ns: Option<&Netns>,
+    listen: SocketAddr,
+    redis: &[&str],
+    name: &str,
+) -> Process {
+    let bin = Sidecar::bin();
+    let mut cmd = match ns {
+        Some(ns) => ns.command(&bin),
+        None => std::process::Command::new(&bin),
+    };
+    cmd.args(["--listen", &listen.to_string(), "--limits"])
+        .arg(&work.policy)
+        .args(["--max-refill-seconds", "1e16"])
+        // The 5 ms round trips of part 3 would not fit the default 30 ms with queueing: one
+        // bound for every stage, so they compare.
+        .args(["--redis-timeout-ms", "1000"])
+        .args(redis)
+        .env("RUST_LOG", "warn");
+    if let Some(n) = args
+        .redis_pipeline
+        .filter(|_| !redis.contains(&"--redis-pipeline"))
+    {
+        cmd.args(["--redis-pipeline", &n.to_string()]);
+    }
+    if !listen.ip().is_loopback() {
+        cmd.arg("--allow-unauthenticated");
+    }
+    let mut process = Process::spawn(name, cmd, work.path());
+    let ready = || http_status(listen, "/readyz") == Some(200);
+    let mut check = || {
+        assert!(process.running(), "{name} exited:\n{}", process.log());
+        match ns {
+            Some(ns) => ns.run(ready),
+            None => ready(),
+        }
+    };
+    wait_until(&format!("{name} /readyz"), READY_TIMEOUT, &mut check);
+    process
+}
+
+/// `GET <path>` over a plain socket: the body (empty on any failure).
+fn http_get(addr: SocketAddr, path: &str) -> String {
+    use std::io::{Read, Write};
+    let Ok(mut s) = TcpStream::connect_timeout(&addr, Duration::from_secs(2)) else {
+        return String::new();
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
+    if write!(
+        s,
+        "GET {path} HTTP/1.1\r\nhost: scale\r\nconnection: close\r\n\r\n"
+    )
+    .is_err()
+    {
+        return String::new();
+    }
+    let mut text = String::new();
+    let _ = s.read_to_string(&mut text);
+    text.split_once("\r\n\r\n")
+        .map(|(_, body)| body.to_string())
+        .unwrap_or_default()
+}
+
+/// The sum of the sidecar's `/metrics` lines starting with `prefix`.
+fn sidecar_metric(addr: SocketAddr, prefix: &str) -> f64 {
+    http_get(addr, "/metrics")
+        .lines()
+        .filter(|l| l.starts_with(prefix))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// The sum of Envoy's counters whose name ends with `suffix` (e.g. `ratelimit.admitted`).
+fn envoy_stat(envoy: &Envoy, suffix: &str) -> f64 {
+    http_get(
+        ([127, 0, 0, 1], envoy.admin_port).into(),
+        "/stats?filter=ratelimit",
+    )
+    .lines()
+    .filter_map(|l| l.split_once(": "))
+    .filter(|(k, _)| k.ends_with(suffix))
+    .filter_map(|(_, v)| v.trim().parse::<f64>().ok())
+    .sum()
+}
+
+/// Script calls a node has run so far (`EVALSHA` and the `EVAL` that heals a NOSCRIPT).
+fn script_calls(node: &Redis) -> u64 {
+    script_stats(node).0 as u64
+}
+
+/// Script calls a node has run so far and the µs it spent inside them (`INFO commandstats`:
+/// `calls` and `usec` of `EVALSHA` and `EVAL`; the rest of its CPU is reading, parsing and
+/// answering commands).
+fn script_stats(node: &Redis) -> (f64, f64) {
+    let field = |line: &str, name: &str| -> f64 {
+        line.split([':', ','])
+            .find_map(|kv| kv.strip_prefix(name)?.strip_prefix('=')?.parse().ok())
+            .unwrap_or(0.0)
+    };
+    node.cli(&["INFO", "commandstats"])
+        .lines()
+        .filter(|l| l.starts_with("cmdstat_evalsha:") || l.starts_with("cmdstat_eval:"))
+        .fold((0.0, 0.0), |(c, u), l| {
+            (c + field(l, "calls"), u + field(l, "usec"))
+        })
+}
+
+fn dbsize(node: &Redis) -> u64 {
+    node.cli(&["DBSIZE"]).trim().parse().unwrap_or(0)
+}
+
+// ---------------------------------------------------------------------------------------------
+// A stage: concurrent callers in a closed loop, measured after a warm-up.
+
+type Op =
+    Arc<dyn Fn(u64) -> Pin<Box<dyn Future<Output = Result<(), String>> + Send>> + Send + Sync>;
+
+/// Units (decisions, requests) attributed to each Cluster node by the ops themselves.
+type NodeCounts = Arc<Vec<AtomicU64>>;
+
+fn node_counts(n: usize) -> NodeCounts {
+    Arc::new((0..n).map(|_| AtomicU64::new(0)).collect())
+}
+
+#[derive(Clone)]
+struct Watched {
+    name: String,
+    pid: u32,
+}
+
+fn watched(name: impl Into<String>, pid: u32) -> Watched {
+    Watched {
+        name: name.into(),
+        pid,
+    }
+}
+
+/// What one stage measured.
+#[derive(Clone, Default)]
+struct Measured {
+    seconds: f64,
+    /// Successful operations (calls, requests).
+    ops: u64,
+    errors: u64,
+    /// Sorted.
+    latencies: Vec<Duration>,
+    /// CPU seconds each watched process used during the stage, in `watched` order.
+    cpu: Vec<(String, f64)>,
+    /// CPU seconds of this process (the load generator, and the demo upstream).
+    generator_cpu: f64,
+    /// CPU seconds the whole machine was busy.
+    machine_cpu: f64,
+    /// Units attributed to each node during the stage.
+    per_node: Vec<u64>,
+    /// What the stage's probe counted during the stage.
+    probed: Vec<f64>,
+}
+
+impl Measured {
+    fn per_second(&self) -> f64 {
+        self.ops as f64 / self.seconds
+    }
+
+    fn quantile(&self, q: f64) -> Duration {
+        if self.latencies.is_empty() {
+            return Duration::ZERO;
+        }
+        let i = ((self.latencies.len() as f64 * q) as usize).min(self.latencies.len() - 1);
+        self.latencies[i]
+    }
+
+    fn cpu_of(&self, name: &str) -> f64 {
+        self.cpu
+            .iter()
+            .filter(|(n, _)| n == name)
+            .map(|(_, c)| c)
+            .sum()
+    }
+
+    /// CPU seconds of the machine used by processes this run did not start: the contention.
+    fn others_cores(&self) -> f64 {
+        let ours: f64 = self.cpu.iter().map(|(_, c)| c).sum::<f64>() + self.generator_cpu;
+        ((self.machine_cpu - ours) / self.seconds).max(0.0)
+    }
+}
+
+/// Runs `concurrency` callers of `op` for 1 s of warm-up, then measures `seconds`.
+/// Counters read at the start and at the end of the measured window (script calls, metrics);
+/// [`Measured::probed`] holds their increase.
+type Probe<'a> = &'a (dyn Fn() -> Vec<f64> + Sync);
+
+async fn closed_loop(
+    seconds: f64,
+    concurrency: usize,
+    watched: &[Watched],
+    counts: &NodeCounts,
+    probe: Probe<'_>,
+    op: Op,
+) -> Measured {
+    let stop = Arc::new(AtomicBool::new(false));
+    let recording = Arc::new(AtomicBool::new(false));
+    let ops = Arc::new(AtomicU64::new(0));
+    let errors = Arc::new(AtomicU64::new(0));
+    let last_error = Arc::new(Mutex::new(String::new()));
+    let mut tasks = Vec::new();
+    for worker in 0..concurrency {
+        let (op, stop, recording, ops, errors, last_error) = (
+            op.clone(),
+            stop.clone(),
+            recording.clone(),
+            ops.clone(),
+            errors.clone(),
+            last_error.clone(),
+        );
+        tasks.push(tokio::spawn(async move {
+            let mut latencies = Vec::new();
+            let mut n = (worker as u64) << 40;
+            while !stop.load(Ordering::Relaxed) {
+                n += 1;
+                let counted = recording.load(Ordering::Relaxed);
+                let t = Instant::now();
+                match op(mix(n)).await {
+                    Ok(()) => {
+                        if counted && recording.load(Ordering::Relaxed) {
+                            latencies.push(t.elapsed());
+                        }
+                        ops.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Err(e) => {
+                        errors.fetch_add(1, Ordering::Relaxed);
+                        *last_error.lock().unwrap_or_else(|e| e.into_inner()) = e;
+                        // A failing target must not turn into a busy loop.
+                        tokio::time::sleep(Duration::from_millis(1)).await;
+                    }
+                }
+            }
+            latencies
+        }));
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let snapshot = |counts: &NodeCounts| -> Vec<u64> {
+        counts.iter().map(|c| c.load(Ordering::Relaxed)).collect()
+    };
+    let probed_before = tokio::task::block_in_place(probe);
+    let cpu_before: Vec<f64> = watched.iter().map(|w| cpu_seconds(w.pid)).collect();
+    let gen_before = cpu_seconds(std::process::id());
+    let machine_before = machine_busy_seconds();
+    let (ops_before, errors_before, nodes_before) = (
+        ops.load(Ordering::Relaxed),
+        errors.load(Ordering::Relaxed),
+        snapshot(counts),
+    );
+    recording.store(true, Ordering::Relaxed);
+    let start = Instant::now();
+    while start.elapsed().as_secs_f64() < seconds && !INTERRUPTED.load(Ordering::Relaxed) {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    recording.store(false, Ordering::Relaxed);
+    let elapsed = start.elapsed().as_secs_f64();
+    let (ops_after, errors_after, nodes_after) = (
+        ops.load(Ordering::Relaxed),
+        errors.load(Ordering::Relaxed),
+        snapshot(counts),
+    );
+    let cpu: Vec<(String, f64)> = watched
+        .iter()
+        .zip(cpu_before)
+        .map(|(w, before)| (w.name.clone(), cpu_seconds(w.pid) - before))
+        .collect();
+    let generator_cpu = cpu_seconds(std::process::id()) - gen_before;
+    let machine_cpu = machine_busy_seconds() - machine_before;
+    let probed = tokio::task::block_in_place(probe)
+        .iter()
+        .zip(probed_before)
+        .map(|(a, b)| a - b)
+        .collect();
+    stop.store(true, Ordering::Relaxed);
+    let mut latencies = Vec::new();
+    for t in tasks {
+        latencies.extend(t.await.expect("caller task"));
+    }
+    check_interrupted();
+    latencies.sort();
+    let measured = Measured {
+        seconds: elapsed,
+        ops: ops_after - ops_before,
+        errors: errors_after - errors_before,
+        latencies,
+        cpu,
+        generator_cpu,
+        machine_cpu,
+        per_node: nodes_after
+            .iter()
+            .zip(nodes_before)
+            .map(|(a, b)| a - b)
+            .collect(),
+        probed,
+    };
+    assert!(
+        measured.ops > 0,
+        "no operation succeeded ({} errors, the last: {})",
+        measured.errors,
+        last_error.lock().unwrap_or_else(|e| e.into_inner())
+    );
+    if measured.errors > 0 {
+        eprintln!(
+            "  ({} operations failed; the last: {})",
+            measured.errors,
+            last_error.lock().unwrap_or_else(|e| e.into_inner())
+        );
+    }
+    measured
+}
+
+/// `POST /v1/decide` with `per_call` requests of one decision each, on keys drawn from `dist`
+/// (rule `scale`) or on the hot key (rule `hot`, `dist` None); counts each decision on its node.
+fn decide_op(
+    http: reqwest::Client,
+    url: String,
+    keys: Arc<Keyspace>,
+    dist: Option<Dist>,
+    per_call: usize,
+    owner: Arc<Vec<u8>>,
+    counts: NodeCounts,
+) -> Op {
+    let hot_node = owner[slot(&tag("hot", None)) as usize];
+    Arc::new(move |r| {
+        let (http, url, keys, owner, counts) = (
+            http.clone(),
+            url.clone(),
+            keys.clone(),
+            owner.clone(),
+            counts.clone(),
+        );
+        Box::pin(async move {
+            let mut body = String::from("{\"requests\":[");
+            let mut nodes = Vec::with_capacity(per_call);
+            for j in 0..per_call {
+                if j > 0 {
+                    body.push(',');
+                }
+                match dist {
+                    Some(dist) => {
+                        let k = keys.pick(dist, mix(r ^ ((j as u64) << 48)));
+                        nodes.push(owner[keys.slot_id[k] as usize]);
+                        body.push_str(&format!(
+                            "{{\"decisions\":[{{\"rule\":\"scale\",\"subject\":{{\"id\":\"{}\"}}}}]}}",
+                            key_id(k)
+                        ));
+                    }
+                    None => {
+                        nodes.push(hot_node);
+                        body.push_str("{\"decisions\":[{\"rule\":\"hot\"}]}");
+                    }
+                }
+            }
+            body.push_str("]}");
+            let resp = http
+                .post(&url)
+                .header("content-type", "application/json")
+                .body(body)
+                .send()
+                .await
+                .map_err(|e| e.to_string())?;
+            let status = resp.status().as_u16();
+            let text = resp.text().await.map_err(|e| e.to_string())?;
+            if status != 200 || text.contains("\"allowed\":false") {
+                return Err(format!("status {status}: {text}"));
+            }
+            for n in nodes {
+                counts[n as usize].fetch_add(1, Ordering::Relaxed);
+            }
+            Ok(())
+        })
+    })
+}
+
+/// `GET` through Envoy: `/k/x` from the client address of a key drawn from `dist` (rule
+/// `scale-ip`), or `/hot/x` (rule `hot`, `dist` None); counts each request on its key's node.
+fn envoy_op(
+    http: reqwest::Client,
+    base: String,
+    keys: Arc<Keyspace>,
+    dist: Option<Dist>,
+    owner: Arc<Vec<u8>>,
+    counts: NodeCounts,
+) -> Op {
+    let hot_node = owner[slot(&tag("hot", None)) as usize];
+    Arc::new(move |r| {
+        let (http, base, keys, owner, counts) = (
+            http.clone(),
+            base.clone(),
+            keys.clone(),
+            owner.clone(),
+            counts.clone(),
+        );
+        Box::pin(async move {
+            let (req, node) = match dist {
+                Some(dist) => {
+                    let k = keys.pick(dist, r);
+                    (
+                        http.get(format!("{base}/k/x"))
+                            .header("x-forwarded-for", key_ip(k)),
+                        owner[keys.slot_ip[k] as usize],
+                    )
+                }
+                None => (http.get(format!("{base}/hot/x")), hot_node),
+            };
+            let resp = req.send().await.map_err(|e| e.to_string())?;
+            let status = resp.status().as_u16();
+            resp.bytes().await.map_err(|e| e.to_string())?;
+            if status != 200 {
+                return Err(format!("status {status}"));
+            }
+            counts[node as usize].fetch_add(1, Ordering::Relaxed);
+            Ok(())
+        })
+    })
+}
+
+fn http_client(concurrency: usize) -> reqwest::Client {
+    reqwest::Client::builder()
+        .no_proxy()
+        .pool_max_idle_per_host(concurrency * 2)
+        .timeout(Duration::from_secs(10))
+        .build()
+        .expect("http client")
+}
+
+// ---------------------------------------------------------------------------------------------
+// Envoy with the filter in front of the sidecar.
+
+/// The filter's rules for the Envoy stages; `leases` off keeps every other fast path on.
+fn plugin(leases: bool) -> String {
+    let mut p = serde_json::json!({
+        "domain": "ratelimit",
+        "sidecar": {"cluster": "ratelimit_sidecar", "timeout_ms": 2000},
+        "identity": {"ip": true},
+        "rules": [
+            {"name": "scale-ip", "match": {"path_prefix": "/k/"}, "subject": ["ip"], "on_error": "deny"},
+            {"name": "hot", "match": {"path_prefix": "/hot/"}, "subject": [], "on_error": "deny"}
+        ]
+    });
+    if !leases {
+        p["fast_paths"] = serde_json::json!({"leases": {"enabled": false}});
+    }
+    p.to_string()
+}
+
+/// The shipped `envoy/envoy.yaml` with the scale rules, the client address taken from
+/// `X-Forwarded-For` (the stages tell their clients apart by it; an edge Envoy must not).
+fn start_envoy(sidecar_port: u16, upstream_port: u16, workers: u32, leases: bool) -> Envoy {
+    let config = EnvoyConfig::shipped("envoy.yaml", sidecar_port, upstream_port)
+        .plugin(&plugin(leases))
+        .concurrency(workers)
+        .replace("use_remote_address: true", "use_remote_address: false");
+    Envoy::start(&config)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Part 1: shards.
+
+/// One stage of part 1 and what the nodes held after it.
+struct ShardStage {
+    path: &'static str,
+    dist: Dist,
+    primaries: usize,
+    replica: bool,
+    m: Measured,
+    /// Decisions (sidecar path) or requests (Envoy path) the load generator sent per node.
+    keys_per_node: Vec<u64>,
+    /// Decisions that reached the sidecar (its metric), for the Envoy path.
+    sidecar_decisions: f64,
+    /// Script calls per node.
+    calls_per_node: Vec<u64>,
+    /// µs each node spent inside script calls (its `INFO commandstats`).
+    script_us_per_node: Vec<f64>,
+    predicted_shares: Vec<f64>,
+}
+
+impl ShardStage {
+    fn decisions(&self) -> f64 {
+        if self.path == "sidecar" {
+            self.m.ops as f64 * self.per_call() as f64
+        } else {
+            self.sidecar_decisions
+        }
+    }
+
+    fn per_call(&self) -> usize {
+        let total: u64 = self.m.per_node.iter().sum();
+        (total as f64 / self.m.ops.max(1) as f64).round().max(1.0) as usize
+    }
+
+    fn node_cpu(&self, i: usize) -> f64 {
+        self.m.cpu_of(&format!("redis-{i}"))
+    }
+
+    fn redis_cpu(&self) -> f64 {
+        (0..self.primaries).map(|i| self.node_cpu(i)).sum()
+    }
+
+    /// Redis CPU µs per decision, all primaries together.
+    fn redis_us(&self) -> f64 {
+        self.redis_cpu() * 1e6 / self.decisions().max(1.0)
+    }
+
+    fn sidecar_us(&self) -> f64 {
+        self.m.cpu_of("sidecar") * 1e6 / self.decisions().max(1.0)
+    }
+
+    /// The node with the most units, and its share of units, CPU and keys.
+    fn hottest(&self) -> (usize, f64, f64, f64) {
+        let total: u64 = self.m.per_node.iter().sum();
+        let (i, most) = self
+            .m
+            .per_node
+            .iter()
+            .enumerate()
+            .max_by_key(|(_, v)| **v)
+            .map(|(i, v)| (i, *v))
+            .unwrap_or((0, 0));
+        let cpu = self.node_cpu(i) / self.redis_cpu().max(1e-9);
+        let keys_total: u64 = self.keys_per_node.iter().sum();
+        let keys =
+            self.keys_per_node.get(i).copied().unwrap_or(0) as f64 / keys_total.max(1) as f64;
+        (i, most as f64 / total.max(1) as f64, cpu, keys)
+    }
+}
+
+/// The nodes' pids as watched processes `redis-0`, `redis-1`, ...
+fn cluster_watch(cluster: &RedisCluster) -> Vec<Watched> {
+    cluster
+        .nodes
+        .iter()
+        .enumerate()
+        .map(|(i, n)| watched(format!("redis-{i}"), n.pid()))
+        .collect()
+}
+
+fn flush(cluster: &RedisCluster) {
+    for n in &cluster.nodes {
+        n.cli(&["FLUSHALL"]);
+    }
+}
+
+/// A cluster-enabled node that becomes a replica of `primary` (node 0 of `cluster`).
+fn add_replica(cluster: &RedisCluster) -> Redis {
+    let options = RedisOptions::default().args(&[
+        "--cluster-enabled",
+        "yes",
+        "--cluster-config-file",
+        "nodes.conf",
+        "--cluster-node-timeout",
+        "5000",
+    ]);
+    let replica = Redis::start_with_options(&options);
+    let primary = &cluster.nodes[0];
+    let primary_id = primary.cli(&["CLUSTER", "MYID"]);
+    replica.cli(&["CLUSTER", "MEET", "127.0.0.1", &primary.port.to_string()]);
+    wait_until("the replica to know its primary", READY_TIMEOUT, || {
+        replica.cli(&["CLUSTER", "NODES"]).contains(&primary_id)
+    });
+    let out = replica.cli(&["CLUSTER", "REPLICATE", &primary_id]);
+    assert_eq!(out, "OK", "CLUSTER REPLICATE: {out}");
+    wait_until("the replica's link up", READY_TIMEOUT, || {
+        replica
+            .cli(&["INFO", "replication"])
+            .contains("master_link_status:up")
+    });
+    replica
+}
+
+struct Part1 {
+    stages: Vec<ShardStage>,
+    /// The last cluster and its sidecar, kept for part 2.
+    kept: Option<(RedisCluster, Process, u16)>,
+}
+
+fn run_part1(
+    args: &Args,
+    rt: &tokio::runtime::Runtime,
+    work: &Workdir,
+    keys: &Arc<Keyspace>,
+    upstream: &Upstream,
+) -> Part1 {
+    let mut stages = Vec::new();
+    let mut kept = None;
+    let http = http_client(args.concurrency);
+    for (index, &p) in args.primaries.iter().enumerate() {
+        println!(
+            "  starting a Cluster of {p} primar{}",
+            if p == 1 { "y" } else { "ies" }
+        );
+        let cluster = RedisCluster::start_primaries(p);
+        // The slots computed here are the server's.
+        for i in [0, 1, keys.n - 1] {
+            let key = format!("rl:{{{}}}", tag("scale", Some(("id", &key_id(i)))));
+            let server: u16 = cluster.nodes[0]
+                .cli(&["CLUSTER", "KEYSLOT", &key])
+                .parse()
+                .unwrap_or(u16::MAX);
+            assert_eq!(server, keys.slot_id[i], "slot of {key}");
+        }
+        let sidecar_port = ratelimit_e2e::free_port();
+        let sidecar_addr: SocketAddr = ([127, 0, 0, 1], sidecar_port).into();
+        let sidecar = start_sidecar(
+            args,
+            work,
+            None,
+            sidecar_addr,
+            &["--redis-cluster", &cluster.seeds()],
+            &format!("sidecar-{p}p"),
+        );
+        let decide_url = format!("http://{sidecar_addr}/v1/decide");
+        let owner = Arc::new(node_of_slot(p));
+        let mut watch = cluster_watch(&cluster);
+        watch.push(watched("sidecar", sidecar.pid()));
+        // Per stage: each node's script calls, the decisions the sidecar answered, then each
+        // node's µs inside scripts.
+        let probe = || -> Vec<f64> {
+            let stats: Vec<(f64, f64)> = cluster.nodes.iter().map(script_stats).collect();
+            let mut v: Vec<f64> = stats.iter().map(|s| s.0).collect();
+            v.push(sidecar_metric(sidecar_addr, "ratelimit_decisions_total"));
+            v.extend(stats.iter().map(|s| s.1));
+            v
+        };
+        let shard_stage = |path, dist, replica, m: Measured, slots: &[u16]| ShardStage {
+            path,
+            dist,
+            primaries: p,
+            replica,
+            keys_per_node: cluster.nodes.iter().map(dbsize).collect(),
+            calls_per_node: m.probed[..p].iter().map(|c| *c as u64).collect(),
+            sidecar_decisions: m.probed[p],
+            script_us_per_node: m.probed[p + 1..].to_vec(),
+            predicted_shares: shard_shares(&keys.weights(dist), slots, p),
+            m,
+        };
+        for dist in [Dist::Uniform, Dist::Zipf] {
+            flush(&cluster);
+            let counts = node_counts(p);
+            let op = decide_op(
+                http.clone(),
+                decide_url.clone(),
+                keys.clone(),
+                Some(dist),
+                args.requests_per_call,
+                owner.clone(),
+                counts.clone(),
+            );
+            println!("  {p} primaries, sidecar, {}", keys.name(dist));
+            let m = rt.block_on(closed_loop(
+                args.seconds,
+                args.concurrency,
+                &watch,
+                &counts,
+                &probe,
+                op,
+            ));
+            stages.push(shard_stage("sidecar", dist, false, m, &keys.slot_id));
+        }
+        if index == 0 {
+            // What a replica costs: the same uniform stage with a replica behind primary 0.
+            flush(&cluster);
+            let replica = add_replica(&cluster);
+            let mut watch = watch.clone();
+            watch.push(watched("replica", replica.pid()));
+            let counts = node_counts(p);
+            let op = decide_op(
+                http.clone(),
+                decide_url.clone(),
+                keys.clone(),
+                Some(Dist::Uniform),
+                args.requests_per_call,
+                owner.clone(),
+                counts.clone(),
+            );
+            println!("  {p} primaries and a replica of primary 0, sidecar, uniform");
+            let m = rt.block_on(closed_loop(
+                args.seconds,
+                args.concurrency,
+                &watch,
+                &counts,
+                &probe,
+                op,
+            ));
+            stages.push(shard_stage(
+                "sidecar",
+                Dist::Uniform,
+                true,
+                m,
+                &keys.slot_id,
+            ));
+            // The replica goes: later stages measure primaries alone. The primaries forget it
+            // (CLUSTER FORGET), or the sidecar's slot map would list a node that is gone.
+            let replica_id = replica.cli(&["CLUSTER", "MYID"]);
+            drop(replica);
+            for n in &cluster.nodes {
+                n.cli(&["CLUSTER", "FORGET", &replica_id]);
+            }
+        }
+        if !args.skip_envoy {
+            let envoy = start_envoy(sidecar_port, upstream.port, args.envoy_workers, true);
+            let mut watch = watch.clone();
+            watch.push(watched("envoy", envoy.process.pid()));
+            for dist in [Dist::Uniform, Dist::Zipf] {
+                flush(&cluster);
+                let counts = node_counts(p);
+                let op = envoy_op(
+                    http.clone(),
+                    format!("http://127.0.0.1:{}", envoy.listen_port),
+                    keys.clone(),
+                    Some(dist),
+                    owner.clone(),
+                    counts.clone(),
+                );
+                println!(
+                    "  {p} primaries, envoy + filter (fast paths as shipped), {}",
+                    keys.name(dist)
+                );
+                let m = rt.block_on(closed_loop(
+                    args.seconds,
+                    args.concurrency,
+                    &watch,
+                    &counts,
+                    &probe,
+                    op,
+                ));
+                stages.push(shard_stage("envoy", dist, false, m, &keys.slot_ip));
+            }
+        }
+        if index + 1 == args.primaries.len() {
+            kept = Some((cluster, sidecar, sidecar_port));
+        }
+    }
+    Part1 { stages, kept }
+}
+
+fn us(d: Duration) -> String {
+    if d >= Duration::from_millis(10) {
+        format!("{:.1}ms", d.as_secs_f64() * 1e3)
+    } else if d >= Duration::from_millis(1) {
+        format!("{:.2}ms", d.as_secs_f64() * 1e3)
+    } else {
+        format!("{:.0}µs", d.as_secs_f64() * 1e6)
+    }
+}
+
+fn print_part1(args: &Args, keys: &Keyspace, part: &Part1) {
+    println!(
+        "\n== 1. shards: POST /v1/decide on a Redis Cluster ({} callers, {} request(s) of one decision per call, {} s per stage, nothing rejected)",
+        args.concurrency, args.requests_per_call, args.seconds
+    );
+    println!(
+        "{:<28} {:>3} {:>11} {:>7} {:>8} {:>8} {:>9} {:>9} {:>8}  {:>7} {:>7} {:>7} {:>7}",
+        "keys",
+        "P",
+        "decisions/s",
+        "vs base",
+        "p50",
+        "p99",
+        "sidecar",
+        "redis",
+        "others",
+        "hottest",
+        "pred.",
+        "of cpu",
+        "of keys"
+    );
+    println!(
+        "{:<28} {:>3} {:>11} {:>7} {:>8} {:>8} {:>9} {:>9} {:>8}  {:>7} {:>7} {:>7} {:>7}",
+        "", "", "", "", "", "", "µs/dec", "µs/dec", "cores", "shard", "", "", ""
+    );
+    let sidecar: Vec<&ShardStage> = part.stages.iter().filter(|s| s.path == "sidecar").collect();
+    for dist in [Dist::Uniform, Dist::Zipf] {
+        let base = sidecar.iter().find(|s| s.dist == dist && !s.replica);
+        for s in sidecar.iter().filter(|s| s.dist == dist && !s.replica) {
+            let rate = s.decisions() / s.m.seconds;
+            let (_, share, cpu, keyshare) = s.hottest();
+            let pred = s.predicted_shares.iter().cloned().fold(0.0, f64::max);
+            println!(
+                "{:<28} {:>3} {:>11.0} {:>7} {:>8} {:>8} {:>9.1} {:>9.1} {:>8.2}  {:>6.1}% {:>6.1}% {:>6.1}% {:>6.1}%",
+                keys.name(dist),
+                s.primaries,
+                rate,
+                match base {
+                    Some(b) if b.primaries != s.primaries =>
+                        format!("{:.2}x", rate / (b.decisions() / b.m.seconds)),
+                    _ => "base".into(),
+                },
+                us(s.m.quantile(0.5)),
+                us(s.m.quantile(0.99)),
+                s.sidecar_us(),
+                s.redis_us(),
+                s.m.others_cores(),
+                share * 100.0,
+                pred * 100.0,
+                cpu * 100.0,
+                keyshare * 100.0
+            );
+        }
+    }
+    if let Some(r) = sidecar.iter().find(|s| s.replica) {
+        let base = sidecar
+            .iter()
+            .find(|s| s.dist == Dist::Uniform && s.primaries == r.primaries && !s.replica);
+        let d = r.decisions();
+        let primary_us = r.node_cpu(0) * 1e6 / d;
+        let replica_us = r.m.cpu_of("replica") * 1e6 / d;
+        println!(
+            "{:<28} {:>3} {:>11.0} {:>7} {:>8} {:>8} {:>9.1} {:>9.1} {:>8.2}  primary {primary_us:.1} µs/dec, replica {replica_us:.1} µs/dec{}",
+            "uniform, + 1 replica",
+            r.primaries,
+            d / r.m.seconds,
+            base.map(|b| format!("{:.2}x", (d / r.m.seconds) / (b.decisions() / b.m.seconds)))
+                .unwrap_or_default(),
+            us(r.m.quantile(0.5)),
+            us(r.m.quantile(0.99)),
+            r.sidecar_us(),
+            r.redis_us(),
+            r.m.others_cores(),
+            base.map(|b| format!(
+                " (the primary: {:.2}x its cost without a replica)",
+                primary_us / b.redis_us().max(1e-9)
+            ))
+            .unwrap_or_default()
+        );
+    }
+    println!(
+        "sidecar/redis µs/dec: CPU per decision (redis: all primaries together); others: cores busy with processes this run did not start;\n\
+         hottest shard: its share of the decisions, the share predicted from the keys' slots, its share of Redis CPU and of the keys (DBSIZE)"
+    );
+
+    println!("\nper shard:");
+    println!(
+        "{:<28} {:>3} {:>5} {:>13} {:>11} {:>7} {:>9} {:>7} {:>7} {:>9} {:>7} {:>9} {:>9}",
+        "keys",
+        "P",
+        "shard",
+        "slots",
+        "decisions/s",
+        "share",
+        "µs/dec",
+        "busy",
+        "of cpu",
+        "keys",
+        "of keys",
+        "dec/call",
+        "in script"
+    );
+    for s in sidecar.iter().filter(|s| !s.replica) {
+        let total: u64 = s.m.per_node.iter().sum();
+        let keys_total: u64 = s.keys_per_node.iter().sum();
+        for (i, (a, b)) in even_slot_ranges(s.primaries).into_iter().enumerate() {
+            let d = s.m.per_node[i] as f64;
+            println!(
+                "{:<28} {:>3} {:>5} {:>13} {:>11.0} {:>6.1}% {:>9.1} {:>6.0}% {:>6.1}% {:>9} {:>6.1}% {:>9.1} {:>9.1}",
+                keys.name(s.dist),
+                s.primaries,
+                i,
+                format!("{a}-{b}"),
+                d / s.m.seconds,
+                d * 100.0 / total.max(1) as f64,
+                s.node_cpu(i) * 1e6 / d.max(1.0),
+                s.node_cpu(i) * 100.0 / s.m.seconds,
+                s.node_cpu(i) * 100.0 / s.redis_cpu().max(1e-9),
+                s.keys_per_node[i],
+                s.keys_per_node[i] as f64 * 100.0 / keys_total.max(1) as f64,
+                d / s.calls_per_node[i].max(1) as f64,
+                s.script_us_per_node[i] / d.max(1.0),
+            );
+        }
+    }
+    println!("busy: the share of one core the node used; dec/call: decisions per script call (the sidecar's batching per node);\n\
+              in script: µs per decision inside EVALSHA (INFO commandstats; the rest of µs/dec is reading, parsing and answering commands)");
+
+    let envoy: Vec<&ShardStage> = part.stages.iter().filter(|s| s.path == "envoy").collect();
+    if envoy.is_empty() {
+        return;
+    }
+    println!(
+        "\nthrough Envoy ({} worker(s)) with the filter as shipped (coalesced callouts, leases), requests keyed by client address:",
+        args.envoy_workers
+    );
+    println!(
+        "{:<28} {:>3} {:>10} {:>7} {:>8} {:>8} {:>9} {:>8} {:>9} {:>9} {:>8}  {:>7} {:>7}",
+        "keys",
+        "P",
+        "requests/s",
+        "vs base",
+        "p50",
+        "p99",
+        "decisions",
+        "envoy",
+        "sidecar",
+        "redis",
+        "others",
+        "hottest",
+        "of cpu"
+    );
+    println!(
+        "{:<28} {:>3} {:>10} {:>7} {:>8} {:>8} {:>9} {:>8} {:>9} {:>9} {:>8}  {:>7} {:>7}",
+        "", "", "", "", "", "", "/request", "µs/req", "µs/dec", "µs/req", "cores", "shard", ""
+    );
+    for dist in [Dist::Uniform, Dist::Zipf] {
+        let base = envoy.iter().find(|s| s.dist == dist);
+        for s in envoy.iter().filter(|s| s.dist == dist) {
+            let (_, share, cpu, _) = s.hottest();
+            println!(
+                "{:<28} {:>3} {:>10.0} {:>7} {:>8} {:>8} {:>9.3} {:>8.1} {:>9.1} {:>9.1} {:>8.2}  {:>6.1}% {:>6.1}%",
+                keys.name(dist),
+                s.primaries,
+                s.m.per_second(),
+                match base {
+                    Some(b) if b.primaries != s.primaries => format!("{:.2}x", s.m.per_second() / b.m.per_second()),
+                    _ => "base".into(),
+                },
+                us(s.m.quantile(0.5)),
+                us(s.m.quantile(0.99)),
+                s.decisions() / s.m.ops.max(1) as f64,
+                s.m.cpu_of("envoy") * 1e6 / s.m.ops.max(1) as f64,
+                s.sidecar_us(),
+                s.redis_cpu() * 1e6 / s.m.ops.max(1) as f64,
+                s.m.others_cores(),
+                share * 100.0,
+                cpu * 100.0
+            );
+        }
+    }
+    println!("decisions/request: decisions that reached the sidecar per admitted request (below 1: leases answered the rest in Envoy)");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Part 2: a hot key.
+
+struct HotStage {
+    name: &'static str,
+    m: Measured,
+    /// Decisions that reached the sidecar (and Redis) during the measured window.
+    decisions: f64,
+    /// Script calls of the hot shard during the measured window.
+    script_calls: f64,
+    /// Requests answered from a lease in Envoy, per admitted request.
+    lease_share: f64,
+}
+
+struct Part2 {
+    primaries: usize,
+    hot_node: usize,
+    stages: Vec<HotStage>,
+}
+
+impl HotStage {
+    fn per_admitted(&self, v: f64) -> f64 {
+        v / self.m.ops.max(1) as f64
+    }
+}
+
+fn run_part2(
+    args: &Args,
+    rt: &tokio::runtime::Runtime,
+    keys: &Arc<Keyspace>,
+    upstream: &Upstream,
+    cluster: &RedisCluster,
+    sidecar: &Process,
+    sidecar_port: u16,
+) -> Part2 {
+    let p = cluster.nodes.len();
+    let owner = Arc::new(node_of_slot(p));
+    let hot_node = owner[slot(&tag("hot", None)) as usize] as usize;
+    let http = http_client(args.concurrency);
+    let sidecar_addr: SocketAddr = ([127, 0, 0, 1], sidecar_port).into();
+    let mut watch = cluster_watch(cluster);
+    watch.push(watched("sidecar", sidecar.pid()));
+    let mut stages = Vec::new();
+    let mut measure = |name: &'static str, envoy: Option<&Envoy>| {
+        flush(cluster);
+        let counts = node_counts(p);
+        let mut watch = watch.clone();
+        let op = match envoy {
+            None => decide_op(
+                http.clone(),
+                format!("http://{sidecar_addr}/v1/decide"),
+                keys.clone(),
+                None,
+                1,
+                owner.clone(),
+                counts.clone(),
+            ),
+            Some(e) => {
+                watch.push(watched("envoy", e.process.pid()));
+                envoy_op(
+                    http.clone(),
+                    format!("http://127.0.0.1:{}", e.listen_port),
+                    keys.clone(),
+                    None,
+                    owner.clone(),
+                    counts.clone(),
+                )
+            }
+        };
+        // The hot shard's script calls, the hot bucket's decisions at the sidecar, and the
+        // requests Envoy admitted from a lease.
+        let probe = || {
+            vec![
+                script_calls(&cluster.nodes[hot_node]) as f64,
+                sidecar_metric(sidecar_addr, "ratelimit_decisions_total{limit=\"hot\""),
+                envoy.map_or(0.0, |e| envoy_stat(e, "ratelimit.lease_admitted")),
+            ]
+        };
+        println!("  hot key: {name}");
+        let m = rt.block_on(closed_loop(
+            args.seconds,
+            args.concurrency,
+            &watch,
+            &counts,
+            &probe,
+            op,
+        ));
+        stages.push(HotStage {
+            name,
+            script_calls: m.probed[0],
+            decisions: m.probed[1],
+            lease_share: m.probed[2] / m.ops.max(1) as f64,
+            m,
+        });
+    };
+    measure("sidecar, 1 decision per call (no leases)", None);
+    let envoy = start_envoy(sidecar_port, upstream.port, args.envoy_workers, false);
+    measure("envoy + filter, fast paths, leases off", Some(&envoy));
+    drop(envoy);
+    let envoy = start_envoy(sidecar_port, upstream.port, args.envoy_workers, true);
+    measure(
+        "envoy + filter, fast paths as shipped (leases)",
+        Some(&envoy),
+    );
+    drop(envoy);
+    Part2 {
+        primaries: p,
+        hot_node,
+        stages,
+    }
+}
+
+fn print_part2(args: &Args, part: &Part2) {
+    println!(
+        "\n== 2. a hot key: one bucket, so one shard (node {} of {}); {} callers, {} s per stage, Envoy with {} worker(s)",
+        part.hot_node, part.primaries, args.concurrency, args.seconds, args.envoy_workers
+    );
+    println!(
+        "{:<48} {:>10} {:>8} {:>8} {:>11} {:>9} {:>10} {:>10} {:>8} {:>8} {:>9} {:>8} {:>7}",
+        "path",
+        "admitted/s",
+        "p50",
+        "p99",
+        "to Redis/s",
+        "per adm.",
+        "calls/s",
+        "hot µs",
+        "hot",
+        "others",
+        "sidecar",
+        "envoy",
+        "leased"
+    );
+    println!(
+        "{:<48} {:>10} {:>8} {:>8} {:>11} {:>9} {:>10} {:>10} {:>8} {:>8} {:>9} {:>8} {:>7}",
+        "",
+        "",
+        "",
+        "",
+        "decisions",
+        "",
+        "hot shard",
+        "/admitted",
+        "busy",
+        "shards",
+        "µs/adm.",
+        "µs/adm.",
+        ""
+    );
+    for s in &part.stages {
+        let hot = s.m.cpu_of(&format!("redis-{}", part.hot_node));
+        let others: f64 = (0..part.primaries)
+            .filter(|i| *i != part.hot_node)
+            .map(|i| s.m.cpu_of(&format!("redis-{i}")))
+            .sum();
+        println!(
+            "{:<48} {:>10.0} {:>8} {:>8} {:>11.0} {:>9.4} {:>10.0} {:>10.2} {:>7.0}% {:>7.0}% {:>9.2} {:>8} {:>6.1}%",
+            s.name,
+            s.m.per_second(),
+            us(s.m.quantile(0.5)),
+            us(s.m.quantile(0.99)),
+            s.decisions / s.m.seconds,
+            s.per_admitted(s.decisions),
+            s.script_calls / s.m.seconds,
+            s.per_admitted(hot * 1e6),
+            hot * 100.0 / s.m.seconds,
+            others * 100.0 / s.m.seconds,
+            s.per_admitted(s.m.cpu_of("sidecar") * 1e6),
+            if s.m.cpu.iter().any(|(n, _)| n == "envoy") {
+                format!("{:.1}", s.per_admitted(s.m.cpu_of("envoy") * 1e6))
+            } else {
+                "-".into()
+            },
+            s.lease_share * 100.0
+        );
+    }
+    if let (Some(off), Some(on)) = (part.stages.get(1), part.stages.get(2)) {
+        let cpu = |s: &HotStage| s.per_admitted(s.m.cpu_of(&format!("redis-{}", part.hot_node)));
+        println!(
+            "leases vs leases off: {:.4}x the decisions reaching Redis per admitted request, {:.3}x the hot shard's CPU per admitted request, {:.2}x the admitted requests/s",
+            on.per_admitted(on.decisions) / off.per_admitted(off.decisions).max(1e-12),
+            cpu(on) / cpu(off).max(1e-12),
+            on.m.per_second() / off.m.per_second()
+        );
+    }
+    let ceiling = |s: &HotStage| {
+        let us = s.per_admitted(s.m.cpu_of(&format!("redis-{}", part.hot_node)) * 1e6);
+        1e6 / us.max(1e-9)
+    };
+    if let (Some(off), Some(on)) = (part.stages.get(1), part.stages.get(2)) {
+        println!(
+            "one key on one primary core at 100%: about {:.0} requests/s without leases, {:.0} with (1 s / hot µs)",
+            ceiling(off),
+            ceiling(on)
+        );
+    }
+    println!("per adm.: decisions reaching Redis per admitted request; hot µs: the hot shard's CPU per admitted request; leased: requests admitted from a lease in Envoy");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Part 3: latency over real hops.
+
+/// The three hosts: gateway, sidecar, Redis, each its own namespace, on two veth links.
+const GW_SC: (&str, &str) = ("10.77.1.1", "10.77.1.2");
+const SC_RD: (&str, &str) = ("10.77.2.1", "10.77.2.2");
+
+/// How a hop gets its delay.
+enum Hop {
+    /// `tc netem` on both ends of the link (half the round trip each way).
+    Netem { ends: [(usize, &'static str); 2] },
+    /// A delay relay the traffic of the hop goes through.
+    Relay(DelayRelay),
+}
+
+struct LatencyStage {
+    name: String,
+    rtt_ms: f64,
+    hop: &'static str,
+    latencies: Vec<Duration>,
+    errors: u64,
+    rate: f64,
+    lateness: Option<(Duration, Duration)>,
+}
+
+impl LatencyStage {
+    fn q(&self, q: f64) -> Duration {
+        if self.latencies.is_empty() {
+            return Duration::ZERO;
+        }
+        self.latencies[((self.latencies.len() as f64 * q) as usize).min(self.latencies.len() - 1)]
+    }
+}
+
+struct Part3 {
+    mode: &'static str,
+    stages: Vec<LatencyStage>,
+}
+
+/// Decisions paced at `rate`/s from the calling thread's namespace to `url` for `seconds` after
+/// 0.5 s of warm-up (an open loop: a slow answer does not slow the next send).
+fn paced(url: &str, rate: f64, seconds: f64, keys: usize) -> (Vec<Duration>, u64, f64) {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("gateway runtime");
+    rt.block_on(async {
+        let http = http_client(64);
+        let interval = Duration::from_secs_f64(1.0 / rate);
+        let warm = Duration::from_millis(500);
+        let start = tokio::time::Instant::now();
+        let end = start + warm + Duration::from_secs_f64(seconds);
+        let mut next = start;
+        let mut tasks = Vec::new();
+        let mut n = 0u64;
+        while next < end {
+            if INTERRUPTED.load(Ordering::Relaxed) {
+                break;
+            }
+            tokio::time::sleep_until(next).await;
+            n += 1;
+            let record = next >= start + warm;
+            let body = format!(
+                "{{\"requests\":[{{\"decisions\":[{{\"rule\":\"scale\",\"subject\":{{\"id\":\"{}\"}}}}]}}]}}",
+                key_id((mix(n) % keys as u64) as usize)
+            );
+            let (http, url) = (http.clone(), url.to_string());
+            tasks.push(tokio::spawn(async move {
+                let t = Instant::now();
+                let ok = match http
+                    .post(&url)
+                    .header("content-type", "application/json")
+                    .body(body)
+                    .send()
+                    .await
+                {
+                    Ok(r) => r.status() == 200 && r.bytes().await.is_ok(),
+                    Err(_) => false,
+                };
+                (record, ok, t.elapsed())
+            }));
+            next += interval;
+        }
+        let mut latencies = Vec::new();
+        let mut errors = 0;
+        for t in tasks {
+            if let Ok((record, ok, d)) = t.await {
+                match (record, ok) {
+                    (true, true) => latencies.push(d),
+                    (true, false) => errors += 1,
+                    _ => {}
+                }
+            }
+        }
+        latencies.sort();
+        let sent = latencies.len() as f64 + errors as f64;
+        (latencies, errors, sent / seconds)
+    })
+}
+
+fn run_part3(args: &Args, work: &Workdir) -> Part3 {
+    // Declared first, so they are dropped last: every process inside is gone by then.
+    let gw = Netns::create("gw");
+    let sc = Netns::create("sc");
+    let rd = Netns::create("rd");
+    netns::link(
+        &gw,
+        "gw0",
+        &format!("{}/24", GW_SC.0),
+        &sc,
+        "sc0",
+        &format!("{}/24", GW_SC.1),
+    );
+    netns::link(
+        &sc,
+        "sc1",
+        &format!("{}/24", SC_RD.0),
+        &rd,
+        "rd0",
+        &format!("{}/24", SC_RD.1),
+    );
+    let spaces = [&gw, &sc, &rd];
+    let use_netem = match args.delay.as_str() {
+        "netem" => true,
+        "relay" => false,
+        _ => netns::netem(&gw, "gw0", Duration::from_micros(1)).is_ok(),
+    };
+    if use_netem {
+        netns::netem(&gw, "gw0", Duration::ZERO).expect("remove netem");
+    }
+    let mode = if use_netem { "tc netem" } else { "delay relay" };
+    println!(
+        "  namespaces {}, {}, {}; delays by {mode}",
+        gw.name, sc.name, rd.name
+    );
+
+    // Redis in its namespace.
+    let redis_dir = tempfile::tempdir().expect("temp dir");
+    let mut redis_cmd = rd.command("redis-server");
+    redis_cmd
+        .current_dir(redis_dir.path())
+        .args(["--bind", SC_RD.1, "--port", "6379"])
+        .args(["--save", "", "--appendonly", "no", "--protected-mode", "no"]);
+    let mut redis = Process::spawn("redis-netns", redis_cmd, redis_dir.path());
+    let redis_addr: SocketAddr = format!("{}:6379", SC_RD.1).parse().expect("addr");
+    wait_until("redis in its namespace", READY_TIMEOUT, || {
+        assert!(redis.running(), "redis exited:\n{}", redis.log());
+        sc.run(|| TcpStream::connect_timeout(&redis_addr, Duration::from_millis(200)).is_ok())
+    });
+
+    // The hops: relays in the namespace of the far end (what crosses the veth is delayed).
+    let sidecar_addr: SocketAddr = format!("{}:8081", GW_SC.1).parse().expect("addr");
+    let (to_sidecar, to_redis) = if use_netem {
+        (
+            Hop::Netem {
+                ends: [(0, "gw0"), (1, "sc0")],
+            },
+            Hop::Netem {
+                ends: [(1, "sc1"), (2, "rd0")],
+            },
+        )
+    } else {
+        (
+            Hop::Relay(DelayRelay::start(
+                &sc,
+                format!("{}:8082", GW_SC.1).parse().expect("addr"),
+                sidecar_addr,
+            )),
+            Hop::Relay(DelayRelay::start(
+                &rd,
+                format!("{}:6380", SC_RD.1).parse().expect("addr"),
+                redis_addr,
+            )),
+        )
+    };
+    let redis_url = match &to_redis {
+        Hop::Relay(r) => format!("redis://{}", r.addr),
+        Hop::Netem { .. } => format!("redis://{redis_addr}"),
+    };
+    let sidecar = start_sidecar(
+        args,
+        work,
+        Some(&sc),
+        sidecar_addr,
+        &["--redis", &redis_url],
+        "sidecar-netns",
+    );
+    let gateway_url = match &to_sidecar {
+        Hop::Relay(r) => format!("http://{}/v1/decide", r.addr),
+        Hop::Netem { .. } => format!("http://{sidecar_addr}/v1/decide"),
+    };
+    // Without relays at all (relay mode only): what the relays cost at 0 delay.
+    let direct = (!use_netem).then(|| {
+        let addr: SocketAddr = format!("{}:8083", GW_SC.1).parse().expect("addr");
+        let p = start_sidecar(
+            args,
+            work,
+            Some(&sc),
+            addr,
+            &["--redis", &format!("redis://{redis_addr}")],
+            "sidecar-netns-direct",
+        );
+        (p, format!("http://{addr}/v1/decide"))
+    });
+
+    // A second sidecar with more script calls in flight, behind a hop of its own to the
+    // gateway (undelayed), sharing the delayed hop to Redis.
+    let alt_pipeline = args.alt_pipeline.to_string();
+    let alt = (args.alt_pipeline > 0).then(|| {
+        let addr: SocketAddr = format!("{}:8084", GW_SC.1).parse().expect("addr");
+        let p = start_sidecar(
+            args,
+            work,
+            Some(&sc),
+            addr,
+            &["--redis", &redis_url, "--redis-pipeline", &alt_pipeline],
+            "sidecar-netns-pipeline",
+        );
+        let relay = (!use_netem).then(|| {
+            DelayRelay::start(
+                &sc,
+                format!("{}:8085", GW_SC.1).parse().expect("addr"),
+                addr,
+            )
+        });
+        let url = match &relay {
+            Some(r) => format!("http://{}/v1/decide", r.addr),
+            None => format!("http://{addr}/v1/decide"),
+        };
+        (p, relay, url)
+    });
+
+    let set = |hop: &Hop, rtt: Duration| match hop {
+        Hop::Relay(r) => r.set_round_trip(rtt),
+        Hop::Netem { ends } => {
+            for (space, dev) in ends {
+                netns::netem(spaces[*space], dev, rtt / 2).expect("tc netem");
+            }
+        }
+    };
+    let lateness = |hops: [&Hop; 2]| -> Option<(Duration, Duration)> {
+        let mut worst: Option<(Duration, Duration)> = None;
+        for hop in hops {
+            if let Hop::Relay(r) = hop {
+                let (mean, max, _) = r.lateness();
+                worst = Some(match worst {
+                    None => (mean, max),
+                    Some((m, x)) => (m.max(mean), x.max(max)),
+                });
+            }
+        }
+        worst
+    };
+    let mut stages = Vec::new();
+    let mut stage = |name: String, hop: &'static str, rtt_ms: f64, url: &str| {
+        check_interrupted();
+        println!("  latency: {name}");
+        lateness([&to_sidecar, &to_redis]);
+        let (latencies, errors, rate) =
+            gw.run(|| paced(url, args.latency_rate, args.latency_seconds, args.keys));
+        check_interrupted();
+        stages.push(LatencyStage {
+            name,
+            rtt_ms,
+            hop,
+            latencies,
+            errors,
+            rate,
+            lateness: lateness([&to_sidecar, &to_redis]),
+        });
+    };
+    if let Some((_, url)) = &direct {
+        stage("no relay (veth only)".into(), "-", 0.0, url);
+    }
+    stage(
+        format!("{} at 0", if use_netem { "no netem" } else { "relays" }),
+        "baseline",
+        0.0,
+        &gateway_url,
+    );
+    for (hop, label, name) in [
+        (&to_sidecar, "gateway-sidecar", "gateway ↔ sidecar"),
+        (&to_redis, "sidecar-redis", "sidecar ↔ Redis"),
+    ] {
+        for &rtt in &args.rtt_ms {
+            set(hop, Duration::from_secs_f64(rtt / 1e3));
+            stage(format!("{name}, rtt {rtt} ms"), label, rtt, &gateway_url);
+        }
+        set(hop, Duration::ZERO);
+    }
+    if let Some((_, _, url)) = &alt {
+        for &rtt in &args.rtt_ms {
+            set(&to_redis, Duration::from_secs_f64(rtt / 1e3));
+            stage(
+                format!(
+                    "sidecar ↔ Redis, rtt {rtt} ms, --redis-pipeline {}",
+                    args.alt_pipeline
+                ),
+                "sidecar-redis-pipeline",
+                rtt,
+                url,
+            );
+        }
+        set(&to_redis, Duration::ZERO);
+    }
+    drop(alt);
+    drop(direct);
+    drop(sidecar);
+    drop(to_sidecar);
+    drop(to_redis);
+    drop(redis);
+    Part3 { mode, stages }
+}
+
+fn print_part3(args: &Args, part: &Part3) {
+    println!(
+        "\n== 3. decision latency over real hops: gateway (this load generator), sidecar and Redis in three network namespaces on veth links;\n\
+         one hop at a time delayed by {} (half the round trip each way); {:.0} decisions/s paced, {} s per stage; sidecar --redis-timeout-ms 1000",
+        part.mode, args.latency_rate, args.latency_seconds
+    );
+    println!(
+        "{:<50} {:>8} {:>9} {:>9} {:>9} {:>10} {:>10} {:>10} {:>16}",
+        "delay", "sent/s", "p50", "p95", "p99", "+p50", "+p95", "+p99", "relay late mean/max"
+    );
+    let base = part.stages.iter().find(|s| s.hop == "baseline");
+    for s in &part.stages {
+        let plus = |q: f64| match base {
+            Some(b) if s.hop != "baseline" && s.hop != "-" => {
+                let d = s.q(q).as_secs_f64() - b.q(q).as_secs_f64();
+                format!("{:+.3}ms", d * 1e3)
+            }
+            _ => String::new(),
+        };
+        println!(
+            "{:<50} {:>8.0} {:>9} {:>9} {:>9} {:>10} {:>10} {:>10} {:>16}{}",
+            s.name,
+            s.rate,
+            us(s.q(0.5)),
+            us(s.q(0.95)),
+            us(s.q(0.99)),
+            plus(0.5),
+            plus(0.95),
+            plus(0.99),
+            s.lateness
+                .map(|(m, x)| format!("{}/{}", us(m), us(x)))
+                .unwrap_or_default(),
+            if s.errors > 0 {
+                format!("  ({} failed)", s.errors)
+            } else {
+                String::new()
+            }
+        );
+    }
+    println!("+pNN: added to the baseline's percentile; relay late: how much later than due the relays wrote (their own cost on top of the delay)");
+    for hop in ["gateway-sidecar", "sidecar-redis", "sidecar-redis-pipeline"] {
+        let per_ms: Vec<String> = part
+            .stages
+            .iter()
+            .filter(|s| s.hop == hop && s.rtt_ms > 0.0)
+            .filter_map(|s| {
+                let b = base?;
+                let added = (s.q(0.5).as_secs_f64() - b.q(0.5).as_secs_f64()) * 1e3;
+                Some(format!("{:.2}x at {} ms", added / s.rtt_ms, s.rtt_ms))
+            })
+            .collect();
+        if per_ms.is_empty() {
+            continue;
+        }
+        println!(
+            "{hop}: p50 added per ms of round trip: {}",
+            per_ms.join(", ")
+        );
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Part 4: the model.
+
+/// The filter's lease defaults (`fast_paths.leases`): a bucket is busy at a gateway from
+/// `min_rate_per_sec`, a lease lives `ttl_ms` and holds at most `max_tokens`.
+const LEASE_MIN_RATE: f64 = 50.0;
+const LEASE_TTL_S: f64 = 1.0;
+const LEASE_MAX_TOKENS: f64 = 1000.0;
+
+/// Renewals per second of a lease on a bucket seen at `r` requests/s at one gateway: the lease
+/// holds `L = min(max_tokens, ceil(1.25 r ttl))` tokens and is renewed when it runs out or
+/// expires, so `max(r / L, 1 / ttl)` times a second.
+fn lease_renewals(r: f64) -> f64 {
+    let lease = (r * LEASE_TTL_S * 1.25).ceil().clamp(1.0, LEASE_MAX_TOKENS);
+    (r / lease).max(1.0 / LEASE_TTL_S)
+}
+
+/// The share of a bucket's requests at one gateway that reach Redis, at `r` requests/s there:
+/// 1 below the busy threshold; else each renewal is one decision, and the requests that arrive
+/// while it is in flight (`r x t_ask`) are decided remotely too:
+/// `reach(r) = renewals(r) x (1 + r x t_ask) / r`, at most 1.
+fn lease_reach(r: f64, t_ask_s: f64) -> f64 {
+    if r < LEASE_MIN_RATE {
+        return 1.0;
+    }
+    (lease_renewals(r) * (1.0 + r * t_ask_s) / r).min(1.0)
+}
+
+/// `t_ask` from a measured reach at `r` requests/s (the inverse of [`lease_reach`]).
+fn calibrate_t_ask(reach: f64, r: f64) -> f64 {
+    ((reach * r / lease_renewals(r) - 1.0) / r).max(0.0)
+}
+
+/// `(c_call, c_dec)` of `c = c_call / b + c_dec` fitted to `(b, c)` points by least squares;
+/// None without two distinct batch sizes or when a coefficient comes out negative.
+fn batch_fit(points: &[(f64, f64)]) -> Option<(f64, f64)> {
+    let n = points.len() as f64;
+    let xs: Vec<f64> = points.iter().map(|(b, _)| 1.0 / b).collect();
+    let (mx, my) = (
+        xs.iter().sum::<f64>() / n,
+        points.iter().map(|(_, c)| c).sum::<f64>() / n,
+    );
+    let sxx: f64 = xs.iter().map(|x| (x - mx) * (x - mx)).sum();
+    if points.len() < 2 || sxx < 1e-6 {
+        return None;
+    }
+    let sxy: f64 = xs
+        .iter()
+        .zip(points)
+        .map(|(x, (_, c))| (x - mx) * (c - my))
+        .sum();
+    let c_call = sxy / sxx;
+    let c_dec = my - c_call * mx;
+    (c_call >= 0.0 && c_dec >= 0.0).then_some((c_call, c_dec))
+}
+
+/// The smallest number of primaries whose busiest one stays within `utilisation` for `load`
+/// decisions/s reaching Redis at `c_us` µs each, with the shares of slots `by_slot` (summing to
+/// 1); None if even one slot alone is too much (a single key cannot be split).
+fn primaries_needed(load: f64, c_us: f64, by_slot: &[f64], utilisation: f64) -> Option<usize> {
+    let max_slot = by_slot.iter().cloned().fold(0.0, f64::max);
+    if load * max_slot * c_us / 1e6 > utilisation {
+        return None;
+    }
+    (1..=16384).find(|p| {
+        let busiest = shares_from_slots(by_slot, *p)
+            .into_iter()
+            .fold(0.0, f64::max);
+        load * busiest * c_us / 1e6 <= utilisation
+    })
+}
+
+fn print_model(args: &Args, keys: &Keyspace, p1: Option<&Part1>, p2: Option<&Part2>) {
+    let Some(p1) = p1 else {
+        println!("\n== 4. the model needs part 1");
+        return;
+    };
+    let sidecar: Vec<&ShardStage> = p1
+        .stages
+        .iter()
+        .filter(|s| s.path == "sidecar" && !s.replica)
+        .collect();
+    let largest = sidecar
+        .iter()
+        .filter(|s| s.dist == Dist::Uniform)
+        .max_by_key(|s| s.primaries);
+    let Some(largest) = largest else { return };
+    // Redis CPU per decision against decisions per script call, over every sidecar stage:
+    // c(b) = c_call / b + c_dec (least squares on 1/b), priced at the fleet's batch.
+    let points: Vec<(f64, f64)> = sidecar
+        .iter()
+        .map(|s| {
+            let b = s.decisions() / s.calls_per_node.iter().sum::<u64>().max(1) as f64;
+            (b, s.redis_us())
+        })
+        .collect();
+    let fit = batch_fit(&points);
+    let c_redis = match fit {
+        Some((c_call, c_dec)) => c_call / args.fleet_batch + c_dec,
+        None => largest.redis_us(),
+    };
+    // The sidecar's cost behind Envoy (the filter coalesces requests into callouts) when that
+    // ran, else on the direct API with one request per call (the most it costs).
+    let through_envoy = p1
+        .stages
+        .iter()
+        .filter(|s| s.path == "envoy" && s.dist == Dist::Uniform)
+        .max_by_key(|s| s.primaries);
+    let c_sidecar = through_envoy.map_or(largest.sidecar_us(), |s| s.sidecar_us());
+    let replica = p1.stages.iter().find(|s| s.replica);
+    let base = sidecar
+        .iter()
+        .find(|s| s.dist == Dist::Uniform && Some(s.primaries) == replica.map(|r| r.primaries));
+    let (repl_factor, c_replica) = match (replica, base) {
+        (Some(r), Some(b)) => {
+            let d = r.decisions();
+            (
+                (r.node_cpu(0) * 1e6 / d) / b.redis_us().max(1e-9),
+                r.m.cpu_of("replica") * 1e6 / d,
+            )
+        }
+        _ => (1.0, 0.0),
+    };
+    // A replica cannot make its primary cheaper: a factor below 1 is the machine's noise.
+    let c_primary = c_redis * repl_factor.max(1.0);
+    let (d, u, g) = (args.target, args.utilisation, args.gateways as f64);
+    println!(
+        "\n== 4. the shard model: {:.0} decisions/s, every Redis primary and sidecar core at most {:.0}% busy",
+        d,
+        u * 100.0
+    );
+    println!("figures from this run:");
+    let measured: Vec<String> = points
+        .iter()
+        .map(|(b, c)| format!("{c:.1} µs at {b:.1}"))
+        .collect();
+    println!(
+        "  Redis CPU per decision at b decisions per script call (sidecar stages): {}",
+        measured.join(", ")
+    );
+    println!(
+        "  of it inside the script (INFO commandstats) with {} primaries, uniform: {:.1} of {:.1} µs",
+        largest.primaries,
+        largest.script_us_per_node.iter().sum::<f64>() / largest.decisions().max(1.0),
+        largest.redis_us()
+    );
+    match fit {
+        Some((c_call, c_dec)) => println!(
+            "  c(b)      = c_call / b + c_dec = {c_call:.1} / b + {c_dec:.1} µs (least squares); c_redis = c({}) = {c_redis:.1} µs at the fleet's batch",
+            args.fleet_batch
+        ),
+        None => println!(
+            "  c_redis   = {c_redis:.1} µs ({} primaries, uniform keys: the batches measured did not fit c_call / b + c_dec)",
+            largest.primaries
+        ),
+    }
+    println!(
+        "  f_repl    = {repl_factor:.2}: a primary's cost with a replica attached over without (1 primary; taken as at least 1); c_primary = c_redis x f_repl = {c_primary:.1} µs"
+    );
+    println!("  c_replica = {c_replica:.1} µs of a replica's CPU per decision it applies");
+    match through_envoy {
+        Some(s) => println!(
+            "  c_sidecar = {c_sidecar:.1} µs of sidecar CPU per decision behind Envoy ({} primaries, uniform; {:.1} µs on the direct API with {} request(s) per call)",
+            s.primaries,
+            largest.sidecar_us(),
+            args.requests_per_call
+        ),
+        None => println!(
+            "  c_sidecar = {c_sidecar:.1} µs of sidecar CPU per decision on the direct API, {} request(s) per call",
+            args.requests_per_call
+        ),
+    }
+    // The lease model's one free figure, the time an ask is in flight, from part 2 when it ran.
+    let (t_ask, t_ask_from) = match p2.and_then(|p| p.stages.get(2)) {
+        Some(s) => {
+            let (reach, rate) = (s.per_admitted(s.decisions), s.m.per_second());
+            let t = calibrate_t_ask(reach, rate);
+            (
+                t,
+                format!(
+                    "from part 2: {:.2}% of the hot key's {rate:.0} requests/s at one Envoy reached Redis, {:.1} lease renewals/s",
+                    reach * 100.0,
+                    lease_renewals(rate)
+                ),
+            )
+        }
+        None => (0.002, "assumed (part 2 did not run)".to_string()),
+    };
+    println!(
+        "  t_ask     = {:.2} ms: how long a lease renewal is in flight ({t_ask_from})",
+        t_ask * 1e3
+    );
+    println!("formula (redo it with your own figures):");
+    println!("  c_primary = (c_call / b + c_dec) x f_repl   (b: decisions per script call, about 1 in a large fleet)");
+    println!("  S(P)      = the share of decisions on the busiest of P primaries (even slot ranges), from the keys' weights and slots");
+    println!("  primaries = the smallest P with  D_redis x S(P) x c_primary <= u   (a primary runs scripts on one core)");
+    println!("              impossible when one key alone has D_redis x w_key x c_primary > u: that key must be leased (or split)");
+    println!("  replicas  = primaries x {}  (a replica applies its primary's writes: D_redis x S(P) x c_replica <= u)", args.replicas_per_primary);
+    println!("  sidecar cores = D_sidecar x c_sidecar / u   (sidecars share no state: spread them freely)");
+    println!(
+        "  with leases, a key seen at r requests/s per gateway (G = {} gateways) sends r x reach(r) to Redis:",
+        args.gateways
+    );
+    println!("              reach(r) = renewals(r) x (1 + r x t_ask) / r for r >= 50/s, else 1, where renewals(r) = max(r / min(1000, ceil(1.25 r x 1 s)), 1/s)");
+    println!("              (the filter's lease defaults: busy from 50/s, 1 s leases of at most 1000 tokens)");
+    println!(
+        "{:<40} {:>12} {:>9} {:>9} {:>9} {:>9} {:>9} {:>8}",
+        "keys", "D_redis/s", "S(P)", "hottest", "primaries", "replicas", "sidecar", "Redis"
+    );
+    println!(
+        "{:<40} {:>12} {:>9} {:>9} {:>9} {:>9} {:>9} {:>8}",
+        "", "", "", "key", "", "", "cores", "cores"
+    );
+    for dist in [Dist::Uniform, Dist::Zipf] {
+        for leases in [false, true] {
+            let weights = keys.weights(dist);
+            let reach: Vec<f64> = weights
+                .iter()
+                .map(|w| {
+                    if leases {
+                        lease_reach(d * w / g, t_ask)
+                    } else {
+                        1.0
+                    }
+                })
+                .collect();
+            let reaching: Vec<f64> = weights.iter().zip(&reach).map(|(w, r)| w * r).collect();
+            let d_redis = d * reaching.iter().sum::<f64>();
+            let total: f64 = reaching.iter().sum();
+            let mut by_slot = vec![0.0; 16384];
+            for (w, s) in reaching.iter().zip(&keys.slot_id) {
+                by_slot[*s as usize] += w / total;
+            }
+            let hottest_key = reaching.iter().cloned().fold(0.0, f64::max) / total;
+            let p = primaries_needed(d_redis, c_primary, &by_slot, u);
+            let busiest = p.map(|p| {
+                shares_from_slots(&by_slot, p)
+                    .into_iter()
+                    .fold(0.0, f64::max)
+            });
+            let name = format!(
+                "{}{}",
+                keys.name(dist),
+                if leases { ", leases" } else { "" }
+            );
+            match p {
+                Some(p) => println!(
+                    "{:<40} {:>12.0} {:>8.2}% {:>8.3}% {:>9} {:>9} {:>9.0} {:>8.0}",
+                    name,
+                    d_redis,
+                    busiest.unwrap_or(0.0) * 100.0,
+                    hottest_key * 100.0,
+                    p,
+                    p * args.replicas_per_primary,
+                    (d_redis * c_sidecar / 1e6 / u).ceil(),
+                    d_redis * c_primary / 1e6
+                ),
+                None => println!(
+                    "{:<40} {:>12.0} {:>9} {:>8.3}% {:>9} {:>9} {:>9.0} {:>8.0}  the hottest key alone needs {:.2} primary cores at {:.0}%: no P suffices",
+                    name,
+                    d_redis,
+                    "-",
+                    hottest_key * 100.0,
+                    "none",
+                    "-",
+                    (d_redis * c_sidecar / 1e6 / u).ceil(),
+                    d_redis * c_primary / 1e6,
+                    d_redis * hottest_key * c_primary / 1e6 / u,
+                    u * 100.0
+                ),
+            }
+        }
+    }
+    println!(
+        "Redis cores: D_redis x c_primary, the work itself; primaries above it buy headroom and absorb the busiest shard"
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+
+fn main() {
+    let args = Args::parse();
+    assert!(
+        !args.primaries.is_empty() && args.primaries.iter().all(|p| (1..=255).contains(p)),
+        "--primaries: 1 to 255 each"
+    );
+    watch_signals();
+    let started = Instant::now();
+    describe_machine();
+    println!(
+        "stages: {} s (throughput), {} s (latency); {} callers; keys: {} uniform and Zipf s={}",
+        args.seconds, args.latency_seconds, args.concurrency, args.keys, args.zipf_s
+    );
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let work = Workdir::new();
+    let keys = Arc::new(Keyspace::new(args.keys, args.zipf_s));
+    let upstream = Upstream::start();
+
+    let mut part1 = None;
+    if args.parts.contains(&1) || args.parts.contains(&2) {
+        if args.parts.contains(&1) {
+            let p = run_part1(&args, &rt, &work, &keys, &upstream);
+            print_part1(&args, &keys, &p);
+            part1 = Some(p);
+        } else {
+            // Part 2 alone: the last cluster size, without the stages of part 1.
+            let p = *args.primaries.last().expect("a size");
+            let cluster = RedisCluster::start_primaries(p);
+            let port = ratelimit_e2e::free_port();
+            let sidecar = start_sidecar(
+                &args,
+                &work,
+                None,
+                ([127, 0, 0, 1], port).into(),
+                &["--redis-cluster", &cluster.seeds()],
+                "sidecar",
+            );
+            part1 = Some(Part1 {
+                stages: Vec::new(),
+                kept: Some((cluster, sidecar, port)),
+            });
+        }
+    }
+    let mut part2 = None;
+    if args.parts.contains(&2) {
+        let (cluster, sidecar, port) = part1
+            .as_ref()
+            .and_then(|p| p.kept.as_ref())
+            .expect("a cluster from part 1");
+        let p = run_part2(&args, &rt, &keys, &upstream, cluster, sidecar, *port);
+        print_part2(&args, &p);
+        part2 = Some(p);
+    }
+    if let Some(p) = part1.as_mut() {
+        p.kept = None; // the cluster and its sidecar stop here
+    }
+    if args.parts.contains(&3) {
+        let p = run_part3(&args, &work);
+        print_part3(&args, &p);
+    }
+    print_model(
+        &args,
+        &keys,
+        part1.as_ref().filter(|p| !p.stages.is_empty()),
+        part2.as_ref(),
+    );
+    println!(
+        "\nrun took {:.0} s; load average at the end: {}",
+        started.elapsed().as_secs_f64(),
+        load_average()
+    );
+}
