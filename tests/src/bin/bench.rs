@@ -46,6 +46,9 @@ struct Args {
     /// Decisions per call in the batched component stages.
     #[arg(long, default_value_t = 32)]
     batch: usize,
+    /// Only the component stages (Redis, script, sidecar), no Envoy.
+    #[arg(long)]
+    components_only: bool,
 }
 
 /// One process whose CPU time is attributed to a stage.
@@ -634,7 +637,12 @@ fn main() {
         let memory = bucket_memory(&redis, &http, &decide_url).await;
 
         let mut runs = Vec::new();
-        for &workers in &args.workers {
+        let workers_measured: &[u32] = if args.components_only {
+            &[]
+        } else {
+            &args.workers
+        };
+        for &workers in workers_measured {
             println!("\n== Envoy, {workers} worker(s)");
             print_header();
             let config = |fast: bool| {
