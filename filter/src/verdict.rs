@@ -22,6 +22,11 @@ use crate::rules::Planned;
 /// The most bytes of a sidecar answer that are read.
 pub const MAX_ANSWER_BYTES: usize = 1 << 20;
 
+/// The most bytes of the sidecar's own text (a parse error quoting its answer, a request error's
+/// message) a [`LimiterError`] keeps: it is logged, per request, and a broken sidecar (or whoever
+/// answers in its place) chooses that text.
+pub const MAX_ERROR_TEXT_BYTES: usize = 512;
+
 /// A response the filter sends itself instead of forwarding the request.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LocalReply {
@@ -91,8 +96,8 @@ pub fn parse_answer(
             String::from_utf8_lossy(&status[..status.len().min(16)]).into_owned(),
         ));
     }
-    let answer: DecideResponse =
-        serde_json::from_slice(body).map_err(|e| LimiterError::Malformed(e.to_string()))?;
+    let answer: DecideResponse = serde_json::from_slice(body)
+        .map_err(|e| LimiterError::Malformed(elide_middle(e.to_string())))?;
     if answer.answers.len() != expected {
         return Err(LimiterError::Count {
             expected,
@@ -108,7 +113,7 @@ pub fn check_answer(answer: &RequestAnswer, decisions: usize) -> Result<(), Limi
     if let Some(e) = &answer.error {
         return Err(LimiterError::Request {
             code: e.code,
-            message: e.message.clone(),
+            message: elide_middle(e.message.clone()),
         });
     }
     if answer.results.len() != decisions {
@@ -123,6 +128,25 @@ pub fn check_answer(answer: &RequestAnswer, decisions: usize) -> Result<(), Limi
         });
     }
     Ok(())
+}
+
+/// `text` cut to at most [`MAX_ERROR_TEXT_BYTES`] by eliding its middle (serde's messages start
+/// with what was wrong and end with where: both stay).
+fn elide_middle(text: String) -> String {
+    const GAP: &str = " [...] ";
+    if text.len() <= MAX_ERROR_TEXT_BYTES {
+        return text;
+    }
+    let keep = (MAX_ERROR_TEXT_BYTES - GAP.len()) / 2;
+    let mut head = keep;
+    while !text.is_char_boundary(head) {
+        head -= 1;
+    }
+    let mut tail = text.len() - keep;
+    while !text.is_char_boundary(tail) {
+        tail += 1;
+    }
+    format!("{}{GAP}{}", &text[..head], &text[tail..])
 }
 
 /// One decision the gateway admitted from a lease: its rule's limit as last seen, and the tokens
@@ -1034,6 +1058,32 @@ mod tests {
             panic!("a garbage status is an error");
         };
         assert_eq!(s.chars().count(), 16);
+    }
+
+    #[test]
+    fn the_sidecar_s_text_in_an_error_is_bounded() {
+        // serde quotes the string it refuses; a request error carries the sidecar's message.
+        let long = "\u{e9}".repeat(50_000);
+        let body = format!(
+            r#"{{"answers":[{{"allowed":true,"results":[{{"allowed":true,"remaining":1,"retry_after_ms":0,"reset_ms":0,"reason":"{long}"}}]}}]}}"#
+        );
+        let Err(LimiterError::Malformed(m)) = parse_answer(Some(b"200"), body.as_bytes(), 1) else {
+            panic!("an unknown reason is malformed");
+        };
+        assert!(m.len() <= MAX_ERROR_TEXT_BYTES, "{} bytes", m.len());
+        assert!(
+            m.starts_with("unknown variant") && m.contains(" [...] "),
+            "{m}"
+        );
+        assert!(
+            m.contains("expected one of") && m.contains("at line 1 column"),
+            "{m}"
+        );
+        let e = check_answer(&failed(ErrorCode::Unavailable, &long), 1).unwrap_err();
+        assert!(e.to_string().len() <= MAX_ERROR_TEXT_BYTES + 16, "{e}");
+        // Short texts are kept whole.
+        let e = check_answer(&failed(ErrorCode::Unavailable, "redis down"), 1).unwrap_err();
+        assert_eq!(e.to_string(), "Unavailable: redis down");
     }
 
     #[test]
