@@ -107,8 +107,17 @@ pub fn parse_answer(
     Ok(answer)
 }
 
+/// Whether `name` can be the name of a limit the sidecar applied: 1 to
+/// [`ratelimit_wire::MAX_NAME_BYTES`] characters of `[A-Za-z0-9_.-]`, as the sidecar's policy
+/// names its limits. It goes into the `RateLimit-Policy` and `RateLimit` headers sent to the
+/// client and into shared data, so nothing else is taken from an answer: a quote, a non-ASCII
+/// byte or a line break would make those headers malformed (or split them).
+pub fn is_limit_name(name: &str) -> bool {
+    crate::config::is_name(name, ratelimit_wire::MAX_NAME_BYTES)
+}
+
 /// Checks one request's answer: an error, or one result per decision whose `allowed` agrees with
-/// its results.
+/// its results and whose limits have names [`is_limit_name`] accepts.
 pub fn check_answer(answer: &RequestAnswer, decisions: usize) -> Result<(), LimiterError> {
     if let Some(e) = &answer.error {
         return Err(LimiterError::Request {
@@ -126,6 +135,16 @@ pub fn check_answer(answer: &RequestAnswer, decisions: usize) -> Result<(), Limi
         return Err(LimiterError::Inconsistent {
             allowed: answer.allowed,
         });
+    }
+    if let Some(i) = answer
+        .results
+        .iter()
+        .position(|r| r.limit.as_ref().is_some_and(|l| !is_limit_name(&l.name)))
+    {
+        return Err(LimiterError::Malformed(format!(
+            "results[{i}].limit.name: not a limit name (1 to {} characters of [A-Za-z0-9_.-])",
+            ratelimit_wire::MAX_NAME_BYTES
+        )));
     }
     Ok(())
 }
@@ -1058,6 +1077,30 @@ mod tests {
             panic!("a garbage status is an error");
         };
         assert_eq!(s.chars().count(), 16);
+    }
+
+    #[test]
+    fn a_limit_name_that_would_break_the_headers_is_a_malformed_answer() {
+        for bad in [
+            "",
+            "a\r\nx-injected: 1",
+            "\"; q=1",
+            "caf\u{e9}",
+            "with space",
+            &"n".repeat(129),
+        ] {
+            let a = answer(vec![admitted(1, 0, limit(bad, 100, 10.0))]);
+            assert!(
+                matches!(check_answer(&a, 1), Err(LimiterError::Malformed(ref m)) if m.starts_with("results[0].limit.name")),
+                "{bad:?}"
+            );
+        }
+        for good in ["per-app", "tenant.acme_2", &"n".repeat(128)] {
+            let a = answer(vec![admitted(1, 0, limit(good, 100, 10.0))]);
+            assert_eq!(check_answer(&a, 1), Ok(()), "{good:?}");
+        }
+        // An unlimited result names no limit.
+        assert_eq!(check_answer(&answer(vec![admitted(0, 0, None)]), 1), Ok(()));
     }
 
     #[test]
