@@ -78,7 +78,7 @@ FUZZ_SUMMARY := target/fuzz-summary.txt
 fuzz:
 	@mkdir -p target && rm -f $(FUZZ_SUMMARY)
 	@FUZZ_CASES=$(FUZZ_CASES) FUZZ_SUMMARY=$(CURDIR)/$(FUZZ_SUMMARY) \
-		$(CARGO) test --release -p ratelimit-filter -p ratelimit-sidecar --test fuzz; \
+		$(CARGO) test --release --no-fail-fast -p ratelimit-filter -p ratelimit-sidecar --test fuzz; \
 	status=$$?; \
 	echo; echo "fuzz summary ($$(nproc) cores, release build):"; \
 	sort -k2 $(FUZZ_SUMMARY); \

@@ -295,7 +295,9 @@ fn valid_config() -> impl Strategy<Value = Value> {
                 .into_iter()
                 .enumerate()
                 .map(|(i, (suffix, mut r))| {
-                    let mut name = format!("r{i}{suffix}");
+                    // `r<i>-` keeps names distinct (no index is a prefix of another's `r<j>-`)
+                    // and within the bound after the cut.
+                    let mut name = format!("r{i}-{suffix}");
                     name.truncate(MAX_RULE_NAME_BYTES);
                     r["name"] = json!(name);
                     r
