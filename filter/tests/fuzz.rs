@@ -11,6 +11,9 @@
 //!   `from_answer`);
 //! - `filter.fastpath`, `filter.emergency`: the shared-data entries every worker reads back.
 
+// Native only: proptest is a native dev-dependency (the wasm32 runs cover the unit tests).
+#![cfg(not(target_arch = "wasm32"))]
+
 #[path = "../../fuzz/harness.rs"]
 mod harness;
 #[path = "../../fuzz/hostile.rs"]
