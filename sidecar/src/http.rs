@@ -45,6 +45,10 @@ pub fn router<S: BucketStore>(state: Arc<AppState<S>>, max_body_bytes: usize) ->
         .merge(health_router(state.clone()).with_state(state))
         .merge(decisions)
         .fallback(|| async { error(StatusCode::NOT_FOUND, "no such path".into()) })
+        // Last, so that it covers every route merged above (/healthz, /readyz, /metrics too).
+        .method_not_allowed_fallback(|| async {
+            error(StatusCode::METHOD_NOT_ALLOWED, "method not allowed".into())
+        })
 }
 
 /// `/healthz`, `/readyz`, `/metrics` only (the admin listener).

@@ -765,6 +765,42 @@ fn fuzz_http() {
     });
 }
 
+/// A method a path does not serve is answered 405 with a JSON error, on every path.
+#[tokio::test]
+async fn a_wrong_method_is_a_json_405_on_every_path() {
+    let sidecar = sidecar();
+    for (method, path) in [
+        (Method::GET, ratelimit_wire::DECIDE_PATH),
+        (Method::POST, "/healthz"),
+        (Method::DELETE, "/readyz"),
+        (Method::PUT, "/metrics"),
+    ] {
+        for router in [sidecar.plain.clone(), sidecar.admin.clone()] {
+            let request = Request::builder()
+                .method(method.clone())
+                .uri(path)
+                .header("authorization", format!("Bearer {TOKEN}"))
+                .body(Body::empty())
+                .expect("a request");
+            let response = router.oneshot(request).await.expect("infallible");
+            if path == ratelimit_wire::DECIDE_PATH && response.status() == StatusCode::NOT_FOUND {
+                continue; // the admin listener does not serve it at all
+            }
+            assert_eq!(
+                response.status(),
+                StatusCode::METHOD_NOT_ALLOWED,
+                "{method} {path}"
+            );
+            let body = axum::body::to_bytes(response.into_body(), 1 << 16)
+                .await
+                .expect("a body");
+            let e: ErrorBody = serde_json::from_slice(&body)
+                .unwrap_or_else(|e| panic!("{method} {path}: {e}: {body:?}"));
+            assert_eq!(e.error, "method not allowed");
+        }
+    }
+}
+
 /// A body that never ends is refused once it passes `--max-body-bytes`: read up to the limit (not
 /// buffered whole), answered 413 before anything is parsed, the store never asked.
 #[tokio::test]
