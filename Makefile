@@ -69,7 +69,7 @@ oci: deps
 
 # Fuzzing (docs/fuzzing.md): every parser an outsider's bytes reach, as proptest targets in
 # filter/tests/fuzz.rs and sidecar/tests/fuzz.rs. `make test` runs each one briefly (its default
-# case count); `make fuzz` runs FUZZ_CASES inputs per target (70,000 x 15 targets: over 1,000,000
+# case count); `make fuzz` runs FUZZ_CASES inputs per target (70,000 x 16 targets: over 1,000,000
 # in all) in release mode, then prints what the tests counted: per target and in total, the
 # inputs tried and the panics found. FUZZ_SEED=<seed of a line> replays a run.
 FUZZ_CASES   ?= 70000

@@ -4,8 +4,10 @@
 //! how many inputs.
 //!
 //! - `sidecar.decide.*`: the `/v1/decide` body (`decide::parse_request`);
+//! - `sidecar.grpc.check`: the gRPC rate limit request (`grpc::check`, and prost's decoding);
 //! - `sidecar.http`: the whole router in-process (plain, behind bearer tokens, and the admin
-//!   listener's), over a [`MemoryStore`] that counts what it charges;
+//!   listener's), `POST /v1/decide` and the gRPC rate limit service alike, over a
+//!   [`MemoryStore`] that counts what it charges;
 //! - `sidecar.policy.*`: policy files (`Policy::from_sources`), both formats;
 //! - `sidecar.keys`: bucket and record keys (`keys::bucket_key`, `keys::record_key`).
 
@@ -22,15 +24,25 @@ use std::time::{Duration, Instant};
 use axum::body::Body;
 use axum::http::{HeaderName, HeaderValue, Method, Request, StatusCode, Uri};
 use axum::Router;
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::{
+    Entry as DescriptorEntry, RateLimitOverride,
+};
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
+use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use envoy_types::pb::google::protobuf::UInt64Value;
 use harness::{fuzz, note};
 use hostile::Doc;
+use http_body_util::BodyExt;
 use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
+use prost::Message;
 use ratelimit_sidecar::auth::{self, Auth};
 use ratelimit_sidecar::config::Secret;
 use ratelimit_sidecar::decide::{
     parse_request, DecideError, Decider, MAX_ERROR_BYTES, MAX_LEASE_TTL_MS,
 };
+use ratelimit_sidecar::grpc;
 use ratelimit_sidecar::http::{router, AppState};
 use ratelimit_sidecar::keys::{
     bucket_key, cluster_slot, record_key, MAX_VALUE_BYTES as KEY_VALUE_BYTES,
@@ -305,6 +317,53 @@ fn fuzz_decide_mutated() {
     });
 }
 
+/// What `grpc::check` must do with any `RateLimitRequest` (decoded from arbitrary bytes, or
+/// generated): an error naming the field, within [`MAX_ERROR_BYTES`], or items within the bounds
+/// `POST /v1/decide` has.
+#[test]
+fn fuzz_grpc_check() {
+    let input = prop_oneof![
+        1 => hostile::bytes(512).prop_map(|b| RateLimitRequest::decode(&b[..]).ok()),
+        3 => rate_limit_request().prop_map(|r| {
+            let back = RateLimitRequest::decode(&r.encode_to_vec()[..]).expect("a round trip");
+            assert_eq!(back, r);
+            Some(r)
+        }),
+    ];
+    fuzz("sidecar.grpc.check", 800, input, |request| {
+        let Some(request) = request else {
+            note("undecodable");
+            return Ok(());
+        };
+        let descriptors = request.descriptors.len();
+        match grpc::check(request) {
+            Err(e) => {
+                note("refused");
+                prop_assert!(!e.is_empty() && e.len() <= MAX_ERROR_BYTES, "{e}");
+                prop_assert!(
+                    e.starts_with("domain") || e.starts_with("descriptors"),
+                    "the error names no field: {e}"
+                );
+            }
+            Ok(checked) => {
+                note("accepted");
+                prop_assert!(!checked.domain.is_empty() && checked.domain.len() <= MAX_NAME_BYTES);
+                prop_assert_eq!(checked.items.len(), descriptors);
+                prop_assert!((1..=MAX_DECISIONS).contains(&checked.items.len()));
+                for item in &checked.items {
+                    prop_assert!((1..=MAX_CAPACITY).contains(&item.cost));
+                    prop_assert!((1..=grpc::MAX_DESCRIPTOR_ENTRIES).contains(&item.entries.len()));
+                    for (k, v) in &item.entries {
+                        prop_assert!(!k.is_empty() && k.len() <= MAX_NAME_BYTES);
+                        prop_assert!(v.as_ref().is_none_or(|v| v.len() <= MAX_VALUE_BYTES));
+                    }
+                }
+            }
+        }
+        Ok(())
+    });
+}
+
 /// A [`MemoryStore`] that counts the calls it gets and the requests it charges.
 struct Counting {
     inner: MemoryStore,
@@ -373,6 +432,11 @@ struct HttpCase {
 }
 
 fn http_case() -> impl Strategy<Value = HttpCase> {
+    prop_oneof![3 => json_case().boxed(), 1 => grpc_case().boxed()]
+}
+
+/// A call of the HTTP API (or anything else an HTTP client sends).
+fn json_case() -> impl Strategy<Value = HttpCase> {
     let method = prop_oneof![
         12 => Just(Method::POST),
         2 => Just(Method::GET),
@@ -497,6 +561,273 @@ fn http_case() -> impl Strategy<Value = HttpCase> {
         )
 }
 
+/// The gRPC method the sidecar serves (Envoy's rate limit service).
+const GRPC_PATH: &str = "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit";
+
+/// A `RateLimitRequest` as Envoy's rate limit filter might send it, or a hostile one: domains of
+/// the policy and others, 0 to 3 descriptors (sometimes past the 64 allowed), entries of the
+/// policy's keys and values or hostile ones, any `hits_addend`, negative hits, limit overrides.
+fn rate_limit_request() -> BoxedStrategy<RateLimitRequest> {
+    let entry = (
+        prop_oneof![
+            5 => prop::sample::select(&["rule", "remote_address", "plan", "user", "app", "header_match"][..])
+                .prop_map(str::to_string),
+            1 => hostile::string(150),
+        ],
+        prop_oneof![
+            3 => prop::sample::select(&["per-app", "per-ip", "trial", "per-user", "vip", "alpha", "banned", "post", "10.0.0.1"][..])
+                .prop_map(str::to_string),
+            1 => hostile::string(5000),
+        ],
+    )
+        .prop_map(|(key, value)| DescriptorEntry { key, value });
+    let descriptor = (
+        prop_oneof![
+            12 => prop::collection::vec(entry.clone(), 1..4),
+            1 => Just(Vec::new()),
+            1 => prop::collection::vec(entry, 9..12),
+        ],
+        prop::option::weighted(
+            0.1,
+            (any::<u32>(), 0i32..8).prop_map(|(requests_per_unit, unit)| RateLimitOverride {
+                requests_per_unit,
+                unit,
+            }),
+        ),
+        prop::option::weighted(
+            0.15,
+            prop_oneof![
+                0u64..4,
+                Just(MAX_CAPACITY),
+                Just(MAX_CAPACITY + 1),
+                any::<u64>()
+            ]
+            .prop_map(|value| UInt64Value { value }),
+        ),
+        prop::bool::weighted(0.05),
+    )
+        .prop_map(
+            |(entries, limit, hits_addend, is_negative_hits)| RateLimitDescriptor {
+                entries,
+                limit,
+                hits_addend,
+                is_negative_hits,
+            },
+        );
+    (
+        prop_oneof![
+            6 => prop::sample::select(&["ratelimit", "edge"][..]).prop_map(str::to_string),
+            1 => Just("nowhere".to_string()),
+            1 => hostile::string(200),
+        ],
+        prop_oneof![
+            10 => prop::collection::vec(descriptor.clone(), 1..4),
+            1 => Just(Vec::new()),
+            1 => prop::collection::vec(descriptor, 60..70),
+        ],
+        prop_oneof![Just(0u32), 1u32..4, any::<u32>()],
+    )
+        .prop_map(|(domain, descriptors, hits_addend)| RateLimitRequest {
+            domain,
+            descriptors,
+            hits_addend,
+        })
+        .boxed()
+}
+
+/// One gRPC message: its compression flag, a 4-byte length and the message.
+fn grpc_frame(compressed: bool, message: &[u8]) -> Vec<u8> {
+    let mut frame = vec![u8::from(compressed)];
+    frame.extend_from_slice(&(message.len() as u32).to_be_bytes());
+    frame.extend_from_slice(message);
+    frame
+}
+
+/// A gRPC request body: a request's message framed, damaged or not, a garbage message, a length
+/// prefix that lies (more than the body holds, 4 GiB), a compressed flag, two messages, a message
+/// longer than `--max-body-bytes`, or bytes without framing.
+fn grpc_body() -> BoxedStrategy<Vec<u8>> {
+    prop_oneof![
+        10 => rate_limit_request().prop_map(|r| grpc_frame(false, &r.encode_to_vec())),
+        2 => (rate_limit_request(), prop::collection::vec((any::<usize>(), any::<u8>()), 1..4))
+            .prop_map(|(r, flips)| {
+                let mut m = r.encode_to_vec();
+                for (at, b) in flips {
+                    if !m.is_empty() {
+                        let n = m.len();
+                        m[at % n] = b;
+                    }
+                }
+                grpc_frame(false, &m)
+            }),
+        1 => prop::collection::vec(any::<u8>(), 0..256).prop_map(|m| grpc_frame(false, &m)),
+        1 => (rate_limit_request(), prop::sample::select(&[1u32, 4097, 65_536, 10 << 20, u32::MAX][..]))
+            .prop_map(|(r, claimed)| {
+                let m = r.encode_to_vec();
+                let mut frame = vec![0u8];
+                frame.extend_from_slice(&claimed.max(m.len() as u32 + 1).to_be_bytes());
+                frame.extend_from_slice(&m);
+                frame
+            }),
+        1 => rate_limit_request().prop_map(|r| grpc_frame(true, &r.encode_to_vec())),
+        1 => rate_limit_request().prop_map(|r| {
+            let m = grpc_frame(false, &r.encode_to_vec());
+            [m.clone(), m].concat()
+        }),
+        1 => (1usize..4).prop_map(|k| {
+            // Past --max-body-bytes: k times as many descriptors as fit.
+            let d = RateLimitDescriptor {
+                entries: vec![DescriptorEntry { key: "rule".into(), value: "per-app".into() }],
+                ..Default::default()
+            };
+            let r = RateLimitRequest {
+                domain: "ratelimit".into(),
+                descriptors: vec![d; k * MAX_BODY_BYTES / 10],
+                hits_addend: 0,
+            };
+            grpc_frame(false, &r.encode_to_vec())
+        }),
+        1 => prop::collection::vec(any::<u8>(), 0..16),
+    ]
+    .boxed()
+}
+
+/// A gRPC call to the sidecar's listener (the method it serves, or another of the service).
+fn grpc_case() -> impl Strategy<Value = HttpCase> {
+    (
+        prop::sample::select(
+            &[
+                Listener::Plain,
+                Listener::Plain,
+                Listener::Protected,
+                Listener::Protected,
+                Listener::Admin,
+            ][..],
+        ),
+        prop_oneof![8 => Just(Method::POST), 1 => Just(Method::GET), 1 => Just(Method::PUT)],
+        prop_oneof![
+            8 => Just(GRPC_PATH.to_string()),
+            1 => Just("/envoy.service.ratelimit.v3.RateLimitService/Nope".to_string()),
+            1 => Just("/envoy.service.ratelimit.v2.RateLimitService/ShouldRateLimit".to_string()),
+        ],
+        prop_oneof![
+            8 => Just(vec![
+                ("content-type".to_string(), b"application/grpc".to_vec()),
+                ("te".to_string(), b"trailers".to_vec()),
+            ]),
+            1 => Just(vec![("content-type".to_string(), b"application/grpc+proto".to_vec())]),
+            1 => Just(Vec::new()),
+        ],
+        prop_oneof![
+            1 => Just(None),
+            5 => Just(Some(format!("Bearer {TOKEN}").into_bytes())),
+            1 => Just(Some(b"Bearer wrong".to_vec())),
+        ],
+        grpc_body(),
+        prop::option::weighted(0.1, 0u8..2),
+        0u64..3000,
+    )
+        .prop_map(
+            |(listener, method, uri, headers, authorization, body, failing, advance_ms)| HttpCase {
+                listener,
+                method,
+                uri,
+                headers,
+                authorization,
+                body,
+                failing,
+                advance_ms,
+            },
+        )
+}
+
+/// The first message of a gRPC body: (compressed, declared length, the bytes there).
+fn first_frame(body: &[u8]) -> Option<(bool, usize, &[u8])> {
+    let (head, rest) = (body.get(..5)?, &body[5..]);
+    let len = u32::from_be_bytes([head[1], head[2], head[3], head[4]]) as usize;
+    Some((head[0] != 0, len, &rest[..len.min(rest.len())]))
+}
+
+/// What a gRPC call must get: status 200 with `grpc-status` (in the headers when refused, in the
+/// trailers once answered); nothing charged unless it is OK, nothing asked of the store when the
+/// request was refused before its decision; a message over `--max-body-bytes` refused from its
+/// length prefix; an answer with one status per descriptor and well-formed headers to add.
+fn check_grpc(
+    case: &HttpCase,
+    status: StatusCode,
+    grpc_status: Option<i32>,
+    grpc_message: &str,
+    body: &[u8],
+    (applied, charged): (u64, u64),
+) -> Result<(), TestCaseError> {
+    prop_assert_eq!(status, StatusCode::OK, "gRPC answered HTTP {}", status);
+    let Some(code) = grpc_status else {
+        return Err(TestCaseError::fail("a gRPC answer without grpc-status"));
+    };
+    note(format!("grpc {code}"));
+    prop_assert!(
+        grpc_message.len() <= MAX_ERROR_BYTES,
+        "grpc-message of {} bytes",
+        grpc_message.len()
+    );
+    let frame = first_frame(&case.body);
+    if let Some((false, len, _)) = frame {
+        if len > MAX_BODY_BYTES && case.uri == GRPC_PATH && case.method == Method::POST {
+            prop_assert_eq!(
+                code,
+                11,
+                "a message of {} bytes was not refused as too large (OUT_OF_RANGE)",
+                len
+            );
+        }
+    }
+    if code != 0 {
+        prop_assert_eq!(charged, 0, "a refused gRPC call (status {}) charged", code);
+        // Refused before the decision: malformed, too large, unimplemented, unauthenticated.
+        if [3, 11, 12, 16].contains(&code) && !grpc_message.starts_with("domain") {
+            prop_assert_eq!(
+                applied,
+                0,
+                "a gRPC call refused with {} reached the store",
+                code
+            );
+        }
+        return Ok(());
+    }
+    let request = frame
+        .and_then(|(_, len, m)| (m.len() == len).then_some(m))
+        .and_then(|m| RateLimitRequest::decode(m).ok());
+    let Some(request) = request else {
+        return Err(TestCaseError::fail("OK for a body that holds no request"));
+    };
+    let answer = first_frame(body)
+        .and_then(|(_, _, m)| RateLimitResponse::decode(m).ok())
+        .ok_or_else(|| TestCaseError::fail("OK without a RateLimitResponse"))?;
+    prop_assert_eq!(answer.statuses.len(), request.descriptors.len());
+    let over = |c: i32| c == Code::OverLimit as i32;
+    prop_assert_eq!(
+        over(answer.overall_code),
+        answer.statuses.iter().any(|s| over(s.code)),
+        "overall {} for statuses {:?}",
+        answer.overall_code,
+        answer.statuses
+    );
+    for h in answer.response_headers_to_add.iter() {
+        prop_assert!(
+            ["ratelimit-policy", "ratelimit", "retry-after"].contains(&h.key.as_str()),
+            "header {}",
+            h.key
+        );
+        prop_assert!(
+            h.value.bytes().all(|b| (0x20..0x7f).contains(&b)) && h.value.len() <= 64 * 1024,
+            "header {}: {:?}",
+            h.key,
+            h.value
+        );
+    }
+    Ok(())
+}
+
 struct Sidecar {
     store: Arc<Counting>,
     plain: Router,
@@ -605,7 +936,7 @@ fn fuzz_http() {
             let task = tokio::spawn(async move {
                 let response = router.oneshot(request).await.expect("infallible");
                 let (parts, body) = response.into_parts();
-                let body = axum::body::to_bytes(body, 16 << 20).await;
+                let body = body.collect().await;
                 (parts, body)
             });
             tokio::time::timeout(Duration::from_secs(10), task).await
@@ -618,7 +949,20 @@ fn fuzz_http() {
             }
             Ok(Ok((parts, body))) => (parts, body),
         };
-        let body = body.map_err(|e| TestCaseError::fail(format!("unreadable body: {e}")))?;
+        let collected = body.map_err(|e| TestCaseError::fail(format!("unreadable body: {e}")))?;
+        let trailers = collected.trailers().cloned().unwrap_or_default();
+        let body = collected.to_bytes();
+        // gRPC: `grpc-status` in the headers (refused at once) or in the trailers (answered).
+        let grpc_field = |name: &str| {
+            parts
+                .headers
+                .get(name)
+                .or_else(|| trailers.get(name))
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_string)
+        };
+        let grpc_status = grpc_field("grpc-status").and_then(|v| v.parse::<i32>().ok());
+        let grpc_message = grpc_field("grpc-message").unwrap_or_default();
         prop_assert!(
             elapsed < Duration::from_secs(5),
             "answered after {elapsed:?}"
@@ -630,7 +974,7 @@ fn fuzz_http() {
         if charged > 0 {
             note("charged");
         }
-        let refused_by_grpc_auth = parts.headers.get("grpc-status").is_some();
+        let refused_by_grpc_auth = grpc_status == Some(16);
         let json_error = || -> Result<String, TestCaseError> {
             let ct = parts
                 .headers
@@ -701,6 +1045,16 @@ fn fuzz_http() {
         if case.listener == Listener::Admin && !open {
             prop_assert_eq!(status, StatusCode::NOT_FOUND);
             return Ok(());
+        }
+        if path.starts_with("/envoy.service.ratelimit.v3.RateLimitService/") {
+            return check_grpc(
+                &case,
+                status,
+                grpc_status,
+                &grpc_message,
+                &body,
+                (applied, charged),
+            );
         }
         if open {
             let expected = if matches!(case.method, Method::GET | Method::HEAD) {
