@@ -874,7 +874,7 @@ fn check_refill_time(capacity: u64, refill_per_sec: f64, at: &str, p: &mut Probl
 }
 
 /// `[A-Za-z0-9_.-]{1,max}`.
-fn is_name(s: &str, max: usize) -> bool {
+pub(crate) fn is_name(s: &str, max: usize) -> bool {
     !s.is_empty()
         && s.len() <= max
         && s.bytes()

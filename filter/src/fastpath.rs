@@ -169,7 +169,13 @@ impl Entry {
             _ => return None,
         };
         let mut e = Entry::new(&id);
-        e.limit = limit.filter(|l| l.refill_per_sec.is_finite() && l.refill_per_sec > 0.0);
+        // Only what the answer checks let in (a limit name the headers can carry), whoever wrote
+        // the entry.
+        e.limit = limit.filter(|l| {
+            l.refill_per_sec.is_finite()
+                && l.refill_per_sec > 0.0
+                && crate::verdict::is_limit_name(&l.name)
+        });
         e.reject_cost = r.u64()?;
         e.reject_until_ns = r.u64()?;
         e.reject_why = match r.u8()? {
@@ -588,6 +594,16 @@ mod tests {
         let mut long = e.encode();
         long.push(0);
         assert_eq!(Entry::decode(&long), None);
+        // A limit whose name the headers could not carry is dropped, the rest of the entry kept.
+        let mut bad = e.clone();
+        bad.limit = Some(KnownLimit {
+            name: "a\r\nx-injected: 1".into(),
+            ..limit()
+        });
+        assert_eq!(
+            Entry::decode(&bad.encode()),
+            Some(Entry { limit: None, ..e })
+        );
     }
 
     #[test]

@@ -22,6 +22,11 @@ use crate::rules::Planned;
 /// The most bytes of a sidecar answer that are read.
 pub const MAX_ANSWER_BYTES: usize = 1 << 20;
 
+/// The most bytes of the sidecar's own text (a parse error quoting its answer, a request error's
+/// message) a [`LimiterError`] keeps: it is logged, per request, and a broken sidecar (or whoever
+/// answers in its place) chooses that text.
+pub const MAX_ERROR_TEXT_BYTES: usize = 512;
+
 /// A response the filter sends itself instead of forwarding the request.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LocalReply {
@@ -91,8 +96,8 @@ pub fn parse_answer(
             String::from_utf8_lossy(&status[..status.len().min(16)]).into_owned(),
         ));
     }
-    let answer: DecideResponse =
-        serde_json::from_slice(body).map_err(|e| LimiterError::Malformed(e.to_string()))?;
+    let answer: DecideResponse = serde_json::from_slice(body)
+        .map_err(|e| LimiterError::Malformed(elide_middle(e.to_string())))?;
     if answer.answers.len() != expected {
         return Err(LimiterError::Count {
             expected,
@@ -102,13 +107,22 @@ pub fn parse_answer(
     Ok(answer)
 }
 
+/// Whether `name` can be the name of a limit the sidecar applied: 1 to
+/// [`ratelimit_wire::MAX_NAME_BYTES`] characters of `[A-Za-z0-9_.-]`, as the sidecar's policy
+/// names its limits. It goes into the `RateLimit-Policy` and `RateLimit` headers sent to the
+/// client and into shared data, so nothing else is taken from an answer: a quote, a non-ASCII
+/// byte or a line break would make those headers malformed (or split them).
+pub fn is_limit_name(name: &str) -> bool {
+    crate::config::is_name(name, ratelimit_wire::MAX_NAME_BYTES)
+}
+
 /// Checks one request's answer: an error, or one result per decision whose `allowed` agrees with
-/// its results.
+/// its results and whose limits have names [`is_limit_name`] accepts.
 pub fn check_answer(answer: &RequestAnswer, decisions: usize) -> Result<(), LimiterError> {
     if let Some(e) = &answer.error {
         return Err(LimiterError::Request {
             code: e.code,
-            message: e.message.clone(),
+            message: elide_middle(e.message.clone()),
         });
     }
     if answer.results.len() != decisions {
@@ -122,7 +136,36 @@ pub fn check_answer(answer: &RequestAnswer, decisions: usize) -> Result<(), Limi
             allowed: answer.allowed,
         });
     }
+    if let Some(i) = answer
+        .results
+        .iter()
+        .position(|r| r.limit.as_ref().is_some_and(|l| !is_limit_name(&l.name)))
+    {
+        return Err(LimiterError::Malformed(format!(
+            "results[{i}].limit.name: not a limit name (1 to {} characters of [A-Za-z0-9_.-])",
+            ratelimit_wire::MAX_NAME_BYTES
+        )));
+    }
     Ok(())
+}
+
+/// `text` cut to at most [`MAX_ERROR_TEXT_BYTES`] by eliding its middle (serde's messages start
+/// with what was wrong and end with where: both stay).
+fn elide_middle(text: String) -> String {
+    const GAP: &str = " [...] ";
+    if text.len() <= MAX_ERROR_TEXT_BYTES {
+        return text;
+    }
+    let keep = (MAX_ERROR_TEXT_BYTES - GAP.len()) / 2;
+    let mut head = keep;
+    while !text.is_char_boundary(head) {
+        head -= 1;
+    }
+    let mut tail = text.len() - keep;
+    while !text.is_char_boundary(tail) {
+        tail += 1;
+    }
+    format!("{}{GAP}{}", &text[..head], &text[tail..])
 }
 
 /// One decision the gateway admitted from a lease: its rule's limit as last seen, and the tokens
@@ -1034,6 +1077,56 @@ mod tests {
             panic!("a garbage status is an error");
         };
         assert_eq!(s.chars().count(), 16);
+    }
+
+    #[test]
+    fn a_limit_name_that_would_break_the_headers_is_a_malformed_answer() {
+        for bad in [
+            "",
+            "a\r\nx-injected: 1",
+            "\"; q=1",
+            "caf\u{e9}",
+            "with space",
+            &"n".repeat(129),
+        ] {
+            let a = answer(vec![admitted(1, 0, limit(bad, 100, 10.0))]);
+            assert!(
+                matches!(check_answer(&a, 1), Err(LimiterError::Malformed(ref m)) if m.starts_with("results[0].limit.name")),
+                "{bad:?}"
+            );
+        }
+        for good in ["per-app", "tenant.acme_2", &"n".repeat(128)] {
+            let a = answer(vec![admitted(1, 0, limit(good, 100, 10.0))]);
+            assert_eq!(check_answer(&a, 1), Ok(()), "{good:?}");
+        }
+        // An unlimited result names no limit.
+        assert_eq!(check_answer(&answer(vec![admitted(0, 0, None)]), 1), Ok(()));
+    }
+
+    #[test]
+    fn the_sidecar_s_text_in_an_error_is_bounded() {
+        // serde quotes the string it refuses; a request error carries the sidecar's message.
+        let long = "\u{e9}".repeat(50_000);
+        let body = format!(
+            r#"{{"answers":[{{"allowed":true,"results":[{{"allowed":true,"remaining":1,"retry_after_ms":0,"reset_ms":0,"reason":"{long}"}}]}}]}}"#
+        );
+        let Err(LimiterError::Malformed(m)) = parse_answer(Some(b"200"), body.as_bytes(), 1) else {
+            panic!("an unknown reason is malformed");
+        };
+        assert!(m.len() <= MAX_ERROR_TEXT_BYTES, "{} bytes", m.len());
+        assert!(
+            m.starts_with("unknown variant") && m.contains(" [...] "),
+            "{m}"
+        );
+        assert!(
+            m.contains("expected one of") && m.contains("at line 1 column"),
+            "{m}"
+        );
+        let e = check_answer(&failed(ErrorCode::Unavailable, &long), 1).unwrap_err();
+        assert!(e.to_string().len() <= MAX_ERROR_TEXT_BYTES + 16, "{e}");
+        // Short texts are kept whole.
+        let e = check_answer(&failed(ErrorCode::Unavailable, "redis down"), 1).unwrap_err();
+        assert_eq!(e.to_string(), "Unavailable: redis down");
     }
 
     #[test]

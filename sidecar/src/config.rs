@@ -89,7 +89,8 @@ pub struct Args {
     #[arg(long, env = "RATELIMIT_ATTEMPT_TTL_MS", default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(1..))]
     pub attempt_ttl_ms: u64,
 
-    /// Largest accepted request body, in bytes; more is answered 413.
+    /// Largest accepted request body, in bytes: a larger `POST /v1/decide` body is answered 413,
+    /// a larger gRPC request message OUT_OF_RANGE.
     #[arg(long, env = "RATELIMIT_MAX_BODY_BYTES", default_value_t = 65_536)]
     pub max_body_bytes: usize,
 

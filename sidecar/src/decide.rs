@@ -78,22 +78,51 @@ pub enum DecideError {
     Invalid(String),
 }
 
+/// The longest error message a refused call is answered with, in bytes. serde's messages quote
+/// what they refuse (an unknown field, a string where a number belongs), and a caller chooses
+/// that text: unbounded, one request could make the sidecar echo (and escape, up to six bytes a
+/// byte) its whole body back.
+pub const MAX_ERROR_BYTES: usize = 512;
+
 /// Parses and validates a call body; the error names the field
-/// (`requests[0].decisions[1].rule: ...`).
+/// (`requests[0].decisions[1].rule: ...`) and is at most [`MAX_ERROR_BYTES`] long.
 pub fn parse_request(body: &[u8]) -> Result<DecideRequest, DecideError> {
+    let bounded = |DecideError::Invalid(m)| DecideError::Invalid(elide_middle(m, MAX_ERROR_BYTES));
     let mut de = serde_json::Deserializer::from_slice(body);
     let request: DecideRequest = serde_path_to_error::deserialize(&mut de).map_err(|e| {
         let path = e.path().to_string();
-        if path == "." || path.is_empty() {
+        bounded(if path == "." || path.is_empty() {
             DecideError::Invalid(e.inner().to_string())
         } else {
             DecideError::Invalid(format!("{path}: {}", e.inner()))
-        }
+        })
     })?;
-    de.end()
-        .map_err(|e| DecideError::Invalid(format!("trailing data after the JSON body: {e}")))?;
-    validate(&request)?;
+    de.end().map_err(|e| {
+        bounded(DecideError::Invalid(format!(
+            "trailing data after the JSON body: {e}"
+        )))
+    })?;
+    validate(&request).map_err(bounded)?;
     Ok(request)
+}
+
+/// `message` cut to at most `max` bytes by eliding its middle, so that both the field path it
+/// starts with and the expectation it ends with (`expected u64 at line 1 column 80`) remain.
+fn elide_middle(message: String, max: usize) -> String {
+    const GAP: &str = " [...] ";
+    if message.len() <= max {
+        return message;
+    }
+    let keep = max.saturating_sub(GAP.len()) / 2;
+    let mut head = keep;
+    while !message.is_char_boundary(head) {
+        head -= 1;
+    }
+    let mut tail = message.len() - keep;
+    while !message.is_char_boundary(tail) {
+        tail += 1;
+    }
+    format!("{}{GAP}{}", &message[..head], &message[tail..])
 }
 
 /// Checks what serde cannot: counts, lengths, names, costs, lease asks.
@@ -1103,6 +1132,32 @@ rules:
             Err(DecideError::Invalid(e)) => e,
             Ok(_) => panic!("{body} should be invalid"),
         }
+    }
+
+    #[test]
+    fn errors_quoting_a_caller_s_text_are_bounded_and_keep_both_ends() {
+        let long = "x".repeat(100_000);
+        for body in [
+            format!(r#"{{"requests":[{{"decisions":[{{"rule":"r","cost":"{long}"}}]}}]}}"#),
+            format!(r#"{{"{long}":1}}"#),
+            format!(
+                r#"{{"requests":[{{"decisions":[{{"rule":"r","subject":{{"{long}":"v"}}}}]}}]}}"#
+            ),
+        ] {
+            let e = err(&body);
+            assert!(e.len() <= MAX_ERROR_BYTES, "{} bytes", e.len());
+            assert!(e.contains(" [...] "), "{e}");
+        }
+        let e = err(&format!(
+            r#"{{"requests":[{{"decisions":[{{"rule":"r","cost":"{long}"}}]}}]}}"#
+        ));
+        assert!(
+            e.starts_with("requests[0].decisions[0].cost: invalid type"),
+            "{e}"
+        );
+        assert!(e.ends_with("expected u64 at line 1 column 100048"), "{e}");
+        assert_eq!(elide_middle("é".repeat(300), 100).len(), 99);
+        assert_eq!(elide_middle("short".into(), 100), "short");
     }
 
     #[test]

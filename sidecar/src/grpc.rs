@@ -76,13 +76,20 @@ impl<S: BucketStore> RateLimitApi<S> {
     }
 
     /// The service as routes of the sidecar's router: `/<service name>/<method>` (the path gRPC
-    /// uses); an unknown method of the service is answered UNIMPLEMENTED by tonic.
-    pub fn into_router(self) -> axum::Router {
+    /// uses); an unknown method of the service is answered UNIMPLEMENTED by tonic. A request
+    /// message longer than `max_message_bytes` (`--max-body-bytes`, as for `POST /v1/decide`) is
+    /// answered OUT_OF_RANGE from its length prefix, before it is read or decoded (tonic's
+    /// own default, 4 MiB, would decode hundreds of thousands of descriptors before `check`
+    /// refuses more than 64).
+    pub fn into_router(self, max_message_bytes: usize) -> axum::Router {
         let path = format!(
             "/{}/{{*method}}",
             <RateLimitServiceServer<Self> as NamedService>::NAME
         );
-        axum::Router::new().route_service(&path, RateLimitServiceServer::new(self))
+        axum::Router::new().route_service(
+            &path,
+            RateLimitServiceServer::new(self).max_decoding_message_size(max_message_bytes),
+        )
     }
 }
 

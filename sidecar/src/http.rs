@@ -35,7 +35,8 @@ pub fn router<S: BucketStore>(state: Arc<AppState<S>>, max_body_bytes: usize) ->
         })
         .layer(DefaultBodyLimit::max(max_body_bytes))
         .with_state(state.clone());
-    let grpc = RateLimitApi::new(state.decider.clone(), state.metrics.clone()).into_router();
+    let grpc =
+        RateLimitApi::new(state.decider.clone(), state.metrics.clone()).into_router(max_body_bytes);
     // Every route that decides: `POST /v1/decide` and the gRPC service. Authentication
     // (`crate::auth::protect`, applied by `serve` around this whole router) covers both alike
     // (gRPC metadata are HTTP/2 headers: `authorization: Bearer <token>`) and leaves only
@@ -45,6 +46,10 @@ pub fn router<S: BucketStore>(state: Arc<AppState<S>>, max_body_bytes: usize) ->
         .merge(health_router(state.clone()).with_state(state))
         .merge(decisions)
         .fallback(|| async { error(StatusCode::NOT_FOUND, "no such path".into()) })
+        // Last, so that it covers every route merged above (/healthz, /readyz, /metrics too).
+        .method_not_allowed_fallback(|| async {
+            error(StatusCode::METHOD_NOT_ALLOWED, "method not allowed".into())
+        })
 }
 
 /// `/healthz`, `/readyz`, `/metrics` only (the admin listener).

@@ -193,8 +193,17 @@ pub(crate) fn parse(
 ) -> Option<(String, EnvoyDomain)> {
     let file: File = deserialize(source, text, problems)?;
     let before = problems.list.len();
-    if file.domain.is_empty() {
-        problems.add(format!("{source}: domain"), "must not be empty");
+    // A call names its domain in at most MAX_NAME_BYTES: a longer one could never be reached,
+    // and its limits would silently never apply.
+    if file.domain.is_empty() || file.domain.len() > super::MAX_NAME_BYTES {
+        problems.add(
+            format!("{source}: domain"),
+            format!(
+                "must be 1 to {} bytes (calls name their domain in at most that), got {}",
+                super::MAX_NAME_BYTES,
+                file.domain.len()
+            ),
+        );
     }
     let mut limits = 0;
     let mut root = Node::default();
@@ -485,6 +494,18 @@ descriptors:
         )
         .unwrap_err();
         let text = e.to_string();
+        let long = format!("domain: {}\ndescriptors: []\n", "d".repeat(129));
+        for (text, needle) in [
+            (long.as_str(), "rl.yaml: domain: must be 1 to 128 bytes"),
+            (
+                "domain: ''\ndescriptors: []\n",
+                "rl.yaml: domain: must be 1 to 128 bytes",
+            ),
+        ] {
+            let e = policy(text).unwrap_err().to_string();
+            assert!(e.contains(needle), "{needle} missing in {e}");
+        }
+        assert!(policy(&format!("domain: {}\ndescriptors: []\n", "d".repeat(128))).is_ok());
         for needle in [
             "rl.yaml: descriptors[0].rate_limit.unit: required",
             "rl.yaml: descriptors[1].rate_limit: unlimited: true takes no unit",
