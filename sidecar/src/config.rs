@@ -94,6 +94,18 @@ pub struct Args {
     #[arg(long, env = "RATELIMIT_MAX_BODY_BYTES", default_value_t = 65_536)]
     pub max_body_bytes: usize,
 
+    /// How long a connection may take to send a request's headers, in milliseconds; an idle
+    /// HTTP/1.1 keep-alive connection counts as one sending headers, so it is closed after this
+    /// too (keep the gateways' idle timeout for the sidecar below it). Bounds what a slow or
+    /// silent client holds before it is authenticated.
+    #[arg(long, env = "RATELIMIT_HEADER_TIMEOUT_MS", default_value_t = 30_000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub header_timeout_ms: u64,
+
+    /// Most client connections served at once on each listener; past it a new connection is
+    /// closed at once (and logged, at most every 10 s).
+    #[arg(long, env = "RATELIMIT_MAX_CONNECTIONS", default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_connections: u64,
+
     /// Multiplexed connections to a single Redis (--redis), used round-robin. Ignored with
     /// --redis-sentinel (one multiplexed connection to the primary) and --redis-cluster (one
     /// cluster connection that multiplexes one connection per node).

@@ -193,6 +193,10 @@ pub async fn serve(
         bearer_tokens = auth.is_some(),
         "serving"
     );
+    let limits = listener::ConnectionLimits {
+        header_timeout: Duration::from_millis(args.header_timeout_ms),
+        max_connections: usize::try_from(args.max_connections).unwrap_or(usize::MAX),
+    };
     let (stop, stopped) = tokio::sync::watch::channel(());
     let signal = tokio::spawn(async move {
         shutdown.await;
@@ -207,12 +211,12 @@ pub async fn serve(
             Some(admin) => {
                 tracing::info!(addr = %admin.local_addr()?, "serving /healthz, /readyz, /metrics");
                 let admin_app = auth::open_paths_only(app);
-                listener::serve(admin, None, admin_app, on_stop(stopped.clone())).await
+                listener::serve(admin, None, admin_app, limits, on_stop(stopped.clone())).await
             }
         }
     };
     let served = tokio::try_join!(
-        listener::serve(listener, tls, main_app, on_stop(stopped.clone())),
+        listener::serve(listener, tls, main_app, limits, on_stop(stopped.clone())),
         admin_served
     );
     signal.abort();

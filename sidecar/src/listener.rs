@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
@@ -143,6 +143,24 @@ pub fn tls_acceptor(
     Ok(TlsAcceptor::from(Arc::new(config)))
 }
 
+/// What one listener allows a client connection.
+#[derive(Debug, Clone, Copy)]
+pub struct ConnectionLimits {
+    /// Time to send a request's headers (idle keep-alive time included), HTTP/1.1.
+    pub header_timeout: Duration,
+    /// Connections served at once.
+    pub max_connections: usize,
+}
+
+impl Default for ConnectionLimits {
+    fn default() -> Self {
+        ConnectionLimits {
+            header_timeout: Duration::from_secs(30),
+            max_connections: 10_000,
+        }
+    }
+}
+
 /// Serves `app` on `listener` (through `tls` when given) until `shutdown` completes, then stops
 /// accepting and waits for the open connections to finish their requests (idle HTTP/1.1
 /// connections are closed, HTTP/2 connections get a GOAWAY).
@@ -150,10 +168,13 @@ pub async fn serve(
     listener: TcpListener,
     tls: Option<TlsAcceptor>,
     app: Router,
+    limits: ConnectionLimits,
     shutdown: impl Future<Output = ()> + Send,
 ) -> std::io::Result<()> {
     let graceful = GracefulShutdown::new();
     let mut shutdown = std::pin::pin!(shutdown);
+    let slots = Arc::new(tokio::sync::Semaphore::new(limits.max_connections));
+    let mut last_refusal_log: Option<std::time::Instant> = None;
     loop {
         let (stream, peer) = tokio::select! {
             accepted = listener.accept() => match accepted {
@@ -167,13 +188,30 @@ pub async fn serve(
             },
             () = shutdown.as_mut() => break,
         };
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            // Over the limit: closed at once (dropping the stream), logged now and then.
+            if last_refusal_log.is_none_or(|t| t.elapsed() >= Duration::from_secs(10)) {
+                tracing::warn!(
+                    %peer,
+                    max_connections = limits.max_connections,
+                    "connection refused: --max-connections reached"
+                );
+                last_refusal_log = Some(std::time::Instant::now());
+            }
+            continue;
+        };
         let _ = stream.set_nodelay(true);
         let app = app.clone();
         let watcher = graceful.watcher();
         let tls = tls.clone();
         tokio::spawn(async move {
+            let _slot = slot;
             let service = TowerToHyperService::new(app);
-            let builder = auto::Builder::new(TokioExecutor::new());
+            let mut builder = auto::Builder::new(TokioExecutor::new());
+            builder
+                .http1()
+                .timer(TokioTimer::new())
+                .header_read_timeout(limits.header_timeout);
             let result = match tls {
                 None => {
                     let conn =
