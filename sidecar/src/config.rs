@@ -31,7 +31,9 @@ pub struct Args {
     pub lease_max_share: f64,
 
     /// Bucket script calls in flight per Redis node; work that arrives meanwhile is batched into
-    /// the next call.
+    /// the next call. A call holds its place until Redis answers it (or, unanswered, for
+    /// max(--redis-timeout-ms, 1 s)), also after its callers were answered 503 at the timeout: a
+    /// stalled Redis is sent no more than this many calls per connection.
     #[arg(long, env = "RATELIMIT_REDIS_PIPELINE", default_value_t = 4, value_parser = clap::value_parser!(u64).range(1..=64))]
     pub redis_pipeline: u64,
 

@@ -3,10 +3,18 @@
 //! piece of work at once; a busy one gets it in batches, so the fixed cost of a script call
 //! (protocol, script lookup, `TIME`) is shared by every decision in it.
 //!
-//! At most `max_in_flight` calls per node run at once (pipelined on the node's connection); a
+//! At most `max_in_flight` calls per node run at once (pipelined on the node's connections); a
 //! call carries at most `max_decisions` decisions (one piece of work larger than that goes alone).
 //! Work whose deadline passed while it waited is answered with a timeout and never sent, so it
 //! cannot be applied after its caller gave up.
+//!
+//! A call keeps its slot until it ends (Redis answered, or the store gave up on it), not until
+//! its callers' deadline: the callers are answered at their deadline by the store, but a call
+//! already sent is still in Redis's queue and will run there. So a stalled Redis holds at most
+//! `max_in_flight` calls of a node sent for nothing; the work that arrives meanwhile waits here,
+//! is answered with a timeout at its deadline, and is never sent. (Were the slot freed at the
+//! deadline, a stall of `t` would queue `max_in_flight` calls per timeout in Redis, all run, and
+//! all charged, once it wakes.)
 
 use std::future::Future;
 use std::sync::Arc;

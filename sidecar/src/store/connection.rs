@@ -24,6 +24,14 @@ use super::StoreError;
 use crate::config::{Args, Secret};
 use crate::listener::{read_certificates, read_private_key, TlsConfigError};
 
+/// How long the sidecar waits on Redis past a caller's deadline before it gives a connection up
+/// for dead: to make a connection (Redis accepts, TLS, `AUTH`, `CLIENT SETINFO`), and, on one
+/// Redis, for the answer to a command already sent (see [`SingleNode`]). `--redis-timeout-ms`, at
+/// least 1 s: long enough that a Redis that is merely slow keeps its connections.
+pub fn stall_limit(timeout_ms: u64) -> Duration {
+    Duration::from_millis(timeout_ms.max(1000))
+}
+
 /// A Redis URL as it may be shown (logs, answers, `/readyz`, errors): the password replaced by
 /// `***`. A URL that does not parse keeps nothing of what stands before an `@`.
 pub fn redacted_url(url: &str) -> String {
@@ -264,38 +272,93 @@ fn sentinel_client(
 
 /// One Redis: several multiplexed connections used round-robin.
 ///
-/// redis-rs's `ConnectionManager` reconnects after I/O errors only: once a reconnection fails
-/// authentication (a wrong or rotated password, an ACL user not there yet), it would answer that
-/// failure forever. Such a connection is replaced by a fresh one, so the sidecar recovers as soon
-/// as Redis accepts its credentials, and shows the failure meanwhile.
+/// redis-rs's `ConnectionManager` reconnects after I/O errors only. Two failures that are not
+/// I/O errors replace a connection by a fresh one:
+/// - a reconnection that failed authentication (a wrong or rotated password, an ACL user not
+///   there yet), which it would otherwise answer forever: the sidecar recovers as soon as Redis
+///   accepts its credentials, and shows the failure meanwhile;
+/// - a command with no answer within [`stall_limit`]: a stalled Redis (stopped, swapping, stuck
+///   in a slow script) or a peer gone without a reset (a partition) sends no error, and the
+///   kernel would keep the connection for many minutes. Every command queued behind the one that
+///   got no answer would be run by Redis when it wakes, for callers long answered: the stale
+///   connection is closed instead, so nothing more is written to it. What Redis had already
+///   received on it still runs (closing a socket does not take back what the peer's kernel
+///   holds). Its replacement cannot be made while Redis is stalled (the kernel accepts the TCP
+///   connection, but Redis does not answer `CLIENT SETINFO`), so no command is sent meanwhile.
+///
+/// Each command runs in a task of its own, so its bound and the replacement also happen when
+/// its caller gave up sooner (`--redis-timeout-ms`).
 pub struct SingleNode {
     client: redis::Client,
     config: ConnectionManagerConfig,
-    connections: Vec<Mutex<ConnectionManager>>,
+    connections: Vec<Mutex<Slot>>,
     next: AtomicUsize,
+    /// How long a command may wait for its answer before its connection is replaced.
+    stall_limit: Duration,
+    /// Names the node in logs and errors (redacted).
+    shown: String,
+}
+
+/// One of a node's connections, and how many times it was replaced (so that of several
+/// commands that fail on one connection, only the first replaces it).
+struct Slot {
+    generation: u64,
+    connection: ConnectionManager,
 }
 
 impl SingleNode {
-    async fn query(&self, cmd: Cmd) -> redis::RedisResult<Value> {
+    async fn query(self: &Arc<Self>, cmd: Cmd) -> redis::RedisResult<Value> {
         let i = self.next.fetch_add(1, Ordering::Relaxed) % self.connections.len();
-        let mut c = self.connections[i].lock().expect("not poisoned").clone();
-        let result = cmd.query_async(&mut c).await;
-        if let Err(e) = &result {
-            if e.kind() == redis::ErrorKind::AuthenticationFailed {
-                if let Ok(fresh) = ConnectionManager::new_lazy_with_config(
-                    self.client.clone(),
-                    self.config.clone(),
-                ) {
-                    *self.connections[i].lock().expect("not poisoned") = fresh;
+        let (generation, mut c) = {
+            let slot = self.connections[i].lock().expect("not poisoned");
+            (slot.generation, slot.connection.clone())
+        };
+        let this = self.clone();
+        tokio::spawn(async move {
+            let result = tokio::time::timeout(this.stall_limit, cmd.query_async(&mut c)).await;
+            drop(c);
+            match result {
+                Ok(Err(e)) if e.kind() == redis::ErrorKind::AuthenticationFailed => {
+                    this.replace(i, generation, &e.to_string());
+                    Err(e)
+                }
+                Ok(result) => result,
+                Err(_) => {
+                    let why = format!("no answer within {} ms", this.stall_limit.as_millis());
+                    this.replace(i, generation, &why);
+                    Err(redis::RedisError::from(std::io::Error::new(
+                        std::io::ErrorKind::TimedOut,
+                        format!("{}: {why}", this.shown),
+                    )))
                 }
             }
+        })
+        .await
+        .map_err(|e| {
+            redis::RedisError::from(std::io::Error::other(format!("redis command task: {e}")))
+        })?
+    }
+
+    /// Replaces connection `i` by a fresh one (made on its first use), unless it was replaced
+    /// since `generation`. The old one closes once the commands still waiting on it end.
+    fn replace(&self, i: usize, generation: u64, why: &str) {
+        let mut slot = self.connections[i].lock().expect("not poisoned");
+        if slot.generation != generation {
+            return;
         }
-        result
+        match ConnectionManager::new_lazy_with_config(self.client.clone(), self.config.clone()) {
+            Ok(fresh) => {
+                tracing::warn!(redis = %self.shown, connection = i, "{why}; replacing the connection");
+                slot.connection = fresh;
+                slot.generation += 1;
+            }
+            Err(e) => tracing::warn!(redis = %self.shown, "cannot replace a connection: {e}"),
+        }
     }
 }
 
 pub enum Connection {
-    Single(Box<SingleNode>),
+    Single(Arc<SingleNode>),
     Sentinel(Arc<SentinelPrimary>),
     Cluster(ClusterConnection),
 }
@@ -324,23 +387,34 @@ impl Connection {
         // One retry: a (re)connection that fails (refused, TLS handshake, authentication)
         // fails the commands waiting on it with its real cause within about 100 ms, instead of
         // leaving them to time out through seconds of backoff; the next command starts a new
-        // attempt (see SingleNode).
+        // attempt (see SingleNode). No response timeout of redis-rs: SingleNode bounds each
+        // command itself, and replaces the connection when that bound passes.
+        let stall = stall_limit(timeout_ms);
         let config = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(Duration::from_millis(timeout_ms.max(1000))))
+            .set_connection_timeout(Some(stall))
+            .set_response_timeout(None)
             .set_number_of_retries(1)
             .set_max_delay(Duration::from_millis(500));
         let connections = (0..connections.max(1))
             .map(|_| {
-                ConnectionManager::new_lazy_with_config(client.clone(), config.clone())
-                    .map(Mutex::new)
+                ConnectionManager::new_lazy_with_config(client.clone(), config.clone()).map(
+                    |connection| {
+                        Mutex::new(Slot {
+                            generation: 0,
+                            connection,
+                        })
+                    },
+                )
             })
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| StoreError::Config(format!("--redis {shown}: {e}")))?;
-        Ok(Connection::Single(Box::new(SingleNode {
+        Ok(Connection::Single(Arc::new(SingleNode {
             client,
             config,
             connections,
             next: AtomicUsize::new(0),
+            stall_limit: stall,
+            shown,
         })))
     }
 
@@ -369,7 +443,7 @@ impl Connection {
         );
         let client = sentinel_client(sentinels, master, access)
             .map_err(|e| StoreError::Config(format!("{what}: {e}")))?;
-        let lookup_timeout = Duration::from_millis(timeout_ms.max(1000));
+        let lookup_timeout = stall_limit(timeout_ms);
         let config = AsyncConnectionConfig::new().set_connection_timeout(Some(lookup_timeout));
         Ok(Connection::Sentinel(Arc::new(SentinelPrimary {
             sentinel: tokio::sync::Mutex::new(client),
@@ -410,8 +484,7 @@ impl Connection {
         let client = builder.build().map_err(|e| {
             StoreError::Config(format!("--redis-cluster {}: {e}", redacted_urls(seeds)))
         })?;
-        let config = ClusterConfig::new()
-            .set_connection_timeout(Duration::from_millis(timeout_ms.max(1000)));
+        let config = ClusterConfig::new().set_connection_timeout(stall_limit(timeout_ms));
         let connection = client.get_pending_async_connection_with_config(config);
         Ok(Connection::Cluster(connection))
     }

@@ -20,7 +20,7 @@ use redis::cluster_routing::ResponsePolicy;
 use redis::{Cmd, ErrorKind, RedisError, ServerErrorKind, Value};
 
 use super::batch::Batcher;
-use super::connection::Connection;
+use super::connection::{stall_limit, Connection};
 use super::{
     eviction_warning, is_script_failure, script_sha1, Bucket, BucketStore, Group, NodeId, Outcome,
     Readiness, RequestOutcome, Status, StoreError, Work, SCRIPT, SHARE_MARGIN_MS,
@@ -188,11 +188,20 @@ impl RedisStore {
         self.inner.connection.query_all_primaries(cmd, policy).await
     }
 
+    /// `f` bounded by `--redis-timeout-ms`.
     async fn bounded<T>(
         &self,
         f: impl Future<Output = redis::RedisResult<T>>,
     ) -> Result<T, StoreError> {
-        let result = match tokio::time::timeout(self.timeout(), f).await {
+        self.bounded_by(self.timeout(), f).await
+    }
+
+    async fn bounded_by<T>(
+        &self,
+        limit: Duration,
+        f: impl Future<Output = redis::RedisResult<T>>,
+    ) -> Result<T, StoreError> {
+        let result = match tokio::time::timeout(limit, f).await {
             Ok(Ok(v)) => return Ok(v),
             Ok(Err(e)) if moved(&e) => {
                 self.inner.refresh_now.notify_one();
@@ -201,7 +210,7 @@ impl RedisStore {
             Ok(Err(e)) if is_script_failure(&e) => StoreError::Script(e.to_string()),
             Ok(Err(e)) => StoreError::Redis(e.to_string()),
             Err(_) => StoreError::Timeout {
-                timeout_ms: self.inner.options.timeout_ms,
+                timeout_ms: limit.as_millis() as u64,
             },
         };
         self.inner.metrics.redis_errors.inc();
@@ -268,7 +277,10 @@ impl RedisStore {
         b
     }
 
-    /// One script call in "apply" mode for `work`.
+    /// One script call in "apply" mode for `work`, as the node's batcher makes it. Bounded by
+    /// [`stall_limit`], not by `--redis-timeout-ms`: the callers are answered at their deadline
+    /// by [`BucketStore::apply`], while the call keeps its pipeline slot until Redis answers it,
+    /// so a stalled Redis is sent at most `--redis-pipeline` calls (see [`super::batch`]).
     async fn call(&self, work: Work) -> Result<Vec<Vec<RequestOutcome>>, StoreError> {
         let args = ScriptArgs::build(
             "apply",
@@ -281,13 +293,14 @@ impl RedisStore {
             .metrics
             .script_call_decisions
             .observe(work.groups.iter().map(Group::decisions).sum::<usize>() as f64);
-        let reply = self.run_script(&args).await?;
+        let limit = stall_limit(self.inner.options.timeout_ms);
+        let reply = self.run_script(&args, limit).await?;
         parse_apply(reply, &work)
     }
 
-    /// EVALSHA, healed by EVAL on NOSCRIPT, bounded by the timeout.
-    async fn run_script(&self, args: &ScriptArgs) -> Result<Value, StoreError> {
-        self.bounded(async {
+    /// EVALSHA, healed by EVAL on NOSCRIPT, bounded by `limit`.
+    async fn run_script(&self, args: &ScriptArgs, limit: Duration) -> Result<Value, StoreError> {
+        self.bounded_by(limit, async {
             match self.query(args.cmd("EVALSHA", &self.inner.sha1)).await {
                 Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
                     // The node lost its script cache (restart, failover): EVAL caches it again.
@@ -444,7 +457,7 @@ impl BucketStore for RedisStore {
             &work,
             Some(&[requests]),
         );
-        let reply = self.run_script(&args).await?;
+        let reply = self.run_script(&args, self.timeout()).await?;
         match reply {
             Value::Array(v) if v.len() == 1 => Ok(matches!(v[0], Value::Int(1))),
             other => Err(StoreError::Reply(format!("refund reply {other:?}"))),
