@@ -471,11 +471,7 @@ impl<S: BucketStore> Decider<S> {
                     let (id, gen) = match attempt {
                         Some(a) => (a.to_string(), false),
                         None => (
-                            generated
-                                .get_or_insert_with(|| {
-                                    format!("gen-{:032x}", rand::random::<u128>())
-                                })
-                                .clone(),
+                            generated.get_or_insert_with(generated_attempt).clone(),
                             true,
                         ),
                     };
@@ -994,6 +990,14 @@ impl<S: BucketStore> Decider<S> {
 }
 
 /// The entries of a filter decision: `rule=<name>`, then the subject.
+/// The attempt id the sidecar gives a call that names none but must be recorded (its requests
+/// span Cluster nodes, so a failed node's partners can be refunded): 128 bits from the thread's
+/// CSPRNG (seeded by the OS), so two calls never share one whatever the clock does, and no
+/// recorded answer is replayed to another call.
+fn generated_attempt() -> String {
+    format!("gen-{:032x}", rand::random::<u128>())
+}
+
 fn rule_entries(rule: String, subject: ratelimit_wire::Subject) -> Entries {
     let mut entries = Vec::with_capacity(1 + subject.0.len());
     entries.push((RULE_KEY.to_string(), Some(rule)));
@@ -1071,6 +1075,16 @@ mod tests {
     use crate::policy::Bounds;
     use crate::regional::RegionalShares;
     use crate::store::memory::MemoryStore;
+
+    #[test]
+    fn generated_attempt_ids_are_distinct() {
+        let ids: std::collections::HashSet<String> =
+            (0..100_000).map(|_| generated_attempt()).collect();
+        assert_eq!(ids.len(), 100_000);
+        assert!(ids
+            .iter()
+            .all(|id| id.len() == 36 && id.starts_with("gen-")));
+    }
 
     const T0: u64 = 1_700_000_000_000_000;
 

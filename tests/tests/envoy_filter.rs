@@ -327,6 +327,40 @@ fn two_rules_on_one_request_the_second_exhausted_do_not_charge_the_first() {
     );
 }
 
+/// A request id is the client's to choose, so it never identifies a decision: requests that all
+/// carry one `x-request-id` (sent at once, so within the same clock tick too) are each charged.
+/// The filter sends no attempt id at all (Envoy never repeats a callout), and the sidecar's own
+/// ids for requests split across Cluster nodes are 128 random bits per call
+/// (`decide::tests::generated_attempt_ids_are_distinct`), so no answer is replayed to another
+/// request.
+#[test]
+fn requests_sharing_one_x_request_id_are_each_charged() {
+    let mut plugin = plugin_with_rules(json!([
+        {"name": "per-app", "match": {"path_prefix": "/api/"}, "subject": ["app"], "on_error": "deny"}
+    ]));
+    plugin["fast_paths"] = json!({"leases": {"enabled": false}});
+    let stack = Stack::start(
+        "envoy.yaml",
+        Some(plugin),
+        Some("rules:\n  per-app: {capacity: 10, refill_per_sec: 0.001}\n"),
+    );
+    let url = stack.envoy.url("/api/x");
+    let answers = burst(
+        &url,
+        &[ALPHA, ("x-request-id", "same-id-every-time")],
+        30,
+        8,
+    );
+    assert_eq!(count(&answers, 200), 10, "exactly the bucket's 10 tokens");
+    assert_eq!(count(&answers, 429), 20);
+    let tokens = bucket_tokens(&stack.redis, "rl:{ratelimit|rule=per-app|app=alpha}")
+        .expect("a per-app bucket");
+    assert!(
+        tokens < 0.1,
+        "the bucket holds {tokens} tokens after 10 charges"
+    );
+}
+
 /// Freezes or stops the sidecar and checks what the rule's `on_error` does.
 fn policy_stack(on_error: &str) -> Stack {
     let mut rule = json!({"name": "guarded", "match": {"path_prefix": "/"}, "subject": ["ip"],
