@@ -12,6 +12,7 @@
 pub mod envoy;
 pub mod fault_proxy;
 pub mod netns;
+pub mod procstat;
 pub mod redis;
 pub mod scenario;
 pub mod tls;

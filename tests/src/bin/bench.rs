@@ -26,6 +26,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
+use ratelimit_e2e::procstat::cpu_seconds;
 use ratelimit_e2e::{Envoy, EnvoyConfig, Redis, Sidecar, Upstream};
 
 #[derive(Parser)]
@@ -56,28 +57,6 @@ struct Args {
 struct Watched {
     name: &'static str,
     pid: u32,
-}
-
-/// The CPU time (user + system) a process has used so far, in seconds.
-fn cpu_seconds(pid: u32) -> f64 {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    // Fields after the command name (which may contain spaces) start after the last ')'.
-    let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    let ticks: f64 = [11, 12] // utime, stime (fields 14 and 15 counted from the pid)
-        .iter()
-        .filter_map(|i| fields.get(*i).and_then(|v| v.parse::<f64>().ok()))
-        .sum();
-    ticks / clock_ticks_per_second()
-}
-
-fn clock_ticks_per_second() -> f64 {
-    std::process::Command::new("getconf")
-        .arg("CLK_TCK")
-        .output()
-        .ok()
-        .and_then(|o| String::from_utf8_lossy(&o.stdout).trim().parse().ok())
-        .unwrap_or(100.0)
 }
 
 #[derive(Clone)]
