@@ -72,53 +72,79 @@
 -- decision: allowed, remaining, retry_after_ms, reset_ms, reason (0 ok, 1 insufficient,
 -- 2 cost_exceeds_capacity), leased (tokens granted under the lease).
 
+-- Code notes (the script runs whole on every call, so its cost is what one call does): ARGV is
+-- read by position into flat arrays and one small array per decision, not a hashed table per
+-- group, request and decision; decision fields that are "0" or "1" skip tonumber; the functions
+-- only records, returns, leases and regional shares need are created only by the calls that use
+-- them; a bucket without leases is read and written as three doubles directly; the reply is sized
+-- once and filled by index.
+
 local OK, INSUFFICIENT, COST_EXCEEDS_CAPACITY = 0, 1, 2
 local MAX_INT = 9007199254740992 -- 2^53: replies are integers; clamp what cannot be one exactly
 local MAX_LEASES = 16            -- lease entries one bucket holds; more asks get no grant
 local MARGIN_MS = 1000           -- expiry margin past the time the bucket is full again
 
-local pos = 0
-local function nextarg()
-  pos = pos + 1
-  return ARGV[pos]
-end
-local function num()
-  local v = tonumber(nextarg())
-  if not v or v ~= v or v == math.huge or v == -math.huge then
-    error('ERR usage: argument ' .. pos .. ' must be a finite number')
-  end
-  return v
+local ARGV, tonumber, floor, ceil = ARGV, tonumber, math.floor, math.ceil
+local spack, sunpack = struct.pack, struct.unpack
+
+-- Every number argument must be finite (v - v is 0 only then: not for nan or +-inf).
+local function bad(pos)
+  error('ERR usage: argument ' .. pos .. ' must be a finite number')
 end
 
-local mode = nextarg()
+local mode = ARGV[1]
 if mode ~= 'apply' and mode ~= 'refund' then
   return redis.error_reply('ERR usage: mode must be apply or refund')
 end
-local record_ttl_ms = num()
-local max_share = num()
-local one_slot_per_command = num()
-local share_margin_ms = num()
+local record_ttl_ms = tonumber(ARGV[2])
+if not record_ttl_ms or record_ttl_ms - record_ttl_ms ~= 0 then bad(2) end
+local max_share = tonumber(ARGV[3])
+if not max_share or max_share - max_share ~= 0 then bad(3) end
+local one_slot_per_command = tonumber(ARGV[4])
+if not one_slot_per_command or one_slot_per_command - one_slot_per_command ~= 0 then bad(4) end
+local share_margin_ms = tonumber(ARGV[5])
+if not share_margin_ms or share_margin_ms - share_margin_ms ~= 0 then bad(5) end
 if record_ttl_ms < 1 or max_share < 0 or max_share > 1 or share_margin_ms < 0 then
   return redis.error_reply('ERR usage: record_ttl_ms >= 1, 0 <= max_share <= 1, share_margin_ms >= 0')
 end
 
-local nb = num()
-local bkeys = {}
-for i = 1, nb do bkeys[i] = nextarg() end
-local nl = num()
+local nb = tonumber(ARGV[6])
+if not nb or nb - nb ~= 0 then bad(6) end
+-- Bucket b's key is ARGV[6 + b], b = 1 .. nkeys.
+local nkeys = 0
+if nb >= 1 then nkeys = floor(nb) end
+local p = 6 + nkeys -- the last argument read
+
+p = p + 1
+local nl = tonumber(ARGV[p])
+if not nl or nl - nl ~= 0 then bad(p) end
 local limits = {}
+local nlimits, any_shares = 0, false
 for i = 1, nl do
-  local capacity, refill = num(), num()
+  p = p + 1
+  local capacity = tonumber(ARGV[p])
+  if not capacity or capacity - capacity ~= 0 then bad(p) end
+  p = p + 1
+  local refill = tonumber(ARGV[p])
+  if not refill or refill - refill ~= 0 then bad(p) end
   if capacity <= 0 or refill <= 0 then
     return redis.error_reply('ERR invalid limit ' .. i .. ': capacity and refill_per_sec must be > 0')
   end
-  local nh = num()
+  p = p + 1
+  local nh = tonumber(ARGV[p])
+  if not nh or nh - nh ~= 0 then bad(p) end
   local shares = nil
   if nh > 0 then
     shares = {}
+    any_shares = true
     local last = -1
     for j = 1, nh do
-      local from_ms, ppm = num(), num()
+      p = p + 1
+      local from_ms = tonumber(ARGV[p])
+      if not from_ms or from_ms - from_ms ~= 0 then bad(p) end
+      p = p + 1
+      local ppm = tonumber(ARGV[p])
+      if not ppm or ppm - ppm ~= 0 then bad(p) end
       if from_ms < last or ppm < 0 or ppm > 1000000 then
         return redis.error_reply('ERR invalid limit ' .. i .. ': share changes must be in time order, each 0 to 1000000 ppm')
       end
@@ -128,41 +154,104 @@ for i = 1, nl do
   end
   limits[i] = { capacity = capacity, refill = refill, shares = shares,
                 horizon = capacity / refill * 1000000 }
+  nlimits = i
 end
-local ng = num()
-local groups = {}
+
+-- Groups, requests and decisions, flat:
+--   gs[3g-2 .. 3g]  = record key, first and last request of group g
+--   rq[2r-1 .. 2r]  = first and last decision of request r (numbered across groups)
+--   decs[d]         = { bucket index, limit, cost, shadow, lease id, lease want, lease ttl_ms }
+p = p + 1
+local ng = tonumber(ARGV[p])
+if not ng or ng - ng ~= 0 then bad(p) end
+local gs, rq, decs = {}, {}, {}
+local ngroups, nreq, ndec = 0, 0, 0
+local any_record, any_want = false, false
 for g = 1, ng do
-  local group = { record = nextarg(), requests = {} }
-  local nr = num()
+  p = p + 1
+  local record = ARGV[p]
+  if record ~= '' then any_record = true end
+  p = p + 1
+  local nr = tonumber(ARGV[p])
+  if not nr or nr - nr ~= 0 then bad(p) end
+  local first = nreq + 1
   for r = 1, nr do
-    local request = {}
-    local nd = num()
+    p = p + 1
+    local nd = ARGV[p]
+    if nd == '1' then nd = 1 else nd = tonumber(nd) end
+    if not nd or nd - nd ~= 0 then bad(p) end
+    nreq = nreq + 1
+    rq[2 * nreq - 1] = ndec + 1
     for d = 1, nd do
-      local b, l, cost, shadow = num(), num(), num(), num()
-      local id, want, ttl = num(), num(), num()
-      if not bkeys[b] or not limits[l] or cost < 1 then
+      local b, l, cost, shadow = ARGV[p + 1], ARGV[p + 2], ARGV[p + 3], ARGV[p + 4]
+      local id, want, ttl = ARGV[p + 5], ARGV[p + 6], ARGV[p + 7]
+      -- Most of these are "0" or "1": a string compare (interned: a pointer compare) first is
+      -- several times cheaper than tonumber.
+      if b == '1' then b = 1 else b = tonumber(b) end
+      if l == '1' then l = 1 else l = tonumber(l) end
+      if cost == '1' then cost = 1 else cost = tonumber(cost) end
+      if shadow == '0' then shadow = 0 else shadow = tonumber(shadow) end
+      if id == '0' then id = 0 else id = tonumber(id) end
+      if want == '0' then want = 0 else want = tonumber(want) end
+      if ttl == '0' then ttl = 0 else ttl = tonumber(ttl) end
+      -- All finite when their sum is (or, rarely, when the sum alone overflows: look closer).
+      if not (b and l and cost and shadow and id and want and ttl)
+          or (b + l + cost + shadow + id + want + ttl) * 0 ~= 0 then
+        for j = 1, 7 do
+          local v = tonumber(ARGV[p + j])
+          if not v or v - v ~= 0 then bad(p + j) end
+        end
+      end
+      p = p + 7
+      if b < 1 or b > nkeys or b % 1 ~= 0 or not ARGV[6 + b]
+          or l < 1 or l > nlimits or l % 1 ~= 0 or cost < 1 then
         return redis.error_reply('ERR usage: bad bucket, limit or cost in group ' .. g)
       end
-      request[d] = { b = b, limit = limits[l], cost = cost, shadow = shadow == 1,
-                     lease_id = id, want = want, ttl_ms = ttl }
+      if want > 0 then any_want = true end
+      ndec = ndec + 1
+      decs[ndec] = { b, limits[l], cost, shadow, id, want, ttl }
     end
-    group.requests[r] = request
+    rq[2 * nreq] = ndec
   end
-  groups[g] = group
+  ngroups = g
+  gs[3 * g - 2], gs[3 * g - 1], gs[3 * g] = record, first, nreq
 end
-local nret = num()
-local returns = {}
+
+-- Returns: rt[4i-3 .. 4i] = bucket index, limit index, lease id, tokens.
+p = p + 1
+local nret = tonumber(ARGV[p])
+if not nret or nret - nret ~= 0 then bad(p) end
+local rt, nreturns = nil, 0
 for i = 1, nret do
-  local b, l, id, tokens = num(), num(), num(), num()
-  if not bkeys[b] or not limits[l] then return redis.error_reply('ERR usage: bad return') end
-  returns[i] = { b = b, limit = limits[l], id = id, tokens = tokens }
+  rt = rt or {}
+  for j = 1, 4 do
+    p = p + 1
+    local v = tonumber(ARGV[p])
+    if not v or v - v ~= 0 then bad(p) end
+    rt[4 * i - 4 + j] = v
+  end
+  local b, l = rt[4 * i - 3], rt[4 * i - 2]
+  if b < 1 or b > nkeys or b % 1 ~= 0 or not ARGV[6 + b]
+      or l < 1 or l > nlimits or l % 1 ~= 0 then
+    return redis.error_reply('ERR usage: bad return')
+  end
+  nreturns = i
 end
-local refunds = {}
+local refunds = nil
 if mode == 'refund' then
+  refunds = {}
   for g = 1, ng do
-    local k = num()
-    refunds[g] = {}
-    for i = 1, k do refunds[g][num()] = true end
+    p = p + 1
+    local k = tonumber(ARGV[p])
+    if not k or k - k ~= 0 then bad(p) end
+    local set = {}
+    for i = 1, k do
+      p = p + 1
+      local v = tonumber(ARGV[p])
+      if not v or v - v ~= 0 then bad(p) end
+      set[v] = true
+    end
+    refunds[g] = set
   end
 end
 
@@ -170,295 +259,353 @@ if nb == 0 then return {} end
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local now_ms = math.floor(now / 1000)
+local now_ms = floor(now / 1000)
 
 -- Reads first (see Cluster above). On a Cluster each command must stay in one slot (the flag
 -- lets the script, not a command, span slots): one GET per bucket there, one MGET elsewhere.
 local raw
 if one_slot_per_command == 1 then
   raw = {}
-  for i = 1, nb do
-    local v = redis.pcall('GET', bkeys[i])
+  for i = 1, nkeys do
+    local v = redis.pcall('GET', ARGV[6 + i])
     if type(v) == 'table' and v.err then
       if string.find(v.err, 'WRONGTYPE', 1, true) then v = false else return v end
     end
     raw[i] = v
   end
 else
-  raw = redis.call('MGET', unpack(bkeys))
+  raw = redis.call('MGET', unpack(ARGV, 7, 6 + nkeys))
 end
-local records = {}
-for g = 1, ng do
-  if groups[g].record ~= '' then
-    records[g] = redis.call('MGET', groups[g].record)[1]
+local records = nil
+if any_record then
+  records = {}
+  for g = 1, ngroups do
+    local record = gs[3 * g - 2]
+    if record ~= '' then records[g] = redis.call('MGET', record)[1] end
   end
 end
 
--- Bucket states, decoded once and written once at the end if changed.
+local effective -- see below; a function only for calls with regional limits, leases or records
+
+-- Bucket states, decoded once and written once at the end if changed. `leases` is nil or a list
+-- of the unexpired leases; `avail`/`avail_req`: the tokens the decisions of request avail_req
+-- decided so far would leave (pass 1 below).
 local states = {}
 local function state(b, limit)
   local s = states[b]
   if s then return s end
-  s = { limit = limit, tokens = limit.capacity, ts = now, exp = 0, leases = {}, dirty = false,
-        future = false, since = nil }
   local v = raw[b]
-  if v and #v >= 24 and (#v - 24) % 24 == 0 then
-    local n = (#v - 24) / 24
-    local all = { struct.unpack('<' .. string.rep('d', 3 + 3 * n), v) }
-    s.tokens, s.ts, s.exp = all[1], all[2], all[3]
-    for i = 0, n - 1 do
+  local n = v and #v
+  if n == 24 then
+    local tokens, ts, exp = sunpack('<ddd', v)
+    if tokens ~= tokens or tokens < 0 then tokens = 0 end
+    s = { limit = limit, tokens = tokens, ts = ts, exp = exp, leases = nil, dirty = false,
+          future = ts > now, since = ts, avail = 0, avail_req = 0 }
+  elseif n and n > 24 and (n - 24) % 24 == 0 then
+    local m = (n - 24) / 24
+    local all = { sunpack('<' .. string.rep('d', 3 + 3 * m), v) }
+    local tokens, ts, exp = all[1], all[2], all[3]
+    local leases = nil
+    for i = 0, m - 1 do
       local expiry = all[6 + 3 * i]
       if expiry > now then
-        s.leases[#s.leases + 1] = { id = all[4 + 3 * i], amount = all[5 + 3 * i], expiry = expiry }
+        leases = leases or {}
+        leases[#leases + 1] = { id = all[4 + 3 * i], amount = all[5 + 3 * i], expiry = expiry }
       end
     end
-    if s.tokens ~= s.tokens or s.tokens < 0 then s.tokens = 0 end
-    if s.ts > now then s.future = true end
-    s.since = s.ts
+    if tokens ~= tokens or tokens < 0 then tokens = 0 end
+    s = { limit = limit, tokens = tokens, ts = ts, exp = exp, leases = leases, dirty = false,
+          future = ts > now, since = ts, avail = 0, avail_req = 0 }
+  else
+    s = { limit = limit, tokens = limit.capacity, ts = now, exp = 0, leases = nil, dirty = false,
+          future = false, since = nil, avail = 0, avail_req = 0 }
   end
   states[b] = s
   return s
 end
 
-local function leased(s)
-  local sum = 0
-  for _, l in ipairs(s.leases) do sum = sum + l.amount end
-  return sum
-end
-
--- x scaled by ppm parts per million, rounded down to a millionth.
-local function scaled(x, ppm)
-  return math.floor(x * ppm) / 1000000
-end
-
--- The smallest share (ppm) of the limit's history in force at any instant since `since` (see the
--- header: bounded by the fill time, widened by the margin).
-local function smallest_share(limit, since)
-  local h = limit.shares
-  local from_ms = math.max(since, now - limit.horizon) / 1000 - share_margin_ms
-  local m = h[#h][2]
-  for j = 1, #h - 1 do
-    if h[j + 1][1] > from_ms and h[j][2] < m then m = h[j][2] end
-  end
-  return m
-end
-
--- The capacity and refill a bucket is taken under in this call: the limit's, or for a regional
--- limit the limit's scaled by the smallest share since the bucket's last decision.
-local function effective(s, limit)
-  if not limit.shares then return limit.capacity, limit.refill end
-  local m = smallest_share(limit, s.since or (now - limit.horizon))
-  return scaled(limit.capacity, m), scaled(limit.refill, m)
-end
-
--- The capacity under the share in force now (the largest cost that can ever succeed).
-local function capacity_now(limit)
-  if not limit.shares then return limit.capacity end
-  return scaled(limit.capacity, limit.shares[#limit.shares][2])
-end
-
--- The bucket's tokens now (refilled, capped by capacity minus unexpired leases).
+-- The bucket's tokens now (refilled, capped by capacity minus unexpired leases). The capacity and
+-- refill are the limit's, or for a regional limit `effective`'s (below).
 local function tokens_now(s, limit)
-  local capacity, refill = effective(s, limit)
+  local capacity, refill = limit.capacity, limit.refill
+  if limit.shares then capacity, refill = effective(s, limit) end
   local elapsed = now - s.ts
   if elapsed < 0 then elapsed = 0 end
   local tokens = s.tokens + refill * elapsed / 1000000
-  local ceiling = capacity - leased(s)
+  local ceiling = capacity
+  local leases = s.leases
+  if leases then
+    local sum = 0
+    for i = 1, #leases do sum = sum + leases[i].amount end
+    ceiling = capacity - sum
+  end
   if tokens > ceiling then tokens = ceiling end
   if tokens < 0 then tokens = 0 end
   return tokens
 end
 
-local function set_tokens(s, tokens)
-  s.tokens, s.ts, s.dirty = tokens, now, true
-end
-
+-- An integer for the reply. A wait in ms is int(ceil(ms - 1e-6)): the ceil, forgiving float noise
+-- such as 100.00000000000001.
 local function int(x)
   if x ~= x or x <= 0 then return 0 end
   if x >= MAX_INT then return MAX_INT end
-  return math.floor(x)
-end
-local function ms_ceil(x) -- ceil of milliseconds, forgiving float noise such as 100.00000000000001
-  return int(math.ceil(x - 1e-6))
+  return floor(x)
 end
 
-local function remove_lease(s, id)
-  for i, l in ipairs(s.leases) do
-    if l.id == id then
-      table.remove(s.leases, i)
-      s.dirty = true
-      return l
-    end
+-- Regional shares, leases and records: functions created only for the calls that need them.
+local scaled, smallest_share, leased, remove_lease, pack_record, unpack_record
+if any_shares or any_want or nreturns > 0 or any_record then
+  -- x scaled by ppm parts per million, rounded down to a millionth.
+  scaled = function(x, ppm)
+    return floor(x * ppm) / 1000000
   end
-  return nil
+
+  -- The smallest share (ppm) of the limit's history in force at any instant since `since` (see
+  -- the header: bounded by the fill time, widened by the margin).
+  smallest_share = function(limit, since)
+    local h = limit.shares
+    local from_ms = math.max(since, now - limit.horizon) / 1000 - share_margin_ms
+    local m = h[#h][2]
+    for j = 1, #h - 1 do
+      if h[j + 1][1] > from_ms and h[j][2] < m then m = h[j][2] end
+    end
+    return m
+  end
+
+  -- The capacity and refill a bucket is taken under in this call: the limit's, or for a regional
+  -- limit the limit's scaled by the smallest share since the bucket's last decision.
+  effective = function(s, limit)
+    if not limit.shares then return limit.capacity, limit.refill end
+    local m = smallest_share(limit, s.since or (now - limit.horizon))
+    return scaled(limit.capacity, m), scaled(limit.refill, m)
+  end
+
+  leased = function(s)
+    local sum = 0
+    local leases = s.leases
+    if leases then
+      for i = 1, #leases do sum = sum + leases[i].amount end
+    end
+    return sum
+  end
+
+  remove_lease = function(s, id)
+    local leases = s.leases
+    if not leases then return nil end
+    for i = 1, #leases do
+      if leases[i].id == id then
+        s.dirty = true
+        return table.remove(leases, i)
+      end
+    end
+    return nil
+  end
+
+  -- A record is the group's answers, flattened as doubles: per request status, decision count,
+  -- then per decision allowed, remaining, retry, reset, reason, leased, charged_tokens, lease_id.
+  pack_record = function(flat)
+    return spack('<' .. string.rep('d', #flat), unpack(flat))
+  end
+
+  -- The doubles of a record of this group (requests r1 .. r2); a record of another shape is not
+  -- this group's (an attempt id reused for other requests): nil, and the group is decided as new.
+  unpack_record = function(v, r1, r2)
+    local expected = 0
+    for r = r1, r2 do expected = expected + 2 + 8 * (rq[2 * r] - rq[2 * r - 1] + 1) end
+    if not v or #v ~= 8 * expected then return nil end
+    local flat = { sunpack('<' .. string.rep('d', expected), v) }
+    local i = 1
+    for r = r1, r2 do
+      local nd = rq[2 * r] - rq[2 * r - 1] + 1
+      if flat[i + 1] ~= nd then return nil end
+      i = i + 2 + 8 * nd
+    end
+    return flat
+  end
 end
 
 -- Returns: the unused part of a lease goes back, the lease is removed.
-for _, r in ipairs(returns) do
-  local s = state(r.b, r.limit)
-  local tokens = tokens_now(s, r.limit)
-  local lease = remove_lease(s, r.id)
+for i = 1, nreturns do
+  local limit = limits[rt[4 * i - 2]]
+  local s = state(rt[4 * i - 3], limit)
+  local tokens = tokens_now(s, limit)
+  local lease = remove_lease(s, rt[4 * i - 1])
   if lease then
-    local back = math.min(r.tokens, lease.amount)
-    local capacity = effective(s, r.limit)
-    set_tokens(s, math.min(tokens + back, capacity - leased(s)))
+    local back = math.min(rt[4 * i], lease.amount)
+    local capacity = effective(s, limit)
+    s.tokens, s.ts, s.dirty = math.min(tokens + back, capacity - leased(s)), now, true
   end
 end
 
-local reply = {}
-local function push(x) reply[#reply + 1] = x end
-
-local function pack_record(answers)
-  -- answers: per request { status, decision count, per decision {allowed, remaining, retry, reset,
-  -- reason, leased, charged_tokens, lease_id} }, flattened as doubles.
-  local flat = {}
-  for _, a in ipairs(answers) do
-    flat[#flat + 1] = a.status
-    flat[#flat + 1] = #a.decisions
-    for _, d in ipairs(a.decisions) do
-      for j = 1, 8 do flat[#flat + 1] = d[j] end
-    end
-  end
-  return struct.pack('<' .. string.rep('d', #flat), unpack(flat))
-end
-
--- A record of another shape is not this group's (an attempt id reused for other requests): nil,
--- and the group is decided as new.
-local function unpack_record(v, group)
-  local expected = 0
-  for _, request in ipairs(group.requests) do expected = expected + 2 + 8 * #request end
-  if not v or #v ~= 8 * expected then return nil end
-  local flat = { struct.unpack('<' .. string.rep('d', expected), v) }
-  local answers, i = {}, 1
-  for r, request in ipairs(group.requests) do
-    if flat[i + 1] ~= #request then return nil end
-    local a = { status = flat[i], decisions = {} }
-    i = i + 2
-    for d = 1, #request do
-      local x = {}
-      for j = 1, 8 do x[j] = flat[i]; i = i + 1 end
-      a.decisions[d] = x
-    end
-    answers[r] = a
-  end
-  return answers
-end
-
-local function reply_answers(answers, replayed)
-  for _, a in ipairs(answers) do
-    push((replayed and 10 or 0) + a.status)
-    for _, d in ipairs(a.decisions) do
-      for j = 1, 6 do push(d[j]) end
-    end
-  end
-end
-
-local function reset_ms(s, limit, tokens)
-  local capacity, refill = effective(s, limit)
-  return ms_ceil((capacity - tokens) / refill * 1000)
-end
+local reply, nreply = {}, 0
 
 if mode == 'refund' then
-  for g, group in ipairs(groups) do
-    local answers = unpack_record(records[g], group)
+  for g = 1, ngroups do
+    local record, r1, r2 = gs[3 * g - 2], gs[3 * g - 1], gs[3 * g]
+    local flat = record ~= '' and unpack_record(records[g], r1, r2)
     local changed = false
-    if answers then
-      for r, request in ipairs(group.requests) do
-        local a = answers[r]
-        if refunds[g][r] and a.status == 1 then
-          for d, dec in ipairs(request) do
-            local x = a.decisions[d]
-            local charged, lease_id = x[7], x[8]
+    if flat then
+      local i = 1 -- the request's status in flat
+      for r = r1, r2 do
+        local d1, d2 = rq[2 * r - 1], rq[2 * r]
+        if refunds[g][r - r1 + 1] and flat[i] == 1 then
+          for d = d1, d2 do
+            local x = i + 2 + 8 * (d - d1) - 1 -- flat[x + j] is the decision's j-th value
+            local charged, lease_id = flat[x + 7], flat[x + 8]
             if charged > 0 then
-              local s = state(dec.b, dec.limit)
-              local tokens = tokens_now(s, dec.limit)
+              local dec = decs[d]
+              local limit = dec[2]
+              local s = state(dec[1], limit)
+              local tokens = tokens_now(s, limit)
               -- The lease's part comes back only while the lease is still held (a returned or
               -- expired lease gave its tokens back, or lost them, already).
-              if x[6] > 0 and not remove_lease(s, lease_id) then charged = charged - x[6] end
-              local capacity = effective(s, dec.limit)
+              if flat[x + 6] > 0 and not remove_lease(s, lease_id) then
+                charged = charged - flat[x + 6]
+              end
+              local capacity, refill = effective(s, limit)
               tokens = math.min(tokens + charged, capacity - leased(s))
-              set_tokens(s, tokens)
-              x[1], x[2], x[4], x[6] = 0, int(tokens), reset_ms(s, dec.limit, tokens), 0
+              s.tokens, s.ts, s.dirty = tokens, now, true
+              flat[x + 1], flat[x + 2], flat[x + 6] = 0, int(tokens), 0
+              flat[x + 4] = int(ceil((capacity - tokens) / refill * 1000 - 1e-6))
             end
           end
-          a.status = 2
+          flat[i] = 2
           changed = true
         end
+        i = i + 2 + 8 * (d2 - d1 + 1)
       end
-      if changed then redis.call('SET', group.record, pack_record(answers), 'KEEPTTL') end
+      if changed then
+        flat[i] = nil -- struct.unpack's trailing position
+        redis.call('SET', record, pack_record(flat), 'KEEPTTL')
+      end
     end
-    push(changed and 1 or 0)
+    nreply = nreply + 1
+    reply[nreply] = changed and 1 or 0
   end
 else
   -- Records written by this call: a repeat of a group in the same batch (a retry that joined
   -- its original's call) must see them, though they were read before any write.
-  local written = {}
-  for g, group in ipairs(groups) do
-    local recorded = group.record ~= '' and unpack_record(written[group.record] or records[g], group)
+  local written = nil
+  -- The reply has one status per request and 6 integers per decision: its array is sized at once
+  -- (a table constructor sizes it for every value unpack gives, nils included; all are replaced
+  -- below), sparing the reallocations of growing it entry by entry.
+  local size = nreq + 6 * ndec
+  if size <= 4000 then reply = { unpack(ARGV, 1, size) } end
+  -- Pass 1's results for the decisions of the current request: allowed, reason, retry (3 each).
+  local res = {}
+  for g = 1, ngroups do
+    local record, r1, r2 = gs[3 * g - 2], gs[3 * g - 1], gs[3 * g]
+    local recorded = record ~= ''
+      and unpack_record(written and written[record] or records[g], r1, r2)
     if recorded then
-      reply_answers(recorded, true)
+      local i = 1
+      for r = r1, r2 do
+        nreply = nreply + 1
+        reply[nreply] = 10 + recorded[i]
+        local nd = recorded[i + 1]
+        i = i + 2
+        for d = 1, nd do
+          for j = 0, 5 do reply[nreply + 1 + j] = recorded[i + j] end
+          nreply = nreply + 6
+          i = i + 8
+        end
+      end
     else
-      local answers, any_charged = {}, false
-      for r, request in ipairs(group.requests) do
+      local flat = record ~= '' and {} -- the record, when the group has one
+      local nflat = 0
+      local any_charged = false
+      for r = r1, r2 do
+        local d1, d2 = rq[2 * r - 1], rq[2 * r]
         -- Pass 1: does every (non-shadow) decision admit? Decisions of one request on one bucket
         -- see what the ones before them would take.
         local admit = true
-        local avail = {}
-        local results = {}
-        for d, dec in ipairs(request) do
-          local s = state(dec.b, dec.limit)
-          local tokens = avail[dec.b] or tokens_now(s, dec.limit)
-          local x = { 0, 0, 0, 0, OK, 0, 0, 0 }
-          if dec.cost > capacity_now(dec.limit) then
-            x[5] = COST_EXCEEDS_CAPACITY
-          elseif tokens < dec.cost then
-            x[5] = INSUFFICIENT
-            local _, refill = effective(s, dec.limit)
-            x[3] = ms_ceil((dec.cost - tokens) / refill * 1000)
-          else
-            x[1] = 1
-            tokens = tokens - dec.cost
+        for d = d1, d2 do
+          local dec = decs[d]
+          local limit, cost = dec[2], dec[3]
+          local s = state(dec[1], limit)
+          local tokens
+          if s.avail_req == r then tokens = s.avail else tokens = tokens_now(s, limit) end
+          local allowed, reason, retry = 0, OK, 0
+          local capacity_now = limit.capacity -- under the share in force now
+          if limit.shares then
+            capacity_now = scaled(limit.capacity, limit.shares[#limit.shares][2])
           end
-          avail[dec.b] = tokens
-          if x[1] == 0 and not dec.shadow then admit = false end
-          results[d] = x
+          if cost > capacity_now then
+            reason = COST_EXCEEDS_CAPACITY
+          elseif tokens < cost then
+            reason = INSUFFICIENT
+            local refill = limit.refill
+            if limit.shares then refill = select(2, effective(s, limit)) end
+            retry = int(ceil((cost - tokens) / refill * 1000 - 1e-6))
+          else
+            allowed = 1
+            tokens = tokens - cost
+          end
+          s.avail, s.avail_req = tokens, r
+          if allowed == 0 and dec[4] ~= 1 then admit = false end
+          local j = 3 * (d - d1)
+          res[j + 1], res[j + 2], res[j + 3] = allowed, reason, retry
+        end
+        local status = admit and 1 or 0
+        nreply = nreply + 1
+        reply[nreply] = status
+        if flat then
+          flat[nflat + 1], flat[nflat + 2] = status, d2 - d1 + 1
+          nflat = nflat + 2
         end
         -- Pass 2: charge (and grant leases) only if the request is admitted.
-        for d, dec in ipairs(request) do
-          local s = state(dec.b, dec.limit)
-          local x = results[d]
-          local tokens = tokens_now(s, dec.limit)
-          if admit and x[1] == 1 then
-            tokens = tokens - dec.cost
-            local grant = 0
-            if dec.want > 0 and #s.leases < MAX_LEASES then
-              local cap = math.floor(max_share * effective(s, dec.limit))
-              grant = math.min(dec.want, cap, math.floor(tokens))
+        for d = d1, d2 do
+          local dec = decs[d]
+          local limit, cost = dec[2], dec[3]
+          local s = states[dec[1]]
+          local j = 3 * (d - d1)
+          local allowed = res[j + 1]
+          local tokens = tokens_now(s, limit)
+          local grant, charged, lease_id = 0, 0, 0
+          if admit and allowed == 1 then
+            tokens = tokens - cost
+            local want = dec[6]
+            if want > 0 and (not s.leases or #s.leases < MAX_LEASES) then
+              local cap = floor(max_share * (effective(s, limit)))
+              grant = math.min(want, cap, floor(tokens))
               if grant < 0 then grant = 0 end
               if grant > 0 then
                 -- A new lease under an id already held replaces it (its holder gave it up).
-                remove_lease(s, dec.lease_id)
+                remove_lease(s, dec[5])
                 tokens = tokens - grant
-                s.leases[#s.leases + 1] = { id = dec.lease_id, amount = grant,
-                                            expiry = now + dec.ttl_ms * 1000 }
+                local leases = s.leases or {}
+                s.leases = leases
+                leases[#leases + 1] = { id = dec[5], amount = grant,
+                                        expiry = now + dec[7] * 1000 }
               end
             end
-            set_tokens(s, tokens)
-            x[6], x[7], x[8] = grant, dec.cost + grant, dec.lease_id
+            s.tokens, s.ts, s.dirty = tokens, now, true
+            charged, lease_id = cost + grant, dec[5]
           elseif s.future then
-            set_tokens(s, tokens) -- re-anchor a ts in the future
+            s.tokens, s.ts, s.dirty = tokens, now, true -- re-anchor a ts in the future
           end
-          x[2] = int(tokens)
-          x[4] = reset_ms(s, dec.limit, tokens)
+          local capacity, refill = limit.capacity, limit.refill
+          if limit.shares then capacity, refill = effective(s, limit) end
+          local remaining = int(tokens)
+          local reset = int(ceil((capacity - tokens) / refill * 1000 - 1e-6))
+          reply[nreply + 1], reply[nreply + 2], reply[nreply + 3] = allowed, remaining, res[j + 3]
+          reply[nreply + 4], reply[nreply + 5], reply[nreply + 6] = reset, res[j + 2], grant
+          nreply = nreply + 6
+          if flat then
+            flat[nflat + 1], flat[nflat + 2], flat[nflat + 3] = allowed, remaining, res[j + 3]
+            flat[nflat + 4], flat[nflat + 5], flat[nflat + 6] = reset, res[j + 2], grant
+            flat[nflat + 7], flat[nflat + 8] = charged, lease_id
+            nflat = nflat + 8
+          end
         end
-        answers[r] = { status = admit and 1 or 0, decisions = results }
         any_charged = any_charged or admit
       end
-      if group.record ~= '' and any_charged then
-        written[group.record] = pack_record(answers)
-        redis.call('SET', group.record, written[group.record], 'PX', record_ttl_ms)
+      if flat and any_charged then
+        local v = pack_record(flat)
+        written = written or {}
+        written[record] = v
+        redis.call('SET', record, v, 'PX', record_ttl_ms)
       end
-      reply_answers(answers, false)
     end
   end
 end
@@ -466,24 +613,40 @@ end
 -- Writes: each changed bucket once (a bucket that only lost expired leases is left alone).
 for b, s in pairs(states) do
   if s.dirty then
-    local capacity, refill = effective(s, s.limit)
+    local limit = s.limit
+    local capacity, refill = limit.capacity, limit.refill
+    if limit.shares then capacity, refill = effective(s, limit) end
+    local leases = s.leases
     local last_lease = now
-    for _, l in ipairs(s.leases) do if l.expiry > last_lease then last_lease = l.expiry end end
+    if leases then
+      for i = 1, #leases do
+        if leases[i].expiry > last_lease then last_lease = leases[i].expiry end
+      end
+    end
     -- A refill rounded down to 0 (a tiny share) never fills: expire after the fill time (a
     -- missing bucket is full at the smallest share of the last fill time, see the header).
-    local full_us = s.limit.horizon
+    local full_us = limit.horizon
     if refill > 0 then full_us = (capacity - s.tokens) / refill * 1000000 end
-    local full_ms = math.ceil((full_us + (last_lease - now)) / 1000)
+    local full_ms = ceil((full_us + (last_lease - now)) / 1000)
     local need = now_ms + full_ms + MARGIN_MS
-    local parts = { s.tokens, s.ts, s.exp }
-    for _, l in ipairs(s.leases) do
-      parts[#parts + 1] = l.id; parts[#parts + 1] = l.amount; parts[#parts + 1] = l.expiry
-    end
-    if s.exp >= need and s.exp <= need + 2 * MARGIN_MS then
-      redis.call('SET', bkeys[b], struct.pack('<' .. string.rep('d', #parts), unpack(parts)), 'KEEPTTL')
+    local exp = s.exp
+    local keep = exp >= need and exp <= need + 2 * MARGIN_MS
+    if not keep then exp = need + MARGIN_MS end
+    local value
+    if not leases or #leases == 0 then
+      value = spack('<ddd', s.tokens, s.ts, exp)
     else
-      parts[3] = need + MARGIN_MS
-      redis.call('SET', bkeys[b], struct.pack('<' .. string.rep('d', #parts), unpack(parts)), 'PXAT', parts[3])
+      local parts = { s.tokens, s.ts, exp }
+      for i = 1, #leases do
+        local l = leases[i]
+        parts[3 * i + 1], parts[3 * i + 2], parts[3 * i + 3] = l.id, l.amount, l.expiry
+      end
+      value = spack('<' .. string.rep('d', #parts), unpack(parts))
+    end
+    if keep then
+      redis.call('SET', ARGV[6 + b], value, 'KEEPTTL')
+    else
+      redis.call('SET', ARGV[6 + b], value, 'PXAT', exp)
     end
   end
 end
