@@ -12,9 +12,17 @@ use tracing_subscriber::EnvFilter;
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(args.worker_threads as usize)
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?
+        .block_on(run(args))
+}
+
+async fn run(args: Args) -> anyhow::Result<()> {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     let logs = tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
