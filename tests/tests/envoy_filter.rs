@@ -351,8 +351,21 @@ fn requests_sharing_one_x_request_id_are_each_charged() {
         30,
         8,
     );
-    assert_eq!(count(&answers, 200), 10, "exactly the bucket's 10 tokens");
-    assert_eq!(count(&answers, 429), 20);
+    // A replayed answer would admit more than the bucket holds. A decision that failed (503,
+    // `on_error: deny`, on a machine too busy for the sidecar's Redis timeout) may have been
+    // charged without admitting: at most 10 admitted, and the 10 tokens all spent.
+    let (admitted, rejected) = (count(&answers, 200), count(&answers, 429));
+    let failed = count(&answers, 503);
+    assert_eq!(
+        admitted + rejected + failed,
+        30,
+        "every answer is 200, 429 or 503"
+    );
+    assert!(admitted <= 10, "{admitted} admitted from a bucket of 10");
+    assert!(
+        admitted + failed >= 10,
+        "{admitted} admitted and {failed} failed: the bucket's 10 tokens were not all spent"
+    );
     let tokens = bucket_tokens(&stack.redis, "rl:{ratelimit|rule=per-app|app=alpha}")
         .expect("a per-app bucket");
     assert!(
