@@ -13,6 +13,7 @@ use ratelimit_rebalancer::config::Args;
 use ratelimit_rebalancer::region::Region;
 use ratelimit_rebalancer::run::{RuleRun, Settings};
 use ratelimit_sidecar::policy::{Bounds, Policy, RegionScope, Regional};
+use ratelimit_sidecar::store::connection::redis_tls_files;
 use tracing_subscriber::EnvFilter;
 
 #[tokio::main]
@@ -71,12 +72,26 @@ async fn run(args: Args) -> anyhow::Result<()> {
     )
     .context("invalid policy")?;
     let rules = select(&policy, &args.rules)?;
+    let tls = redis_tls_files(
+        args.redis_ca_file.as_deref(),
+        args.redis_client_cert.as_deref(),
+        args.redis_client_key.as_deref(),
+    )
+    .map_err(|e| anyhow::anyhow!("{e}"))?;
+    if tls.is_some() {
+        if let Some((name, _)) = urls.iter().find(|(_, url)| !url.starts_with("rediss://")) {
+            anyhow::bail!(
+                "--redis-ca-file/--redis-client-cert given, but --region {name}= is not TLS: use \
+                 rediss:// URLs"
+            );
+        }
+    }
     let regions: BTreeMap<String, Arc<Region>> = urls
         .iter()
         .map(|(name, url)| {
             (
                 name.clone(),
-                Arc::new(Region::new(name, url, args.redis_timeout_ms)),
+                Arc::new(Region::new(name, url, args.redis_timeout_ms).with_tls(tls.clone())),
             )
         })
         .collect();

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use ratelimit_sidecar::regional::record::{self, ShareRecord, ShareWrite};
 use redis::aio::ConnectionManager;
-use redis::{Cmd, Value};
+use redis::{Cmd, TlsCertificates, Value};
 use tokio::sync::Mutex;
 
 /// Why a call got no usable answer.
@@ -40,6 +40,8 @@ pub struct Region {
     pub name: String,
     url: String,
     timeout: Duration,
+    /// The CA and client certificate for a `rediss://` URL (`None`: the system's roots).
+    tls: Option<TlsCertificates>,
     connection: Mutex<Option<ConnectionManager>>,
 }
 
@@ -56,8 +58,16 @@ impl Region {
             name: name.to_string(),
             url: url.to_string(),
             timeout: Duration::from_millis(timeout_ms),
+            tls: None,
             connection: Mutex::new(None),
         }
+    }
+
+    /// With TLS material (`--redis-ca-file`, `--redis-client-cert`/`--redis-client-key`) for its
+    /// `rediss://` URL.
+    pub fn with_tls(mut self, tls: Option<TlsCertificates>) -> Region {
+        self.tls = tls;
+        self
     }
 
     fn error(&self, message: impl Into<String>) -> RegionError {
@@ -76,8 +86,11 @@ impl Region {
         };
         let mut guard = self.connection.lock().await;
         if guard.is_none() {
-            let client = redis::Client::open(self.url.as_str())
-                .map_err(|e| self.error(format!("bad URL: {e}")))?;
+            let client = match &self.tls {
+                None => redis::Client::open(self.url.as_str()),
+                Some(tls) => redis::Client::build_with_tls(self.url.as_str(), tls.clone()),
+            }
+            .map_err(|e| self.error(format!("bad URL: {e}")))?;
             let connect = ConnectionManager::new(client);
             let manager = tokio::time::timeout(self.timeout, connect)
                 .await

@@ -92,25 +92,11 @@ impl RedisAccess {
             (None, Some(path)) => Some(read_password(path)?),
             (None, None) => None,
         };
-        let tls_err = |e: TlsConfigError| StoreError::Config(e.to_string());
-        let root_cert = match &args.redis_ca_file {
-            None => None,
-            Some(path) => {
-                read_certificates("--redis-ca-file", path).map_err(tls_err)?;
-                Some(std::fs::read(path).map_err(|e| {
-                    StoreError::Config(format!("--redis-ca-file {}: {e}", path.display()))
-                })?)
-            }
-        };
-        let client_tls = match (&args.redis_client_cert, &args.redis_client_key) {
-            (Some(cert), Some(key)) => Some(read_client_identity(cert, key)?),
-            _ => None,
-        };
-        let certificates =
-            (root_cert.is_some() || client_tls.is_some()).then_some(TlsCertificates {
-                client_tls,
-                root_cert,
-            });
+        let certificates = redis_tls_files(
+            args.redis_ca_file.as_deref(),
+            args.redis_client_cert.as_deref(),
+            args.redis_client_key.as_deref(),
+        )?;
         Ok(RedisAccess {
             username: args.redis_username.clone(),
             password,
@@ -144,6 +130,42 @@ impl RedisAccess {
         }
         Ok(())
     }
+}
+
+/// The TLS material of `--redis-ca-file`, `--redis-client-cert` and `--redis-client-key`, read
+/// and checked (the PEM parses, the key belongs to the certificate); `None` when none is given
+/// (the system's roots, no client certificate). Every error names the flag and the path. Also
+/// used by `ratelimit-rebalancer`, whose flags have the same names.
+pub fn redis_tls_files(
+    ca_file: Option<&Path>,
+    client_cert: Option<&Path>,
+    client_key: Option<&Path>,
+) -> Result<Option<TlsCertificates>, StoreError> {
+    let tls_err = |e: TlsConfigError| StoreError::Config(e.to_string());
+    let root_cert = match ca_file {
+        None => None,
+        Some(path) => {
+            read_certificates("--redis-ca-file", path).map_err(tls_err)?;
+            Some(std::fs::read(path).map_err(|e| {
+                StoreError::Config(format!("--redis-ca-file {}: {e}", path.display()))
+            })?)
+        }
+    };
+    let client_tls = match (client_cert, client_key) {
+        (Some(cert), Some(key)) => Some(read_client_identity(cert, key)?),
+        (None, None) => None,
+        _ => {
+            return Err(StoreError::Config(
+                "--redis-client-cert and --redis-client-key go together".into(),
+            ))
+        }
+    };
+    Ok(
+        (root_cert.is_some() || client_tls.is_some()).then_some(TlsCertificates {
+            client_tls,
+            root_cert,
+        }),
+    )
 }
 
 fn read_password(path: &Path) -> Result<Secret, StoreError> {
