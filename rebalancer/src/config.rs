@@ -6,6 +6,7 @@ use std::path::PathBuf;
 
 use clap::Parser;
 use ratelimit_regions::{Params, Share};
+use ratelimit_sidecar::config::RedisTlsArgs;
 
 /// `ratelimit-rebalancer`: moves unused share of regional rules' global budgets to the regions
 /// that reject, shrinking donors before growing recipients behind a fence (docs/regions.md).
@@ -93,29 +94,10 @@ pub struct Args {
     #[arg(long, env = "RATELIMIT_REBALANCER_LEADER_TTL_MS", default_value_t = 30_000, value_parser = clap::value_parser!(u64).range(1..))]
     pub leader_ttl_ms: u64,
 
-    /// PEM CA certificate(s) that sign the regions' Redis certificates (`rediss://` URLs);
-    /// without it the system's roots are used.
-    #[arg(long, env = "RATELIMIT_REDIS_CA_FILE", value_name = "PATH")]
-    pub redis_ca_file: Option<PathBuf>,
-
-    /// PEM client certificate chain presented to the regions' Redis (`tls-auth-clients`). Needs
-    /// --redis-client-key.
-    #[arg(
-        long,
-        env = "RATELIMIT_REDIS_CLIENT_CERT",
-        value_name = "PATH",
-        requires = "redis_client_key"
-    )]
-    pub redis_client_cert: Option<PathBuf>,
-
-    /// PEM private key of --redis-client-cert.
-    #[arg(
-        long,
-        env = "RATELIMIT_REDIS_CLIENT_KEY",
-        value_name = "PATH",
-        requires = "redis_client_cert"
-    )]
-    pub redis_client_key: Option<PathBuf>,
+    /// TLS to the regions' Redis (`rediss://` URLs): --redis-ca-file, --redis-client-cert,
+    /// --redis-client-key, as the sidecar's.
+    #[command(flatten)]
+    pub redis_tls: RedisTlsArgs,
 
     /// Log line format: `text` or `json`.
     #[arg(long, env = "RATELIMIT_LOG_FORMAT", default_value = "text", value_parser = ["text", "json"])]

@@ -13,7 +13,6 @@ use ratelimit_rebalancer::config::Args;
 use ratelimit_rebalancer::region::Region;
 use ratelimit_rebalancer::run::{RuleRun, Settings};
 use ratelimit_sidecar::policy::{Bounds, Policy, RegionScope, Regional};
-use ratelimit_sidecar::store::connection::redis_tls_files;
 use tracing_subscriber::EnvFilter;
 
 #[tokio::main]
@@ -72,12 +71,10 @@ async fn run(args: Args) -> anyhow::Result<()> {
     )
     .context("invalid policy")?;
     let rules = select(&policy, &args.rules)?;
-    let tls = redis_tls_files(
-        args.redis_ca_file.as_deref(),
-        args.redis_client_cert.as_deref(),
-        args.redis_client_key.as_deref(),
-    )
-    .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let tls = args
+        .redis_tls
+        .certificates()
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
     if tls.is_some() {
         if let Some((name, _)) = urls.iter().find(|(_, url)| !url.starts_with("rediss://")) {
             anyhow::bail!(

@@ -177,29 +177,9 @@ pub struct Args {
     #[arg(long, env = "RATELIMIT_ADMIN_LISTEN", value_name = "ADDR")]
     pub admin_listen: Option<SocketAddr>,
 
-    /// PEM CA certificate(s) that sign the Redis servers' certificates (`rediss://` URLs);
-    /// without it the system's roots are used.
-    #[arg(long, env = "RATELIMIT_REDIS_CA_FILE", value_name = "PATH")]
-    pub redis_ca_file: Option<PathBuf>,
-
-    /// PEM client certificate chain presented to Redis (`tls-auth-clients`). Needs
-    /// --redis-client-key.
-    #[arg(
-        long,
-        env = "RATELIMIT_REDIS_CLIENT_CERT",
-        value_name = "PATH",
-        requires = "redis_client_key"
-    )]
-    pub redis_client_cert: Option<PathBuf>,
-
-    /// PEM private key of --redis-client-cert.
-    #[arg(
-        long,
-        env = "RATELIMIT_REDIS_CLIENT_KEY",
-        value_name = "PATH",
-        requires = "redis_client_cert"
-    )]
-    pub redis_client_key: Option<PathBuf>,
+    /// TLS to Redis: --redis-ca-file, --redis-client-cert, --redis-client-key.
+    #[command(flatten)]
+    pub redis_tls: RedisTlsArgs,
 
     /// ACL user of the Redis data nodes (with a password from --redis-password-file or
     /// RATELIMIT_REDIS_PASSWORD): the primary Sentinel names, and the --redis or
@@ -286,6 +266,35 @@ fn share(s: &str) -> Result<f64, String> {
     }
 }
 
+/// The TLS material for `rediss://` Redis URLs, as flags; shared by `ratelimit-sidecar` and
+/// `ratelimit-rebalancer` (read by [`crate::store::connection::redis_tls_files`]).
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct RedisTlsArgs {
+    /// PEM CA certificate(s) that sign the Redis servers' certificates (`rediss://` URLs);
+    /// without it the system's roots are used.
+    #[arg(long, env = "RATELIMIT_REDIS_CA_FILE", value_name = "PATH")]
+    pub redis_ca_file: Option<PathBuf>,
+
+    /// PEM client certificate chain presented to Redis (`tls-auth-clients`). Needs
+    /// --redis-client-key.
+    #[arg(
+        long,
+        env = "RATELIMIT_REDIS_CLIENT_CERT",
+        value_name = "PATH",
+        requires = "redis_client_key"
+    )]
+    pub redis_client_cert: Option<PathBuf>,
+
+    /// PEM private key of --redis-client-cert.
+    #[arg(
+        long,
+        env = "RATELIMIT_REDIS_CLIENT_KEY",
+        value_name = "PATH",
+        requires = "redis_client_cert"
+    )]
+    pub redis_client_key: Option<PathBuf>,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -326,8 +335,11 @@ mod tests {
         assert_eq!((a.tls_cert, a.tls_key, a.tls_client_ca), (None, None, None));
         assert!(!a.allow_unauthenticated);
         assert_eq!(a.admin_listen, None);
-        assert_eq!(a.redis_ca_file, None);
-        assert_eq!((a.redis_client_cert, a.redis_client_key), (None, None));
+        assert_eq!(a.redis_tls.redis_ca_file, None);
+        assert_eq!(
+            (a.redis_tls.redis_client_cert, a.redis_tls.redis_client_key),
+            (None, None)
+        );
         assert_eq!(a.redis_username, None);
         assert_eq!((a.redis_password_file, a.redis_password), (None, None));
     }

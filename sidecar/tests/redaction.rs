@@ -120,18 +120,16 @@ fn a_wrong_redis_password_shows_as_a_failure_and_never_as_text() {
 
 #[test]
 fn redis_down_shows_as_a_failure_and_the_url_without_its_password() {
-    let port = free_port();
-    let url = format!("redis://app:down-pw-0c4f@127.0.0.1:{port}");
+    // Ports 1 and 2: nothing listens there, and no test's process can take them meanwhile (a
+    // free port could be handed to a Redis another test starts).
+    let url = "redis://app:down-pw-0c4f@127.0.0.1:1".to_string();
     let seen = Seen::collect(&["--redis", &url], &[], None, "refused");
     seen.assert_hidden(
         &["down-pw-0c4f"],
         &["GET /readyz: 503", "POST /v1/decide: 503", "refused"],
     );
-    let seeds = format!(
-        "redis://:cluster-pw-6e2a@127.0.0.1:{port},redis://:cluster-pw-6e2a@127.0.0.1:{}",
-        free_port()
-    );
-    let seen = Seen::collect(&["--redis-cluster", &seeds], &[], None, "redis_ok\":false");
+    let seeds = "redis://:cluster-pw-6e2a@127.0.0.1:1,redis://:cluster-pw-6e2a@127.0.0.1:2";
+    let seen = Seen::collect(&["--redis-cluster", seeds], &[], None, "redis_ok\":false");
     seen.assert_hidden(
         &["cluster-pw-6e2a"],
         &["GET /readyz: 503", "POST /v1/decide: 503"],

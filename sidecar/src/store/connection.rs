@@ -92,11 +92,7 @@ impl RedisAccess {
             (None, Some(path)) => Some(read_password(path)?),
             (None, None) => None,
         };
-        let certificates = redis_tls_files(
-            args.redis_ca_file.as_deref(),
-            args.redis_client_cert.as_deref(),
-            args.redis_client_key.as_deref(),
-        )?;
+        let certificates = args.redis_tls.certificates()?;
         Ok(RedisAccess {
             username: args.redis_username.clone(),
             password,
@@ -129,6 +125,17 @@ impl RedisAccess {
             )));
         }
         Ok(())
+    }
+}
+
+impl crate::config::RedisTlsArgs {
+    /// The flags' files, read and checked ([`redis_tls_files`]).
+    pub fn certificates(&self) -> Result<Option<TlsCertificates>, StoreError> {
+        redis_tls_files(
+            self.redis_ca_file.as_deref(),
+            self.redis_client_cert.as_deref(),
+            self.redis_client_key.as_deref(),
+        )
     }
 }
 
