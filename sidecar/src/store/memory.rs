@@ -252,8 +252,14 @@ impl MemoryStore {
         )
     }
 
-    /// Refunds the listed requests of a recorded group.
+    /// Refunds the listed requests of a recorded group, in the order of the group (as the script
+    /// does: the list is a set). The order matters in one case: two requests of the group that
+    /// took a lease under one id on one bucket (the second replaced the first's), where only the
+    /// lease still held comes back with the first request refunded.
     pub fn refund_now(&self, group: &Group, requests: &[usize]) -> bool {
+        let mut requests = requests.to_vec();
+        requests.sort_unstable();
+        requests.dedup();
         let now = self.now_us.load(Ordering::SeqCst) as f64;
         let mut inner = self.inner.lock().expect("not poisoned");
         let Some(key) = &group.record else {
@@ -270,7 +276,7 @@ impl MemoryStore {
         let mut states: HashMap<Arc<str>, State> = HashMap::new();
         let mut dirty = Vec::new();
         let mut changed = false;
-        for &r in requests {
+        for &r in &requests {
             let (Some(rec), Some(request)) = (recorded.get_mut(r), group.requests.get(r)) else {
                 continue;
             };
