@@ -143,22 +143,13 @@ pub fn tls_acceptor(
     Ok(TlsAcceptor::from(Arc::new(config)))
 }
 
-/// What one listener allows a client connection.
+/// What one listener allows a client connection (`--header-timeout-ms`, `--max-connections`).
 #[derive(Debug, Clone, Copy)]
 pub struct ConnectionLimits {
     /// Time to send a request's headers (idle keep-alive time included), HTTP/1.1.
     pub header_timeout: Duration,
     /// Connections served at once.
     pub max_connections: usize,
-}
-
-impl Default for ConnectionLimits {
-    fn default() -> Self {
-        ConnectionLimits {
-            header_timeout: Duration::from_secs(30),
-            max_connections: 10_000,
-        }
-    }
 }
 
 /// Serves `app` on `listener` (through `tls` when given) until `shutdown` completes, then stops
