@@ -848,6 +848,12 @@ impl Config {
 
     /// Every request header some rule's `match.headers` looks at (lowercase), so the host reads
     /// only those.
+    /// Whether some rule's `match.methods` looks at the request's method (else the host never
+    /// reads `:method`: a host call per request saved).
+    pub fn matches_methods(&self) -> bool {
+        self.rules.iter().any(|r| r.matcher.methods.is_some())
+    }
+
     pub fn matched_header_names(&self) -> BTreeSet<String> {
         self.rules
             .iter()
@@ -1417,6 +1423,17 @@ pub(crate) mod tests {
             ["x-tier"]
         );
         assert!(example().matched_header_names().is_empty());
+    }
+
+    #[test]
+    fn the_method_is_read_only_when_a_rule_matches_methods() {
+        assert!(example().matches_methods());
+        let c = accepted(|v| {
+            for r in v["rules"].as_array_mut().unwrap() {
+                r["match"].as_object_mut().map(|m| m.remove("methods"));
+            }
+        });
+        assert!(!c.matches_methods());
     }
 
     #[test]

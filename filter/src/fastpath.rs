@@ -303,7 +303,7 @@ impl Table<'_> {
                 .and_then(Entry::decode)
                 .filter(|e| e.id == id)
             else {
-                return Probe::Miss;
+                return Probe::Absent;
             };
             if lease && entry.lease_pays(cost, now_ns) {
                 entry.lease_tokens -= cost;
@@ -435,6 +435,9 @@ pub enum Probe {
     },
     /// Nothing local decides: the request goes to the sidecar.
     Miss,
+    /// As `Miss`, and the table held no entry of this bucket (so an admission has nothing to
+    /// update there: [`Table::learn`] can be skipped).
+    Absent,
 }
 
 /// What starting a lease ask found.
@@ -771,7 +774,7 @@ mod tests {
         };
         t.learn("quiet", &admitted, 0);
         assert!(t.get("quiet").is_none());
-        assert_eq!(t.probe("quiet", 1, 0, true, true), Probe::Miss);
+        assert_eq!(t.probe("quiet", 1, 0, true, true), Probe::Absent);
         // Once known (a rejection), an admission clears it.
         t.learn(
             "quiet",

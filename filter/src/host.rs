@@ -124,8 +124,43 @@ impl Metrics {
     }
 }
 
+thread_local! {
+    /// Counter increments held back while a callout's answers are settled ([`counting`]): one
+    /// host call per counter and callout instead of several per request.
+    static HELD: RefCell<Option<Vec<(u32, i64)>>> = const { RefCell::new(None) };
+}
+
 fn count(metric: u32) {
-    let _ = abi::increment_metric(metric, 1);
+    add(metric, 1);
+}
+
+/// Adds `n` to a counter, now or (inside [`counting`]) when the batch is settled.
+fn add(metric: u32, n: i64) {
+    let held = HELD.with(|h| match h.borrow_mut().as_mut() {
+        Some(held) => {
+            match held.iter_mut().find(|(m, _)| *m == metric) {
+                Some((_, sum)) => *sum += n,
+                None => held.push((metric, n)),
+            }
+            true
+        }
+        None => false,
+    });
+    if !held {
+        let _ = abi::increment_metric(metric, n);
+    }
+}
+
+/// Runs `f` with the counters it increments held back, then adds each counter's sum at once
+/// (to an enclosing `counting`, if any).
+fn counting<T>(f: impl FnOnce() -> T) -> T {
+    let outer = HELD.with(|h| h.borrow_mut().replace(Vec::new()));
+    let out = f();
+    let held = HELD.with(|h| std::mem::replace(&mut *h.borrow_mut(), outer));
+    for (metric, n) in held.unwrap_or_default() {
+        add(metric, n);
+    }
+    out
 }
 
 /// The validated configuration and what is derived from it once.
@@ -136,6 +171,8 @@ struct Plugin {
     header_names: Vec<String>,
     /// `authorization` header value for the callouts, if a token is configured.
     authorization: Option<String>,
+    /// Some rule matches on the method ([`Config::matches_methods`]).
+    reads_method: bool,
 }
 
 /// A request waiting for the sidecar.
@@ -144,6 +181,9 @@ struct Waiting {
     planned: Vec<Planned>,
     /// Which of them go to the sidecar (indices into `planned`), in order.
     remote: Vec<usize>,
+    /// Per remote decision: the fast-path table held no entry of its bucket when the request
+    /// came (an admission then has nothing to learn there).
+    absent: Vec<bool>,
     /// The lease asks of the remote decisions (same order).
     asks: Vec<Option<LeaseAsk>>,
     /// Decisions admitted from leases: (index into `planned`, lease id), to give back if the
@@ -220,13 +260,15 @@ impl Context for Root {
             now.saturating_sub(flight.dispatched_ns) / 1_000,
         );
         let answers = read_answer(num_headers, body_size, flight.contexts.len());
-        for (i, ctx) in flight.contexts.iter().enumerate() {
-            let answer = match &answers {
-                Ok(a) => Ok(a.answers[i].clone()),
-                Err(e) => Err(e.clone()),
-            };
-            settle_waiting(&vm, *ctx, answer, flight.dispatched_ns, true);
-        }
+        counting(|| {
+            for (i, ctx) in flight.contexts.iter().enumerate() {
+                let answer = match &answers {
+                    Ok(a) => Ok(a.answers[i].clone()),
+                    Err(e) => Err(e.clone()),
+                };
+                settle_waiting(&vm, *ctx, answer, flight.dispatched_ns, true);
+            }
+        });
         let _ = abi::set_effective_context(self.id);
         pump(&vm);
     }
@@ -299,6 +341,7 @@ impl RootContext for Root {
             config.fast_paths.coalesce
         );
         let plugin = Rc::new(Plugin {
+            reads_method: config.matches_methods(),
             config,
             metrics,
             header_names,
@@ -616,7 +659,14 @@ fn conclude(
                     count(stats.admitted);
                 }
                 let learns = config.fast_paths.known_rejections || w.asks[k].is_some();
-                if learns && r.reason != Reason::Unlimited {
+                // An admission (or shadow answer) of a bucket the table did not hold, without a
+                // lease ask, would only read the table to find nothing to write: skip the read.
+                // (An entry another worker made meanwhile keeps what it says until it lapses:
+                // at worst a rejection stays known a little longer, never an admission more.)
+                let nothing_to_learn = w.absent.get(k) == Some(&true)
+                    && w.asks[k].is_none()
+                    && !matches!(outcome, Outcome::Rejected { .. });
+                if learns && !nothing_to_learn && r.reason != Reason::Unlimited {
                     table.learn(
                         &p.id,
                         &Learned {
@@ -857,7 +907,11 @@ impl Request {
         let m = &plugin.metrics;
         let request = RequestFacts {
             path: request_header(":path").unwrap_or_default(),
-            method: request_header(":method").unwrap_or_default(),
+            method: if plugin.reads_method {
+                request_header(":method").unwrap_or_default()
+            } else {
+                Vec::new()
+            },
             headers: plugin
                 .header_names
                 .iter()
@@ -923,6 +977,7 @@ impl Request {
         let mut w = Waiting {
             planned: plan.planned,
             remote: Vec::new(),
+            absent: Vec::new(),
             asks: Vec::new(),
             taken: Vec::new(),
             returns: Vec::new(),
@@ -943,6 +998,7 @@ impl Request {
             } else {
                 0.0
             };
+            let absent = probe == Probe::Absent;
             match probe {
                 Probe::Rejected {
                     why,
@@ -971,7 +1027,7 @@ impl Request {
                     paid.push((limit, tokens_left));
                     continue;
                 }
-                Probe::Miss => {}
+                Probe::Miss | Probe::Absent => {}
             }
             // The remote path; a busy bucket asks for a lease on the way.
             let mut ask = None;
@@ -999,6 +1055,7 @@ impl Request {
                 }
             }
             w.remote.push(i);
+            w.absent.push(absent);
             w.asks.push(ask);
         }
         if w.remote.is_empty() {

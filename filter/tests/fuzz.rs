@@ -1323,7 +1323,7 @@ fn fuzz_fastpath() {
                                 prop_assert!(*rejections && left_ns > 0);
                                 prop_assert!(limit.is_none_or(|l| verdict::is_limit_name(&l.name)));
                             }
-                            Probe::Miss => {}
+                            Probe::Miss | Probe::Absent => {}
                         }
                     }
                     TableOp::GiveBack(lease, cost) => table.give_back(id, *lease, *cost),
