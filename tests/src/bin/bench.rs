@@ -29,7 +29,7 @@ use clap::Parser;
 use ratelimit_e2e::procstat::cpu_seconds;
 use ratelimit_e2e::{Envoy, EnvoyConfig, Redis, Sidecar, Upstream};
 
-#[derive(Parser)]
+#[derive(Parser, Clone)]
 #[command(about = "Measures the cost of a rate-limit decision against baselines in the same run")]
 struct Args {
     /// Seconds each stage runs.
@@ -38,6 +38,10 @@ struct Args {
     /// Concurrent callers in each stage.
     #[arg(long, default_value_t = 32)]
     concurrency: usize,
+    /// Concurrent callers of the many-keys stages run again under load (a busy gateway: more
+    /// requests wait while a callout is out, so batches grow); 0 skips them.
+    #[arg(long, default_value_t = 256)]
+    loaded_concurrency: usize,
     /// Distinct clients of the many-keys workload.
     #[arg(long, default_value_t = 10_000)]
     keys: usize,
@@ -50,6 +54,15 @@ struct Args {
     /// Only the component stages (Redis, script, sidecar), no Envoy.
     #[arg(long)]
     components_only: bool,
+    /// A/B two builds of the filter instead of the full run: alternates the many-keys stage of
+    /// the shipped configuration between the current build and this `.wasm` (plus the no-op
+    /// filter), one Envoy worker, `--rounds` times, and prints Envoy's CPU per request above
+    /// the no-op filter for each build. Runs that differ by less than their spread are a tie.
+    #[arg(long, value_name = "WASM")]
+    ab_filter: Option<std::path::PathBuf>,
+    /// Rounds of `--ab-filter`.
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
 }
 
 /// One process whose CPU time is attributed to a stage.
@@ -468,6 +481,18 @@ struct EnvoyRun {
     wasm: Vec<(Workload, StageResult, StageResult, f64)>,
     /// (workload, Envoy's native filter over gRPC)
     native: Vec<(Workload, StageResult)>,
+    /// The many-keys stages under load.
+    loaded: Option<Loaded>,
+}
+
+/// The many-keys stages again with `--loaded-concurrency` callers.
+struct Loaded {
+    concurrency: usize,
+    baseline: StageResult,
+    noop: StageResult,
+    slow: StageResult,
+    fast: StageResult,
+    callouts: f64,
 }
 
 fn main() {
@@ -527,6 +552,91 @@ fn main() {
             .await
             .expect("connect redis");
 
+        if let Some(other) = &args.ab_filter {
+            let http = reqwest::Client::builder()
+                .pool_max_idle_per_host(args.concurrency.max(args.loaded_concurrency))
+                .build()
+                .expect("client");
+            let current = wasm_path.display().to_string();
+            let other = other.display().to_string();
+            let noop = noop_wasm.display().to_string();
+            let watched = |pid: u32| {
+                [
+                    redis_w,
+                    sidecar_w,
+                    Watched {
+                        name: "envoy",
+                        pid,
+                    },
+                ]
+            };
+            let yaml = |wasm: &str, filter: Filter| {
+                let y = EnvoyConfig::shipped("envoy.yaml", sidecar.port, upstream.port)
+                    .plugin(&plugin(true).to_string())
+                    .concurrency(1)
+                    .render(10000, 9901, wasm);
+                edit_config(&y, filter, &noop, wasm)
+            };
+            println!("\n== A/B: many keys, filter as shipped, 1 worker: A = {current}, B = {other}");
+            print_header();
+            // Per build: Envoy CPU above the no-op filter, sidecar and Redis CPU per request,
+            // throughput relative to the no-op filter. The builds take turns going first (a
+            // stage right after the no-op one finds every bucket expired in Redis).
+            let mut figures: [Vec<[f64; 4]>; 2] = [Vec::new(), Vec::new()];
+            for round in 0..args.rounds {
+                let run = |name: String, y: String| {
+                    let (http, args) = (http.clone(), &args);
+                    async move {
+                        let (mut child, port, _admin, _dir) = envoy_from_yaml(&y, 1);
+                        let op = http_get_op(
+                            http,
+                            format!("http://127.0.0.1:{port}{}", Workload::ManyKeys.path()),
+                            Workload::ManyKeys,
+                            keys,
+                        );
+                        let r = stage(&name, args, &watched(child.id()), 1, op).await;
+                        let _ = child.kill();
+                        let _ = child.wait();
+                        r
+                    }
+                };
+                let floor = run(
+                    format!("round {round}: no-op filter"),
+                    yaml(&current, Filter::Noop),
+                )
+                .await;
+                print(&floor, None);
+                let order = if round % 2 == 0 { [0, 1] } else { [1, 0] };
+                for i in order {
+                    let (label, wasm) = [("A", &current), ("B", &other)][i];
+                    let r = run(format!("round {round}: {label}"), yaml(wasm, Filter::Wasm)).await;
+                    print(&r, Some(&floor));
+                    figures[i].push([
+                        r.cpu("envoy") - floor.cpu("envoy"),
+                        r.cpu("sidecar"),
+                        r.cpu("redis"),
+                        r.per_second() / floor.per_second(),
+                    ]);
+                }
+            }
+            let median = |v: &[[f64; 4]], k: usize| {
+                let mut x: Vec<f64> = v.iter().map(|f| f[k]).collect();
+                x.sort_by(f64::total_cmp);
+                x[x.len() / 2]
+            };
+            for (label, f) in ["A", "B"].iter().zip(&figures) {
+                println!(
+                    "{label}: medians of {} rounds: Envoy CPU above the no-op filter {:.1} µs/request (rounds: {}), sidecar {:.1} µs, Redis {:.1} µs per request, {:.2}x the no-op filter's throughput",
+                    f.len(),
+                    median(f, 0),
+                    f.iter().map(|x| format!("{:.1}", x[0])).collect::<Vec<_>>().join(", "),
+                    median(f, 1),
+                    median(f, 2),
+                    median(f, 3),
+                );
+            }
+            return;
+        }
         println!("\n== components");
         print_header();
         let incr = {
@@ -603,7 +713,7 @@ fn main() {
         print(&script_batch, Some(&incr));
 
         let http = reqwest::Client::builder()
-            .pool_max_idle_per_host(args.concurrency)
+            .pool_max_idle_per_host(args.concurrency.max(args.loaded_concurrency))
             .build()
             .expect("client");
         let decide_url = format!("{}/v1/decide", sidecar.base_url());
@@ -674,8 +784,8 @@ fn main() {
                     .concurrency(workers)
                     .render(10000, 9901, &wasm_path.display().to_string())
             };
-            let run_stage = |name: String, yaml: String, workload: Workload| {
-                let (http, args) = (http.clone(), &args);
+            let run_stage_with = |name: String, yaml: String, workload: Workload, args: Args| {
+                let http = http.clone();
                 async move {
                     let (mut child, port, admin, _dir) = envoy_from_yaml(&yaml, workers);
                     let watched = [
@@ -692,7 +802,7 @@ fn main() {
                         workload,
                         keys,
                     );
-                    let r = stage(&name, args, &watched, 1, op).await;
+                    let r = stage(&name, &args, &watched, 1, op).await;
                     let callouts = envoy_stat(admin, "ratelimit.callouts");
                     let requests = envoy_stat(admin, "ratelimit.admitted")
                         + envoy_stat(admin, "ratelimit.rejected");
@@ -700,6 +810,9 @@ fn main() {
                     let _ = child.wait();
                     (r, callouts / requests.max(1.0))
                 }
+            };
+            let run_stage = |name: String, yaml: String, workload: Workload| {
+                run_stage_with(name, yaml, workload, args.clone())
             };
             let wasm_str = wasm_path.display().to_string();
             let noop_str = noop_wasm.display().to_string();
@@ -761,6 +874,45 @@ fn main() {
                 print(&r, Some(&baseline));
                 native.push((workload, r));
             }
+            // Many keys again with more callers: the fast paths' batches grow with the load.
+            let mut loaded = None;
+            if args.loaded_concurrency > 0 {
+                let c = args.loaded_concurrency;
+                let la = Args {
+                    concurrency: c,
+                    ..args.clone()
+                };
+                let run_loaded = |name: &str, filter: Filter, fast: bool| {
+                    run_stage_with(
+                        format!("{c} callers, many keys: {name}"),
+                        edit_config(&config(fast), filter, &noop_str, &wasm_str),
+                        Workload::ManyKeys,
+                        la.clone(),
+                    )
+                };
+                let base = run_loaded("no filter (baseline)", Filter::None, true).await.0;
+                print(&base, None);
+                let noop = run_loaded("the no-op filter", Filter::Noop, true).await.0;
+                print(&noop, Some(&base));
+                let slow = run_loaded("filter, one callout per request", Filter::Wasm, false)
+                    .await
+                    .0;
+                print(&slow, Some(&base));
+                redis.cli(&["config", "resetstat"]);
+                let (fast, callouts) =
+                    run_loaded("filter as shipped (fast paths)", Filter::Wasm, true).await;
+                print(&fast, Some(&base));
+                println!("{:<58} callouts per request: {callouts:.3}", "");
+                println!("{:<58} {}", "", redis_breakdown(&redis, &fast));
+                loaded = Some(Loaded {
+                    concurrency: c,
+                    baseline: base,
+                    noop,
+                    slow,
+                    fast,
+                    callouts,
+                });
+            }
             runs.push(EnvoyRun {
                 workers,
                 baseline,
@@ -768,6 +920,7 @@ fn main() {
                 local,
                 wasm,
                 native,
+                loaded,
             });
         }
 
@@ -836,6 +989,30 @@ fn main() {
                 "[{w} worker(s)] many keys, sidecar CPU per decision: {sidecar_real:.1} µs (goal <= 10: {})",
                 goal(sidecar_real <= 10.0)
             );
+            if let Some(l) = &run.loaded {
+                let c = l.concurrency;
+                let r = l.fast.per_second() / l.baseline.per_second();
+                println!("[{w} worker(s), {c} callers] many keys: {r:.2}x the no-limit baseline (goal >= 0.5: {}), {:.3} callouts/request", goal(r >= 0.5), l.callouts);
+                let added_fast = l.fast.cpu("envoy") - l.noop.cpu("envoy");
+                let added_slow = l.slow.cpu("envoy") - l.noop.cpu("envoy");
+                println!(
+                    "[{w} worker(s), {c} callers] many keys, Envoy CPU above the no-op filter: {added_fast:.1} µs/request vs {added_slow:.1} with a callout per request ({:.2} of it; goal <= 0.25: {})",
+                    added_fast / added_slow.max(1e-9),
+                    goal(added_fast <= added_slow / 4.0)
+                );
+                let redis_real = l.fast.cpu_per_decision("redis");
+                println!(
+                    "[{w} worker(s), {c} callers] many keys, Redis CPU per decision on the real path: {redis_real:.1} µs vs {:.1} µs for the 1-decision script ({:.2}; goal <= 1/3: {})",
+                    script_one.cpu_per_decision("redis"),
+                    redis_real / script_one.cpu_per_decision("redis").max(1e-9),
+                    goal(redis_real <= script_one.cpu_per_decision("redis") / 3.0)
+                );
+                let sidecar_real = l.fast.cpu_per_decision("sidecar");
+                println!(
+                    "[{w} worker(s), {c} callers] many keys, sidecar CPU per decision: {sidecar_real:.1} µs (goal <= 10: {})",
+                    goal(sidecar_real <= 10.0)
+                );
+            }
             println!(
                 "[{w} worker(s)] local_ratelimit (no shared budget) for reference: {:.2}x the baseline",
                 run.local.per_second() / run.baseline.per_second()
