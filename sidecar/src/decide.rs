@@ -413,8 +413,9 @@ impl<S: BucketStore> Decider<S> {
         let policy = self.policy.current().clone();
         let mut answers: Vec<Option<RequestAnswer>> = vec![None; requests.len()];
         let mut plans: Vec<Vec<Plan>> = Vec::with_capacity(requests.len());
+        let mut shared = Vec::new();
         for (r, items) in requests.iter().enumerate() {
-            match self.plan(&policy, domain, items, caller) {
+            match self.plan(&policy, domain, items, caller, &mut shared) {
                 Ok(p) => plans.push(p),
                 Err(e) => {
                     answers[r] = Some(error_answer(e));
@@ -436,14 +437,12 @@ impl<S: BucketStore> Decider<S> {
                 placements.push(placed);
                 continue;
             }
-            let nodes: HashSet<NodeId> = plan
-                .iter()
-                .filter_map(|p| match p {
-                    Plan::Charge { key, .. } => Some(self.store.node_of(key)),
-                    _ => None,
-                })
-                .collect();
-            let cross_node = nodes.len() > 1;
+            let mut nodes = plan.iter().filter_map(|p| match p {
+                Plan::Charge { key, .. } => Some(self.store.node_of(key)),
+                _ => None,
+            });
+            let first = nodes.next();
+            let cross_node = nodes.any(|n| Some(n) != first);
             for (d, p) in plan.iter().enumerate() {
                 let Plan::Charge { limit, key, share } = p else {
                     continue;
@@ -494,6 +493,7 @@ impl<S: BucketStore> Decider<S> {
 
         // Merge the parts of each request.
         let mut refunds: HashMap<usize, Vec<usize>> = HashMap::new();
+        let mut tally = Tally::default();
         for (r, plan) in plans.iter().enumerate() {
             if answers[r].is_some() {
                 continue;
@@ -549,7 +549,7 @@ impl<S: BucketStore> Decider<S> {
                         let request = &part[pl.request];
                         Some((request.decisions[pl.decision], request.charged()))
                     });
-                    self.result(p, sent, allowed, item.cost)
+                    self.result(&mut tally, p, sent, allowed, item.cost)
                 })
                 .collect();
             answers[r] = Some(RequestAnswer {
@@ -558,6 +558,7 @@ impl<S: BucketStore> Decider<S> {
                 error: None,
             });
         }
+        tally.add_to(&self.metrics);
         self.refund_in_background(node_groups, refunds);
         answers
             .into_iter()
@@ -572,6 +573,7 @@ impl<S: BucketStore> Decider<S> {
         domain: &str,
         items: &[Item],
         caller: Caller,
+        shared: &mut Vec<(usize, Arc<Limit>)>,
     ) -> Result<Vec<Plan>, RequestError> {
         let mut plans = Vec::with_capacity(items.len());
         for item in items {
@@ -582,7 +584,19 @@ impl<S: BucketStore> Decider<S> {
                 .collect();
             let plan = match policy.resolve(domain, &entries) {
                 Resolution::Limit(limit) => {
-                    let limit = Arc::new(limit.clone());
+                    // One copy per limit and call, shared by its decisions (the policy's
+                    // limit, by address: the policy is held until planning ends).
+                    let address = limit as *const Limit as usize;
+                    let limit = match shared.iter().find(|(a, _)| *a == address) {
+                        Some((_, l)) => l.clone(),
+                        None => {
+                            let l = Arc::new(limit.clone());
+                            if shared.len() < 64 {
+                                shared.push((address, l.clone()));
+                            }
+                            l
+                        }
+                    };
                     match limit.kind {
                         LimitKind::Bucket { .. } => Plan::Charge {
                             key: Arc::from(bucket_key(&self.key_prefix, domain, &entries)),
@@ -829,9 +843,10 @@ impl<S: BucketStore> Decider<S> {
 
     /// The wire result of one decision: `sent` is its bucket's outcome and whether its part
     /// charged, when it has one.
-    fn result(
+    fn result<'p>(
         &self,
-        plan: &Plan,
+        tally: &mut Tally<'p>,
+        plan: &'p Plan,
         sent: Option<(Outcome, bool)>,
         request_allowed: bool,
         cost: u64,
@@ -839,7 +854,7 @@ impl<S: BucketStore> Decider<S> {
         match plan {
             Plan::Unlimited { limit } => {
                 if let Some(l) = limit {
-                    self.metrics.decision(&l.name, Verdict::Unlimited);
+                    tally.add(&l.name, Verdict::Unlimited);
                 }
                 DecisionResult {
                     allowed: true,
@@ -853,7 +868,7 @@ impl<S: BucketStore> Decider<S> {
                 }
             }
             Plan::Blocked { limit } => {
-                self.metrics.decision(
+                tally.add(
                     &limit.name,
                     if limit.shadow {
                         Verdict::ShadowRejected
@@ -921,7 +936,7 @@ impl<S: BucketStore> Decider<S> {
                     (false, true) => Verdict::ShadowRejected,
                     (false, false) => Verdict::Rejected,
                 };
-                self.metrics.decision(&limit.name, verdict);
+                tally.add(&limit.name, verdict);
                 if let (Some(rule), Some(shares)) = (&limit.regional, &self.regional) {
                     // The demand the rebalancer reads, in tokens: taken (cost and lease) or refused.
                     match verdict {
@@ -1030,6 +1045,30 @@ fn charge(limit: &Limit, key: Arc<str>, share: Option<Arc<ShareHistory>>, item: 
         cost: item.cost,
         shadow: limit.shadow,
         lease: item.lease.filter(|l| l.tokens > 0),
+    }
+}
+
+/// A call's decisions counted per limit and verdict, added to the metrics once each (a label
+/// lookup per limit and call, not per decision).
+#[derive(Default)]
+struct Tally<'a>(Vec<(&'a str, Verdict, u64)>);
+
+impl<'a> Tally<'a> {
+    fn add(&mut self, limit: &'a str, verdict: Verdict) {
+        match self
+            .0
+            .iter_mut()
+            .find(|(l, v, _)| *v == verdict && *l == limit)
+        {
+            Some((_, _, n)) => *n += 1,
+            None => self.0.push((limit, verdict, 1)),
+        }
+    }
+
+    fn add_to(self, metrics: &Metrics) {
+        for (limit, verdict, n) in self.0 {
+            metrics.decisions_of(limit, verdict, n);
+        }
     }
 }
 
@@ -1243,7 +1282,7 @@ rules:
     #[tokio::test]
     async fn requests_of_one_call_are_decided_in_order_each_all_or_nothing() {
         let store = Arc::new(MemoryStore::new(T0, 0.1, 10_000));
-        let (d, _) = decider(store.clone());
+        let (d, metrics) = decider(store.clone());
         let both = || {
             vec![
                 decision("per-app", &[("app", Some("a"))]),
@@ -1255,6 +1294,16 @@ rules:
         assert_eq!(allowed, [true, true, false], "per-ip holds 2");
         // The third request's per-app decision could pay but was not charged.
         assert!(a.answers[2].results[0].allowed);
+        // Counted per limit and verdict once per call, each decision in its count.
+        let text = metrics.encode();
+        for line in [
+            "ratelimit_decisions_total{limit=\"per-app\",verdict=\"allowed\"} 2",
+            "ratelimit_decisions_total{limit=\"per-app\",verdict=\"not_charged\"} 1",
+            "ratelimit_decisions_total{limit=\"per-ip\",verdict=\"allowed\"} 2",
+            "ratelimit_decisions_total{limit=\"per-ip\",verdict=\"rejected\"} 1",
+        ] {
+            assert!(text.contains(line), "{line} not in\n{text}");
+        }
         assert_eq!(
             store.stored_tokens("rl:{ratelimit|rule=per-app|app=a}"),
             Some(3.0)
