@@ -65,6 +65,10 @@ struct Args {
     rounds: usize,
 }
 
+/// The longest one operation may take: one that hangs (a lost response) is an error, and the
+/// stage still ends on time.
+const OP_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// One process whose CPU time is attributed to a stage.
 #[derive(Clone, Copy)]
 struct Watched {
@@ -183,6 +187,7 @@ async fn stage(name: &str, args: &Args, watched: &[Watched], per_op: usize, op: 
         tasks.push(tokio::spawn(async move {
             let mut latencies = Vec::new();
             let mut errors = 0u64;
+            let mut first_error = None;
             let mut i = worker as u64 * 7919 + 1;
             while !stop.load(Ordering::Relaxed) {
                 i = i
@@ -191,26 +196,38 @@ async fn stage(name: &str, args: &Args, watched: &[Watched], per_op: usize, op: 
                 let t = Instant::now();
                 match op(i >> 16).await {
                     Ok(()) => latencies.push(t.elapsed()),
-                    Err(_) => errors += 1,
+                    Err(e) => {
+                        errors += 1;
+                        first_error.get_or_insert(e);
+                        // A failure can come back without waiting on anything: let the
+                        // runtime's timer (the stage's end) run.
+                        tokio::task::yield_now().await;
+                    }
                 }
             }
-            (latencies, errors)
+            (latencies, errors, first_error)
         }));
     }
     tokio::time::sleep(Duration::from_secs(args.seconds)).await;
     stop.store(true, Ordering::Relaxed);
     let mut latencies = Vec::new();
     let mut errors = 0;
+    let mut first_error = None;
     for t in tasks {
-        let (l, e) = t.await.expect("stage task");
+        let (l, e, first) = t.await.expect("stage task");
         latencies.extend(l);
         errors += e;
+        first_error = first_error.or(first);
     }
     let seconds = start.elapsed().as_secs_f64();
     let ops = latencies.len() as u64;
-    assert!(ops > 0, "{name}: no operation succeeded ({errors} errors)");
+    let first_error = first_error.unwrap_or_default();
+    assert!(
+        ops > 0,
+        "{name}: no operation succeeded ({errors} errors, the first: {first_error})"
+    );
     if errors > 0 {
-        eprintln!("{name}: {errors} operations failed");
+        eprintln!("{name}: {errors} operations failed, the first: {first_error}");
     }
     latencies.sort();
     let pick = |q: f64| latencies[((latencies.len() as f64 * q) as usize).min(latencies.len() - 1)];
@@ -311,6 +328,15 @@ fn edit_config(yaml: &str, filter: Filter, noop_wasm: &str, wasm: &str) -> Strin
 }
 
 /// Starts Envoy from a YAML (for the variants the harness does not model).
+/// Runs `f` (which makes blocking HTTP calls) on a blocking thread. Called on the runtime's
+/// own thread, reqwest's blocking client can spin forever: its wake-up is deferred to the very
+/// runtime it blocks (seen as a bench stuck at full CPU between two stages).
+async fn off_runtime<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+    tokio::task::spawn_blocking(f)
+        .await
+        .expect("a blocking step of the bench panicked")
+}
+
 fn envoy_from_yaml(yaml: &str, workers: u32) -> (std::process::Child, u16, u16, tempfile::TempDir) {
     let dir = tempfile::tempdir().expect("temp dir");
     let (listen, admin) = (ratelimit_e2e::free_port(), ratelimit_e2e::free_port());
@@ -555,6 +581,7 @@ fn main() {
         if let Some(other) = &args.ab_filter {
             let http = reqwest::Client::builder()
                 .pool_max_idle_per_host(args.concurrency.max(args.loaded_concurrency))
+                .timeout(OP_TIMEOUT)
                 .build()
                 .expect("client");
             let current = wasm_path.display().to_string();
@@ -587,7 +614,7 @@ fn main() {
                 let run = |name: String, y: String| {
                     let (http, args) = (http.clone(), &args);
                     async move {
-                        let (mut child, port, _admin, _dir) = envoy_from_yaml(&y, 1);
+                        let (mut child, port, _admin, _dir) = off_runtime(move || envoy_from_yaml(&y, 1)).await;
                         let op = http_get_op(
                             http,
                             format!("http://127.0.0.1:{port}{}", Workload::ManyKeys.path()),
@@ -714,6 +741,7 @@ fn main() {
 
         let http = reqwest::Client::builder()
             .pool_max_idle_per_host(args.concurrency.max(args.loaded_concurrency))
+            .timeout(OP_TIMEOUT)
             .build()
             .expect("client");
         let decide_url = format!("{}/v1/decide", sidecar.base_url());
@@ -787,7 +815,8 @@ fn main() {
             let run_stage_with = |name: String, yaml: String, workload: Workload, args: Args| {
                 let http = http.clone();
                 async move {
-                    let (mut child, port, admin, _dir) = envoy_from_yaml(&yaml, workers);
+                    let (mut child, port, admin, _dir) =
+                        off_runtime(move || envoy_from_yaml(&yaml, workers)).await;
                     let watched = [
                         redis_w,
                         sidecar_w,
@@ -803,9 +832,14 @@ fn main() {
                         keys,
                     );
                     let r = stage(&name, &args, &watched, 1, op).await;
-                    let callouts = envoy_stat(admin, "ratelimit.callouts");
-                    let requests = envoy_stat(admin, "ratelimit.admitted")
-                        + envoy_stat(admin, "ratelimit.rejected");
+                    let (callouts, requests) = off_runtime(move || {
+                        (
+                            envoy_stat(admin, "ratelimit.callouts"),
+                            envoy_stat(admin, "ratelimit.admitted")
+                                + envoy_stat(admin, "ratelimit.rejected"),
+                        )
+                    })
+                    .await;
                     let _ = child.kill();
                     let _ = child.wait();
                     (r, callouts / requests.max(1.0))
