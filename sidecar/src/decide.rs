@@ -413,9 +413,8 @@ impl<S: BucketStore> Decider<S> {
         let policy = self.policy.current().clone();
         let mut answers: Vec<Option<RequestAnswer>> = vec![None; requests.len()];
         let mut plans: Vec<Vec<Plan>> = Vec::with_capacity(requests.len());
-        let mut shared = Vec::new();
         for (r, items) in requests.iter().enumerate() {
-            match self.plan(&policy, domain, items, caller, &mut shared) {
+            match self.plan(&policy, domain, items, caller) {
                 Ok(p) => plans.push(p),
                 Err(e) => {
                     answers[r] = Some(error_answer(e));
@@ -573,7 +572,6 @@ impl<S: BucketStore> Decider<S> {
         domain: &str,
         items: &[Item],
         caller: Caller,
-        shared: &mut Vec<(usize, Arc<Limit>)>,
     ) -> Result<Vec<Plan>, RequestError> {
         let mut plans = Vec::with_capacity(items.len());
         for item in items {
@@ -584,19 +582,7 @@ impl<S: BucketStore> Decider<S> {
                 .collect();
             let plan = match policy.resolve(domain, &entries) {
                 Resolution::Limit(limit) => {
-                    // One copy per limit and call, shared by its decisions (the policy's
-                    // limit, by address: the policy is held until planning ends).
-                    let address = limit as *const Limit as usize;
-                    let limit = match shared.iter().find(|(a, _)| *a == address) {
-                        Some((_, l)) => l.clone(),
-                        None => {
-                            let l = Arc::new(limit.clone());
-                            if shared.len() < 64 {
-                                shared.push((address, l.clone()));
-                            }
-                            l
-                        }
-                    };
+                    let limit = limit.clone();
                     match limit.kind {
                         LimitKind::Bucket { .. } => Plan::Charge {
                             key: Arc::from(bucket_key(&self.key_prefix, domain, &entries)),

@@ -29,6 +29,7 @@
 //! cardinality), and a limit sent inside a request's descriptor (a caller never chooses its limit).
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use serde::{Deserialize, Deserializer};
 
@@ -140,7 +141,7 @@ struct Node {
     exact: HashMap<(String, Option<String>), Node>,
     /// Children whose value is a prefix pattern (`acme-*`), in file order.
     prefixed: Vec<(String, String, Node)>,
-    limit: Option<Limit>,
+    limit: Option<Arc<Limit>>,
 }
 
 impl Node {
@@ -291,13 +292,13 @@ fn build(
             }
             if let Some(kind) = kind {
                 *limits += 1;
-                node.limit = Some(Limit {
+                node.limit = Some(Arc::new(Limit {
                     name: sanitize(&name),
                     kind,
                     shadow: spec.shadow_mode,
                     replaces,
                     regional: None,
-                });
+                }));
             }
         }
         build(

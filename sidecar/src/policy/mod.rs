@@ -94,7 +94,8 @@ pub enum LimitKind {
 /// How a decision resolves.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Resolution<'a> {
-    Limit(&'a Limit),
+    /// Shared (an `Arc`), so a decision holds the policy's limit without copying it.
+    Limit(&'a Arc<Limit>),
     /// The domain is known but no limit matches these entries (Envoy's API: no limit applies).
     NoLimit,
     /// No policy file defines the domain.

@@ -125,9 +125,9 @@ pub struct OwnDomain {
 
 #[derive(Debug)]
 struct Rule {
-    limit: Limit,
+    limit: Arc<Limit>,
     /// (`when` entries, the limit), in file order.
-    overrides: Vec<(When, Limit)>,
+    overrides: Vec<(When, Arc<Limit>)>,
 }
 
 impl OwnDomain {
@@ -226,13 +226,13 @@ pub(crate) fn parse(
                 problems,
             ),
         };
-        let limit = Limit {
+        let limit = Arc::new(Limit {
             name: name.clone(),
             kind,
             shadow: spec.shadow_mode,
             replaces: Vec::new(),
             regional: regional.clone(),
-        };
+        });
         let mut overrides = Vec::new();
         for (i, o) in spec.overrides.into_iter().enumerate() {
             let opath = format!("{path}.overrides[{i}]");
@@ -263,7 +263,7 @@ pub(crate) fn parse(
             if let Some(kind) = limit_kind(&opath, &spec_o, bounds, problems) {
                 overrides.push((
                     o.when.into_iter().collect(),
-                    Limit {
+                    Arc::new(Limit {
                         name: oname,
                         kind,
                         shadow: spec.shadow_mode,
@@ -271,7 +271,7 @@ pub(crate) fn parse(
                         regional: regional
                             .clone()
                             .filter(|_| matches!(kind, LimitKind::Bucket { .. })),
-                    },
+                    }),
                 ));
             }
         }
