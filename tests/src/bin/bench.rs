@@ -328,6 +328,44 @@ fn edit_config(yaml: &str, filter: Filter, noop_wasm: &str, wasm: &str) -> Strin
 }
 
 /// Starts Envoy from a YAML (for the variants the harness does not model).
+/// Runs one stage against a fresh Envoy started from `yaml` (its CPU watched with `watched`'s):
+/// the stage's figures and the filter's callouts per decided request.
+#[allow(clippy::too_many_arguments)]
+async fn envoy_stage(
+    name: String,
+    yaml: String,
+    workers: u32,
+    workload: Workload,
+    http: reqwest::Client,
+    args: &Args,
+    keys: u64,
+    watched: [Watched; 2],
+) -> (StageResult, f64) {
+    let (mut child, port, admin, _dir) = off_runtime(move || envoy_from_yaml(&yaml, workers)).await;
+    let envoy = Watched {
+        name: "envoy",
+        pid: child.id(),
+    };
+    let watched = [watched[0], watched[1], envoy];
+    let op = http_get_op(
+        http,
+        format!("http://127.0.0.1:{port}{}", workload.path()),
+        workload,
+        keys,
+    );
+    let r = stage(&name, args, &watched, 1, op).await;
+    let (callouts, requests) = off_runtime(move || {
+        (
+            envoy_stat(admin, "ratelimit.callouts"),
+            envoy_stat(admin, "ratelimit.admitted") + envoy_stat(admin, "ratelimit.rejected"),
+        )
+    })
+    .await;
+    let _ = child.kill();
+    let _ = child.wait();
+    (r, callouts / requests.max(1.0))
+}
+
 /// Runs `f` (which makes blocking HTTP calls) on a blocking thread. Called on the runtime's
 /// own thread, reqwest's blocking client can spin forever: its wake-up is deferred to the very
 /// runtime it blocks (seen as a bench stuck at full CPU between two stages).
@@ -587,16 +625,7 @@ fn main() {
             let current = wasm_path.display().to_string();
             let other = other.display().to_string();
             let noop = noop_wasm.display().to_string();
-            let watched = |pid: u32| {
-                [
-                    redis_w,
-                    sidecar_w,
-                    Watched {
-                        name: "envoy",
-                        pid,
-                    },
-                ]
-            };
+            let watched = [redis_w, sidecar_w];
             let yaml = |wasm: &str, filter: Filter| {
                 let y = EnvoyConfig::shipped("envoy.yaml", sidecar.port, upstream.port)
                     .plugin(&plugin(true).to_string())
@@ -612,19 +641,12 @@ fn main() {
             let mut figures: [Vec<[f64; 4]>; 2] = [Vec::new(), Vec::new()];
             for round in 0..args.rounds {
                 let run = |name: String, y: String| {
-                    let (http, args) = (http.clone(), &args);
+                    let http = http.clone();
+                    let (a, w) = (&args, watched);
                     async move {
-                        let (mut child, port, _admin, _dir) = off_runtime(move || envoy_from_yaml(&y, 1)).await;
-                        let op = http_get_op(
-                            http,
-                            format!("http://127.0.0.1:{port}{}", Workload::ManyKeys.path()),
-                            Workload::ManyKeys,
-                            keys,
-                        );
-                        let r = stage(&name, args, &watched(child.id()), 1, op).await;
-                        let _ = child.kill();
-                        let _ = child.wait();
-                        r
+                        envoy_stage(name, y, 1, Workload::ManyKeys, http, a, keys, w)
+                            .await
+                            .0
                     }
                 };
                 let floor = run(
@@ -814,35 +836,9 @@ fn main() {
             };
             let run_stage_with = |name: String, yaml: String, workload: Workload, args: Args| {
                 let http = http.clone();
+                let watched = [redis_w, sidecar_w];
                 async move {
-                    let (mut child, port, admin, _dir) =
-                        off_runtime(move || envoy_from_yaml(&yaml, workers)).await;
-                    let watched = [
-                        redis_w,
-                        sidecar_w,
-                        Watched {
-                            name: "envoy",
-                            pid: child.id(),
-                        },
-                    ];
-                    let op = http_get_op(
-                        http,
-                        format!("http://127.0.0.1:{port}{}", workload.path()),
-                        workload,
-                        keys,
-                    );
-                    let r = stage(&name, &args, &watched, 1, op).await;
-                    let (callouts, requests) = off_runtime(move || {
-                        (
-                            envoy_stat(admin, "ratelimit.callouts"),
-                            envoy_stat(admin, "ratelimit.admitted")
-                                + envoy_stat(admin, "ratelimit.rejected"),
-                        )
-                    })
-                    .await;
-                    let _ = child.kill();
-                    let _ = child.wait();
-                    (r, callouts / requests.max(1.0))
+                    envoy_stage(name, yaml, workers, workload, http, &args, keys, watched).await
                 }
             };
             let run_stage = |name: String, yaml: String, workload: Workload| {
