@@ -846,14 +846,14 @@ impl Config {
         }
     }
 
-    /// Every request header some rule's `match.headers` looks at (lowercase), so the host reads
-    /// only those.
     /// Whether some rule's `match.methods` looks at the request's method (else the host never
     /// reads `:method`: a host call per request saved).
     pub fn matches_methods(&self) -> bool {
         self.rules.iter().any(|r| r.matcher.methods.is_some())
     }
 
+    /// Every request header some rule's `match.headers` looks at (lowercase), so the host reads
+    /// only those.
     pub fn matched_header_names(&self) -> BTreeSet<String> {
         self.rules
             .iter()
