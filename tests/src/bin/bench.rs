@@ -63,6 +63,10 @@ struct Args {
     /// Rounds of `--ab-filter`.
     #[arg(long, default_value_t = 3)]
     rounds: usize,
+    /// An extra argument for the sidecar (repeatable), e.g. `--sidecar-arg=--redis-pipeline=1`
+    /// to measure a setting against the default in another run.
+    #[arg(long, allow_hyphen_values = true)]
+    sidecar_arg: Vec<String>,
 }
 
 /// The longest one operation may take: one that hangs (a lost response) is an error, and the
@@ -597,7 +601,9 @@ fn main() {
     );
 
     let redis = Redis::start_with(&["--maxmemory-policy", "noeviction"]);
-    let sidecar = Sidecar::with_policy(&redis.url(), POLICY, &["--redis-timeout-ms", "1000"]);
+    let mut sidecar_args = vec!["--redis-timeout-ms", "1000"];
+    sidecar_args.extend(args.sidecar_arg.iter().map(String::as_str));
+    let sidecar = Sidecar::with_policy(&redis.url(), POLICY, &sidecar_args);
     let upstream = Upstream::start();
     let redis_w = Watched {
         name: "redis",
