@@ -518,13 +518,16 @@ impl Hotness {
     /// Counts one request of `id` at `now_ns`; returns the rate of the last complete window
     /// (requests per second), or of the current one if it is higher.
     pub fn observe(&mut self, id: &str, now_ns: u64) -> f64 {
-        if !self.counts.contains_key(id) && self.counts.len() >= MAX_TRACKED {
-            self.counts.clear();
+        if !self.counts.contains_key(id) {
+            if self.counts.len() >= MAX_TRACKED {
+                self.counts.clear();
+            }
+            // The id is copied only for a bucket not tracked yet.
+            self.counts.insert(id.to_string(), (now_ns, 0, 0.0));
         }
-        let (start, count, last_rate) = self
-            .counts
-            .entry(id.to_string())
-            .or_insert((now_ns, 0, 0.0));
+        let Some((start, count, last_rate)) = self.counts.get_mut(id) else {
+            return 0.0;
+        };
         if now_ns >= *start + WINDOW_NS {
             let windows = (now_ns - *start) / WINDOW_NS;
             *last_rate = if windows == 1 {

@@ -111,22 +111,35 @@ async fn decide<S: BucketStore>(
 /// 200 with the answers, unless every request failed for one reason: then 503 (Redis
 /// unavailable) or 500 (the script failed), so a simple caller sees the outage in the status.
 fn respond(metrics: &Metrics, answer: DecideResponse) -> Response {
+    // The call's requests by outcome, and its leased tokens: counted once each.
+    const OUTCOMES: [&str; 5] = [
+        "allowed",
+        "rejected",
+        "unknown_rule",
+        "unavailable",
+        "error",
+    ];
+    let mut counts = [0u64; OUTCOMES.len()];
+    let mut leased = 0u64;
     for a in &answer.answers {
-        metrics.request(match &a.error {
-            None if a.allowed => "allowed",
-            None => "rejected",
+        counts[match &a.error {
+            None if a.allowed => 0,
+            None => 1,
             Some(e) => match e.code {
-                ErrorCode::UnknownRule => "unknown_rule",
-                ErrorCode::Unavailable => "unavailable",
-                ErrorCode::ScriptFailed => "error",
+                ErrorCode::UnknownRule => 2,
+                ErrorCode::Unavailable => 3,
+                ErrorCode::ScriptFailed => 4,
             },
-        });
-        for r in &a.results {
-            if r.leased > 0 {
-                metrics.lease_granted(r.leased);
-            }
-        }
+        }] += 1;
+        leased = a
+            .results
+            .iter()
+            .fold(leased, |n, r| n.saturating_add(r.leased));
     }
+    for (outcome, n) in OUTCOMES.iter().zip(counts) {
+        metrics.requests_of(outcome, n);
+    }
+    metrics.lease_granted(leased);
     let all = |code: ErrorCode| {
         !answer.answers.is_empty()
             && answer
@@ -176,4 +189,62 @@ async fn metrics<S: BucketStore>(State(s): State<Arc<AppState<S>>>) -> Response 
         s.metrics.encode(),
     )
         .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use ratelimit_wire::{DecisionResult, Reason, RequestAnswer, RequestError};
+
+    use super::*;
+
+    fn answer(allowed: bool, leased: &[u64], error: Option<ErrorCode>) -> RequestAnswer {
+        RequestAnswer {
+            allowed,
+            results: leased
+                .iter()
+                .map(|&leased| DecisionResult {
+                    allowed,
+                    remaining: 0,
+                    retry_after_ms: 0,
+                    reset_ms: 0,
+                    reason: Reason::Ok,
+                    limit: None,
+                    shadow: false,
+                    leased,
+                })
+                .collect(),
+            error: error.map(|code| RequestError {
+                code,
+                message: "x".into(),
+            }),
+        }
+    }
+
+    #[test]
+    fn a_call_s_requests_are_counted_by_outcome_and_its_leases_summed() {
+        let m = Metrics::new();
+        let answers = vec![
+            answer(true, &[0, 5], None),
+            answer(true, &[7], None),
+            answer(false, &[0], None),
+            answer(false, &[], Some(ErrorCode::UnknownRule)),
+            answer(true, &[0], None),
+        ];
+        let r = respond(&m, DecideResponse { answers });
+        assert_eq!(r.status(), StatusCode::OK);
+        let text = m.encode();
+        for line in [
+            "ratelimit_requests_total{outcome=\"allowed\"} 3",
+            "ratelimit_requests_total{outcome=\"rejected\"} 1",
+            "ratelimit_requests_total{outcome=\"unknown_rule\"} 1",
+            "ratelimit_lease_tokens_total{result=\"granted\"} 12",
+            "ratelimit_calls_total{api=\"http\",outcome=\"answered\"} 1",
+        ] {
+            assert!(text.contains(line), "{line} missing:\n{text}");
+        }
+        assert!(
+            !text.contains("outcome=\"unavailable\"} "),
+            "no count for an outcome no request had:\n{text}"
+        );
+    }
 }

@@ -324,9 +324,17 @@ impl Metrics {
 
     /// Counts one gateway request by outcome.
     pub fn request(&self, outcome: &'static str) {
-        self.requests
-            .get_or_create(&OutcomeLabels { outcome })
-            .inc();
+        self.requests_of(outcome, 1);
+    }
+
+    /// Counts `n` gateway requests of one outcome (a call's requests, counted once per outcome:
+    /// each count looks its label up).
+    pub fn requests_of(&self, outcome: &'static str, n: u64) {
+        if n > 0 {
+            self.requests
+                .get_or_create(&OutcomeLabels { outcome })
+                .inc_by(n);
+        }
     }
 
     pub fn unknown_rule(&self) {
@@ -334,6 +342,9 @@ impl Metrics {
     }
 
     pub fn lease_granted(&self, tokens: u64) {
+        if tokens == 0 {
+            return;
+        }
         self.lease_tokens
             .get_or_create(&ResultLabels { result: "granted" })
             .inc_by(tokens);
