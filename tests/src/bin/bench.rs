@@ -15,7 +15,9 @@
 //! proxy-wasm path), Envoy's `local_ratelimit` (no shared budget), the wasm filter calling the
 //! sidecar once per request (every fast path off), the wasm filter as shipped (coalesced
 //! callouts, known rejections, leases), and Envoy's native `ratelimit` filter calling the sidecar
-//! over gRPC.
+//! over gRPC. The Envoy stages run in `--rounds` rounds (3 by default), the stages taking turns,
+//! and the goals are judged on each stage's medians: one stage on a shared machine moves by 10%
+//! or more from one run to the next.
 //!
 //! All figures are printed, then the goals as ratios from this run; none is asserted. On a
 //! 2-core machine the load generator, Redis, the sidecar and Envoy share the cores: read the ratios
@@ -32,9 +34,12 @@ use ratelimit_e2e::{Envoy, EnvoyConfig, Redis, Sidecar, Upstream};
 #[derive(Parser, Clone)]
 #[command(about = "Measures the cost of a rate-limit decision against baselines in the same run")]
 struct Args {
-    /// Seconds each stage runs.
-    #[arg(long, default_value_t = 5)]
+    /// Seconds each stage runs (each round).
+    #[arg(long, default_value_t = 4)]
     seconds: u64,
+    /// Milliseconds of warm-up before each stage is measured.
+    #[arg(long, default_value_t = 500)]
+    warmup_ms: u64,
     /// Concurrent callers in each stage.
     #[arg(long, default_value_t = 32)]
     concurrency: usize,
@@ -54,15 +59,24 @@ struct Args {
     /// Only the component stages (Redis, script, sidecar), no Envoy.
     #[arg(long)]
     components_only: bool,
-    /// A/B two builds of the filter instead of the full run: alternates the many-keys stage of
-    /// the shipped configuration between the current build and this `.wasm` (plus the no-op
-    /// filter), one Envoy worker, `--rounds` times, and prints Envoy's CPU per request above
-    /// the no-op filter for each build. Runs that differ by less than their spread are a tie.
+    /// A/B two builds of the filter instead of the full run: alternates one workload's stage
+    /// (`--ab-workload`, many keys by default) of the shipped configuration between the current
+    /// build and this `.wasm` (plus the no-op filter), `--ab-workers` Envoy workers, `--rounds`
+    /// times, and prints Envoy's CPU per request above the no-op filter for each build. Runs
+    /// that differ by less than their spread are a tie.
     #[arg(long, value_name = "WASM")]
     ab_filter: Option<std::path::PathBuf>,
-    /// Rounds of `--ab-filter`.
+    /// Rounds: every Envoy stage is measured this many times, the stages taking turns, and the
+    /// goals are judged on each stage's medians (a single stage on a shared machine moves by
+    /// 10% or more); `--ab-filter` alternates its builds this many times.
     #[arg(long, default_value_t = 3)]
     rounds: usize,
+    /// The workload of `--ab-filter`.
+    #[arg(long, value_enum, default_value = "many-keys")]
+    ab_workload: Workload,
+    /// Envoy workers in `--ab-filter`.
+    #[arg(long, default_value_t = 1)]
+    ab_workers: u32,
     /// An extra argument for the sidecar (repeatable), e.g. `--sidecar-arg=--redis-pipeline=1`
     /// to measure a setting against the default in another run.
     #[arg(long, allow_hyphen_values = true)]
@@ -173,7 +187,7 @@ async fn stage(name: &str, args: &Args, watched: &[Watched], per_op: usize, op: 
     // A short warm-up so connections, caches, leases exist before measuring.
     let warm = Instant::now();
     let mut warm_errors = 0;
-    while warm.elapsed() < Duration::from_millis(500) {
+    while warm.elapsed() < Duration::from_millis(args.warmup_ms) {
         if let Err(e) = op(rand_u64()).await {
             warm_errors += 1;
             if warm_errors > 1000 {
@@ -454,7 +468,7 @@ fn http_get_op(client: reqwest::Client, url: String, workload: Workload, keys: u
     })
 }
 
-#[derive(Clone, Copy, PartialEq, Debug)]
+#[derive(Clone, Copy, PartialEq, Debug, clap::ValueEnum)]
 enum Workload {
     ManyKeys,
     HotKey,
@@ -563,6 +577,111 @@ struct Loaded {
     callouts: f64,
 }
 
+/// The median of `values` (the mean of the middle two for an even count).
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    let n = values.len();
+    match n {
+        0 => 0.0,
+        _ if n % 2 == 1 => values[n / 2],
+        _ => (values[n / 2 - 1] + values[n / 2]) / 2.0,
+    }
+}
+
+/// One stage measured in several rounds, as one: the median of each figure (throughput,
+/// latencies, each process's CPU) over the rounds.
+fn median_stage(rounds: &[&StageResult]) -> StageResult {
+    let first = rounds[0];
+    let of = |f: &dyn Fn(&StageResult) -> f64| median(rounds.iter().map(|r| f(r)).collect());
+    let duration =
+        |f: &dyn Fn(&StageResult) -> Duration| Duration::from_secs_f64(of(&|r| f(r).as_secs_f64()));
+    StageResult {
+        name: first.name.clone(),
+        ops: of(&|r| r.per_second()).round() as u64,
+        per_op: first.per_op,
+        seconds: 1.0,
+        p50: duration(&|r| r.p50),
+        p99: duration(&|r| r.p99),
+        cpu_us_per_op: first
+            .cpu_us_per_op
+            .iter()
+            .map(|(name, _)| (*name, of(&|r| r.cpu(name))))
+            .collect(),
+    }
+}
+
+impl EnvoyRun {
+    /// The rounds of one worker count as one run: every stage's medians.
+    fn median(rounds: Vec<EnvoyRun>) -> EnvoyRun {
+        let stage = |f: &dyn Fn(&EnvoyRun) -> &StageResult| {
+            median_stage(&rounds.iter().map(f).collect::<Vec<_>>())
+        };
+        let first = &rounds[0];
+        let wasm = (0..first.wasm.len())
+            .map(|i| {
+                (
+                    first.wasm[i].0,
+                    stage(&|r| &r.wasm[i].1),
+                    stage(&|r| &r.wasm[i].2),
+                    median(rounds.iter().map(|r| r.wasm[i].3).collect()),
+                )
+            })
+            .collect();
+        let native = (0..first.native.len())
+            .map(|i| (first.native[i].0, stage(&|r| &r.native[i].1)))
+            .collect();
+        let loaded = rounds
+            .iter()
+            .map(|r| r.loaded.as_ref())
+            .collect::<Option<Vec<&Loaded>>>()
+            .map(|l| {
+                let stage = |f: &dyn Fn(&Loaded) -> &StageResult| {
+                    median_stage(&l.iter().map(|x| f(x)).collect::<Vec<_>>())
+                };
+                Loaded {
+                    concurrency: l[0].concurrency,
+                    baseline: stage(&|x| &x.baseline),
+                    noop: stage(&|x| &x.noop),
+                    slow: stage(&|x| &x.slow),
+                    fast: stage(&|x| &x.fast),
+                    callouts: median(l.iter().map(|x| x.callouts).collect()),
+                }
+            });
+        EnvoyRun {
+            workers: first.workers,
+            baseline: stage(&|r| &r.baseline),
+            noop: stage(&|r| &r.noop),
+            local: stage(&|r| &r.local),
+            wasm,
+            native,
+            loaded,
+        }
+    }
+
+    /// The run's table, every stage against its baseline.
+    fn print(&self) {
+        print_header();
+        print(&self.baseline, None);
+        print(&self.noop, Some(&self.baseline));
+        print(&self.local, Some(&self.baseline));
+        for (_, slow, fast, callouts) in &self.wasm {
+            print(slow, Some(&self.baseline));
+            print(fast, Some(&self.baseline));
+            println!("{:<58} callouts per request: {callouts:.3}", "");
+        }
+        for (_, r) in &self.native {
+            print(r, Some(&self.baseline));
+        }
+        if let Some(l) = &self.loaded {
+            print(&l.baseline, None);
+            print(&l.noop, Some(&l.baseline));
+            print(&l.slow, Some(&l.baseline));
+            print(&l.fast, Some(&l.baseline));
+            println!("{:<58} callouts per request: {:.3}", "", l.callouts);
+        }
+    }
+}
+
 fn main() {
     let args = Args::parse();
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -635,11 +754,15 @@ fn main() {
             let yaml = |wasm: &str, filter: Filter| {
                 let y = EnvoyConfig::shipped("envoy.yaml", sidecar.port, upstream.port)
                     .plugin(&plugin(true).to_string())
-                    .concurrency(1)
+                    .concurrency(args.ab_workers)
                     .render(10000, 9901, wasm);
                 edit_config(&y, filter, &noop, wasm)
             };
-            println!("\n== A/B: many keys, filter as shipped, 1 worker: A = {current}, B = {other}");
+            let (workload, workers) = (args.ab_workload, args.ab_workers);
+            println!(
+                "\n== A/B: {}, filter as shipped, {workers} worker(s): A = {current}, B = {other}",
+                workload.name()
+            );
             print_header();
             // Per build: Envoy CPU above the no-op filter, sidecar and Redis CPU per request,
             // throughput relative to the no-op filter. The builds take turns going first (a
@@ -650,7 +773,7 @@ fn main() {
                     let http = http.clone();
                     let (a, w) = (&args, watched);
                     async move {
-                        envoy_stage(name, y, 1, Workload::ManyKeys, http, a, keys, w)
+                        envoy_stage(name, y, workers, workload, http, a, keys, w)
                             .await
                             .0
                     }
@@ -852,6 +975,12 @@ fn main() {
             };
             let wasm_str = wasm_path.display().to_string();
             let noop_str = noop_wasm.display().to_string();
+            let rounds = args.rounds.max(1);
+            let mut measured = Vec::new();
+            for round in 0..rounds {
+            if rounds > 1 {
+                println!("-- round {} of {rounds}", round + 1);
+            }
             let baseline = run_stage(
                 "envoy, no filter (baseline)".into(),
                 edit_config(&config(true), Filter::None, &noop_str, &wasm_str),
@@ -949,7 +1078,7 @@ fn main() {
                     callouts,
                 });
             }
-            runs.push(EnvoyRun {
+            measured.push(EnvoyRun {
                 workers,
                 baseline,
                 noop,
@@ -958,6 +1087,13 @@ fn main() {
                 native,
                 loaded,
             });
+            }
+            let run = EnvoyRun::median(measured);
+            if rounds > 1 {
+                println!("-- medians of {rounds} rounds, {workers} worker(s)");
+                run.print();
+            }
+            runs.push(run);
         }
 
 
@@ -983,7 +1119,10 @@ fn main() {
             memory.sampled,
             wasm_size / 1024
         );
-        println!("\n== goals (ratios from this run)");
+        println!(
+            "\n== goals (ratios from this run: the medians of {} round(s) of the Envoy stages)",
+            args.rounds.max(1)
+        );
         for run in &runs {
             let w = run.workers;
             let find = |wl: Workload| run.wasm.iter().find(|(x, ..)| *x == wl).expect("workload");
