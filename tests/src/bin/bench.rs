@@ -710,8 +710,8 @@ fn main() {
     );
     let wasm_size = std::fs::metadata(&wasm_path).map(|m| m.len()).unwrap_or(0);
     println!(
-        "ratelimit bench: {} s per stage, {} concurrent callers, {} keys, {cores} cores ({cpu_model}) shared by every process",
-        args.seconds, args.concurrency, args.keys
+        "ratelimit bench: {} s per stage, {} round(s) of the Envoy stages, {} concurrent callers, {} keys, {cores} cores ({cpu_model}) shared by every process",
+        args.seconds, args.rounds.max(1), args.concurrency, args.keys
     );
     println!(
         "filter module: {} ({} KiB)",
