@@ -768,7 +768,7 @@ fn main() {
             // throughput relative to the no-op filter. The builds take turns going first (a
             // stage right after the no-op one finds every bucket expired in Redis).
             let mut figures: [Vec<[f64; 4]>; 2] = [Vec::new(), Vec::new()];
-            for round in 0..args.rounds {
+            for round in 0..args.rounds.max(1) {
                 let run = |name: String, y: String| {
                     let http = http.clone();
                     let (a, w) = (&args, watched);
@@ -797,11 +797,7 @@ fn main() {
                     ]);
                 }
             }
-            let median = |v: &[[f64; 4]], k: usize| {
-                let mut x: Vec<f64> = v.iter().map(|f| f[k]).collect();
-                x.sort_by(f64::total_cmp);
-                x[x.len() / 2]
-            };
+            let median = |v: &[[f64; 4]], k: usize| median(v.iter().map(|f| f[k]).collect());
             for (label, f) in ["A", "B"].iter().zip(&figures) {
                 println!(
                     "{label}: medians of {} rounds: Envoy CPU above the no-op filter {:.1} µs/request (rounds: {}), sidecar {:.1} µs, Redis {:.1} µs per request, {:.2}x the no-op filter's throughput",
