@@ -67,17 +67,19 @@
 --   then N returns: N x (bucket index, limit index, lease id, tokens)
 --   refund mode only, then per group: K, then K request indices (1-based) to refund
 -- In refund mode the reply is one integer per group: 1 when something was refunded, else 0.
--- Reply, flat integers, per group, per request: status (0 rejected, 1 charged; plus 10 when replayed
--- from a record, where 12 is a refunded request), then per
--- decision: allowed, remaining, retry_after_ms, reset_ms, reason (0 ok, 1 insufficient,
--- 2 cost_exceeds_capacity), leased (tokens granted under the lease).
+-- Reply (apply mode): one string of little-endian doubles, each an integer (all below 2^53, so
+-- exact), in this order: per group, per request: status (0 rejected, 1 charged; plus 10 when
+-- replayed from a record, where 12 is a refunded request), then per decision: allowed,
+-- remaining, retry_after_ms, reset_ms, reason (0 ok, 1 insufficient, 2 cost_exceeds_capacity),
+-- leased (tokens granted under the lease). One string instead of an array of integers spares
+-- Redis a reply value per integer and the caller a parse per value.
 
 -- Code notes (the script runs whole on every call, so its cost is what one call does): ARGV is
 -- read by position into flat arrays and one small array per decision, not a hashed table per
 -- group, request and decision; decision fields that are "0" or "1" skip tonumber; the functions
 -- only records, returns, leases and regional shares need are created only by the calls that use
 -- them; a bucket without leases is read and written as three doubles directly; the reply is sized
--- once and filled by index.
+-- once, filled by index and packed into one string at the end.
 
 local OK, INSUFFICIENT, COST_EXCEEDS_CAPACITY = 0, 1, 2
 local MAX_INT = 9007199254740992 -- 2^53: replies are integers; clamp what cannot be one exactly
@@ -650,4 +652,11 @@ for b, s in pairs(states) do
     end
   end
 end
-return reply
+if mode == 'refund' then return reply end
+-- Packed in runs of at most 1000 values (unpack puts each run on Lua's stack).
+local packed = {}
+for i = 1, nreply, 1000 do
+  local j = math.min(i + 999, nreply)
+  packed[#packed + 1] = spack('<' .. string.rep('d', j - i + 1), unpack(reply, i, j))
+end
+return table.concat(packed)

@@ -601,26 +601,40 @@ fn format_float(f: f64) -> String {
     s.strip_suffix(".0").map(str::to_string).unwrap_or(s)
 }
 
-/// The script's flat reply for `work` as outcomes per group and request.
+/// The largest integer a double holds exactly (2^53): the script clamps its figures to it.
+const MAX_EXACT: f64 = 9_007_199_254_740_992.0;
+
+/// The script's reply for `work` (one string of little-endian doubles, each an integer: see
+/// `lua/token_bucket.lua`) as outcomes per group and request.
 fn parse_apply(reply: Value, work: &Work) -> Result<Vec<Vec<RequestOutcome>>, StoreError> {
     let bad = |what: String| StoreError::Reply(what);
-    let Value::Array(items) = reply else {
-        return Err(bad(format!("{reply:?}")));
+    let bytes: &[u8] = match &reply {
+        Value::BulkString(b) => b,
+        // No buckets, nothing decided: the script answers an empty array.
+        Value::Array(items) if items.is_empty() => &[],
+        other => return Err(bad(format!("{other:?}"))),
     };
     let expected: usize = work
         .groups
         .iter()
         .map(|g| g.requests.iter().map(|r| 1 + 6 * r.len()).sum::<usize>())
         .sum();
-    if items.len() != expected {
+    if bytes.len() != 8 * expected {
         return Err(bad(format!(
-            "{} integers where {expected} were expected",
-            items.len()
+            "{} bytes where {} were expected",
+            bytes.len(),
+            8 * expected
         )));
     }
-    let mut ints = items.into_iter().map(|v| match v {
-        Value::Int(i) => u64::try_from(i).map_err(|_| bad("negative integer".into())),
-        other => Err(bad(format!("{other:?}"))),
+    let mut ints = bytes.chunks_exact(8).map(|c| {
+        let mut le = [0u8; 8];
+        le.copy_from_slice(c);
+        let f = f64::from_le_bytes(le);
+        if (0.0..=MAX_EXACT).contains(&f) && f.fract() == 0.0 {
+            Ok(f as u64)
+        } else {
+            Err(bad(format!("{f} is not a count")))
+        }
     });
     let mut next = move || {
         ints.next()
@@ -730,7 +744,9 @@ mod tests {
             }],
             returns: vec![],
         };
-        let ints = |v: &[i64]| Value::Array(v.iter().map(|i| Value::Int(*i)).collect());
+        let ints = |v: &[i64]| {
+            Value::BulkString(v.iter().flat_map(|i| (*i as f64).to_le_bytes()).collect())
+        };
         let reply = ints(&[
             1, 1, 9, 0, 1000, 0, 0, 1, 9, 0, 1000, 0, 0, 11, 1, 8, 0, 2000, 0, 3,
         ]);
@@ -740,6 +756,26 @@ mod tests {
         assert_eq!(g[0][1].decisions[0].leased, 3);
         assert!(parse_apply(ints(&[1]), &work).is_err());
         assert!(parse_apply(Value::Nil, &work).is_err());
+        // The former shape (an array of integers), a torn double, a fraction, a negative count.
+        let array = Value::Array(vec![Value::Int(1); 20]);
+        assert!(parse_apply(array, &work).is_err(), "an array of integers");
+        let mut torn: Vec<u8> = (0..20).flat_map(|_| 1f64.to_le_bytes()).collect();
+        torn.pop();
+        assert!(parse_apply(Value::BulkString(torn), &work).is_err());
+        for odd in [0.5, -1.0, f64::NAN, f64::INFINITY, 1e300] {
+            let mut v: Vec<u8> = [
+                1.0, 1.0, 9.0, 0.0, 1000.0, 0.0, 0.0, 1.0, 9.0, 0.0, 1000.0, 0.0, 0.0, 1.0, 1.0,
+                8.0, 0.0, 2000.0, 0.0, 0.0,
+            ]
+            .iter()
+            .flat_map(|f: &f64| f.to_le_bytes())
+            .collect();
+            v[16..24].copy_from_slice(&odd.to_le_bytes());
+            assert!(
+                parse_apply(Value::BulkString(v), &work).is_err(),
+                "{odd} as remaining"
+            );
+        }
         let mut bad = vec![
             1, 1, 9, 0, 1000, 7, 0, 1, 9, 0, 1000, 0, 0, 1, 1, 8, 0, 2000, 0, 0,
         ];
