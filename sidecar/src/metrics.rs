@@ -279,14 +279,9 @@ impl Metrics {
         }
     }
 
-    /// Counts one decision.
-    /// A refusal (rejected, shadow-rejected, blocked) may also write the "limit reached" line.
-    pub fn decision(&self, limit: &str, verdict: Verdict) {
-        self.decisions_of(limit, verdict, 1);
-    }
-
     /// Counts `n` decisions of one limit with one verdict (a call's decisions, tallied: one
-    /// label lookup instead of one per decision).
+    /// label lookup instead of one per decision). A refusal (rejected, shadow-rejected, blocked)
+    /// may also write the "limit reached" line.
     pub fn decisions_of(&self, limit: &str, verdict: Verdict, n: u64) {
         if n == 0 {
             return;
@@ -419,7 +414,7 @@ mod tests {
     #[test]
     fn names_are_the_documented_ones() {
         let m = Metrics::new();
-        m.decision("per-app", Verdict::Allowed);
+        m.decisions_of("per-app", Verdict::Allowed, 1);
         m.call("http", CallOutcome::BadRequest);
         m.request("unknown_rule");
         let text = m.encode();

@@ -797,16 +797,16 @@ fn main() {
                     ]);
                 }
             }
-            let median = |v: &[[f64; 4]], k: usize| median(v.iter().map(|f| f[k]).collect());
+            let median_of = |v: &[[f64; 4]], k: usize| median(v.iter().map(|f| f[k]).collect());
             for (label, f) in ["A", "B"].iter().zip(&figures) {
                 println!(
                     "{label}: medians of {} rounds: Envoy CPU above the no-op filter {:.1} µs/request (rounds: {}), sidecar {:.1} µs, Redis {:.1} µs per request, {:.2}x the no-op filter's throughput",
                     f.len(),
-                    median(f, 0),
+                    median_of(f, 0),
                     f.iter().map(|x| format!("{:.1}", x[0])).collect::<Vec<_>>().join(", "),
-                    median(f, 1),
-                    median(f, 2),
-                    median(f, 3),
+                    median_of(f, 1),
+                    median_of(f, 2),
+                    median_of(f, 3),
                 );
             }
             return;
