@@ -74,6 +74,19 @@ impl From<StoreError> for ServeError {
     }
 }
 
+/// [`serve`]'s refusal of an unauthenticated listener other hosts can reach, judged from the
+/// arguments alone: called before binding `--listen`, so a refused configuration says why
+/// without touching the port (which may be taken).
+pub fn check_listen(args: &Args) -> Result<(), ServeError> {
+    let configured =
+        args.auth_token_file.is_some() || args.auth_token.is_some() || args.tls_client_ca.is_some();
+    let loopback = args.listen.ip().to_canonical().is_loopback();
+    if loopback || configured || args.allow_unauthenticated {
+        return Ok(());
+    }
+    Err(ServeError::Unauthenticated(args.listen))
+}
+
 /// Refuses a listener that other hosts can reach when no caller is authenticated, unless
 /// `--allow-unauthenticated` says so.
 fn check_exposure(
@@ -287,5 +300,30 @@ mod tests {
             assert!(check_exposure(a(exposed), true, false).is_ok());
             assert!(check_exposure(a(exposed), false, true).is_ok());
         }
+    }
+
+    #[test]
+    fn the_arguments_alone_refuse_an_exposed_listener_before_it_is_bound() {
+        use clap::Parser;
+        let args = |listen: &str, extra: &[&str]| {
+            let mut argv = vec![
+                "ratelimit-sidecar",
+                "--limits",
+                "limits.yaml",
+                "--listen",
+                listen,
+            ];
+            argv.extend_from_slice(extra);
+            Args::try_parse_from(argv).unwrap()
+        };
+        let exposed = "0.0.0.0:8081";
+        let e = check_listen(&args(exposed, &[])).unwrap_err().to_string();
+        assert!(
+            e.contains("--allow-unauthenticated") && e.contains(exposed),
+            "{e}"
+        );
+        assert!(check_listen(&args(exposed, &["--allow-unauthenticated"])).is_ok());
+        assert!(check_listen(&args(exposed, &["--auth-token-file", "/nonexistent"])).is_ok());
+        assert!(check_listen(&args("127.0.0.1:8081", &[])).is_ok());
     }
 }

@@ -33,6 +33,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     } else {
         logs.init();
     }
+    ratelimit_sidecar::check_listen(&args)?;
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("cannot listen on --listen {}", args.listen))?;
