@@ -767,18 +767,14 @@ fn main() {
             // Per build: Envoy CPU above the no-op filter, sidecar and Redis CPU per request,
             // throughput relative to the no-op filter. The builds take turns going first (a
             // stage right after the no-op one finds every bucket expired in Redis).
-            let mut figures: [Vec<[f64; 4]>; 2] = [Vec::new(), Vec::new()];
+            let mut figures: [Vec<[f64; 5]>; 2] = [Vec::new(), Vec::new()];
             for round in 0..args.rounds.max(1) {
                 let run = |name: String, y: String| {
                     let http = http.clone();
                     let (a, w) = (&args, watched);
-                    async move {
-                        envoy_stage(name, y, workers, workload, http, a, keys, w)
-                            .await
-                            .0
-                    }
+                    async move { envoy_stage(name, y, workers, workload, http, a, keys, w).await }
                 };
-                let floor = run(
+                let (floor, _) = run(
                     format!("round {round}: no-op filter"),
                     yaml(&current, Filter::Noop),
                 )
@@ -787,26 +783,30 @@ fn main() {
                 let order = if round % 2 == 0 { [0, 1] } else { [1, 0] };
                 for i in order {
                     let (label, wasm) = [("A", &current), ("B", &other)][i];
-                    let r = run(format!("round {round}: {label}"), yaml(wasm, Filter::Wasm)).await;
+                    let (r, callouts) =
+                        run(format!("round {round}: {label}"), yaml(wasm, Filter::Wasm)).await;
                     print(&r, Some(&floor));
+                    println!("  {callouts:.4} callouts/request");
                     figures[i].push([
                         r.cpu("envoy") - floor.cpu("envoy"),
                         r.cpu("sidecar"),
                         r.cpu("redis"),
                         r.per_second() / floor.per_second(),
+                        callouts,
                     ]);
                 }
             }
-            let median_of = |v: &[[f64; 4]], k: usize| median(v.iter().map(|f| f[k]).collect());
+            let median_of = |v: &[[f64; 5]], k: usize| median(v.iter().map(|f| f[k]).collect());
             for (label, f) in ["A", "B"].iter().zip(&figures) {
                 println!(
-                    "{label}: medians of {} rounds: Envoy CPU above the no-op filter {:.1} µs/request (rounds: {}), sidecar {:.1} µs, Redis {:.1} µs per request, {:.2}x the no-op filter's throughput",
+                    "{label}: medians of {} rounds: Envoy CPU above the no-op filter {:.1} µs/request (rounds: {}), sidecar {:.1} µs, Redis {:.1} µs per request, {:.2}x the no-op filter's throughput, {:.4} callouts/request",
                     f.len(),
                     median_of(f, 0),
                     f.iter().map(|x| format!("{:.1}", x[0])).collect::<Vec<_>>().join(", "),
                     median_of(f, 1),
                     median_of(f, 2),
                     median_of(f, 3),
+                    median_of(f, 4),
                 );
             }
             return;
