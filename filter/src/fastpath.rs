@@ -25,11 +25,15 @@
 //! Sizing: `want = clamp(ceil(rate * ttl * 1.25), cost, max_tokens)`, where `rate` is the rate at
 //! which the previous lease was used (the first time: this worker's observed rate); the sidecar
 //! grants at most `--lease-max-share` of the capacity and at most what the bucket holds after the
-//! cost. Recovery: when a lease runs out or nears its end, the next ask of that bucket gives the
-//! leftover back (`returns` in the same callout); a lease nobody renews expires with its leftover,
-//! lost until then. Deviation: at any moment a gateway withholds at most its lease from the other
-//! gateways; lost tokens are at most one lease per bucket per `ttl_ms` of a gateway that went
-//! quiet. One ask per bucket is in flight per Envoy at a time (the entry's `renewing` mark).
+//! cost. Renewal: the request that would leave the lease below a quarter of its grant, or that
+//! comes in the last quarter of its time, asks for the next one instead of paying from it; the
+//! next lease waits in the entry and takes over when the one in use cannot pay, so a busy
+//! bucket's callers do not wait for renewals. Recovery: when neither lease can pay, the next ask
+//! of that bucket gives both leftovers back (`returns` in the same callout); a lease nobody renews
+//! expires with its leftover, lost until then. Deviation: at any moment a gateway withholds at
+//! most two leases per bucket from the other gateways (the one in use and the next); that is also
+//! what a gateway that went quiet loses per bucket. One ask per bucket is in flight per Envoy at a
+//! time (the entry's `renewing` mark).
 //!
 //! # Memory
 //! A bucket's entry lives in one of `slots` shared-data keys (`ratelimit.fp.<n>`, `n` from a hash
@@ -46,7 +50,7 @@ pub const MAX_CAS_ATTEMPTS: usize = 16;
 /// known, in nanoseconds.
 pub const FIXED_REJECTION_NS: u64 = 1_000_000_000;
 
-const VERSION: u8 = 1;
+const VERSION: u8 = 2;
 
 /// The shared-data key of the slot for a bucket id.
 pub fn slot_key(id: &str, slots: usize) -> String {
@@ -99,6 +103,13 @@ pub struct Entry {
     pub lease_granted_ns: u64,
     /// An ask for a lease is in flight until then (0: none).
     pub renewing_until_ns: u64,
+    /// The next lease, granted while the one in use still paid (an early renewal): id, tokens,
+    /// usable until, and when its ask was dispatched. It takes over when the one in use cannot
+    /// pay.
+    pub next_id: u64,
+    pub next_tokens: u64,
+    pub next_until_ns: u64,
+    pub next_granted_ns: u64,
 }
 
 impl Entry {
@@ -115,6 +126,10 @@ impl Entry {
             lease_granted: 0,
             lease_granted_ns: 0,
             renewing_until_ns: 0,
+            next_id: 0,
+            next_tokens: 0,
+            next_until_ns: 0,
+            next_granted_ns: 0,
         }
     }
 
@@ -146,6 +161,10 @@ impl Entry {
             self.lease_granted,
             self.lease_granted_ns,
             self.renewing_until_ns,
+            self.next_id,
+            self.next_tokens,
+            self.next_until_ns,
+            self.next_granted_ns,
         ] {
             out.extend_from_slice(&v.to_le_bytes());
         }
@@ -190,6 +209,10 @@ impl Entry {
         e.lease_granted = r.u64()?;
         e.lease_granted_ns = r.u64()?;
         e.renewing_until_ns = r.u64()?;
+        e.next_id = r.u64()?;
+        e.next_tokens = r.u64()?;
+        e.next_until_ns = r.u64()?;
+        e.next_granted_ns = r.u64()?;
         r.0.is_empty().then_some(e)
     }
 
@@ -202,6 +225,50 @@ impl Entry {
     /// Whether the lease can pay `cost` at `now_ns`.
     pub fn lease_pays(&self, cost: u64, now_ns: u64) -> bool {
         self.lease_until_ns > now_ns && self.lease_tokens >= cost
+    }
+
+    /// Whether the next lease holds tokens at `now_ns`.
+    fn next_held(&self, now_ns: u64) -> bool {
+        self.next_until_ns > now_ns && self.next_tokens > 0
+    }
+
+    /// The next lease becomes the one in use (what is left of the one before, less than a
+    /// request's cost or past its time, stays unused: Redis's record of it expires).
+    fn promote_next(&mut self) {
+        self.lease_id = self.next_id;
+        self.lease_tokens = self.next_tokens;
+        self.lease_until_ns = self.next_until_ns;
+        self.lease_granted = self.next_tokens;
+        self.lease_granted_ns = self.next_granted_ns;
+        self.clear_next();
+    }
+
+    fn clear_next(&mut self) {
+        self.next_id = 0;
+        self.next_tokens = 0;
+        self.next_until_ns = 0;
+        self.next_granted_ns = 0;
+    }
+
+    /// Whether the lease in use (which can pay `cost`) is running low, with no next lease held
+    /// and no ask in flight: time to ask for the next one while this one still pays. Low: paying
+    /// `cost` would leave less than a quarter of its grant, or less than a quarter of its time
+    /// is left.
+    fn renewal_due(&self, cost: u64, now_ns: u64) -> bool {
+        let ttl_ns = self.lease_until_ns.saturating_sub(self.lease_granted_ns);
+        self.renewing_until_ns <= now_ns
+            && !self.next_held(now_ns)
+            && ((self.lease_tokens - cost).saturating_mul(4) < self.lease_granted
+                || (self.lease_until_ns - now_ns).saturating_mul(4) < ttl_ns)
+    }
+
+    /// The lease in use, to size the next ask by.
+    fn previous(&self) -> Option<PreviousLease> {
+        (self.lease_granted > 0).then(|| PreviousLease {
+            granted: self.lease_granted,
+            used: self.lease_granted - self.lease_tokens.min(self.lease_granted),
+            asked_ns: self.lease_granted_ns,
+        })
     }
 }
 
@@ -294,7 +361,22 @@ impl Table<'_> {
     /// The lease goes first: its tokens were deducted in Redis for this gateway, so admitting
     /// from it is exact even while a rejection is known (one decided remotely while the lease
     /// was being granted); checked after the rejection, the gateway would strand its own lease.
-    pub fn probe(&self, id: &str, cost: u64, now_ns: u64, rejections: bool, lease: bool) -> Probe {
+    ///
+    /// Early renewal: with `renew` (the bucket is busy enough for leases; the time until which
+    /// an ask may be in flight), a request that would leave the lease below a quarter of its
+    /// grant, or that comes in the last quarter of the lease's time, is not paid from it: it
+    /// marks the entry renewing and takes the remote path
+    /// ([`Probe::Renew`]), asking for the next lease while this one keeps paying the others.
+    /// When the lease in use cannot pay, a next lease that holds tokens takes over.
+    pub fn probe(
+        &self,
+        id: &str,
+        cost: u64,
+        now_ns: u64,
+        rejections: bool,
+        lease: bool,
+        renew: Option<u64>,
+    ) -> Probe {
         let key = slot_key(id, self.slots);
         for _ in 0..MAX_CAS_ATTEMPTS {
             let (bytes, cas) = self.store.get(&key);
@@ -305,7 +387,23 @@ impl Table<'_> {
             else {
                 return Probe::Absent;
             };
+            if lease
+                && !entry.lease_pays(cost, now_ns)
+                && entry.next_held(now_ns)
+                && entry.next_tokens >= cost
+            {
+                entry.promote_next();
+            }
             if lease && entry.lease_pays(cost, now_ns) {
+                if let Some(until) = renew.filter(|_| entry.renewal_due(cost, now_ns)) {
+                    let previous = entry.previous();
+                    entry.renewing_until_ns = until;
+                    match self.store.set(&key, &entry.encode(), cas) {
+                        Ok(()) => return Probe::Renew { previous },
+                        Err(StoreError::CasMismatch) => continue,
+                        Err(StoreError::Failed) => return Probe::Miss,
+                    }
+                }
                 entry.lease_tokens -= cost;
                 match self.store.set(&key, &entry.encode(), cas) {
                     Ok(()) => {
@@ -344,34 +442,38 @@ impl Table<'_> {
     }
 
     /// Starts an ask for a new lease of `id` unless one is in flight: marks the entry until
-    /// `renewing_until_ns`, stops the current lease and returns its leftover (lease id, tokens)
-    /// to give back, and the size of the previous grant and when it was asked (to size the ask).
+    /// `renewing_until_ns`, stops the current lease (and a next one that could not pay) and
+    /// returns their leftovers (lease id, tokens) to give back, and the size of the previous
+    /// grant and when it was asked (to size the ask).
     pub fn begin_lease(&self, id: &str, now_ns: u64, renewing_until_ns: u64) -> Option<LeaseStart> {
         self.update(id, |e| {
             if e.renewing_until_ns > now_ns {
                 return None;
             }
             e.renewing_until_ns = renewing_until_ns;
-            let leftover = (e.lease_until_ns > now_ns && e.lease_tokens > 0 && e.lease_id != 0)
-                .then_some((e.lease_id, e.lease_tokens));
+            let mut give_back = Vec::new();
+            if e.lease_until_ns > now_ns && e.lease_tokens > 0 && e.lease_id != 0 {
+                give_back.push((e.lease_id, e.lease_tokens));
+            }
+            if e.next_held(now_ns) && e.next_id != 0 {
+                give_back.push((e.next_id, e.next_tokens));
+            }
             let start = LeaseStart {
-                give_back: leftover,
-                previous: (e.lease_granted > 0).then(|| PreviousLease {
-                    granted: e.lease_granted,
-                    used: e.lease_granted - e.lease_tokens.min(e.lease_granted),
-                    asked_ns: e.lease_granted_ns,
-                }),
+                give_back,
+                previous: e.previous(),
             };
             e.lease_tokens = 0;
+            e.clear_next();
             Some(start)
         })
     }
 
-    /// Records what the sidecar answered for a decision of `id` costing `cost`, asked at
-    /// `dispatched_ns`: `lease` is (lease id, granted tokens, ttl) when the decision asked for one.
-    /// An admission of a bucket this Envoy holds nothing about writes nothing: only
-    /// rejections and leases are worth a slot.
-    pub fn learn(&self, id: &str, learned: &Learned, dispatched_ns: u64) {
+    /// Records what the sidecar answered at `now_ns` for a decision of `id` costing `cost`,
+    /// asked at `dispatched_ns`: `lease` is (lease id, granted tokens, ttl) when the decision
+    /// asked for one. A lease granted while the one in use still holds tokens (an early
+    /// renewal) waits as the next one. An admission of a bucket this Envoy holds nothing about
+    /// writes nothing: only rejections and leases are worth a slot.
+    pub fn learn(&self, id: &str, learned: &Learned, dispatched_ns: u64, now_ns: u64) {
         let worth_a_slot =
             matches!(learned.outcome, Outcome::Rejected { .. }) || learned.asked_lease.is_some();
         self.update_found(id, |e, existed| {
@@ -404,13 +506,18 @@ impl Table<'_> {
             }
             if let Some((lease_id, ttl_ms)) = learned.asked_lease {
                 e.renewing_until_ns = 0;
-                if learned.leased > 0 {
+                let until_ns = dispatched_ns.saturating_add(ttl_ms.saturating_mul(1_000_000));
+                if learned.leased > 0 && e.lease_until_ns > now_ns && e.lease_tokens > 0 {
+                    e.next_id = lease_id;
+                    e.next_tokens = learned.leased;
+                    e.next_until_ns = until_ns;
+                    e.next_granted_ns = dispatched_ns;
+                } else if learned.leased > 0 {
                     e.lease_id = lease_id;
                     e.lease_tokens = learned.leased;
                     e.lease_granted = learned.leased;
                     e.lease_granted_ns = dispatched_ns;
-                    e.lease_until_ns =
-                        dispatched_ns.saturating_add(ttl_ms.saturating_mul(1_000_000));
+                    e.lease_until_ns = until_ns;
                 }
             }
             (*e != before).then_some(())
@@ -433,6 +540,9 @@ pub enum Probe {
         tokens_left: u64,
         limit: Option<KnownLimit>,
     },
+    /// The lease could pay but is running low: the request takes the remote path and asks for
+    /// the next lease (sized from `previous`); the entry is marked renewing.
+    Renew { previous: Option<PreviousLease> },
     /// Nothing local decides: the request goes to the sidecar.
     Miss,
     /// As `Miss`, and the table held no entry of this bucket (so an admission has nothing to
@@ -441,10 +551,10 @@ pub enum Probe {
 }
 
 /// What starting a lease ask found.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LeaseStart {
-    /// The stopped lease's leftover to give back: (lease id, tokens).
-    pub give_back: Option<(u64, u64)>,
+    /// The stopped leases' leftovers to give back: (lease id, tokens).
+    pub give_back: Vec<(u64, u64)>,
     pub previous: Option<PreviousLease>,
 }
 
@@ -629,7 +739,7 @@ mod tests {
             asked_lease: None,
             leased: 0,
         };
-        t.learn("b", &learned, 10 * S);
+        t.learn("b", &learned, 10 * S, 10 * S);
         let e = t.get("b").unwrap();
         // Dispatched at 10 s, wait 1.5 s: known until 11.5 s, for costs of 2 or more.
         assert_eq!(e.rejection(2, 11 * S), Some((Why::Insufficient, S / 2)));
@@ -648,6 +758,7 @@ mod tests {
                 ..learned
             },
             11 * S,
+            11 * S,
         );
         assert_eq!(t.get("b").unwrap().rejection(2, 11 * S), None);
     }
@@ -660,7 +771,7 @@ mod tests {
             slots: 64,
         };
         let start = t.begin_lease("h", 0, S).unwrap();
-        assert_eq!(start.give_back, None);
+        assert_eq!(start.give_back, vec![]);
         assert!(t.begin_lease("h", 1, S).is_none(), "one ask in flight");
         t.learn(
             "h",
@@ -671,6 +782,7 @@ mod tests {
                 asked_lease: Some((77, 1000)),
                 leased: 3,
             },
+            0,
             0,
         );
         assert_eq!(take(&t, "h", 2, S / 2), Some(77));
@@ -691,7 +803,7 @@ mod tests {
         );
         // The next ask stops this lease and hands its leftover back.
         let start = t.begin_lease("h", S / 2, S).unwrap();
-        assert_eq!(start.give_back, Some((77, 1)));
+        assert_eq!(start.give_back, vec![(77, 1)]);
         assert_eq!(
             start.previous,
             Some(PreviousLease {
@@ -703,9 +815,131 @@ mod tests {
         assert_eq!(take(&t, "h", 1, S / 2), None, "stopped");
     }
 
+    #[test]
+    fn a_lease_running_low_asks_for_the_next_one_which_takes_over_when_it_cannot_pay() {
+        let m = Memory::default();
+        let t = Table {
+            store: &m,
+            slots: 64,
+        };
+        let grant = |id: u64, tokens: u64, at: u64, now: u64| {
+            t.learn(
+                "h",
+                &Learned {
+                    cost: 1,
+                    limit: Some(limit()),
+                    outcome: Outcome::Admitted,
+                    asked_lease: Some((id, 1000)),
+                    leased: tokens,
+                },
+                at,
+                now,
+            )
+        };
+        grant(77, 8, 0, 0);
+        // Without `renew` (a bucket not busy enough) the lease is simply spent.
+        assert_eq!(t.probe("h", 1, 1, true, true, None), t_taken(77, 7));
+        // Paying down to 2 of 8 keeps at least a quarter; the request that would leave 1 asks.
+        for left in (2..7).rev() {
+            assert_eq!(t.probe("h", 1, 1, true, true, Some(S)), t_taken(77, left));
+        }
+        assert_eq!(
+            t.probe("h", 1, 1, true, true, Some(S)),
+            Probe::Renew {
+                previous: Some(PreviousLease {
+                    granted: 8,
+                    used: 6,
+                    asked_ns: 0
+                })
+            }
+        );
+        let e = t.get("h").unwrap();
+        assert_eq!(
+            (e.lease_tokens, e.renewing_until_ns),
+            (2, S),
+            "nothing taken, marked"
+        );
+        // One ask in flight: the others keep paying from the lease in use.
+        assert_eq!(t.probe("h", 1, 2, true, true, Some(S)), t_taken(77, 1));
+        // The next lease arrives while the one in use still holds a token: it waits.
+        grant(78, 10, 2, 3);
+        let e = t.get("h").unwrap();
+        assert_eq!(
+            (e.lease_id, e.lease_tokens, e.next_id, e.next_tokens),
+            (77, 1, 78, 10)
+        );
+        assert_eq!(e.renewing_until_ns, 0);
+        assert_eq!(t.probe("h", 1, 4, true, true, Some(S)), t_taken(77, 0));
+        // The one in use is spent: the next one takes over, sized from its own grant.
+        assert_eq!(t.probe("h", 1, 5, true, true, Some(S)), t_taken(78, 9));
+        let e = t.get("h").unwrap();
+        assert_eq!((e.lease_granted, e.lease_granted_ns, e.next_id), (10, 2, 0));
+        // A next lease never pays past its own end (1 s after its ask).
+        grant(79, 4, 3, 6);
+        assert_eq!(t.get("h").unwrap().next_id, 79);
+        assert!(!matches!(
+            t.probe("h", 10, S + 3, true, true, None),
+            Probe::Taken { .. }
+        ));
+        // A lease granted when the one in use is spent is used at once.
+        t.begin_lease("h", S + 4, 2 * S);
+        grant(80, 5, S + 4, S + 5);
+        let e = t.get("h").unwrap();
+        assert_eq!((e.lease_id, e.lease_tokens, e.next_id), (80, 5, 0));
+        // In the first three quarters of its time a full lease just pays; in the last quarter it
+        // asks for the next one, however much it holds.
+        let at = S + 4 + S * 7 / 10;
+        assert_eq!(t.probe("h", 1, at, true, true, Some(3 * S)), t_taken(80, 4));
+        assert!(matches!(
+            t.probe("h", 1, S + 4 + S * 8 / 10, true, true, Some(3 * S)),
+            Probe::Renew { .. }
+        ));
+    }
+
+    #[test]
+    fn a_new_ask_gives_back_the_lease_in_use_and_a_next_one_that_could_not_pay() {
+        let m = Memory::default();
+        let t = Table {
+            store: &m,
+            slots: 64,
+        };
+        let grant = |id: u64, tokens: u64| {
+            t.learn(
+                "h",
+                &Learned {
+                    cost: 1,
+                    limit: None,
+                    outcome: Outcome::Admitted,
+                    asked_lease: Some((id, 1000)),
+                    leased: tokens,
+                },
+                0,
+                0,
+            )
+        };
+        grant(1, 4);
+        grant(2, 2);
+        let e = t.get("h").unwrap();
+        assert_eq!((e.lease_tokens, e.next_tokens), (4, 2));
+        // A request costing 5: neither lease pays it; its ask hands both leftovers back.
+        assert_eq!(t.probe("h", 5, 1, true, true, Some(S)), Probe::Miss);
+        let start = t.begin_lease("h", 1, S).unwrap();
+        assert_eq!(start.give_back, vec![(1, 4), (2, 2)]);
+        let e = t.get("h").unwrap();
+        assert_eq!((e.lease_tokens, e.next_tokens, e.next_id), (0, 0, 0));
+    }
+
+    fn t_taken(lease_id: u64, tokens_left: u64) -> Probe {
+        Probe::Taken {
+            lease_id,
+            tokens_left,
+            limit: Some(limit()),
+        }
+    }
+
     /// The lease id `probe` took `cost` from.
     fn take(t: &Table<'_>, id: &str, cost: u64, now_ns: u64) -> Option<u64> {
-        match t.probe(id, cost, now_ns, true, true) {
+        match t.probe(id, cost, now_ns, true, true, None) {
             Probe::Taken { lease_id, .. } => Some(lease_id),
             _ => None,
         }
@@ -729,6 +963,7 @@ mod tests {
                 leased: 2,
             },
             0,
+            0,
         );
         let rejected = Learned {
             cost: 1,
@@ -740,9 +975,9 @@ mod tests {
             asked_lease: None,
             leased: 0,
         };
-        t.learn("h", &rejected, 0);
+        t.learn("h", &rejected, 0, 0);
         assert_eq!(
-            t.probe("h", 1, 1, true, true),
+            t.probe("h", 1, 1, true, true, None),
             Probe::Taken {
                 lease_id: 7,
                 tokens_left: 1,
@@ -751,11 +986,11 @@ mod tests {
         );
         assert_eq!(take(&t, "h", 1, 1), Some(7));
         assert!(
-            matches!(t.probe("h", 1, 1, true, true), Probe::Rejected { why: Why::Insufficient, left_ns, .. } if left_ns == 500_000_000 - 1),
+            matches!(t.probe("h", 1, 1, true, true, None), Probe::Rejected { why: Why::Insufficient, left_ns, .. } if left_ns == 500_000_000 - 1),
             "the lease is spent: the rejection answers"
         );
         assert_eq!(
-            t.probe("h", 1, 1, false, true),
+            t.probe("h", 1, 1, false, true, None),
             Probe::Miss,
             "rejections off"
         );
@@ -775,9 +1010,9 @@ mod tests {
             asked_lease: None,
             leased: 0,
         };
-        t.learn("quiet", &admitted, 0);
+        t.learn("quiet", &admitted, 0, 0);
         assert!(t.get("quiet").is_none());
-        assert_eq!(t.probe("quiet", 1, 0, true, true), Probe::Absent);
+        assert_eq!(t.probe("quiet", 1, 0, true, true, None), Probe::Absent);
         // Once known (a rejection), an admission clears it.
         t.learn(
             "quiet",
@@ -789,9 +1024,10 @@ mod tests {
                 ..admitted.clone()
             },
             0,
+            0,
         );
         assert!(t.get("quiet").is_some());
-        t.learn("quiet", &admitted, 1);
+        t.learn("quiet", &admitted, 1, 1);
         assert_eq!(t.get("quiet").unwrap().reject_until_ns, 0);
     }
 
@@ -812,6 +1048,7 @@ mod tests {
                 asked_lease: Some((1, 1000)),
                 leased: 10,
             },
+            0,
             0,
         );
         assert!(t.get("a").is_some());

@@ -43,7 +43,7 @@ use ratelimit_wire::{
 
 use crate::config::Config;
 use crate::emergency::{self, Bucket, SharedStore, StoreError};
-use crate::fastpath::{self, Hotness, KnownLimit, Learned, Outcome, Probe, Table, Why};
+use crate::fastpath::{self, Hotness, KnownLimit, Learned, LeaseStart, Outcome, Probe, Table, Why};
 use crate::identity::{self, Facts, ROUTE_NAME_PROPERTY, SOURCE_ADDRESS_PROPERTY};
 use crate::rules::{self, Planned, RequestFacts};
 use crate::verdict::{
@@ -629,6 +629,7 @@ fn conclude(
         store: &HostShared,
         slots: config.fast_paths.slots,
     };
+    let now = now_ns();
     match checked {
         Ok(answer) => {
             for (k, r) in answer.results.iter().enumerate() {
@@ -685,6 +686,7 @@ fn conclude(
                             leased: if answer.allowed { r.leased } else { 0 },
                         },
                         dispatched_ns,
+                        now,
                     );
                 }
             }
@@ -727,6 +729,7 @@ fn conclude(
                             leased: 0,
                         },
                         dispatched_ns,
+                        now,
                     );
                 }
             }
@@ -988,15 +991,25 @@ impl Request {
         let mut paid: Vec<(Option<KnownLimit>, u64)> = Vec::new();
         for i in 0..w.planned.len() {
             let p = &w.planned[i];
-            let probe = if uses_table {
-                table.probe(&p.id, p.cost, now, fp.known_rejections, fp.leases.enabled)
-            } else {
-                Probe::Miss
-            };
             let rate = if fp.leases.enabled {
                 vm.borrow_mut().hotness.observe(&p.id, now)
             } else {
                 0.0
+            };
+            // A bucket busy enough for leases renews its lease before it runs out.
+            let hot = fp.leases.enabled && rate >= fp.leases.min_rate_per_sec;
+            let probe = if uses_table {
+                let renew = hot.then_some(w.deadline_ns);
+                table.probe(
+                    &p.id,
+                    p.cost,
+                    now,
+                    fp.known_rejections,
+                    fp.leases.enabled,
+                    renew,
+                )
+            } else {
+                Probe::Miss
             };
             let absent = probe == Probe::Absent;
             match probe {
@@ -1027,32 +1040,39 @@ impl Request {
                     paid.push((limit, tokens_left));
                     continue;
                 }
-                Probe::Miss | Probe::Absent => {}
+                Probe::Renew { .. } | Probe::Miss | Probe::Absent => {}
             }
-            // The remote path; a busy bucket asks for a lease on the way.
+            // The remote path; a busy bucket asks for a lease on the way: the next one while the
+            // lease in use still pays (the probe marked the ask), or a new one in its place.
+            let start = match probe {
+                Probe::Renew { previous } => Some(LeaseStart {
+                    give_back: Vec::new(),
+                    previous,
+                }),
+                _ if hot => table.begin_lease(&p.id, now, w.deadline_ns),
+                _ => None,
+            };
             let mut ask = None;
-            if fp.leases.enabled && rate >= fp.leases.min_rate_per_sec {
+            if let Some(start) = start {
                 let ttl_ms = fp.leases.ttl_ms;
-                if let Some(start) = table.begin_lease(&p.id, now, w.deadline_ns) {
-                    let id = vm.borrow_mut().lease_id();
-                    let tokens = fastpath::lease_size(
-                        start.previous,
-                        rate,
-                        now,
-                        ttl_ms,
-                        p.cost,
-                        fp.leases.max_tokens,
-                    );
-                    if let Some((old, tokens)) = start.give_back {
-                        w.returns.push(LeaseReturn {
-                            rule: config.rules[p.rule].name.clone(),
-                            subject: p.subject.clone(),
-                            id: old,
-                            tokens,
-                        });
-                    }
-                    ask = Some(LeaseAsk { id, tokens, ttl_ms });
+                let id = vm.borrow_mut().lease_id();
+                let tokens = fastpath::lease_size(
+                    start.previous,
+                    rate,
+                    now,
+                    ttl_ms,
+                    p.cost,
+                    fp.leases.max_tokens,
+                );
+                for (old, tokens) in start.give_back {
+                    w.returns.push(LeaseReturn {
+                        rule: config.rules[p.rule].name.clone(),
+                        subject: p.subject.clone(),
+                        id: old,
+                        tokens,
+                    });
                 }
+                ask = Some(LeaseAsk { id, tokens, ttl_ms });
             }
             w.remote.push(i);
             w.absent.push(absent);

@@ -1052,6 +1052,10 @@ fn empty_entry(id: &str) -> Vec<u8> {
         lease_granted: 0,
         lease_granted_ns: 0,
         renewing_until_ns: 0,
+        next_id: 0,
+        next_tokens: 0,
+        next_until_ns: 0,
+        next_granted_ns: 0,
     }
     .encode()
 }
@@ -1155,10 +1159,12 @@ fn entry() -> impl Strategy<Value = Entry> {
         any::<[u64; 2]>(),
         0u8..3,
         any::<[u64; 6]>(),
+        any::<[u64; 4]>(),
     )
-        .prop_map(|(id, limit, [reject_cost, reject_until_ns], why, lease)| {
+        .prop_map(|(id, limit, [reject_cost, reject_until_ns], why, lease, next)| {
             let [lease_id, lease_tokens, lease_until_ns, lease_granted, lease_granted_ns, renewing_until_ns] =
                 lease;
+            let [next_id, next_tokens, next_until_ns, next_granted_ns] = next;
             Entry {
                 id,
                 limit: limit.map(|(name, capacity, refill_per_sec)| KnownLimit {
@@ -1175,6 +1181,10 @@ fn entry() -> impl Strategy<Value = Entry> {
                 lease_granted,
                 lease_granted_ns,
                 renewing_until_ns,
+                next_id,
+                next_tokens,
+                next_until_ns,
+                next_granted_ns,
             }
         })
 }
@@ -1182,8 +1192,8 @@ fn entry() -> impl Strategy<Value = Entry> {
 /// What the fast paths might be asked with any figures an answer carries.
 #[derive(Debug, Clone)]
 enum TableOp {
-    Learn(Learned, u64),
-    Probe(u64, u64, bool, bool),
+    Learn(Learned, u64, u64),
+    Probe(u64, u64, bool, bool, Option<u64>),
     GiveBack(u64, u64),
     Begin(u64, u64),
 }
@@ -1205,9 +1215,10 @@ fn table_op() -> impl Strategy<Value = TableOp> {
             prop::option::of(any::<(u64, u64)>()),
             any::<u64>(),
             any::<u64>(),
+            any::<u64>(),
         )
-            .prop_map(
-                |(cost, limit, outcome, asked_lease, leased, at)| TableOp::Learn(
+            .prop_map(|(cost, limit, outcome, asked_lease, leased, at, now)| {
+                TableOp::Learn(
                     Learned {
                         cost,
                         limit: limit.map(|(name, capacity, refill_per_sec)| KnownLimit {
@@ -1219,10 +1230,12 @@ fn table_op() -> impl Strategy<Value = TableOp> {
                         asked_lease,
                         leased,
                     },
-                    at
+                    at,
+                    now,
                 )
-            ),
-        any::<(u64, u64, bool, bool)>().prop_map(|(c, n, r, l)| TableOp::Probe(c, n, r, l)),
+            }),
+        any::<(u64, u64, bool, bool, Option<u64>)>()
+            .prop_map(|(c, n, r, l, renew)| TableOp::Probe(c, n, r, l, renew)),
         any::<(u64, u64)>().prop_map(|(l, c)| TableOp::GiveBack(l, c)),
         any::<(u64, u64)>().prop_map(|(n, u)| TableOp::Begin(n, u)),
     ]
@@ -1300,10 +1313,18 @@ fn fuzz_fastpath() {
             };
             for op in &ops {
                 match op {
-                    TableOp::Learn(l, at) => table.learn(id, l, *at),
-                    TableOp::Probe(cost, now, rejections, lease) => {
-                        let before = table.get(id).map_or(0, |e| e.lease_tokens);
-                        match table.probe(id, *cost, *now, *rejections, *lease) {
+                    TableOp::Learn(l, at, now) => table.learn(id, l, *at, *now),
+                    TableOp::Probe(cost, now, rejections, lease, renew) => {
+                        // The lease that pays: the one in use, else the next one taking over.
+                        let held = table.get(id);
+                        let before = held.as_ref().map_or(0, |e| {
+                            if e.lease_pays(*cost, *now) {
+                                e.lease_tokens
+                            } else {
+                                e.next_tokens
+                            }
+                        });
+                        match table.probe(id, *cost, *now, *rejections, *lease, *renew) {
                             Probe::Taken {
                                 tokens_left, limit, ..
                             } => {
@@ -1322,6 +1343,20 @@ fn fuzz_fastpath() {
                             Probe::Rejected { left_ns, limit, .. } => {
                                 prop_assert!(*rejections && left_ns > 0);
                                 prop_assert!(limit.is_none_or(|l| verdict::is_limit_name(&l.name)));
+                            }
+                            Probe::Renew { .. } => {
+                                prop_assert!(*lease && renew.is_some(), "a renewal not asked for");
+                                let after = table.get(id);
+                                prop_assert_eq!(
+                                    after.as_ref().map(|e| e.lease_tokens),
+                                    held.as_ref().map(|_| before),
+                                    "a renewal took tokens"
+                                );
+                                prop_assert_eq!(
+                                    after.map(|e| e.renewing_until_ns),
+                                    *renew,
+                                    "a renewal not marked"
+                                );
                             }
                             Probe::Miss | Probe::Absent => {}
                         }

@@ -2,7 +2,8 @@
 //! its own), for the "uncertain result" faults: Redis applies a script call, and its reply never
 //! reaches the caller.
 //!
-//! Every byte is forwarded both ways until the proxy is armed with [`FaultProxy::lose_replies`].
+//! Every byte is forwarded both ways (Redis's answers after [`FaultProxy::delay_replies`], if set)
+//! until the proxy is armed with [`FaultProxy::lose_replies`].
 //! Then the next script call (a command whose name is `EVALSHA` or `EVAL`) is forwarded to Redis
 //! as usual, but what Redis answers on that connection is thrown away and the connection is closed
 //! both ways as soon as that answer arrives: the script ran to completion (its reply exists), the
@@ -26,6 +27,8 @@ struct Counters {
     lost: AtomicU64,
     /// Connections accepted.
     connections: AtomicU64,
+    /// How long each chunk of Redis's answers is held before it is forwarded, in ms.
+    delay_ms: AtomicU64,
 }
 
 /// The proxy: listens on `127.0.0.1:<port>`, forwards to `127.0.0.1:<upstream>`; stops on drop.
@@ -84,6 +87,12 @@ impl FaultProxy {
     /// once Redis has answered).
     pub fn lose_replies(&self, n: u64) {
         self.counters.armed.fetch_add(n, Ordering::SeqCst);
+    }
+
+    /// Holds every chunk of Redis's answers `ms` milliseconds before forwarding it (a slow
+    /// link or a slow Redis, as the sidecar sees it); 0 forwards at once.
+    pub fn delay_replies(&self, ms: u64) {
+        self.counters.delay_ms.store(ms, Ordering::SeqCst);
     }
 
     /// Script calls still armed (not yet seen).
@@ -169,6 +178,10 @@ async fn relay(client: TcpStream, upstream_port: u16, counters: Arc<Counters>) {
                     // connection dies.
                     counters.lost.fetch_add(1, Ordering::SeqCst);
                     return;
+                }
+                let delay = counters.delay_ms.load(Ordering::SeqCst);
+                if delay > 0 {
+                    tokio::time::sleep(std::time::Duration::from_millis(delay)).await;
                 }
                 if client_tx.write_all(&buf[..n]).await.is_err() {
                     return;

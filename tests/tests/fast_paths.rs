@@ -6,7 +6,7 @@
 use std::time::{Duration, Instant};
 
 use ratelimit_e2e::scenario::{burst_to, count, get, plugin_with_rules};
-use ratelimit_e2e::{http, Envoy, EnvoyConfig, Redis, Sidecar, Upstream};
+use ratelimit_e2e::{http, Envoy, EnvoyConfig, FaultProxy, Redis, Sidecar, Upstream};
 use serde_json::json;
 
 /// One Envoy (2 workers) with its own sidecar, both on the shared Redis.
@@ -85,6 +85,55 @@ fn two_envoys_with_leases_and_known_rejections_never_admit_more_than_the_bucket(
         })
         .sum();
     assert!(fast > 0, "the fast paths were not exercised");
+}
+
+#[test]
+fn a_busy_key_renews_its_lease_before_it_runs_out() {
+    let redis = Redis::start();
+    let upstream = Upstream::start();
+    // Every decision takes 20 ms more (Redis's answers held back on their way to the sidecar):
+    // a renewal asked only once the lease has run out would make every caller wait for it.
+    let proxy = FaultProxy::start(redis.port);
+    let policy = "rules:\n  hot: {capacity: 1000000000, refill_per_sec: 1000000}\n";
+    let sidecar = Sidecar::with_policy(&proxy.url(), policy, &["--redis-timeout-ms", "500"]);
+    let plugin = plugin_with_rules(json!([
+        {"name": "hot", "match": {"path_prefix": "/"}, "subject": [], "on_error": "deny"}
+    ]));
+    let config = EnvoyConfig::shipped("envoy.yaml", sidecar.port, upstream.port)
+        .plugin(&plugin.to_string())
+        .concurrency(2);
+    let g = &Gateway {
+        envoy: Envoy::start(&config),
+        sidecar,
+    };
+    proxy.delay_replies(20);
+    let url = g.envoy.url("/x");
+    // Warm up: the bucket becomes busy and gets its first lease.
+    let warm = burst_to(&[url.as_str()], &[], 1000, 16);
+    assert_eq!(count(&warm, 200), 1000);
+    let remote = |g: &Gateway| {
+        g.envoy.counter("ratelimit.admitted") - g.envoy.counter("ratelimit.lease_admitted")
+    };
+    let (remote_before, callouts_before) = (remote(g), g.envoy.counter("ratelimit.callouts"));
+    let answers = burst_to(&[url.as_str()], &[], 5000, 16);
+    assert_eq!(count(&answers, 200), 5000);
+    let remote = remote(g) - remote_before;
+    let callouts = g.envoy.counter("ratelimit.callouts") - callouts_before;
+    let granted = g
+        .sidecar
+        .metric("ratelimit_lease_tokens_total{result=\"granted\"}");
+    println!(
+        "5000 requests of a busy key with 16 callers: {remote} took the remote path in {callouts} callouts, {granted} tokens granted in all"
+    );
+    assert!(callouts >= 1, "no lease was renewed in 5000 requests");
+    // The next lease is asked for while the one in use still pays (below a quarter of its
+    // grant): only the request that asks waits for it, the other callers keep being admitted
+    // from the lease. Renewing only when the lease ran out made every caller wait: about 16
+    // remote requests per callout.
+    assert!(
+        remote <= 2 * callouts,
+        "{remote} remote requests in {callouts} callouts: the lease ran out before its renewal"
+    );
 }
 
 #[test]

@@ -559,9 +559,10 @@ fn shared_budget(a: &Args) -> Vec<Row> {
     let t = f.span.as_secs_f64();
     let bound = capacity + refill * t;
     let over = (f.admitted as f64 - bound.floor()).max(0.0);
-    // A lease is at most --lease-max-share (10%) of the capacity; each gateway may end holding one.
+    // A lease is at most --lease-max-share (10%) of the capacity; each gateway may end holding two
+    // (the one in use and the next).
     let lease = (0.1 * capacity).floor();
-    let lower = capacity + refill * t - gateways as f64 * lease - f.errors as f64;
+    let lower = capacity + refill * t - gateways as f64 * 2.0 * lease - f.errors as f64;
     let er: Vec<&Envoy> = envoys.iter().collect();
     let leased = counters(&er, "ratelimit.lease_admitted");
     let known = counters(&er, "ratelimit.known_rejections");
@@ -581,7 +582,7 @@ fn shared_budget(a: &Args) -> Vec<Row> {
         errors: format!("{} ({callouts} callouts)", errors_by_kind(&samples)),
         recovery: String::new(),
         check: format!(
-            "admitted ≤ {bound:.0} {}; ≥ C + r·T − N·lease − errors = {lower:.0} {}; upstream saw {} {}",
+            "admitted ≤ {bound:.0} {}; ≥ C + r·T − 2N·L − errors = {lower:.0} {}; upstream saw {} {}",
             mark(f.admitted as f64 <= bound.floor()),
             mark(f.admitted as f64 >= lower.floor()),
             upstream.hits(),
