@@ -26,7 +26,7 @@
 //! which the previous lease was used (the first time: this worker's observed rate); the sidecar
 //! grants at most `--lease-max-share` of the capacity and at most what the bucket holds after the
 //! cost. Renewal: the request that would leave the lease below a quarter of its grant, or that
-//! comes in the last quarter of its time, asks for the next one instead of paying from it; the
+//! comes in the last tenth of its time, asks for the next one instead of paying from it; the
 //! next lease waits in the entry and takes over when the one in use cannot pay, so a busy
 //! bucket's callers do not wait for renewals. Recovery: when neither lease can pay, the next ask
 //! of that bucket gives both leftovers back (`returns` in the same callout); a lease nobody renews
@@ -252,14 +252,15 @@ impl Entry {
 
     /// Whether the lease in use (which can pay `cost`) is running low, with no next lease held
     /// and no ask in flight: time to ask for the next one while this one still pays. Low: paying
-    /// `cost` would leave less than a quarter of its grant, or less than a quarter of its time
-    /// is left.
+    /// `cost` would leave less than a quarter of its grant, or less than a tenth of its time is
+    /// left (a lease used more slowly than it was sized for: its successor, whose time starts
+    /// when it is asked for, should not wait long unused).
     fn renewal_due(&self, cost: u64, now_ns: u64) -> bool {
         let ttl_ns = self.lease_until_ns.saturating_sub(self.lease_granted_ns);
         self.renewing_until_ns <= now_ns
             && !self.next_held(now_ns)
             && ((self.lease_tokens - cost).saturating_mul(4) < self.lease_granted
-                || (self.lease_until_ns - now_ns).saturating_mul(4) < ttl_ns)
+                || (self.lease_until_ns - now_ns).saturating_mul(10) < ttl_ns)
     }
 
     /// The lease in use, to size the next ask by.
@@ -364,7 +365,7 @@ impl Table<'_> {
     ///
     /// Early renewal: with `renew` (the bucket is busy enough for leases; the time until which
     /// an ask may be in flight), a request that would leave the lease below a quarter of its
-    /// grant, or that comes in the last quarter of the lease's time, is not paid from it: it
+    /// grant, or that comes in the last tenth of the lease's time, is not paid from it: it
     /// marks the entry renewing and takes the remote path
     /// ([`Probe::Renew`]), asking for the next lease while this one keeps paying the others.
     /// When the lease in use cannot pay, a next lease that holds tokens takes over.
@@ -886,12 +887,12 @@ mod tests {
         grant(80, 5, S + 4, S + 5);
         let e = t.get("h").unwrap();
         assert_eq!((e.lease_id, e.lease_tokens, e.next_id), (80, 5, 0));
-        // In the first three quarters of its time a full lease just pays; in the last quarter it
-        // asks for the next one, however much it holds.
-        let at = S + 4 + S * 7 / 10;
+        // In the first nine tenths of its time a full lease just pays; in the last tenth it asks
+        // for the next one, however much it holds.
+        let at = S + 4 + S * 85 / 100;
         assert_eq!(t.probe("h", 1, at, true, true, Some(3 * S)), t_taken(80, 4));
         assert!(matches!(
-            t.probe("h", 1, S + 4 + S * 8 / 10, true, true, Some(3 * S)),
+            t.probe("h", 1, S + 4 + S * 95 / 100, true, true, Some(3 * S)),
             Probe::Renew { .. }
         ));
     }

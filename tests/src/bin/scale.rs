@@ -1908,16 +1908,18 @@ const LEASE_TTL_S: f64 = 1.0;
 const LEASE_MAX_TOKENS: f64 = 1000.0;
 
 /// Renewals per second of a lease on a bucket seen at `r` requests/s at one gateway: the lease
-/// holds `L = min(max_tokens, ceil(1.25 r ttl))` tokens and is renewed when it runs out or
-/// expires, so `max(r / L, 1 / ttl)` times a second.
+/// holds `L = min(max_tokens, ceil(1.25 r ttl))` tokens and the next one is asked for when it
+/// runs low (a quarter of its tokens left, taken over when spent) or in the last tenth of its
+/// time, so `max(r / L, 1 / (0.9 ttl))` times a second.
 fn lease_renewals(r: f64) -> f64 {
     let lease = (r * LEASE_TTL_S * 1.25).ceil().clamp(1.0, LEASE_MAX_TOKENS);
-    (r / lease).max(1.0 / LEASE_TTL_S)
+    (r / lease).max(1.0 / (0.9 * LEASE_TTL_S))
 }
 
 /// The share of a bucket's requests at one gateway that reach Redis, at `r` requests/s there:
-/// 1 below the busy threshold; else each renewal is one decision, and the requests that arrive
-/// while it is in flight (`r x t_ask`) are decided remotely too:
+/// 1 below the busy threshold; else each renewal is one decision, and the requests that find no
+/// lease while it is in flight (`r x t_ask`, `t_ask` the part of the ask they wait for: near 0
+/// when the next lease is asked for early) are decided remotely too:
 /// `reach(r) = renewals(r) x (1 + r x t_ask) / r`, at most 1.
 fn lease_reach(r: f64, t_ask_s: f64) -> f64 {
     if r < LEASE_MIN_RATE {
@@ -2087,7 +2089,7 @@ fn print_model(args: &Args, keys: &Keyspace, p1: Option<&Part1>, p2: Option<&Par
         None => (0.002, "assumed (part 2 did not run)".to_string()),
     };
     println!(
-        "  t_ask     = {:.2} ms: how long a lease renewal is in flight ({t_ask_from})",
+        "  t_ask     = {:.2} ms: how long requests wait for a lease renewal ({t_ask_from})",
         t_ask * 1e3
     );
     println!("formula (redo it with your own figures):");
@@ -2101,7 +2103,7 @@ fn print_model(args: &Args, keys: &Keyspace, p1: Option<&Part1>, p2: Option<&Par
         "  with leases, a key seen at r requests/s per gateway (G = {} gateways) sends r x reach(r) to Redis:",
         args.gateways
     );
-    println!("              reach(r) = renewals(r) x (1 + r x t_ask) / r for r >= 50/s, else 1, where renewals(r) = max(r / min(1000, ceil(1.25 r x 1 s)), 1/s)");
+    println!("              reach(r) = renewals(r) x (1 + r x t_ask) / r for r >= 50/s, else 1, where renewals(r) = max(r / min(1000, ceil(1.25 r x 1 s)), 1/(0.9 s))");
     println!("              (the filter's lease defaults: busy from 50/s, 1 s leases of at most 1000 tokens)");
     println!(
         "{:<40} {:>12} {:>9} {:>9} {:>9} {:>9} {:>9} {:>8}",
