@@ -186,6 +186,9 @@ struct Waiting {
     absent: Vec<bool>,
     /// The lease asks of the remote decisions (same order).
     asks: Vec<Option<LeaseAsk>>,
+    /// Per remote decision: it asks for the next lease although the one in use could pay it
+    /// (an early renewal); if the sidecar cannot answer, the lease still pays it.
+    renewals: Vec<bool>,
     /// Decisions admitted from leases: (index into `planned`, lease id), to give back if the
     /// request is rejected.
     taken: Vec<(usize, u64)>,
@@ -580,7 +583,7 @@ fn settle_waiting(
     dispatched_ns: u64,
     switch: bool,
 ) {
-    let (plugin, w) = {
+    let (plugin, mut w) = {
         let mut v = vm.borrow_mut();
         let plugin = v.plugin.clone();
         let Some(w) = v.waiting.remove(&ctx) else {
@@ -588,7 +591,7 @@ fn settle_waiting(
         };
         (plugin, w)
     };
-    let outcome = conclude(&plugin, &w, answer, dispatched_ns);
+    let outcome = conclude(&plugin, &mut w, answer, dispatched_ns);
     if switch && abi::set_effective_context(ctx).is_err() {
         // The request is gone (its client went away): nothing to answer; its leases back.
         give_back(&plugin, &w);
@@ -618,7 +621,7 @@ fn settle_waiting(
 /// paths' facts from it.
 fn conclude(
     plugin: &Plugin,
-    w: &Waiting,
+    w: &mut Waiting,
     answer: Result<RequestAnswer, LimiterError>,
     dispatched_ns: u64,
 ) -> Verdict {
@@ -690,18 +693,8 @@ fn conclude(
                     );
                 }
             }
-            let entries: Vec<Option<fastpath::Entry>> = w
-                .taken
-                .iter()
-                .map(|(i, _)| table.get(&w.planned[*i].id))
-                .collect();
-            let leased: Vec<LeasedAdmit<'_>> = entries
-                .iter()
-                .map(|e| LeasedAdmit {
-                    limit: e.as_ref().and_then(|e| e.limit.as_ref()),
-                    lease_tokens: e.as_ref().map_or(0, |e| e.lease_tokens),
-                })
-                .collect();
+            let entries = taken_entries(&table, w);
+            let leased = leased_admits(&entries);
             if answer.allowed {
                 for (i, _) in &w.taken {
                     count(m.rules[w.planned[*i].rule].admitted);
@@ -733,10 +726,52 @@ fn conclude(
                     );
                 }
             }
-            let remote: Vec<Planned> = w.remote.iter().map(|&i| w.planned[i].clone()).collect();
+            // An early renewal's request is paid from the lease in use after all, if it still
+            // can: the gateway holds those tokens whether or not the sidecar answers.
+            let mut remote: Vec<Planned> = Vec::new();
+            for (k, &i) in w.remote.iter().enumerate() {
+                let p = &w.planned[i];
+                if w.renewals.get(k) == Some(&true) {
+                    if let Probe::Taken { lease_id, .. } =
+                        table.probe(&p.id, p.cost, now, false, true, None)
+                    {
+                        w.taken.push((i, lease_id));
+                        continue;
+                    }
+                }
+                remote.push(p.clone());
+            }
+            if remote.is_empty() {
+                count_limiter_error(plugin, &e);
+                count(m.lease_admitted);
+                for (i, _) in &w.taken {
+                    count(m.rules[w.planned[*i].rule].admitted);
+                }
+                let entries = taken_entries(&table, w);
+                return verdict::from_leases(config, &leased_admits(&entries));
+            }
             on_limiter_error(plugin, &remote, e)
         }
     }
+}
+
+/// The table's entries of the buckets a request's leases paid (for its rate-limit headers).
+fn taken_entries(table: &Table<'_>, w: &Waiting) -> Vec<Option<fastpath::Entry>> {
+    w.taken
+        .iter()
+        .map(|(i, _)| table.get(&w.planned[*i].id))
+        .collect()
+}
+
+/// What those leases say about the request they paid: the limit, the tokens left.
+fn leased_admits(entries: &[Option<fastpath::Entry>]) -> Vec<LeasedAdmit<'_>> {
+    entries
+        .iter()
+        .map(|e| LeasedAdmit {
+            limit: e.as_ref().and_then(|e| e.limit.as_ref()),
+            lease_tokens: e.as_ref().map_or(0, |e| e.lease_tokens),
+        })
+        .collect()
 }
 
 /// Gives the lease takes of a request that does not pass back to their leases.
@@ -752,7 +787,7 @@ fn give_back(plugin: &Plugin, w: &Waiting) {
 }
 
 /// The verdict when the sidecar could not decide `remote`: the rules' `on_error` policies.
-fn on_limiter_error(plugin: &Plugin, remote: &[Planned], e: LimiterError) -> Verdict {
+fn count_limiter_error(plugin: &Plugin, e: &LimiterError) {
     let m = &plugin.metrics;
     if e.is_config_error() {
         count(m.config_error);
@@ -761,6 +796,11 @@ fn on_limiter_error(plugin: &Plugin, remote: &[Planned], e: LimiterError) -> Ver
         count(m.limiter_error);
         debug!("ratelimit filter: limiter error: {e}");
     }
+}
+
+fn on_limiter_error(plugin: &Plugin, remote: &[Planned], e: LimiterError) -> Verdict {
+    let m = &plugin.metrics;
+    count_limiter_error(plugin, &e);
     let config = &plugin.config;
     match verdict::on_error(config, remote) {
         FailurePlan::Deny => {
@@ -982,6 +1022,7 @@ impl Request {
             remote: Vec::new(),
             absent: Vec::new(),
             asks: Vec::new(),
+            renewals: Vec::new(),
             taken: Vec::new(),
             returns: Vec::new(),
             deadline_ns: now + config.sidecar.timeout_ms * 1_000_000,
@@ -1077,6 +1118,7 @@ impl Request {
             w.remote.push(i);
             w.absent.push(absent);
             w.asks.push(ask);
+            w.renewals.push(matches!(probe, Probe::Renew { .. }));
         }
         if w.remote.is_empty() {
             count(m.lease_admitted);

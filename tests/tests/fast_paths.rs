@@ -137,6 +137,56 @@ fn a_busy_key_renews_its_lease_before_it_runs_out() {
 }
 
 #[test]
+fn a_lease_still_pays_the_request_whose_renewal_the_sidecar_cannot_answer() {
+    let redis = Redis::start();
+    let upstream = Upstream::start();
+    let mut sidecar = Sidecar::with_policy(
+        &redis.url(),
+        "rules:\n  hot: {capacity: 1000000000, refill_per_sec: 1000000}\n",
+        &[],
+    );
+    // Small leases that last: a lease runs low (and asks for the next) after 30 requests.
+    let mut plugin = plugin_with_rules(json!([
+        {"name": "hot", "match": {"path_prefix": "/"}, "subject": [], "on_error": "deny"}
+    ]));
+    plugin["fast_paths"] = json!({"leases": {"max_tokens": 40, "ttl_ms": 60000}});
+    let config = EnvoyConfig::shipped("envoy.yaml", sidecar.port, upstream.port)
+        .plugin(&plugin.to_string())
+        .concurrency(2);
+    let envoy = Envoy::start(&config);
+    let url = envoy.url("/x");
+    let warm = burst_to(&[url.as_str()], &[], 400, 8);
+    assert_eq!(count(&warm, 200), 400);
+    assert!(envoy.counter("ratelimit.lease_admitted") > 0, "no lease");
+    let granted = sidecar.metric("ratelimit_lease_tokens_total{result=\"granted\"}") as u64;
+    sidecar.process.stop();
+    // One request at a time: the lease in use pays, including the requests that ask for the
+    // next lease (their callouts fail now), until it is spent; then the rule's on_error (deny).
+    let c = http();
+    let statuses: Vec<u16> = (0..100).map(|_| get(&c, &url, &[]).status).collect();
+    let admitted = statuses.iter().take_while(|s| **s == 200).count();
+    println!(
+        "sidecar stopped: {admitted} admitted from the lease, then {:?}",
+        &statuses[admitted..admitted + 3]
+    );
+    assert!(
+        statuses[admitted..].iter().all(|s| *s == 503),
+        "a request was denied while the lease still paid others: {statuses:?}"
+    );
+    assert!(
+        admitted <= 2 * 40,
+        "{admitted} admitted from leases of at most 40 tokens"
+    );
+    // And it pays until it is spent: every token granted to this Envoy admitted a request (with
+    // a cost of 1 and leases that outlast the test, no lease is given back or expires here).
+    let leased = envoy.counter("ratelimit.lease_admitted");
+    assert_eq!(
+        leased, granted,
+        "{leased} requests admitted from {granted} leased tokens: the rest stranded"
+    );
+}
+
+#[test]
 fn a_flood_on_an_exhausted_key_costs_no_callouts_until_its_retry_after() {
     let redis = Redis::start();
     let upstream = Upstream::start();
