@@ -250,8 +250,10 @@ impl Entry {
         self.next_granted_ns = 0;
     }
 
-    /// Whether the lease in use (which can pay `cost`) is running low, with no next lease held
-    /// and no ask in flight: time to ask for the next one while this one still pays. Low: paying
+    /// Whether the lease in use (which can pay `cost`) is running low, with no next lease held,
+    /// no ask in flight and no known rejection of `cost` (the bucket has nothing to lease: an ask
+    /// would be rejected, and the lease's last tokens would never be spent): time to ask for the
+    /// next one while this one still pays. Low: paying
     /// `cost` would leave less than a quarter of its grant, or less than a tenth of its time is
     /// left (a lease used more slowly than it was sized for: its successor, whose time starts
     /// when it is asked for, should not wait long unused).
@@ -259,6 +261,7 @@ impl Entry {
         let ttl_ns = self.lease_until_ns.saturating_sub(self.lease_granted_ns);
         self.renewing_until_ns <= now_ns
             && !self.next_held(now_ns)
+            && self.rejection(cost, now_ns).is_none()
             && ((self.lease_tokens - cost).saturating_mul(4) < self.lease_granted
                 || (self.lease_until_ns - now_ns).saturating_mul(10) < ttl_ns)
     }
@@ -894,6 +897,39 @@ mod tests {
         assert!(matches!(
             t.probe("h", 1, S + 4 + S * 95 / 100, true, true, Some(3 * S)),
             Probe::Renew { .. }
+        ));
+    }
+
+    #[test]
+    fn while_the_bucket_is_known_to_reject_a_lease_running_low_is_spent_not_renewed() {
+        let m = Memory::default();
+        let t = Table {
+            store: &m,
+            slots: 64,
+        };
+        let learned = |outcome, asked_lease, leased| Learned {
+            cost: 1,
+            limit: Some(limit()),
+            outcome,
+            asked_lease,
+            leased,
+        };
+        t.learn("h", &learned(Outcome::Admitted, Some((77, 1000)), 4), 0, 0);
+        assert_eq!(t.probe("h", 1, 1, true, true, None), t_taken(77, 3));
+        assert_eq!(t.probe("h", 1, 1, true, true, None), t_taken(77, 2));
+        // Another request was rejected: the bucket is empty for 10 s.
+        let rejected = Outcome::Rejected {
+            why: Why::Insufficient,
+            retry_after_ms: 10_000,
+        };
+        t.learn("h", &learned(rejected, None, 0), 1, 1);
+        // 2 of 4 left would ask for the next lease; the ask would be rejected, so the lease pays.
+        assert_eq!(t.probe("h", 1, 2, true, true, Some(S)), t_taken(77, 1));
+        assert_eq!(t.probe("h", 1, 2, true, true, Some(S)), t_taken(77, 0));
+        // Spent: the known rejection answers.
+        assert!(matches!(
+            t.probe("h", 1, 2, true, true, Some(S)),
+            Probe::Rejected { .. }
         ));
     }
 
