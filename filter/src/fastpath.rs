@@ -822,24 +822,8 @@ mod tests {
     #[test]
     fn a_lease_running_low_asks_for_the_next_one_which_takes_over_when_it_cannot_pay() {
         let m = Memory::default();
-        let t = Table {
-            store: &m,
-            slots: 64,
-        };
-        let grant = |id: u64, tokens: u64, at: u64, now: u64| {
-            t.learn(
-                "h",
-                &Learned {
-                    cost: 1,
-                    limit: Some(limit()),
-                    outcome: Outcome::Admitted,
-                    asked_lease: Some((id, 1000)),
-                    leased: tokens,
-                },
-                at,
-                now,
-            )
-        };
+        let t = table(&m);
+        let grant = |id: u64, tokens: u64, at: u64, now: u64| grant(&t, id, tokens, at, now);
         grant(77, 8, 0, 0);
         // Without `renew` (a bucket not busy enough) the lease is simply spent.
         assert_eq!(t.probe("h", 1, 1, true, true, None), t_taken(77, 7));
@@ -903,26 +887,22 @@ mod tests {
     #[test]
     fn while_the_bucket_is_known_to_reject_a_lease_running_low_is_spent_not_renewed() {
         let m = Memory::default();
-        let t = Table {
-            store: &m,
-            slots: 64,
-        };
-        let learned = |outcome, asked_lease, leased| Learned {
-            cost: 1,
-            limit: Some(limit()),
-            outcome,
-            asked_lease,
-            leased,
-        };
-        t.learn("h", &learned(Outcome::Admitted, Some((77, 1000)), 4), 0, 0);
+        let t = table(&m);
+        grant(&t, 77, 4, 0, 0);
         assert_eq!(t.probe("h", 1, 1, true, true, None), t_taken(77, 3));
         assert_eq!(t.probe("h", 1, 1, true, true, None), t_taken(77, 2));
         // Another request was rejected: the bucket is empty for 10 s.
-        let rejected = Outcome::Rejected {
-            why: Why::Insufficient,
-            retry_after_ms: 10_000,
+        let rejected = Learned {
+            cost: 1,
+            limit: Some(limit()),
+            outcome: Outcome::Rejected {
+                why: Why::Insufficient,
+                retry_after_ms: 10_000,
+            },
+            asked_lease: None,
+            leased: 0,
         };
-        t.learn("h", &learned(rejected, None, 0), 1, 1);
+        t.learn("h", &rejected, 1, 1);
         // 2 of 4 left would ask for the next lease; the ask would be rejected, so the lease pays.
         assert_eq!(t.probe("h", 1, 2, true, true, Some(S)), t_taken(77, 1));
         assert_eq!(t.probe("h", 1, 2, true, true, Some(S)), t_taken(77, 0));
@@ -936,24 +916,8 @@ mod tests {
     #[test]
     fn a_new_ask_gives_back_the_lease_in_use_and_a_next_one_that_could_not_pay() {
         let m = Memory::default();
-        let t = Table {
-            store: &m,
-            slots: 64,
-        };
-        let grant = |id: u64, tokens: u64| {
-            t.learn(
-                "h",
-                &Learned {
-                    cost: 1,
-                    limit: None,
-                    outcome: Outcome::Admitted,
-                    asked_lease: Some((id, 1000)),
-                    leased: tokens,
-                },
-                0,
-                0,
-            )
-        };
+        let t = table(&m);
+        let grant = |id: u64, tokens: u64| grant(&t, id, tokens, 0, 0);
         grant(1, 4);
         grant(2, 2);
         let e = t.get("h").unwrap();
@@ -964,6 +928,29 @@ mod tests {
         assert_eq!(start.give_back, vec![(1, 4), (2, 2)]);
         let e = t.get("h").unwrap();
         assert_eq!((e.lease_tokens, e.next_tokens, e.next_id), (0, 0, 0));
+    }
+
+    fn table(m: &Memory) -> Table<'_> {
+        Table {
+            store: m,
+            slots: 64,
+        }
+    }
+
+    /// Records a lease `id` of `tokens` granted to bucket "h" (asked at `at`, answered at `now`).
+    fn grant(t: &Table<'_>, id: u64, tokens: u64, at: u64, now: u64) {
+        t.learn(
+            "h",
+            &Learned {
+                cost: 1,
+                limit: Some(limit()),
+                outcome: Outcome::Admitted,
+                asked_lease: Some((id, 1000)),
+                leased: tokens,
+            },
+            at,
+            now,
+        )
     }
 
     fn t_taken(lease_id: u64, tokens_left: u64) -> Probe {
