@@ -62,12 +62,48 @@ fn require_file(path: &Path, what: &str, var: &str) -> PathBuf {
     path.to_path_buf()
 }
 
-/// A free TCP port on 127.0.0.1 (the kernel picks it; the listener is closed before returning).
+/// Where [`free_port`] hands out ports: `FIRST_PORT .. FIRST_PORT + PORT_SPAN`, each with its
+/// Redis Cluster bus port (`+ 10000`) in the span above, both below the kernel's ephemeral range.
+const FIRST_PORT: u32 = 12000;
+const PORT_SPAN: u32 = 10000;
+
+/// A free TCP port (nothing listens on it, on any address, nor on its Redis Cluster bus port).
+///
+/// Taken from below the kernel's ephemeral range (`net.ipv4.ip_local_port_range`), so neither
+/// another process binding port 0 nor an outgoing connection can take it between this check and
+/// the caller's bind (tests run in parallel and start many servers and connections); each test
+/// process walks the span from its own starting point. Where the ephemeral range starts too low
+/// for that, the kernel picks the port (bind to port 0), as a last resort.
 pub fn free_port() -> u16 {
+    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(u32::MAX);
+    use std::sync::atomic::Ordering::Relaxed;
+    let bindable = |port: u32| TcpListener::bind(("0.0.0.0", port as u16)).is_ok();
+    if ephemeral_low() >= FIRST_PORT + 2 * PORT_SPAN {
+        let start = (std::process::id()
+            ^ std::time::UNIX_EPOCH
+                .elapsed()
+                .map_or(0, |d| d.subsec_nanos()))
+            % PORT_SPAN;
+        let _ = NEXT.compare_exchange(u32::MAX, start, Relaxed, Relaxed);
+        for _ in 0..PORT_SPAN {
+            let port = FIRST_PORT + NEXT.fetch_add(1, Relaxed) % PORT_SPAN;
+            if bindable(port) && bindable(port + PORT_SPAN) {
+                return port as u16;
+            }
+        }
+    }
     TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
         .expect("bind 127.0.0.1:0")
+}
+
+/// The first port of the kernel's ephemeral range (32768 when it cannot be read).
+fn ephemeral_low() -> u32 {
+    std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse().ok())
+        .unwrap_or(32768)
 }
 
 /// Polls `check` until it returns true or `timeout` passes. This is a readiness check, not a
@@ -461,3 +497,26 @@ pub fn signed_jwt(claims: &serde_json::Value) -> String {
 
 /// The issuer in `envoy/envoy-jwt.yaml` and in the tokens of [`signed_jwt`].
 pub const JWT_ISSUER: &str = "https://issuer.example.com";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn free_ports_are_distinct_bindable_and_outside_the_ephemeral_range() {
+        let ports: Vec<u16> = (0..50).map(|_| free_port()).collect();
+        let mut distinct = ports.clone();
+        distinct.sort_unstable();
+        distinct.dedup();
+        assert_eq!(distinct.len(), ports.len(), "{ports:?}");
+        for p in &ports {
+            let _listener = TcpListener::bind(("127.0.0.1", *p)).expect("a free port binds");
+            if ephemeral_low() >= FIRST_PORT + 2 * PORT_SPAN {
+                assert!(
+                    (FIRST_PORT..FIRST_PORT + PORT_SPAN).contains(&u32::from(*p)),
+                    "{p}"
+                );
+            }
+        }
+    }
+}
