@@ -94,22 +94,69 @@ pub struct Entry {
     pub reject_cost: u64,
     pub reject_until_ns: u64,
     pub reject_why: Why,
-    /// The lease in use: id, tokens left, usable until.
-    pub lease_id: u64,
-    pub lease_tokens: u64,
-    pub lease_until_ns: u64,
-    /// What the lease was granted, and when its ask was dispatched (to size the next one).
-    pub lease_granted: u64,
-    pub lease_granted_ns: u64,
+    /// The lease in use.
+    pub lease: Lease,
+    /// The next lease, granted while the one in use still paid (an early renewal). It takes over
+    /// when the one in use cannot pay.
+    pub next: Lease,
     /// An ask for a lease is in flight until then (0: none).
     pub renewing_until_ns: u64,
-    /// The next lease, granted while the one in use still paid (an early renewal): id, tokens,
-    /// usable until, and when its ask was dispatched. It takes over when the one in use cannot
-    /// pay.
-    pub next_id: u64,
-    pub next_tokens: u64,
-    pub next_until_ns: u64,
-    pub next_granted_ns: u64,
+}
+
+/// A lease of tokens (all zero: none).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Lease {
+    pub id: u64,
+    /// Tokens left.
+    pub tokens: u64,
+    /// Usable until then.
+    pub until_ns: u64,
+    /// What it was granted, and when its ask was dispatched (to size the next one).
+    pub granted: u64,
+    pub granted_ns: u64,
+}
+
+impl Lease {
+    /// Whether it can pay `cost` at `now_ns`.
+    pub fn pays(&self, cost: u64, now_ns: u64) -> bool {
+        self.until_ns > now_ns && self.tokens >= cost
+    }
+
+    /// Whether it holds tokens at `now_ns`.
+    fn held(&self, now_ns: u64) -> bool {
+        self.until_ns > now_ns && self.tokens > 0 && self.id != 0
+    }
+
+    /// What it was used at, to size the next ask by.
+    fn previous(&self) -> Option<PreviousLease> {
+        (self.granted > 0).then(|| PreviousLease {
+            granted: self.granted,
+            used: self.granted - self.tokens.min(self.granted),
+            asked_ns: self.granted_ns,
+        })
+    }
+
+    fn put(&self, out: &mut Vec<u8>) {
+        for v in [
+            self.id,
+            self.tokens,
+            self.until_ns,
+            self.granted,
+            self.granted_ns,
+        ] {
+            out.extend_from_slice(&v.to_le_bytes());
+        }
+    }
+
+    fn read(r: &mut Reader<'_>) -> Option<Lease> {
+        Some(Lease {
+            id: r.u64()?,
+            tokens: r.u64()?,
+            until_ns: r.u64()?,
+            granted: r.u64()?,
+            granted_ns: r.u64()?,
+        })
+    }
 }
 
 impl Entry {
@@ -120,16 +167,9 @@ impl Entry {
             reject_cost: 0,
             reject_until_ns: 0,
             reject_why: Why::Insufficient,
-            lease_id: 0,
-            lease_tokens: 0,
-            lease_until_ns: 0,
-            lease_granted: 0,
-            lease_granted_ns: 0,
+            lease: Lease::default(),
+            next: Lease::default(),
             renewing_until_ns: 0,
-            next_id: 0,
-            next_tokens: 0,
-            next_until_ns: 0,
-            next_granted_ns: 0,
         }
     }
 
@@ -154,20 +194,9 @@ impl Entry {
             Why::CostExceedsCapacity => 1,
             Why::Blocked => 2,
         });
-        for v in [
-            self.lease_id,
-            self.lease_tokens,
-            self.lease_until_ns,
-            self.lease_granted,
-            self.lease_granted_ns,
-            self.renewing_until_ns,
-            self.next_id,
-            self.next_tokens,
-            self.next_until_ns,
-            self.next_granted_ns,
-        ] {
-            out.extend_from_slice(&v.to_le_bytes());
-        }
+        self.lease.put(&mut out);
+        out.extend_from_slice(&self.renewing_until_ns.to_le_bytes());
+        self.next.put(&mut out);
         out
     }
 
@@ -203,16 +232,9 @@ impl Entry {
             2 => Why::Blocked,
             _ => return None,
         };
-        e.lease_id = r.u64()?;
-        e.lease_tokens = r.u64()?;
-        e.lease_until_ns = r.u64()?;
-        e.lease_granted = r.u64()?;
-        e.lease_granted_ns = r.u64()?;
+        e.lease = Lease::read(&mut r)?;
         e.renewing_until_ns = r.u64()?;
-        e.next_id = r.u64()?;
-        e.next_tokens = r.u64()?;
-        e.next_until_ns = r.u64()?;
-        e.next_granted_ns = r.u64()?;
+        e.next = Lease::read(&mut r)?;
         r.0.is_empty().then_some(e)
     }
 
@@ -222,57 +244,26 @@ impl Entry {
             .then(|| (self.reject_why, self.reject_until_ns - now_ns))
     }
 
-    /// Whether the lease can pay `cost` at `now_ns`.
+    /// Whether the lease in use can pay `cost` at `now_ns`.
     pub fn lease_pays(&self, cost: u64, now_ns: u64) -> bool {
-        self.lease_until_ns > now_ns && self.lease_tokens >= cost
-    }
-
-    /// Whether the next lease holds tokens at `now_ns`.
-    fn next_held(&self, now_ns: u64) -> bool {
-        self.next_until_ns > now_ns && self.next_tokens > 0
-    }
-
-    /// The next lease becomes the one in use (what is left of the one before, less than a
-    /// request's cost or past its time, stays unused: Redis's record of it expires).
-    fn promote_next(&mut self) {
-        self.lease_id = self.next_id;
-        self.lease_tokens = self.next_tokens;
-        self.lease_until_ns = self.next_until_ns;
-        self.lease_granted = self.next_tokens;
-        self.lease_granted_ns = self.next_granted_ns;
-        self.clear_next();
-    }
-
-    fn clear_next(&mut self) {
-        self.next_id = 0;
-        self.next_tokens = 0;
-        self.next_until_ns = 0;
-        self.next_granted_ns = 0;
+        self.lease.pays(cost, now_ns)
     }
 
     /// Whether the lease in use (which can pay `cost`) is running low, with no next lease held,
     /// no ask in flight and no known rejection of `cost` (the bucket has nothing to lease: an ask
     /// would be rejected, and the lease's last tokens would never be spent): time to ask for the
-    /// next one while this one still pays. Low: paying
-    /// `cost` would leave less than a quarter of its grant, or less than a tenth of its time is
-    /// left (a lease used more slowly than it was sized for: its successor, whose time starts
-    /// when it is asked for, should not wait long unused).
+    /// next one while this one still pays. Low: paying `cost` would leave less than a quarter of
+    /// its grant, or less than a tenth of its time is left (a lease used more slowly than it was
+    /// sized for: its successor, whose time starts when it is asked for, should not wait long
+    /// unused).
     fn renewal_due(&self, cost: u64, now_ns: u64) -> bool {
-        let ttl_ns = self.lease_until_ns.saturating_sub(self.lease_granted_ns);
+        let l = &self.lease;
+        let ttl_ns = l.until_ns.saturating_sub(l.granted_ns);
         self.renewing_until_ns <= now_ns
-            && !self.next_held(now_ns)
+            && !self.next.held(now_ns)
             && self.rejection(cost, now_ns).is_none()
-            && ((self.lease_tokens - cost).saturating_mul(4) < self.lease_granted
-                || (self.lease_until_ns - now_ns).saturating_mul(10) < ttl_ns)
-    }
-
-    /// The lease in use, to size the next ask by.
-    fn previous(&self) -> Option<PreviousLease> {
-        (self.lease_granted > 0).then(|| PreviousLease {
-            granted: self.lease_granted,
-            used: self.lease_granted - self.lease_tokens.min(self.lease_granted),
-            asked_ns: self.lease_granted_ns,
-        })
+            && ((l.tokens - cost).saturating_mul(4) < l.granted
+                || (l.until_ns - now_ns).saturating_mul(10) < ttl_ns)
     }
 }
 
@@ -391,16 +382,14 @@ impl Table<'_> {
             else {
                 return Probe::Absent;
             };
-            if lease
-                && !entry.lease_pays(cost, now_ns)
-                && entry.next_held(now_ns)
-                && entry.next_tokens >= cost
-            {
-                entry.promote_next();
+            // The next lease takes over when the one in use cannot pay (what is left of that
+            // one, less than the cost or past its time, stays unused: Redis's record expires).
+            if lease && !entry.lease.pays(cost, now_ns) && entry.next.pays(cost, now_ns) {
+                entry.lease = std::mem::take(&mut entry.next);
             }
             if lease && entry.lease_pays(cost, now_ns) {
                 if let Some(until) = renew.filter(|_| entry.renewal_due(cost, now_ns)) {
-                    let previous = entry.previous();
+                    let previous = entry.lease.previous();
                     entry.renewing_until_ns = until;
                     match self.store.set(&key, &entry.encode(), cas) {
                         Ok(()) => return Probe::Renew { previous },
@@ -408,12 +397,12 @@ impl Table<'_> {
                         Err(StoreError::Failed) => return Probe::Miss,
                     }
                 }
-                entry.lease_tokens -= cost;
+                entry.lease.tokens -= cost;
                 match self.store.set(&key, &entry.encode(), cas) {
                     Ok(()) => {
                         return Probe::Taken {
-                            lease_id: entry.lease_id,
-                            tokens_left: entry.lease_tokens,
+                            lease_id: entry.lease.id,
+                            tokens_left: entry.lease.tokens,
                             limit: entry.limit,
                         }
                     }
@@ -439,8 +428,8 @@ impl Table<'_> {
     /// rejected). Lost if the lease was replaced meanwhile.
     pub fn give_back(&self, id: &str, lease_id: u64, cost: u64) {
         self.update(id, |e| {
-            (e.lease_id == lease_id && lease_id != 0).then(|| {
-                e.lease_tokens = e.lease_tokens.saturating_add(cost);
+            (e.lease.id == lease_id && lease_id != 0).then(|| {
+                e.lease.tokens = e.lease.tokens.saturating_add(cost);
             })
         });
     }
@@ -455,19 +444,16 @@ impl Table<'_> {
                 return None;
             }
             e.renewing_until_ns = renewing_until_ns;
-            let mut give_back = Vec::new();
-            if e.lease_until_ns > now_ns && e.lease_tokens > 0 && e.lease_id != 0 {
-                give_back.push((e.lease_id, e.lease_tokens));
-            }
-            if e.next_held(now_ns) && e.next_id != 0 {
-                give_back.push((e.next_id, e.next_tokens));
-            }
             let start = LeaseStart {
-                give_back,
-                previous: e.previous(),
+                give_back: [e.lease, e.next]
+                    .iter()
+                    .filter(|l| l.held(now_ns))
+                    .map(|l| (l.id, l.tokens))
+                    .collect(),
+                previous: e.lease.previous(),
             };
-            e.lease_tokens = 0;
-            e.clear_next();
+            e.lease.tokens = 0;
+            e.next = Lease::default();
             Some(start)
         })
     }
@@ -510,18 +496,19 @@ impl Table<'_> {
             }
             if let Some((lease_id, ttl_ms)) = learned.asked_lease {
                 e.renewing_until_ns = 0;
-                let until_ns = dispatched_ns.saturating_add(ttl_ms.saturating_mul(1_000_000));
-                if learned.leased > 0 && e.lease_until_ns > now_ns && e.lease_tokens > 0 {
-                    e.next_id = lease_id;
-                    e.next_tokens = learned.leased;
-                    e.next_until_ns = until_ns;
-                    e.next_granted_ns = dispatched_ns;
-                } else if learned.leased > 0 {
-                    e.lease_id = lease_id;
-                    e.lease_tokens = learned.leased;
-                    e.lease_granted = learned.leased;
-                    e.lease_granted_ns = dispatched_ns;
-                    e.lease_until_ns = until_ns;
+                if learned.leased > 0 {
+                    let granted = Lease {
+                        id: lease_id,
+                        tokens: learned.leased,
+                        until_ns: dispatched_ns.saturating_add(ttl_ms.saturating_mul(1_000_000)),
+                        granted: learned.leased,
+                        granted_ns: dispatched_ns,
+                    };
+                    if e.lease.held(now_ns) {
+                        e.next = granted;
+                    } else {
+                        e.lease = granted;
+                    }
                 }
             }
             (*e != before).then_some(())
@@ -706,8 +693,8 @@ mod tests {
         e.reject_cost = 3;
         e.reject_until_ns = 9;
         e.reject_why = Why::Blocked;
-        e.lease_id = 7;
-        e.lease_tokens = 5;
+        e.lease.id = 7;
+        e.lease.tokens = 5;
         assert_eq!(Entry::decode(&e.encode()), Some(e.clone()));
         assert_eq!(Entry::decode(b""), None);
         assert_eq!(Entry::decode(&[VERSION, 200, 0]), None);
@@ -795,7 +782,7 @@ mod tests {
         assert_eq!(take(&t, "h", 3, S / 2), Some(77));
         t.give_back("h", 99, 5);
         assert_eq!(
-            t.get("h").unwrap().lease_tokens,
+            t.get("h").unwrap().lease.tokens,
             0,
             "another lease's give-back is lost"
         );
@@ -843,7 +830,7 @@ mod tests {
         );
         let e = t.get("h").unwrap();
         assert_eq!(
-            (e.lease_tokens, e.renewing_until_ns),
+            (e.lease.tokens, e.renewing_until_ns),
             (2, S),
             "nothing taken, marked"
         );
@@ -853,7 +840,7 @@ mod tests {
         grant(78, 10, 2, 3);
         let e = t.get("h").unwrap();
         assert_eq!(
-            (e.lease_id, e.lease_tokens, e.next_id, e.next_tokens),
+            (e.lease.id, e.lease.tokens, e.next.id, e.next.tokens),
             (77, 1, 78, 10)
         );
         assert_eq!(e.renewing_until_ns, 0);
@@ -861,10 +848,10 @@ mod tests {
         // The one in use is spent: the next one takes over, sized from its own grant.
         assert_eq!(t.probe("h", 1, 5, true, true, Some(S)), t_taken(78, 9));
         let e = t.get("h").unwrap();
-        assert_eq!((e.lease_granted, e.lease_granted_ns, e.next_id), (10, 2, 0));
+        assert_eq!((e.lease.granted, e.lease.granted_ns, e.next.id), (10, 2, 0));
         // A next lease never pays past its own end (1 s after its ask).
         grant(79, 4, 3, 6);
-        assert_eq!(t.get("h").unwrap().next_id, 79);
+        assert_eq!(t.get("h").unwrap().next.id, 79);
         assert!(!matches!(
             t.probe("h", 10, S + 3, true, true, None),
             Probe::Taken { .. }
@@ -873,7 +860,7 @@ mod tests {
         t.begin_lease("h", S + 4, 2 * S);
         grant(80, 5, S + 4, S + 5);
         let e = t.get("h").unwrap();
-        assert_eq!((e.lease_id, e.lease_tokens, e.next_id), (80, 5, 0));
+        assert_eq!((e.lease.id, e.lease.tokens, e.next.id), (80, 5, 0));
         // In the first nine tenths of its time a full lease just pays; in the last tenth it asks
         // for the next one, however much it holds.
         let at = S + 4 + S * 85 / 100;
@@ -921,13 +908,13 @@ mod tests {
         grant(1, 4);
         grant(2, 2);
         let e = t.get("h").unwrap();
-        assert_eq!((e.lease_tokens, e.next_tokens), (4, 2));
+        assert_eq!((e.lease.tokens, e.next.tokens), (4, 2));
         // A request costing 5: neither lease pays it; its ask hands both leftovers back.
         assert_eq!(t.probe("h", 5, 1, true, true, Some(S)), Probe::Miss);
         let start = t.begin_lease("h", 1, S).unwrap();
         assert_eq!(start.give_back, vec![(1, 4), (2, 2)]);
         let e = t.get("h").unwrap();
-        assert_eq!((e.lease_tokens, e.next_tokens, e.next_id), (0, 0, 0));
+        assert_eq!((e.lease.tokens, e.next.tokens, e.next.id), (0, 0, 0));
     }
 
     fn table(m: &Memory) -> Table<'_> {

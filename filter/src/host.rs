@@ -632,7 +632,9 @@ fn conclude(
         store: &HostShared,
         slots: config.fast_paths.slots,
     };
-    let now = now_ns();
+    // The host clock, read once and only when an answer needs it.
+    let clock = std::cell::OnceCell::new();
+    let now = || *clock.get_or_init(now_ns);
     match checked {
         Ok(answer) => {
             for (k, r) in answer.results.iter().enumerate() {
@@ -689,7 +691,7 @@ fn conclude(
                             leased: if answer.allowed { r.leased } else { 0 },
                         },
                         dispatched_ns,
-                        now,
+                        now(),
                     );
                 }
             }
@@ -722,7 +724,7 @@ fn conclude(
                             leased: 0,
                         },
                         dispatched_ns,
-                        now,
+                        now(),
                     );
                 }
             }
@@ -733,7 +735,7 @@ fn conclude(
                 let p = &w.planned[i];
                 if w.renewals.get(k) == Some(&true) {
                     if let Probe::Taken { lease_id, .. } =
-                        table.probe(&p.id, p.cost, now, false, true, None)
+                        table.probe(&p.id, p.cost, now(), false, true, None)
                     {
                         w.taken.push((i, lease_id));
                         continue;
@@ -743,16 +745,23 @@ fn conclude(
             }
             if remote.is_empty() {
                 count_limiter_error(plugin, &e);
-                count(m.lease_admitted);
-                for (i, _) in &w.taken {
-                    count(m.rules[w.planned[*i].rule].admitted);
-                }
                 let entries = taken_entries(&table, w);
-                return verdict::from_leases(config, &leased_admits(&entries));
+                return admit_from_leases(plugin, w, &leased_admits(&entries));
             }
             on_limiter_error(plugin, &remote, e)
         }
     }
+}
+
+/// The verdict of a request every decision of which its leases paid (`leased`: what they say
+/// about it), counted as such.
+fn admit_from_leases(plugin: &Plugin, w: &Waiting, leased: &[LeasedAdmit<'_>]) -> Verdict {
+    let m = &plugin.metrics;
+    count(m.lease_admitted);
+    for (i, _) in &w.taken {
+        count(m.rules[w.planned[*i].rule].admitted);
+    }
+    verdict::from_leases(&plugin.config, leased)
 }
 
 /// The table's entries of the buckets a request's leases paid (for its rate-limit headers).
@@ -769,7 +778,7 @@ fn leased_admits(entries: &[Option<fastpath::Entry>]) -> Vec<LeasedAdmit<'_>> {
         .iter()
         .map(|e| LeasedAdmit {
             limit: e.as_ref().and_then(|e| e.limit.as_ref()),
-            lease_tokens: e.as_ref().map_or(0, |e| e.lease_tokens),
+            lease_tokens: e.as_ref().map_or(0, |e| e.lease.tokens),
         })
         .collect()
 }
@@ -1121,7 +1130,6 @@ impl Request {
             w.renewals.push(matches!(probe, Probe::Renew { .. }));
         }
         if w.remote.is_empty() {
-            count(m.lease_admitted);
             let leased: Vec<LeasedAdmit<'_>> = paid
                 .iter()
                 .map(|(limit, tokens)| LeasedAdmit {
@@ -1129,10 +1137,7 @@ impl Request {
                     lease_tokens: *tokens,
                 })
                 .collect();
-            for (i, _) in &w.taken {
-                count(m.rules[w.planned[*i].rule].admitted);
-            }
-            return match verdict::from_leases(config, &leased) {
+            return match admit_from_leases(plugin, &w, &leased) {
                 Verdict::Admit { headers } => Start::Continue(headers),
                 Verdict::Reject(r) => Start::Reply(r),
             };

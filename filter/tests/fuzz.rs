@@ -32,7 +32,9 @@ use ratelimit_filter::config::{
     MAX_RULES, MAX_RULE_NAME_BYTES, MAX_SF_INTEGER,
 };
 use ratelimit_filter::emergency::{Bucket, SharedStore, State, StoreError};
-use ratelimit_filter::fastpath::{self, Entry, KnownLimit, Learned, Outcome, Probe, Table, Why};
+use ratelimit_filter::fastpath::{
+    self, Entry, KnownLimit, Learned, Lease, Outcome, Probe, Table, Why,
+};
 use ratelimit_filter::identity::{self, Facts, Subject, MAX_IDENTITY_BYTES};
 use ratelimit_filter::rules::{self, RequestFacts, MAX_KEY_VALUE_BYTES};
 use ratelimit_filter::verdict::{self, LeasedAdmit, LimiterError, Verdict};
@@ -1046,16 +1048,9 @@ fn empty_entry(id: &str) -> Vec<u8> {
         reject_cost: 0,
         reject_until_ns: 0,
         reject_why: Why::Insufficient,
-        lease_id: 0,
-        lease_tokens: 0,
-        lease_until_ns: 0,
-        lease_granted: 0,
-        lease_granted_ns: 0,
+        lease: Lease::default(),
+        next: Lease::default(),
         renewing_until_ns: 0,
-        next_id: 0,
-        next_tokens: 0,
-        next_until_ns: 0,
-        next_granted_ns: 0,
     }
     .encode()
 }
@@ -1158,35 +1153,36 @@ fn entry() -> impl Strategy<Value = Entry> {
         prop::option::of((hostile::string(200), any::<u64>(), any::<f64>())),
         any::<[u64; 2]>(),
         0u8..3,
-        any::<[u64; 6]>(),
-        any::<[u64; 4]>(),
+        any::<[[u64; 5]; 2]>(),
+        any::<u64>(),
     )
-        .prop_map(|(id, limit, [reject_cost, reject_until_ns], why, lease, next)| {
-            let [lease_id, lease_tokens, lease_until_ns, lease_granted, lease_granted_ns, renewing_until_ns] =
-                lease;
-            let [next_id, next_tokens, next_until_ns, next_granted_ns] = next;
-            Entry {
-                id,
-                limit: limit.map(|(name, capacity, refill_per_sec)| KnownLimit {
-                    name,
-                    capacity,
-                    refill_per_sec,
-                }),
-                reject_cost,
-                reject_until_ns,
-                reject_why: [Why::Insufficient, Why::CostExceedsCapacity, Why::Blocked][usize::from(why)],
-                lease_id,
-                lease_tokens,
-                lease_until_ns,
-                lease_granted,
-                lease_granted_ns,
-                renewing_until_ns,
-                next_id,
-                next_tokens,
-                next_until_ns,
-                next_granted_ns,
-            }
-        })
+        .prop_map(
+            |(id, limit, [reject_cost, reject_until_ns], why, leases, renewing_until_ns)| {
+                let [lease, next] =
+                    leases.map(|[id, tokens, until_ns, granted, granted_ns]| Lease {
+                        id,
+                        tokens,
+                        until_ns,
+                        granted,
+                        granted_ns,
+                    });
+                Entry {
+                    id,
+                    limit: limit.map(|(name, capacity, refill_per_sec)| KnownLimit {
+                        name,
+                        capacity,
+                        refill_per_sec,
+                    }),
+                    reject_cost,
+                    reject_until_ns,
+                    reject_why: [Why::Insufficient, Why::CostExceedsCapacity, Why::Blocked]
+                        [usize::from(why)],
+                    lease,
+                    next,
+                    renewing_until_ns,
+                }
+            },
+        )
 }
 
 /// What the fast paths might be asked with any figures an answer carries.
@@ -1296,7 +1292,7 @@ fn fuzz_fastpath() {
                 check_verdict(&Verdict::Reject(reply), &["per-app"])?;
                 let leased = [LeasedAdmit {
                     limit: e.limit.as_ref(),
-                    lease_tokens: e.lease_tokens,
+                    lease_tokens: e.lease.tokens,
                 }];
                 check_verdict(&verdict::from_leases(&always, &leased), &["per-app"])?;
             }
@@ -1319,9 +1315,9 @@ fn fuzz_fastpath() {
                         let held = table.get(id);
                         let before = held.as_ref().map_or(0, |e| {
                             if e.lease_pays(*cost, *now) {
-                                e.lease_tokens
+                                e.lease.tokens
                             } else {
-                                e.next_tokens
+                                e.next.tokens
                             }
                         });
                         match table.probe(id, *cost, *now, *rejections, *lease, *renew) {
@@ -1335,7 +1331,7 @@ fn fuzz_fastpath() {
                                     "a take took other than its cost"
                                 );
                                 prop_assert_eq!(
-                                    table.get(id).map_or(0, |e| e.lease_tokens),
+                                    table.get(id).map_or(0, |e| e.lease.tokens),
                                     tokens_left
                                 );
                                 prop_assert!(limit.is_none_or(|l| verdict::is_limit_name(&l.name)));
@@ -1348,7 +1344,7 @@ fn fuzz_fastpath() {
                                 prop_assert!(*lease && renew.is_some(), "a renewal not asked for");
                                 let after = table.get(id);
                                 prop_assert_eq!(
-                                    after.as_ref().map(|e| e.lease_tokens),
+                                    after.as_ref().map(|e| e.lease.tokens),
                                     held.as_ref().map(|_| before),
                                     "a renewal took tokens"
                                 );

@@ -57,7 +57,7 @@ use tonic::server::NamedService;
 use tonic::{Request, Response, Status};
 
 use crate::decide::{Caller, Decider, Item};
-use crate::metrics::{CallOutcome, Metrics};
+use crate::metrics::{CallOutcome, Metrics, RequestOutcome};
 use crate::policy::MAX_CAPACITY;
 use crate::store::BucketStore;
 
@@ -216,33 +216,23 @@ impl<S: BucketStore> RateLimitApi<S> {
                 return Err(Status::internal("decision failed"));
             }
         };
+        self.metrics.request(RequestOutcome::of(&answer));
         if let Some(e) = &answer.error {
-            let (outcome, status, request_outcome) = match e.code {
-                ErrorCode::Unavailable => (
-                    CallOutcome::Unavailable,
-                    Status::unavailable(&e.message),
-                    "unavailable",
-                ),
-                ErrorCode::ScriptFailed => {
-                    (CallOutcome::Error, Status::internal(&e.message), "error")
+            let (outcome, status) = match e.code {
+                ErrorCode::Unavailable => {
+                    (CallOutcome::Unavailable, Status::unavailable(&e.message))
                 }
+                ErrorCode::ScriptFailed => (CallOutcome::Error, Status::internal(&e.message)),
                 // Envoy's API: only a domain no policy file defines gets here.
                 ErrorCode::UnknownRule => (
                     CallOutcome::BadRequest,
                     Status::invalid_argument(format!("domain: {}", e.message)),
-                    "unknown_rule",
                 ),
             };
-            self.metrics.request(request_outcome);
             self.metrics.call("grpc", outcome);
             tracing::warn!("gRPC decision failed: {}", e.message);
             return Err(status);
         }
-        self.metrics.request(if answer.allowed {
-            "allowed"
-        } else {
-            "rejected"
-        });
         self.metrics.call("grpc", CallOutcome::Answered);
         Ok(respond(&answer))
     }

@@ -16,7 +16,7 @@ use ratelimit_wire::{DecideResponse, ErrorBody, ErrorCode, DECIDE_PATH};
 
 use crate::decide::{parse_request, Decider};
 use crate::grpc::RateLimitApi;
-use crate::metrics::{CallOutcome, Metrics};
+use crate::metrics::{CallOutcome, Metrics, RequestOutcome};
 use crate::store::BucketStore;
 
 /// What the handlers share.
@@ -112,31 +112,16 @@ async fn decide<S: BucketStore>(
 /// unavailable) or 500 (the script failed), so a simple caller sees the outage in the status.
 fn respond(metrics: &Metrics, answer: DecideResponse) -> Response {
     // The call's requests by outcome, and its leased tokens: counted once each.
-    const OUTCOMES: [&str; 5] = [
-        "allowed",
-        "rejected",
-        "unknown_rule",
-        "unavailable",
-        "error",
-    ];
-    let mut counts = [0u64; OUTCOMES.len()];
+    let mut counts = [0u64; RequestOutcome::ALL.len()];
     let mut leased = 0u64;
     for a in &answer.answers {
-        counts[match &a.error {
-            None if a.allowed => 0,
-            None => 1,
-            Some(e) => match e.code {
-                ErrorCode::UnknownRule => 2,
-                ErrorCode::Unavailable => 3,
-                ErrorCode::ScriptFailed => 4,
-            },
-        }] += 1;
+        counts[RequestOutcome::of(a) as usize] += 1;
         leased = a
             .results
             .iter()
             .fold(leased, |n, r| n.saturating_add(r.leased));
     }
-    for (outcome, n) in OUTCOMES.iter().zip(counts) {
+    for (outcome, n) in RequestOutcome::ALL.into_iter().zip(counts) {
         metrics.requests_of(outcome, n);
     }
     metrics.lease_granted(leased);

@@ -9,6 +9,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
+use ratelimit_wire::{ErrorCode, RequestAnswer};
 use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -99,6 +100,50 @@ impl Verdict {
             Verdict::NotCharged => "not_charged",
             Verdict::Unlimited => "unlimited",
             Verdict::Blocked => "blocked",
+        }
+    }
+}
+
+/// How one gateway request ended: the `outcome` label of `ratelimit_requests_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RequestOutcome {
+    Allowed,
+    Rejected,
+    UnknownRule,
+    Unavailable,
+    Error,
+}
+
+impl RequestOutcome {
+    /// Every outcome, in declaration order (`outcome as usize` indexes it).
+    pub const ALL: [RequestOutcome; 5] = [
+        RequestOutcome::Allowed,
+        RequestOutcome::Rejected,
+        RequestOutcome::UnknownRule,
+        RequestOutcome::Unavailable,
+        RequestOutcome::Error,
+    ];
+
+    /// The outcome of one request's answer.
+    pub fn of(answer: &RequestAnswer) -> RequestOutcome {
+        match &answer.error {
+            None if answer.allowed => RequestOutcome::Allowed,
+            None => RequestOutcome::Rejected,
+            Some(e) => match e.code {
+                ErrorCode::UnknownRule => RequestOutcome::UnknownRule,
+                ErrorCode::Unavailable => RequestOutcome::Unavailable,
+                ErrorCode::ScriptFailed => RequestOutcome::Error,
+            },
+        }
+    }
+
+    fn label(self) -> &'static str {
+        match self {
+            RequestOutcome::Allowed => "allowed",
+            RequestOutcome::Rejected => "rejected",
+            RequestOutcome::UnknownRule => "unknown_rule",
+            RequestOutcome::Unavailable => "unavailable",
+            RequestOutcome::Error => "error",
         }
     }
 }
@@ -318,16 +363,18 @@ impl Metrics {
     }
 
     /// Counts one gateway request by outcome.
-    pub fn request(&self, outcome: &'static str) {
+    pub fn request(&self, outcome: RequestOutcome) {
         self.requests_of(outcome, 1);
     }
 
     /// Counts `n` gateway requests of one outcome (a call's requests, counted once per outcome:
     /// each count looks its label up).
-    pub fn requests_of(&self, outcome: &'static str, n: u64) {
+    pub fn requests_of(&self, outcome: RequestOutcome, n: u64) {
         if n > 0 {
             self.requests
-                .get_or_create(&OutcomeLabels { outcome })
+                .get_or_create(&OutcomeLabels {
+                    outcome: outcome.label(),
+                })
                 .inc_by(n);
         }
     }
@@ -412,11 +459,18 @@ mod tests {
     }
 
     #[test]
+    fn request_outcomes_index_their_list() {
+        for (i, o) in RequestOutcome::ALL.into_iter().enumerate() {
+            assert_eq!(o as usize, i, "{o:?}");
+        }
+    }
+
+    #[test]
     fn names_are_the_documented_ones() {
         let m = Metrics::new();
         m.decisions_of("per-app", Verdict::Allowed, 1);
         m.call("http", CallOutcome::BadRequest);
-        m.request("unknown_rule");
+        m.request(RequestOutcome::UnknownRule);
         let text = m.encode();
         for name in [
             "ratelimit_decisions_total{limit=\"per-app\",verdict=\"allowed\"} 1",
