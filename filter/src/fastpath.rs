@@ -720,16 +720,7 @@ mod tests {
             store: &m,
             slots: 64,
         };
-        let learned = Learned {
-            cost: 2,
-            limit: Some(limit()),
-            outcome: Outcome::Rejected {
-                why: Why::Insufficient,
-                retry_after_ms: 1500,
-            },
-            asked_lease: None,
-            leased: 0,
-        };
+        let learned = rejected(2, 1500);
         t.learn("b", &learned, 10 * S, 10 * S);
         let e = t.get("b").unwrap();
         // Dispatched at 10 s, wait 1.5 s: known until 11.5 s, for costs of 2 or more.
@@ -764,18 +755,7 @@ mod tests {
         let start = t.begin_lease("h", 0, S).unwrap();
         assert_eq!(start.give_back, vec![]);
         assert!(t.begin_lease("h", 1, S).is_none(), "one ask in flight");
-        t.learn(
-            "h",
-            &Learned {
-                cost: 1,
-                limit: Some(limit()),
-                outcome: Outcome::Admitted,
-                asked_lease: Some((77, 1000)),
-                leased: 3,
-            },
-            0,
-            0,
-        );
+        grant(&t, 77, 3, 0, 0);
         assert_eq!(take(&t, "h", 2, S / 2), Some(77));
         assert_eq!(take(&t, "h", 2, S / 2), None, "1 left < 2");
         t.give_back("h", 77, 2);
@@ -879,17 +859,7 @@ mod tests {
         assert_eq!(t.probe("h", 1, 1, true, true, None), t_taken(77, 3));
         assert_eq!(t.probe("h", 1, 1, true, true, None), t_taken(77, 2));
         // Another request was rejected: the bucket is empty for 10 s.
-        let rejected = Learned {
-            cost: 1,
-            limit: Some(limit()),
-            outcome: Outcome::Rejected {
-                why: Why::Insufficient,
-                retry_after_ms: 10_000,
-            },
-            asked_lease: None,
-            leased: 0,
-        };
-        t.learn("h", &rejected, 1, 1);
+        t.learn("h", &rejected(1, 10_000), 1, 1);
         // 2 of 4 left would ask for the next lease; the ask would be rejected, so the lease pays.
         assert_eq!(t.probe("h", 1, 2, true, true, Some(S)), t_taken(77, 1));
         assert_eq!(t.probe("h", 1, 2, true, true, Some(S)), t_taken(77, 0));
@@ -940,6 +910,20 @@ mod tests {
         )
     }
 
+    /// The sidecar rejected `cost` for lack of tokens, with that wait.
+    fn rejected(cost: u64, retry_after_ms: u64) -> Learned {
+        Learned {
+            cost,
+            limit: Some(limit()),
+            outcome: Outcome::Rejected {
+                why: Why::Insufficient,
+                retry_after_ms,
+            },
+            asked_lease: None,
+            leased: 0,
+        }
+    }
+
     fn t_taken(lease_id: u64, tokens_left: u64) -> Probe {
         Probe::Taken {
             lease_id,
@@ -964,29 +948,8 @@ mod tests {
             slots: 16,
         };
         t.begin_lease("h", 0, S);
-        t.learn(
-            "h",
-            &Learned {
-                cost: 1,
-                limit: Some(limit()),
-                outcome: Outcome::Admitted,
-                asked_lease: Some((7, 1000)),
-                leased: 2,
-            },
-            0,
-            0,
-        );
-        let rejected = Learned {
-            cost: 1,
-            limit: Some(limit()),
-            outcome: Outcome::Rejected {
-                why: Why::Insufficient,
-                retry_after_ms: 500,
-            },
-            asked_lease: None,
-            leased: 0,
-        };
-        t.learn("h", &rejected, 0, 0);
+        grant(&t, 7, 2, 0, 0);
+        t.learn("h", &rejected(1, 500), 0, 0);
         assert_eq!(
             t.probe("h", 1, 1, true, true, None),
             Probe::Taken {
