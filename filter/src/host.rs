@@ -637,6 +637,15 @@ fn conclude(
     let now = || *clock.get_or_init(now_ns);
     match checked {
         Ok(answer) => {
+            // A rejected early renewal: Redis had too few tokens left because this gateway holds
+            // them in the lease in use. When every remote decision of the request was such a
+            // renewal (nothing was deducted for any of them), the lease pays it after all.
+            let renewals_only = !answer.allowed
+                && w.renewals.iter().all(|r| *r)
+                && answer
+                    .results
+                    .iter()
+                    .all(|r| !r.shadow && (r.allowed || r.reason == Reason::Insufficient));
             for (k, r) in answer.results.iter().enumerate() {
                 let p = &w.planned[w.remote[k]];
                 let outcome = if r.shadow {
@@ -659,7 +668,7 @@ fn conclude(
                 if r.shadow && !matches!(r.reason, Reason::Ok | Reason::Unlimited) {
                     count(stats.shadow_rejected);
                 }
-                if !r.allowed {
+                if !r.allowed && !renewals_only {
                     count(stats.rejected);
                 } else if answer.allowed {
                     count(stats.admitted);
@@ -693,6 +702,23 @@ fn conclude(
                         dispatched_ns,
                         now(),
                     );
+                }
+            }
+            if renewals_only {
+                let taken = w.taken.len();
+                if pay_renewals(&table, w, now()).is_empty() {
+                    let entries = taken_entries(&table, w);
+                    return admit_from_leases(plugin, w, &leased_admits(&entries));
+                }
+                // Not every one could be paid: give the takes just made back, reject.
+                for (i, lease_id) in w.taken.drain(taken..) {
+                    let p = &w.planned[i];
+                    table.give_back(&p.id, lease_id, p.cost);
+                }
+                for (k, r) in answer.results.iter().enumerate() {
+                    if !r.allowed {
+                        count(m.rules[w.planned[w.remote[k]].rule].rejected);
+                    }
                 }
             }
             let entries = taken_entries(&table, w);
@@ -730,19 +756,7 @@ fn conclude(
             }
             // An early renewal's request is paid from the lease in use after all, if it still
             // can: the gateway holds those tokens whether or not the sidecar answers.
-            let mut remote: Vec<Planned> = Vec::new();
-            for (k, &i) in w.remote.iter().enumerate() {
-                let p = &w.planned[i];
-                if w.renewals.get(k) == Some(&true) {
-                    if let Probe::Taken { lease_id, .. } =
-                        table.probe(&p.id, p.cost, now(), false, true, None)
-                    {
-                        w.taken.push((i, lease_id));
-                        continue;
-                    }
-                }
-                remote.push(p.clone());
-            }
+            let remote = pay_renewals(&table, w, now());
             if remote.is_empty() {
                 count_limiter_error(plugin, &e);
                 let entries = taken_entries(&table, w);
@@ -751,6 +765,25 @@ fn conclude(
             on_limiter_error(plugin, &remote, e)
         }
     }
+}
+
+/// Pays the request's early renewals from the leases in use where they still can (adding the
+/// takes to `w.taken`); returns the remote decisions left unpaid.
+fn pay_renewals(table: &Table<'_>, w: &mut Waiting, now_ns: u64) -> Vec<Planned> {
+    let mut unpaid = Vec::new();
+    for (k, &i) in w.remote.iter().enumerate() {
+        let p = &w.planned[i];
+        if w.renewals.get(k) == Some(&true) {
+            if let Probe::Taken { lease_id, .. } =
+                table.probe(&p.id, p.cost, now_ns, false, true, None)
+            {
+                w.taken.push((i, lease_id));
+                continue;
+            }
+        }
+        unpaid.push(p.clone());
+    }
+    unpaid
 }
 
 /// The verdict of a request every decision of which its leases paid (`leased`: what they say

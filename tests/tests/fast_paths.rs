@@ -187,6 +187,53 @@ fn a_lease_still_pays_the_request_whose_renewal_the_sidecar_cannot_answer() {
 }
 
 #[test]
+fn a_bucket_held_in_a_lease_admits_every_token_before_its_first_429() {
+    let redis = Redis::start();
+    let upstream = Upstream::start();
+    // 300 tokens and no refill to speak of: in the end this gateway's lease holds the last of
+    // them, and Redis has none left for the request that asks for the next lease.
+    let sidecar = Sidecar::with_policy(
+        &redis.url(),
+        "rules:\n  hot: {capacity: 300, refill_per_sec: 0.00002}\n",
+        &[],
+    );
+    let mut plugin = plugin_with_rules(json!([
+        {"name": "hot", "match": {"path_prefix": "/"}, "subject": [], "on_error": "deny"}
+    ]));
+    plugin["fast_paths"] = json!({"leases": {"max_tokens": 40, "ttl_ms": 60000}});
+    let config = EnvoyConfig::shipped("envoy.yaml", sidecar.port, upstream.port)
+        .plugin(&plugin.to_string())
+        .concurrency(2);
+    let envoy = Envoy::start(&config);
+    let url = envoy.url("/x");
+    // One request at a time, past the budget.
+    let c = http();
+    let statuses: Vec<u16> = (0..360).map(|_| get(&c, &url, &[]).status).collect();
+    let admitted = statuses.iter().take_while(|s| **s == 200).count();
+    let rejected_remotely =
+        sidecar.metric("ratelimit_decisions_total{limit=\"hot\",verdict=\"rejected\"}");
+    println!(
+        "{admitted} admitted before the first 429, {} from leases; the sidecar rejected {rejected_remotely} decisions",
+        envoy.counter("ratelimit.lease_admitted")
+    );
+    assert!(envoy.counter("ratelimit.lease_admitted") > 0, "no lease");
+    // The request that asks for the next lease when Redis is empty is paid from the lease in
+    // use: no 429 while this gateway still holds tokens, and every token admits a request.
+    assert_eq!(
+        admitted, 300,
+        "a 429 while the lease still held tokens, or a token lost: {statuses:?}"
+    );
+    assert!(
+        statuses[admitted..].iter().all(|s| *s == 429),
+        "admitted after a 429: {statuses:?}"
+    );
+    assert!(
+        rejected_remotely >= 1.0,
+        "no renewal was rejected by the sidecar"
+    );
+}
+
+#[test]
 fn a_flood_on_an_exhausted_key_costs_no_callouts_until_its_retry_after() {
     let redis = Redis::start();
     let upstream = Upstream::start();
