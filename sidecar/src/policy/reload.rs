@@ -10,16 +10,21 @@
 //!
 //! What triggers a reload: a change in the directory of any policy file (a file watch on the
 //! directory, not the file, so Kubernetes ConfigMap updates, which swap a symlink, are seen),
-//! SIGHUP, and a check every [`POLL_INTERVAL`] in case a file system sends no events.
+//! SIGHUP, and a check every [`POLL_INTERVAL`] in case a file system sends no events. Events
+//! that change nothing are left out ([`may_change_policy`]): a file opened or read (the reload
+//! itself reads the files: counted as changes, they made it read them again, about 20 times a
+//! second, forever) and writes to other files of the directory (a log file beside the policy).
 
 use std::collections::hash_map::DefaultHasher;
 use std::hash::{Hash, Hasher};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
-use notify::{RecursiveMode, Watcher};
+use notify::event::{AccessKind, AccessMode, ModifyKind};
+use notify::{EventKind, RecursiveMode, Watcher};
 
 use super::{Bounds, Policy, PolicyError};
 use crate::metrics::Metrics;
@@ -34,6 +39,8 @@ pub struct PolicyHandle {
     bounds: Bounds,
     /// A hash of the files' content as last loaded (or last refused), to skip no-op reloads.
     fingerprint: Mutex<u64>,
+    /// How many times the files were read to look for a change.
+    checks: AtomicU64,
     metrics: Arc<Metrics>,
 }
 
@@ -49,6 +56,7 @@ impl PolicyHandle {
         Ok(Arc::new(PolicyHandle {
             current: ArcSwap::from_pointee(policy),
             fingerprint: Mutex::new(fingerprint(&paths)),
+            checks: AtomicU64::new(0),
             paths,
             bounds,
             metrics,
@@ -63,6 +71,7 @@ impl PolicyHandle {
             paths: Vec::new(),
             bounds: Bounds::default(),
             fingerprint: Mutex::new(0),
+            checks: AtomicU64::new(0),
             metrics,
         })
     }
@@ -78,6 +87,7 @@ impl PolicyHandle {
         if self.paths.is_empty() {
             return Ok(false);
         }
+        self.checks.fetch_add(1, Ordering::Relaxed);
         let print = fingerprint(&self.paths);
         {
             let mut last = self.fingerprint.lock().expect("not poisoned");
@@ -111,6 +121,11 @@ impl PolicyHandle {
         }
     }
 
+    /// How many times the files were read to look for a change (by any trigger).
+    pub fn checks(&self) -> u64 {
+        self.checks.load(Ordering::Relaxed)
+    }
+
     /// Starts the reload triggers (file watch, SIGHUP, polling) in the background, for as long as
     /// the returned guard lives.
     pub fn watch(self: &Arc<Self>) -> WatchGuard {
@@ -118,8 +133,12 @@ impl PolicyHandle {
         let mut watcher = None;
         if !self.paths.is_empty() {
             let events = tx.clone();
-            match notify::recommended_watcher(move |_event: notify::Result<notify::Event>| {
-                let _ = events.try_send("file change");
+            let files = self.paths.clone();
+            match notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
+                // An error from the watcher may hide a change: look.
+                if event.is_err() || event.is_ok_and(|e| may_change_policy(&e, &files)) {
+                    let _ = events.try_send("file change");
+                }
             }) {
                 Ok(mut w) => {
                     let mut dirs: Vec<&Path> = self
@@ -200,6 +219,28 @@ impl Drop for WatchGuard {
     }
 }
 
+/// Whether `event`, in the directory of some of `files`, may have changed the policy.
+fn may_change_policy(event: &notify::Event, files: &[PathBuf]) -> bool {
+    let names_a_policy_file = event.paths.iter().any(|p| {
+        p.file_name()
+            .is_some_and(|n| files.iter().any(|f| f.file_name() == Some(n)))
+    });
+    match event.kind {
+        // A file written and closed: a policy file's new content is complete.
+        EventKind::Access(AccessKind::Close(AccessMode::Write)) => names_a_policy_file,
+        // Opened, read, closed after reading: nothing changed (the reload reads the files).
+        EventKind::Access(_) => false,
+        // Something created, removed or renamed in the directory: a policy file, or the symlink
+        // a ConfigMap update swaps (`..data`), whose name is none of the files'.
+        EventKind::Create(_) | EventKind::Remove(_) | EventKind::Modify(ModifyKind::Name(_)) => {
+            true
+        }
+        // Content or metadata: only a policy file's, not a log file's written beside it.
+        EventKind::Modify(_) => names_a_policy_file,
+        EventKind::Any | EventKind::Other => true,
+    }
+}
+
 /// A hash of the files' bytes (an unreadable file hashes as its error, so it is retried).
 fn fingerprint(paths: &[PathBuf]) -> u64 {
     let mut h = DefaultHasher::new();
@@ -252,6 +293,143 @@ mod tests {
             text.contains("ratelimit_policy_reloads_total{result=\"ok\"} 2"),
             "{text}"
         );
+    }
+
+    #[test]
+    fn only_events_that_may_change_the_policy_trigger_a_reload() {
+        use notify::event::{CreateKind, DataChange, RemoveKind, RenameMode};
+        let files = [PathBuf::from("/etc/rl/limits.yaml")];
+        let event = |kind, path: &str| notify::Event::new(kind).add_path(PathBuf::from(path));
+        let policy = "/etc/rl/limits.yaml";
+        let log = "/etc/rl/sidecar.log";
+        let cases = [
+            (
+                EventKind::Access(AccessKind::Open(AccessMode::Any)),
+                policy,
+                false,
+            ),
+            (EventKind::Access(AccessKind::Read), policy, false),
+            (
+                EventKind::Access(AccessKind::Close(AccessMode::Read)),
+                policy,
+                false,
+            ),
+            (
+                EventKind::Access(AccessKind::Close(AccessMode::Write)),
+                policy,
+                true,
+            ),
+            (
+                EventKind::Access(AccessKind::Close(AccessMode::Write)),
+                log,
+                false,
+            ),
+            (
+                EventKind::Modify(ModifyKind::Data(DataChange::Any)),
+                policy,
+                true,
+            ),
+            (
+                EventKind::Modify(ModifyKind::Data(DataChange::Any)),
+                log,
+                false,
+            ),
+            (
+                EventKind::Modify(ModifyKind::Name(RenameMode::To)),
+                "/etc/rl/..data",
+                true,
+            ),
+            (
+                EventKind::Create(CreateKind::Any),
+                "/etc/rl/..2026_12_01",
+                true,
+            ),
+            (EventKind::Remove(RemoveKind::Any), policy, true),
+            (EventKind::Any, log, true),
+        ];
+        for (kind, path, expected) in cases {
+            assert_eq!(
+                may_change_policy(&event(kind, path), &files),
+                expected,
+                "{kind:?} on {path}"
+            );
+        }
+    }
+
+    /// Reading the files (the reload does) and writing a log file beside them are no changes:
+    /// counted as changes, the first reload made the next, about 20 times a second, forever.
+    #[tokio::test]
+    async fn a_reload_does_not_trigger_the_next() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("limits.yaml");
+        std::fs::write(&file, "rules:\n  r: {capacity: 5, refill_per_sec: 1}\n").unwrap();
+        let h = PolicyHandle::load(
+            vec![file.clone()],
+            Bounds::default(),
+            Arc::new(Metrics::new()),
+        )
+        .unwrap();
+        let _watch = h.watch();
+        std::fs::write(&file, "rules:\n  r: {capacity: 7, refill_per_sec: 1}\n").unwrap();
+        let started = std::time::Instant::now();
+        while capacity(&h) != Some(7) {
+            assert!(
+                started.elapsed() < Duration::from_secs(10),
+                "the change was not seen"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let checks = h.checks();
+        // Half a second with no change but a log file written beside the policy: at most the
+        // write's last event still on its way (one check), where the loop made about ten.
+        let log = dir.path().join("sidecar.log");
+        for i in 0..5 {
+            std::fs::write(&log, format!("line {i}\n")).unwrap();
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let more = h.checks() - checks;
+        assert!(more <= 1, "{more} checks in 0.5 s without a change");
+    }
+
+    /// A Kubernetes ConfigMap update, as its atomic writer makes it: the new files in a new
+    /// directory, then the `..data` symlink swapped to it by a rename. No event names the
+    /// policy file; the reload must see it all the same.
+    #[cfg(unix)]
+    #[tokio::test]
+    async fn a_configmap_update_is_seen() {
+        use std::os::unix::fs::symlink;
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        let version = |name: &str, capacity: u64| {
+            std::fs::create_dir(d.join(name)).unwrap();
+            std::fs::write(
+                d.join(name).join("limits.yaml"),
+                format!("rules:\n  r: {{capacity: {capacity}, refill_per_sec: 1}}\n"),
+            )
+            .unwrap();
+        };
+        version("..2026_12_01_a", 5);
+        symlink("..2026_12_01_a", d.join("..data")).unwrap();
+        symlink("..data/limits.yaml", d.join("limits.yaml")).unwrap();
+        let h = PolicyHandle::load(
+            vec![d.join("limits.yaml")],
+            Bounds::default(),
+            Arc::new(Metrics::new()),
+        )
+        .unwrap();
+        assert_eq!(capacity(&h), Some(5));
+        let _watch = h.watch();
+        version("..2026_12_01_b", 7);
+        symlink("..2026_12_01_b", d.join("..data_tmp")).unwrap();
+        std::fs::rename(d.join("..data_tmp"), d.join("..data")).unwrap();
+        let started = std::time::Instant::now();
+        while capacity(&h) != Some(7) {
+            assert!(
+                started.elapsed() < POLL_INTERVAL,
+                "the update was not seen before the next poll"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
     }
 
     #[test]
