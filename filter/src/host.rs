@@ -383,12 +383,15 @@ impl RootContext for Root {
         let expired: Vec<u32> = {
             let mut v = vm.borrow_mut();
             let Vm { queue, waiting, .. } = &mut *v;
-            let expired: Vec<u32> = queue
-                .iter()
-                .copied()
-                .filter(|c| waiting.get(c).is_none_or(|w| w.deadline_ns <= now))
-                .collect();
-            queue.retain(|c| !expired.contains(c));
+            // One pass (a queue of thousands during an outage must not cost its square).
+            let mut expired = Vec::new();
+            queue.retain(|&c| {
+                let overdue = waiting.get(&c).is_none_or(|w| w.deadline_ns <= now);
+                if overdue {
+                    expired.push(c);
+                }
+                !overdue
+            });
             expired
         };
         for ctx in expired {
