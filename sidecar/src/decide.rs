@@ -497,18 +497,18 @@ impl<S: BucketStore> Decider<S> {
             if answers[r].is_some() {
                 continue;
             }
-            let parts: Vec<usize> = {
-                let mut g: Vec<usize> = placements[r].iter().flatten().map(|p| p.group).collect();
+            // The groups this request was sent to, and its index in each (its placements say).
+            let parts: Vec<(usize, usize)> = {
+                let mut g: Vec<(usize, usize)> = placements[r]
+                    .iter()
+                    .flatten()
+                    .map(|p| (p.group, p.request))
+                    .collect();
                 g.sort_unstable();
                 g.dedup();
                 g
             };
-            let part = |g: usize| -> Result<&RequestOutcome, &StoreError> {
-                let index = node_groups[g]
-                    .requests
-                    .iter()
-                    .position(|&x| x == r)
-                    .expect("the request is in its group");
+            let part = |(g, index): (usize, usize)| -> Result<&RequestOutcome, &StoreError> {
                 results[g].as_ref().map(|v| &v[index])
             };
             let failure = parts.iter().find_map(|&g| part(g).err()).cloned();
@@ -516,12 +516,9 @@ impl<S: BucketStore> Decider<S> {
                 blocked(plan) || parts.iter().any(|&g| part(g).is_ok_and(|o| !o.charged()));
             if let (Some(e), false) = (&failure, rejected) {
                 // No verdict. Refund what no caller can replay.
-                for &g in &parts {
+                for &(g, index) in &parts {
                     if node_groups[g].generated {
-                        refunds
-                            .entry(g)
-                            .or_default()
-                            .push(index_in(&node_groups[g], r));
+                        refunds.entry(g).or_default().push(index);
                     }
                 }
                 answers[r] = Some(error_answer(from_store(e)));
@@ -529,12 +526,9 @@ impl<S: BucketStore> Decider<S> {
             }
             let allowed = !rejected;
             if !allowed {
-                for &g in &parts {
-                    if part(g).map_or(true, RequestOutcome::charged) {
-                        refunds
-                            .entry(g)
-                            .or_default()
-                            .push(index_in(&node_groups[g], r));
+                for &(g, index) in &parts {
+                    if part((g, index)).map_or(true, RequestOutcome::charged) {
+                        refunds.entry(g).or_default().push(index);
                     }
                 }
             }
@@ -1069,13 +1063,6 @@ fn plan_limit(p: &Plan) -> Option<&Limit> {
 fn blocked(plan: &[Plan]) -> bool {
     plan.iter()
         .any(|p| matches!(p, Plan::Blocked { limit } if !limit.shadow))
-}
-
-fn index_in(ng: &NodeGroup, r: usize) -> usize {
-    ng.requests
-        .iter()
-        .position(|&x| x == r)
-        .expect("the request is in its group")
 }
 
 fn error_answer(e: RequestError) -> RequestAnswer {
