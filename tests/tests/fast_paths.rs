@@ -136,16 +136,11 @@ fn a_busy_key_renews_its_lease_before_it_runs_out() {
     );
 }
 
-#[test]
-fn a_lease_still_pays_the_request_whose_renewal_the_sidecar_cannot_answer() {
-    let redis = Redis::start();
-    let upstream = Upstream::start();
-    let mut sidecar = Sidecar::with_policy(
-        &redis.url(),
-        "rules:\n  hot: {capacity: 1000000000, refill_per_sec: 1000000}\n",
-        &[],
-    );
-    // Small leases that last: a lease runs low (and asks for the next) after 30 requests.
+/// A sidecar with `policy` and an Envoy (2 workers) with one rule `hot` and small leases that
+/// last: at most 40 tokens, for 60 s (a lease runs low, and asks for the next, after about 30
+/// requests).
+fn small_leases(redis: &Redis, upstream: &Upstream, policy: &str) -> (Sidecar, Envoy) {
+    let sidecar = Sidecar::with_policy(&redis.url(), policy, &[]);
     let mut plugin = plugin_with_rules(json!([
         {"name": "hot", "match": {"path_prefix": "/"}, "subject": [], "on_error": "deny"}
     ]));
@@ -154,6 +149,18 @@ fn a_lease_still_pays_the_request_whose_renewal_the_sidecar_cannot_answer() {
         .plugin(&plugin.to_string())
         .concurrency(2);
     let envoy = Envoy::start(&config);
+    (sidecar, envoy)
+}
+
+#[test]
+fn a_lease_still_pays_the_request_whose_renewal_the_sidecar_cannot_answer() {
+    let redis = Redis::start();
+    let upstream = Upstream::start();
+    let (mut sidecar, envoy) = small_leases(
+        &redis,
+        &upstream,
+        "rules:\n  hot: {capacity: 1000000000, refill_per_sec: 1000000}\n",
+    );
     let url = envoy.url("/x");
     let warm = burst_to(&[url.as_str()], &[], 400, 8);
     assert_eq!(count(&warm, 200), 400);
@@ -192,19 +199,11 @@ fn a_bucket_held_in_a_lease_admits_every_token_before_its_first_429() {
     let upstream = Upstream::start();
     // 300 tokens and no refill to speak of: in the end this gateway's lease holds the last of
     // them, and Redis has none left for the request that asks for the next lease.
-    let sidecar = Sidecar::with_policy(
-        &redis.url(),
+    let (sidecar, envoy) = small_leases(
+        &redis,
+        &upstream,
         "rules:\n  hot: {capacity: 300, refill_per_sec: 0.00002}\n",
-        &[],
     );
-    let mut plugin = plugin_with_rules(json!([
-        {"name": "hot", "match": {"path_prefix": "/"}, "subject": [], "on_error": "deny"}
-    ]));
-    plugin["fast_paths"] = json!({"leases": {"max_tokens": 40, "ttl_ms": 60000}});
-    let config = EnvoyConfig::shipped("envoy.yaml", sidecar.port, upstream.port)
-        .plugin(&plugin.to_string())
-        .concurrency(2);
-    let envoy = Envoy::start(&config);
     let url = envoy.url("/x");
     // One request at a time, past the budget.
     let c = http();
