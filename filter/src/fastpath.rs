@@ -244,6 +244,15 @@ impl Entry {
             .then(|| (self.reject_why, self.reject_until_ns - now_ns))
     }
 
+    /// Whether it holds state worth its slot at `now_ns`: a lease (in use or next) with tokens,
+    /// an ask for one in flight, or a rejection in force.
+    pub fn live(&self, now_ns: u64) -> bool {
+        self.lease.held(now_ns)
+            || self.next.held(now_ns)
+            || self.renewing_until_ns > now_ns
+            || self.reject_until_ns > now_ns
+    }
+
     /// Whether the lease in use can pay `cost` at `now_ns`.
     pub fn lease_pays(&self, cost: u64, now_ns: u64) -> bool {
         self.lease.pays(cost, now_ns)
@@ -313,32 +322,40 @@ impl Table<'_> {
             .filter(|e| e.id == id)
     }
 
-    /// Applies `change` to the entry of `id` (a new one if its slot holds none or another
-    /// bucket's), with compare-and-swap. `change` returns false to write nothing. The result is
-    /// what `change` returned on the entry written, or `None` if nothing was written.
+    /// Applies `change` to the entry of `id` (a new one if its slot holds none, or another
+    /// bucket's that is no longer [live](Entry::live) at `now_ns`), with compare-and-swap.
+    /// `change` returns `None` to write nothing. The result is what `change` returned on the
+    /// entry written, or `None` if nothing was written.
+    ///
+    /// Another bucket's live entry keeps its slot: replacing it would strand its lease (tokens
+    /// deducted in Redis for this gateway, never spent nor given back) or forget its
+    /// rejection, and two busy buckets in one slot would take that from each other at every
+    /// request. The bucket that finds the slot taken does without fast paths meanwhile (the
+    /// exact remote path).
     pub fn update<T>(
         &self,
         id: &str,
+        now_ns: u64,
         mut change: impl FnMut(&mut Entry) -> Option<T>,
     ) -> Option<T> {
-        self.update_found(id, |e, _| change(e))
+        self.update_found(id, now_ns, |e, _| change(e))
     }
 
     /// [`Table::update`], telling `change` whether the slot held an entry of `id`.
     fn update_found<T>(
         &self,
         id: &str,
+        now_ns: u64,
         mut change: impl FnMut(&mut Entry, bool) -> Option<T>,
     ) -> Option<T> {
         let key = slot_key(id, self.slots);
         for _ in 0..MAX_CAS_ATTEMPTS {
             let (bytes, cas) = self.store.get(&key);
-            let found = bytes
-                .as_deref()
-                .and_then(Entry::decode)
-                .filter(|e| e.id == id);
-            let existed = found.is_some();
-            let mut entry = found.unwrap_or_else(|| Entry::new(id));
+            let (mut entry, existed) = match bytes.as_deref().and_then(Entry::decode) {
+                Some(e) if e.id == id => (e, true),
+                Some(other) if other.live(now_ns) => return None,
+                _ => (Entry::new(id), false),
+            };
             let out = change(&mut entry, existed)?;
             match self.store.set(&key, &entry.encode(), cas) {
                 Ok(()) => return Some(out),
@@ -426,8 +443,8 @@ impl Table<'_> {
 
     /// Gives `cost` back to lease `lease_id` of `id` (a take for a request that was then
     /// rejected). Lost if the lease was replaced meanwhile.
-    pub fn give_back(&self, id: &str, lease_id: u64, cost: u64) {
-        self.update(id, |e| {
+    pub fn give_back(&self, id: &str, lease_id: u64, cost: u64, now_ns: u64) {
+        self.update(id, now_ns, |e| {
             (e.lease.id == lease_id && lease_id != 0).then(|| {
                 e.lease.tokens = e.lease.tokens.saturating_add(cost);
             })
@@ -439,7 +456,7 @@ impl Table<'_> {
     /// returns their leftovers (lease id, tokens) to give back, and the size of the previous
     /// grant and when it was asked (to size the ask).
     pub fn begin_lease(&self, id: &str, now_ns: u64, renewing_until_ns: u64) -> Option<LeaseStart> {
-        self.update(id, |e| {
+        self.update(id, now_ns, |e| {
             if e.renewing_until_ns > now_ns {
                 return None;
             }
@@ -466,7 +483,7 @@ impl Table<'_> {
     pub fn learn(&self, id: &str, learned: &Learned, dispatched_ns: u64, now_ns: u64) {
         let worth_a_slot =
             matches!(learned.outcome, Outcome::Rejected { .. }) || learned.asked_lease.is_some();
-        self.update_found(id, |e, existed| {
+        self.update_found(id, now_ns, |e, existed| {
             if !existed && !worth_a_slot {
                 return None;
             }
@@ -758,15 +775,15 @@ mod tests {
         grant(&t, 77, 3, 0, 0);
         assert_eq!(take(&t, "h", 2, S / 2), Some(77));
         assert_eq!(take(&t, "h", 2, S / 2), None, "1 left < 2");
-        t.give_back("h", 77, 2);
+        t.give_back("h", 77, 2, S / 2);
         assert_eq!(take(&t, "h", 3, S / 2), Some(77));
-        t.give_back("h", 99, 5);
+        t.give_back("h", 99, 5, S / 2);
         assert_eq!(
             t.get("h").unwrap().lease.tokens,
             0,
             "another lease's give-back is lost"
         );
-        t.give_back("h", 77, 1);
+        t.give_back("h", 77, 1, S / 2);
         assert_eq!(
             take(&t, "h", 1, S),
             None,
@@ -896,8 +913,13 @@ mod tests {
 
     /// Records a lease `id` of `tokens` granted to bucket "h" (asked at `at`, answered at `now`).
     fn grant(t: &Table<'_>, id: u64, tokens: u64, at: u64, now: u64) {
+        grant_to(t, "h", id, tokens, at, now)
+    }
+
+    /// Bucket `bucket` learns it was granted lease `id` of `tokens`, asked at `at`, for 1 s.
+    fn grant_to(t: &Table<'_>, bucket: &str, id: u64, tokens: u64, at: u64, now: u64) {
         t.learn(
-            "h",
+            bucket,
             &Learned {
                 cost: 1,
                 limit: Some(limit()),
@@ -1006,34 +1028,32 @@ mod tests {
     }
 
     #[test]
-    fn another_bucket_in_the_same_slot_replaces_the_entry() {
+    fn another_bucket_takes_a_slot_only_once_its_entry_is_no_longer_live() {
         let m = Memory::default();
         let t = Table {
             store: &m,
             slots: 1,
         };
         t.begin_lease("a", 0, S);
-        t.learn(
-            "a",
-            &Learned {
-                cost: 1,
-                limit: None,
-                outcome: Outcome::Admitted,
-                asked_lease: Some((1, 1000)),
-                leased: 10,
-            },
-            0,
-            0,
-        );
-        assert!(t.get("a").is_some());
+        grant_to(&t, "a", 1, 10, 0, 0);
         assert_eq!(take(&t, "b", 1, 1), None, "b never pays with a's lease");
-        t.begin_lease("b", 0, S);
+        // While a's lease holds tokens, b gets no slot: no lease ask, no rejection recorded.
+        assert!(t.begin_lease("b", 1, S).is_none());
+        t.learn("b", &rejected(1, 60_000), 1, 1);
+        assert_eq!(t.get("b"), None);
+        assert_eq!(take(&t, "a", 1, 2), Some(1), "a's lease still pays");
+        // Past a's lease (1 s after its ask), the slot is b's; a's state is gone.
+        assert!(t.begin_lease("b", S + 1, 2 * S).is_some());
         assert!(t.get("a").is_none());
-        assert_eq!(
-            take(&t, "a", 1, 1),
-            None,
-            "a's lease is gone (lost, not reused)"
+        assert!(t.get("b").is_some());
+        // b's ask in flight keeps the slot too, and so does a rejection in force.
+        assert!(t.begin_lease("a", S + 2, 2 * S).is_none());
+        t.learn("b", &rejected(1, 5_000), S + 1, S + 3);
+        assert!(
+            t.begin_lease("a", 2 * S + 1, 3 * S).is_none(),
+            "b's rejection is in force"
         );
+        assert!(t.begin_lease("a", S + 1 + 5 * S + 1, 7 * S).is_some());
     }
 
     #[test]

@@ -716,7 +716,7 @@ fn conclude(
                 // Not every one could be paid: give the takes just made back, reject.
                 for (i, lease_id) in w.taken.drain(taken..) {
                     let p = &w.planned[i];
-                    table.give_back(&p.id, lease_id, p.cost);
+                    table.give_back(&p.id, lease_id, p.cost, now());
                 }
                 for (k, r) in answer.results.iter().enumerate() {
                     if !r.allowed {
@@ -825,9 +825,13 @@ fn give_back(plugin: &Plugin, w: &Waiting) {
         store: &HostShared,
         slots: plugin.config.fast_paths.slots,
     };
+    if w.taken.is_empty() {
+        return;
+    }
+    let now = now_ns();
     for (i, lease_id) in &w.taken {
         let p = &w.planned[*i];
-        table.give_back(&p.id, *lease_id, p.cost);
+        table.give_back(&p.id, *lease_id, p.cost, now);
     }
 }
 

@@ -1190,7 +1190,7 @@ fn entry() -> impl Strategy<Value = Entry> {
 enum TableOp {
     Learn(Learned, u64, u64),
     Probe(u64, u64, bool, bool, Option<u64>),
-    GiveBack(u64, u64),
+    GiveBack(u64, u64, u64),
     Begin(u64, u64),
 }
 
@@ -1232,7 +1232,7 @@ fn table_op() -> impl Strategy<Value = TableOp> {
             }),
         any::<(u64, u64, bool, bool, Option<u64>)>()
             .prop_map(|(c, n, r, l, renew)| TableOp::Probe(c, n, r, l, renew)),
-        any::<(u64, u64)>().prop_map(|(l, c)| TableOp::GiveBack(l, c)),
+        any::<(u64, u64, u64)>().prop_map(|(l, c, now)| TableOp::GiveBack(l, c, now)),
         any::<(u64, u64)>().prop_map(|(n, u)| TableOp::Begin(n, u)),
     ]
 }
@@ -1308,6 +1308,17 @@ fn fuzz_fastpath() {
                 slots,
             };
             for op in &ops {
+                // Another bucket's entry, live when the operation runs, keeps its slot.
+                let op_now = match op {
+                    TableOp::Learn(_, _, now)
+                    | TableOp::Probe(_, now, ..)
+                    | TableOp::GiveBack(_, _, now)
+                    | TableOp::Begin(now, _) => *now,
+                };
+                let (before, _) = store.get(&fastpath::slot_key(id, slots));
+                let kept = before
+                    .clone()
+                    .filter(|b| Entry::decode(b).is_some_and(|e| e.id != id && e.live(op_now)));
                 match op {
                     TableOp::Learn(l, at, now) => table.learn(id, l, *at, *now),
                     TableOp::Probe(cost, now, rejections, lease, renew) => {
@@ -1357,13 +1368,20 @@ fn fuzz_fastpath() {
                             Probe::Miss | Probe::Absent => {}
                         }
                     }
-                    TableOp::GiveBack(lease, cost) => table.give_back(id, *lease, *cost),
+                    TableOp::GiveBack(lease, cost, now) => table.give_back(id, *lease, *cost, *now),
                     TableOp::Begin(now, until) => {
                         let _ = table.begin_lease(id, *now, *until);
                     }
                 }
                 // What was written reads back.
                 let (stored, _) = store.get(&fastpath::slot_key(id, slots));
+                if let Some(kept) = kept {
+                    prop_assert_eq!(
+                        stored.as_ref(),
+                        Some(&kept),
+                        "a live entry of another bucket replaced"
+                    );
+                }
                 if let Some(e) = stored.as_deref().and_then(Entry::decode) {
                     prop_assert_eq!(Entry::decode(&e.encode()), Some(e));
                 }

@@ -233,6 +233,54 @@ fn a_bucket_held_in_a_lease_admits_every_token_before_its_first_429() {
 }
 
 #[test]
+fn two_busy_buckets_in_one_slot_do_not_strand_each_others_leases() {
+    let redis = Redis::start();
+    let upstream = Upstream::start();
+    // Two buckets of 300 tokens, no refill to speak of, and a table of one slot: both busy
+    // buckets hash to it.
+    let sidecar = Sidecar::with_policy(
+        &redis.url(),
+        "rules:\n  a: {capacity: 300, refill_per_sec: 0.00002}\n  b: {capacity: 300, refill_per_sec: 0.00002}\n",
+        &[],
+    );
+    let mut plugin = plugin_with_rules(json!([
+        {"name": "a", "match": {"path_prefix": "/a/"}, "subject": [], "on_error": "deny"},
+        {"name": "b", "match": {"path_prefix": "/b/"}, "subject": [], "on_error": "deny"}
+    ]));
+    plugin["fast_paths"] = json!({"slots": 1});
+    let config = EnvoyConfig::shipped("envoy.yaml", sidecar.port, upstream.port)
+        .plugin(&plugin.to_string())
+        .concurrency(2);
+    let envoy = Envoy::start(&config);
+    let (a, b) = (envoy.url("/a/x"), envoy.url("/b/x"));
+    // 200 requests to each, taking turns, one at a time: well inside both budgets.
+    let c = http();
+    let mut statuses = Vec::new();
+    for _ in 0..200 {
+        statuses.push(get(&c, &a, &[]).status);
+        statuses.push(get(&c, &b, &[]).status);
+    }
+    let granted = sidecar.metric("ratelimit_lease_tokens_total{result=\"granted\"}");
+    println!(
+        "{} of 400 admitted, {} from leases, {granted} tokens leased",
+        count_status(&statuses, 200),
+        envoy.counter("ratelimit.lease_admitted")
+    );
+    assert!(envoy.counter("ratelimit.lease_admitted") > 0, "no lease");
+    // A bucket that found the slot taken asked without a lease: neither took the other's slot
+    // (and stranded its lease) at every turn, which emptied both buckets within 20 requests.
+    assert_eq!(
+        count_status(&statuses, 200),
+        400,
+        "under-admission: {statuses:?}"
+    );
+}
+
+fn count_status(statuses: &[u16], status: u16) -> usize {
+    statuses.iter().filter(|s| **s == status).count()
+}
+
+#[test]
 fn a_flood_on_an_exhausted_key_costs_no_callouts_until_its_retry_after() {
     let redis = Redis::start();
     let upstream = Upstream::start();
