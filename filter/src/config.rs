@@ -81,6 +81,11 @@ pub struct FastPaths {
     /// Default: true.
     #[serde(default = "yes")]
     pub known_rejections: bool,
+    /// How long a known rejection is answered locally at most, in milliseconds, before the
+    /// next request asks again (a policy change that raised the limit is seen then; the local
+    /// 429s still say the whole wait in `Retry-After`). Default: 1000.
+    #[serde(default = "default_max_rejection_ms")]
+    pub max_rejection_ms: u64,
     /// Leases of tokens for busy buckets.
     #[serde(default)]
     pub leases: Leases,
@@ -97,6 +102,7 @@ impl Default for FastPaths {
             max_batch: default_max_batch(),
             max_in_flight: default_max_in_flight(),
             known_rejections: true,
+            max_rejection_ms: default_max_rejection_ms(),
             leases: Leases::default(),
             slots: default_slots(),
         }
@@ -117,6 +123,10 @@ fn default_max_in_flight() -> usize {
 
 fn default_slots() -> usize {
     4096
+}
+
+fn default_max_rejection_ms() -> u64 {
+    1000
 }
 
 /// Leases: a bucket busy at this gateway is served from tokens taken from Redis in advance.
@@ -596,6 +606,12 @@ impl Config {
             p.add(
                 "fast_paths.max_in_flight",
                 format!("must be 1 to 64, got {}", f.max_in_flight),
+            );
+        }
+        if f.max_rejection_ms == 0 || f.max_rejection_ms > 86_400_000 {
+            p.add(
+                "fast_paths.max_rejection_ms",
+                format!("must be 1 to 86400000, got {}", f.max_rejection_ms),
             );
         }
         if f.slots == 0 || f.slots > 1 << 20 {
@@ -1630,7 +1646,7 @@ pub(crate) mod tests {
     fn fast_path_bounds_are_checked_with_every_problem_named() {
         let p = problems(&edited(|v| {
             v["fast_paths"] = json!({
-                "max_batch": 0, "max_in_flight": 0, "slots": 0,
+                "max_batch": 0, "max_in_flight": 0, "slots": 0, "max_rejection_ms": 0,
                 "leases": {"min_rate_per_sec": 0, "ttl_ms": 0, "max_tokens": 0}
             })
         }));
@@ -1639,6 +1655,7 @@ pub(crate) mod tests {
             [
                 "fast_paths.max_batch: must be 1 to 256, got 0",
                 "fast_paths.max_in_flight: must be 1 to 64, got 0",
+                "fast_paths.max_rejection_ms: must be 1 to 86400000, got 0",
                 "fast_paths.slots: must be 1 to 1048576, got 0",
                 "fast_paths.leases.min_rate_per_sec: must be a number > 0",
                 "fast_paths.leases.ttl_ms: must be 1 to 60000, got 0",
@@ -1648,7 +1665,7 @@ pub(crate) mod tests {
         let p = problems(&edited(|v| {
             v["fast_paths"] = json!({
                 "max_batch": ratelimit_wire::MAX_REQUESTS + 1, "max_in_flight": 65,
-                "slots": (1 << 20) + 1,
+                "slots": (1 << 20) + 1, "max_rejection_ms": 86_400_001,
                 "leases": {"min_rate_per_sec": -1.5, "ttl_ms": 60_001, "max_tokens": MAX_CAPACITY + 1}
             })
         }));
@@ -1657,6 +1674,7 @@ pub(crate) mod tests {
             [
                 "fast_paths.max_batch: must be 1 to 256, got 257",
                 "fast_paths.max_in_flight: must be 1 to 64, got 65",
+                "fast_paths.max_rejection_ms: must be 1 to 86400000, got 86400001",
                 "fast_paths.slots: must be 1 to 1048576, got 1048577",
                 "fast_paths.leases.min_rate_per_sec: must be a number > 0",
                 "fast_paths.leases.ttl_ms: must be 1 to 60000, got 60001",
@@ -1668,6 +1686,7 @@ pub(crate) mod tests {
             v["fast_paths"] = json!({
                 "coalesce": false, "known_rejections": false,
                 "max_batch": 256, "max_in_flight": 64, "slots": 1 << 20,
+                "max_rejection_ms": 86_400_000,
                 "leases": {"enabled": false, "min_rate_per_sec": 0.001, "ttl_ms": 60_000,
                            "max_tokens": MAX_CAPACITY}
             })
@@ -1680,6 +1699,7 @@ pub(crate) mod tests {
                 max_batch: 256,
                 max_in_flight: 64,
                 known_rejections: false,
+                max_rejection_ms: 86_400_000,
                 leases: Leases {
                     enabled: false,
                     min_rate_per_sec: 0.001,

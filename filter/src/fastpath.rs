@@ -37,8 +37,9 @@
 //!
 //! # Memory
 //! A bucket's entry lives in one of `slots` shared-data keys (`ratelimit.fp.<n>`, `n` from a hash
-//! of the bucket's id); another bucket hashing to the same slot replaces it (losing its lease:
-//! under-admission only). So an Envoy holds at most `slots` entries, each a few hundred bytes.
+//! of the bucket's id). Another bucket hashing to the same slot takes it only once the entry there
+//! is no longer live (see [`Table::update`]). So an Envoy holds at most `slots` entries, each a
+//! few hundred bytes.
 
 use crate::emergency::{SharedStore, StoreError};
 
@@ -50,7 +51,7 @@ pub const MAX_CAS_ATTEMPTS: usize = 16;
 /// known, in nanoseconds.
 pub const FIXED_REJECTION_NS: u64 = 1_000_000_000;
 
-const VERSION: u8 = 2;
+const VERSION: u8 = 3;
 
 /// The shared-data key of the slot for a bucket id.
 pub fn slot_key(id: &str, slots: usize) -> String {
@@ -90,9 +91,12 @@ pub struct KnownLimit {
 pub struct Entry {
     pub id: String,
     pub limit: Option<KnownLimit>,
-    /// A rejection of `reject_cost` or more until `reject_until_ns` (0: none).
+    /// A rejection of `reject_cost` or more until `reject_until_ns` (0: none), answered locally
+    /// until `reject_local_until_ns` (at most the table's `max_rejection_ns` after the callout:
+    /// then the next request asks again, and sees a policy change).
     pub reject_cost: u64,
     pub reject_until_ns: u64,
+    pub reject_local_until_ns: u64,
     pub reject_why: Why,
     /// The lease in use.
     pub lease: Lease,
@@ -166,6 +170,7 @@ impl Entry {
             limit: None,
             reject_cost: 0,
             reject_until_ns: 0,
+            reject_local_until_ns: 0,
             reject_why: Why::Insufficient,
             lease: Lease::default(),
             next: Lease::default(),
@@ -186,7 +191,11 @@ impl Entry {
             }
             None => out.push(0),
         }
-        for v in [self.reject_cost, self.reject_until_ns] {
+        for v in [
+            self.reject_cost,
+            self.reject_until_ns,
+            self.reject_local_until_ns,
+        ] {
             out.extend_from_slice(&v.to_le_bytes());
         }
         out.push(match self.reject_why {
@@ -226,6 +235,7 @@ impl Entry {
         });
         e.reject_cost = r.u64()?;
         e.reject_until_ns = r.u64()?;
+        e.reject_local_until_ns = r.u64()?;
         e.reject_why = match r.u8()? {
             0 => Why::Insufficient,
             1 => Why::CostExceedsCapacity,
@@ -238,10 +248,16 @@ impl Entry {
         r.0.is_empty().then_some(e)
     }
 
-    /// The rejection that applies to `cost` at `now_ns`: (why, time left in ns).
+    /// The rejection answered locally for `cost` at `now_ns`: (why, time left in ns until the
+    /// bucket may admit it, for `Retry-After`).
     pub fn rejection(&self, cost: u64, now_ns: u64) -> Option<(Why, u64)> {
-        (self.reject_until_ns > now_ns && cost >= self.reject_cost && self.reject_cost > 0)
-            .then(|| (self.reject_why, self.reject_until_ns - now_ns))
+        (self.reject_local_until_ns > now_ns && cost >= self.reject_cost && self.reject_cost > 0)
+            .then(|| {
+                (
+                    self.reject_why,
+                    self.reject_until_ns.max(self.reject_local_until_ns) - now_ns,
+                )
+            })
     }
 
     /// Whether it holds state worth its slot at `now_ns`: a lease (in use or next) with tokens,
@@ -250,7 +266,7 @@ impl Entry {
         self.lease.held(now_ns)
             || self.next.held(now_ns)
             || self.renewing_until_ns > now_ns
-            || self.reject_until_ns > now_ns
+            || self.reject_local_until_ns > now_ns
     }
 
     /// Whether the lease in use can pay `cost` at `now_ns`.
@@ -310,6 +326,8 @@ impl Reader<'_> {
 pub struct Table<'a> {
     pub store: &'a dyn SharedStore,
     pub slots: usize,
+    /// How long a rejection is answered locally at most, from when its callout was sent.
+    pub max_rejection_ns: u64,
 }
 
 impl Table<'_> {
@@ -496,6 +514,7 @@ impl Table<'_> {
                     if e.reject_cost <= learned.cost {
                         e.reject_cost = 0;
                         e.reject_until_ns = 0;
+                        e.reject_local_until_ns = 0;
                     }
                 }
                 Outcome::Rejected {
@@ -508,6 +527,9 @@ impl Table<'_> {
                         Why::Insufficient => retry_after_ms.saturating_mul(1_000_000),
                         _ => FIXED_REJECTION_NS,
                     });
+                    e.reject_local_until_ns = e
+                        .reject_until_ns
+                        .min(dispatched_ns.saturating_add(self.max_rejection_ns));
                 }
                 Outcome::NotDecided => {}
             }
@@ -736,6 +758,7 @@ mod tests {
         let t = Table {
             store: &m,
             slots: 64,
+            max_rejection_ns: u64::MAX,
         };
         let learned = rejected(2, 1500);
         t.learn("b", &learned, 10 * S, 10 * S);
@@ -768,6 +791,7 @@ mod tests {
         let t = Table {
             store: &m,
             slots: 64,
+            max_rejection_ns: u64::MAX,
         };
         let start = t.begin_lease("h", 0, S).unwrap();
         assert_eq!(start.give_back, vec![]);
@@ -908,6 +932,7 @@ mod tests {
         Table {
             store: m,
             slots: 64,
+            max_rejection_ns: u64::MAX,
         }
     }
 
@@ -963,11 +988,44 @@ mod tests {
     }
 
     #[test]
+    fn a_long_rejection_is_answered_locally_only_up_to_the_cap_with_the_whole_wait() {
+        let m = Memory::default();
+        let t = Table {
+            store: &m,
+            slots: 16,
+            max_rejection_ns: S,
+        };
+        // Redis said: an hour to wait. Locally answered for a second after the callout.
+        t.learn("h", &rejected(1, 3_600_000), 0, 10);
+        assert!(
+            matches!(t.probe("h", 1, S - 1, true, true, None), Probe::Rejected { left_ns, .. } if left_ns == 3600 * S - (S - 1)),
+            "Retry-After says the whole wait"
+        );
+        assert_eq!(
+            t.probe("h", 1, S, true, true, None),
+            Probe::Miss,
+            "after the cap the next request asks again (and sees a raised limit)"
+        );
+        assert!(!t.get("h").unwrap().live(S), "nor does it hold the slot");
+        // A shorter wait than the cap is answered for the wait.
+        t.learn("h", &rejected(1, 300), 2 * S, 2 * S);
+        assert!(matches!(
+            t.probe("h", 1, 2 * S + 299_999_999, true, true, None),
+            Probe::Rejected { .. }
+        ));
+        assert_eq!(
+            t.probe("h", 1, 2 * S + 300_000_000, true, true, None),
+            Probe::Miss
+        );
+    }
+
+    #[test]
     fn a_lease_that_pays_goes_before_a_known_rejection() {
         let m = Memory::default();
         let t = Table {
             store: &m,
             slots: 16,
+            max_rejection_ns: u64::MAX,
         };
         t.begin_lease("h", 0, S);
         grant(&t, 7, 2, 0, 0);
@@ -998,6 +1056,7 @@ mod tests {
         let t = Table {
             store: &m,
             slots: 16,
+            max_rejection_ns: u64::MAX,
         };
         let admitted = Learned {
             cost: 1,
@@ -1033,6 +1092,7 @@ mod tests {
         let t = Table {
             store: &m,
             slots: 1,
+            max_rejection_ns: u64::MAX,
         };
         t.begin_lease("a", 0, S);
         grant_to(&t, "a", 1, 10, 0, 0);

@@ -41,7 +41,7 @@ use ratelimit_wire::{
     MAX_CALL_DECISIONS, MAX_LEASE_ID, MAX_RETURNS,
 };
 
-use crate::config::Config;
+use crate::config::{Config, FastPaths};
 use crate::emergency::{self, Bucket, SharedStore, StoreError};
 use crate::fastpath::{self, Hotness, KnownLimit, Learned, LeaseStart, Outcome, Probe, Table, Why};
 use crate::identity::{self, Facts, ROUTE_NAME_PROPERTY, SOURCE_ADDRESS_PROPERTY};
@@ -631,10 +631,7 @@ fn conclude(
     let config = &plugin.config;
     let m = &plugin.metrics;
     let checked = answer.and_then(|a| verdict::check_answer(&a, w.remote.len()).map(|()| a));
-    let table = Table {
-        store: &HostShared,
-        slots: config.fast_paths.slots,
-    };
+    let table = table(&config.fast_paths);
     // The host clock, read once and only when an answer needs it.
     let clock = std::cell::OnceCell::new();
     let now = || *clock.get_or_init(now_ns);
@@ -819,12 +816,18 @@ fn leased_admits(entries: &[Option<fastpath::Entry>]) -> Vec<LeasedAdmit<'_>> {
         .collect()
 }
 
+/// This Envoy's fast-path table, as configured.
+fn table(fp: &FastPaths) -> Table<'static> {
+    Table {
+        store: &HostShared,
+        slots: fp.slots,
+        max_rejection_ns: fp.max_rejection_ms.saturating_mul(1_000_000),
+    }
+}
+
 /// Gives the lease takes of a request that does not pass back to their leases.
 fn give_back(plugin: &Plugin, w: &Waiting) {
-    let table = Table {
-        store: &HostShared,
-        slots: plugin.config.fast_paths.slots,
-    };
+    let table = table(&plugin.config.fast_paths);
     if w.taken.is_empty() {
         return;
     }
@@ -1062,10 +1065,7 @@ impl Request {
         }
         let now = now_ns();
         let fp = &config.fast_paths;
-        let table = Table {
-            store: &HostShared,
-            slots: fp.slots,
-        };
+        let table = table(fp);
         let mut w = Waiting {
             planned: plan.planned,
             remote: Vec::new(),

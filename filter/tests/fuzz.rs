@@ -1047,6 +1047,7 @@ fn empty_entry(id: &str) -> Vec<u8> {
         limit: None,
         reject_cost: 0,
         reject_until_ns: 0,
+        reject_local_until_ns: 0,
         reject_why: Why::Insufficient,
         lease: Lease::default(),
         next: Lease::default(),
@@ -1151,13 +1152,20 @@ fn entry() -> impl Strategy<Value = Entry> {
     (
         "[ -~]{0,80}",
         prop::option::of((hostile::string(200), any::<u64>(), any::<f64>())),
-        any::<[u64; 2]>(),
+        any::<[u64; 3]>(),
         0u8..3,
         any::<[[u64; 5]; 2]>(),
         any::<u64>(),
     )
         .prop_map(
-            |(id, limit, [reject_cost, reject_until_ns], why, leases, renewing_until_ns)| {
+            |(
+                id,
+                limit,
+                [reject_cost, reject_until_ns, reject_local_until_ns],
+                why,
+                leases,
+                renewing_until_ns,
+            )| {
                 let [lease, next] =
                     leases.map(|[id, tokens, until_ns, granted, granted_ns]| Lease {
                         id,
@@ -1175,6 +1183,7 @@ fn entry() -> impl Strategy<Value = Entry> {
                     }),
                     reject_cost,
                     reject_until_ns,
+                    reject_local_until_ns,
                     reject_why: [Why::Insufficient, Why::CostExceedsCapacity, Why::Blocked]
                         [usize::from(why)],
                     lease,
@@ -1306,6 +1315,7 @@ fn fuzz_fastpath() {
             let table = Table {
                 store: &store,
                 slots,
+                max_rejection_ns: now_ns / 3,
             };
             for op in &ops {
                 // Another bucket's entry, live when the operation runs, keeps its slot.

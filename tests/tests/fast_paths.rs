@@ -281,6 +281,56 @@ fn count_status(statuses: &[u16], status: u16) -> usize {
 }
 
 #[test]
+fn a_raised_limit_is_seen_through_a_known_rejection_with_a_long_wait() {
+    let redis = Redis::start();
+    let upstream = Upstream::start();
+    // 2 tokens, one back every 1000 s: after them, Redis says wait about 1000 s.
+    let sidecar = Sidecar::with_policy(
+        &redis.url(),
+        "rules:\n  hot: {capacity: 2, refill_per_sec: 0.001}\n",
+        &[],
+    );
+    let plugin = plugin_with_rules(json!([
+        {"name": "hot", "match": {"path_prefix": "/"}, "subject": [], "on_error": "deny"}
+    ]));
+    let config = EnvoyConfig::shipped("envoy.yaml", sidecar.port, upstream.port)
+        .plugin(&plugin.to_string())
+        .concurrency(1);
+    let envoy = Envoy::start(&config);
+    let url = envoy.url("/x");
+    let c = http();
+    let first: Vec<u16> = (0..3).map(|_| get(&c, &url, &[]).status).collect();
+    assert_eq!(first, [200, 200, 429]);
+    // The next 429 is the gateway's own (a known rejection), and says the whole wait.
+    let known = envoy.counter("ratelimit.known_rejections");
+    let local = get(&c, &url, &[]);
+    assert_eq!(local.status, 429);
+    assert_eq!(envoy.counter("ratelimit.known_rejections"), known + 1);
+    let retry_after: u64 = local
+        .header("retry-after")
+        .and_then(|v| v.parse().ok())
+        .expect("a Retry-After");
+    assert!(
+        retry_after > 900,
+        "Retry-After {retry_after}: not the whole wait"
+    );
+    // The operator raises the limit: the gateway admits again once the sidecar has reloaded
+    // and the rejection is no longer answered locally (`fast_paths.max_rejection_ms`, 1 s),
+    // not after the 1000 s the rejection said.
+    let raised = Instant::now();
+    sidecar.write_policy("rules:\n  hot: {capacity: 1000, refill_per_sec: 100}\n");
+    ratelimit_e2e::wait_until(
+        "the gateway to admit under the raised limit",
+        Duration::from_secs(30),
+        || get(&c, &url, &[]).status == 200,
+    );
+    println!(
+        "admitted {:.2} s after the limit was raised (the rejection said {retry_after} s)",
+        raised.elapsed().as_secs_f64()
+    );
+}
+
+#[test]
 fn a_flood_on_an_exhausted_key_costs_no_callouts_until_its_retry_after() {
     let redis = Redis::start();
     let upstream = Upstream::start();
