@@ -51,7 +51,11 @@ pub const MAX_CAS_ATTEMPTS: usize = 16;
 /// known, in nanoseconds.
 pub const FIXED_REJECTION_NS: u64 = 1_000_000_000;
 
-const VERSION: u8 = 3;
+const VERSION: u8 = 4;
+
+/// A lease is renewed once what it holds would last fewer than this many round trips of the
+/// last ask, at the rate it is being spent.
+pub const RENEW_ROUND_TRIPS: u64 = 3;
 
 /// The shared-data key of the slot for a bucket id.
 pub fn slot_key(id: &str, slots: usize) -> String {
@@ -105,6 +109,13 @@ pub struct Entry {
     pub next: Lease,
     /// An ask for a lease is in flight until then (0: none).
     pub renewing_until_ns: u64,
+    /// How long a granted ask takes, from its dispatch to its answer: the last one's, or three
+    /// quarters of the one before if that was longer (0: none yet).
+    pub ask_rtt_ns: u64,
+    /// The lease in use before the next one took over, while Redis still holds its record: the
+    /// next ask gives it back (what it holds, less than a request's cost), so that the bucket's
+    /// record of it goes at once instead of at its end (a bucket holds a bounded number).
+    pub retired: Lease,
 }
 
 /// A lease of tokens (all zero: none).
@@ -118,6 +129,8 @@ pub struct Lease {
     /// What it was granted, and when its ask was dispatched (to size the next one).
     pub granted: u64,
     pub granted_ns: u64,
+    /// When it began paying (0: not yet, a next lease waiting).
+    pub started_ns: u64,
 }
 
 impl Lease {
@@ -147,6 +160,7 @@ impl Lease {
             self.until_ns,
             self.granted,
             self.granted_ns,
+            self.started_ns,
         ] {
             out.extend_from_slice(&v.to_le_bytes());
         }
@@ -159,6 +173,7 @@ impl Lease {
             until_ns: r.u64()?,
             granted: r.u64()?,
             granted_ns: r.u64()?,
+            started_ns: r.u64()?,
         })
     }
 }
@@ -175,6 +190,8 @@ impl Entry {
             lease: Lease::default(),
             next: Lease::default(),
             renewing_until_ns: 0,
+            ask_rtt_ns: 0,
+            retired: Lease::default(),
         }
     }
 
@@ -206,6 +223,8 @@ impl Entry {
         self.lease.put(&mut out);
         out.extend_from_slice(&self.renewing_until_ns.to_le_bytes());
         self.next.put(&mut out);
+        out.extend_from_slice(&self.ask_rtt_ns.to_le_bytes());
+        self.retired.put(&mut out);
         out
     }
 
@@ -245,6 +264,8 @@ impl Entry {
         e.lease = Lease::read(&mut r)?;
         e.renewing_until_ns = r.u64()?;
         e.next = Lease::read(&mut r)?;
+        e.ask_rtt_ns = r.u64()?;
+        e.retired = Lease::read(&mut r)?;
         r.0.is_empty().then_some(e)
     }
 
@@ -269,6 +290,13 @@ impl Entry {
             || self.reject_local_until_ns > now_ns
     }
 
+    /// The retired lease to give back, if Redis still holds its record at `now_ns`: (lease id,
+    /// tokens); it is no longer the entry's.
+    fn take_retired(&mut self, now_ns: u64) -> Option<(u64, u64)> {
+        let r = std::mem::take(&mut self.retired);
+        (r.id != 0 && r.until_ns > now_ns).then_some((r.id, r.tokens))
+    }
+
     /// Whether the lease in use can pay `cost` at `now_ns`.
     pub fn lease_pays(&self, cost: u64, now_ns: u64) -> bool {
         self.lease.pays(cost, now_ns)
@@ -278,17 +306,28 @@ impl Entry {
     /// no ask in flight and no known rejection of `cost` (the bucket has nothing to lease: an ask
     /// would be rejected, and the lease's last tokens would never be spent): time to ask for the
     /// next one while this one still pays. Low: paying `cost` would leave less than a quarter of
-    /// its grant, or less than a tenth of its time is left (a lease used more slowly than it was
-    /// sized for: its successor, whose time starts when it is asked for, should not wait long
-    /// unused).
+    /// its grant; or, at the rate it is being spent, what is left would last less than
+    /// [`RENEW_ROUND_TRIPS`] round trips of the last ask (a lease capped by `max_tokens` on a
+    /// bucket busy enough to spend a quarter of it within one ask's round trip); or less than a
+    /// tenth of its time is left (a lease used more slowly than it was sized for: its
+    /// successor, whose time starts when it is asked for, should not wait long unused).
     fn renewal_due(&self, cost: u64, now_ns: u64) -> bool {
         let l = &self.lease;
         let ttl_ns = l.until_ns.saturating_sub(l.granted_ns);
+        let left = l.tokens - cost;
+        let soon = || {
+            let used = l.granted.saturating_sub(l.tokens).saturating_add(cost);
+            let spent_ns = now_ns.saturating_sub(l.started_ns.max(l.granted_ns)).max(1);
+            let lasts_ns = u128::from(left) * u128::from(spent_ns) / u128::from(used.max(1));
+            self.ask_rtt_ns > 0
+                && lasts_ns < u128::from(RENEW_ROUND_TRIPS) * u128::from(self.ask_rtt_ns)
+        };
         self.renewing_until_ns <= now_ns
             && !self.next.held(now_ns)
             && self.rejection(cost, now_ns).is_none()
-            && ((l.tokens - cost).saturating_mul(4) < l.granted
-                || (l.until_ns - now_ns).saturating_mul(10) < ttl_ns)
+            && (left.saturating_mul(4) < l.granted
+                || (l.until_ns - now_ns).saturating_mul(10) < ttl_ns
+                || soon())
     }
 }
 
@@ -420,14 +459,24 @@ impl Table<'_> {
             // The next lease takes over when the one in use cannot pay (what is left of that
             // one, less than the cost or past its time, stays unused: Redis's record expires).
             if lease && !entry.lease.pays(cost, now_ns) && entry.next.pays(cost, now_ns) {
-                entry.lease = std::mem::take(&mut entry.next);
+                let old = std::mem::replace(&mut entry.lease, std::mem::take(&mut entry.next));
+                entry.lease.started_ns = now_ns;
+                if old.id != 0 && old.until_ns > now_ns {
+                    entry.retired = old;
+                }
             }
             if lease && entry.lease_pays(cost, now_ns) {
                 if let Some(until) = renew.filter(|_| entry.renewal_due(cost, now_ns)) {
                     let previous = entry.lease.previous();
+                    let give_back = entry.take_retired(now_ns);
                     entry.renewing_until_ns = until;
                     match self.store.set(&key, &entry.encode(), cas) {
-                        Ok(()) => return Probe::Renew { previous },
+                        Ok(()) => {
+                            return Probe::Renew {
+                                previous,
+                                give_back,
+                            }
+                        }
                         Err(StoreError::CasMismatch) => continue,
                         Err(StoreError::Failed) => return Probe::Miss,
                     }
@@ -479,11 +528,13 @@ impl Table<'_> {
                 return None;
             }
             e.renewing_until_ns = renewing_until_ns;
+            let retired = e.take_retired(now_ns);
             let start = LeaseStart {
                 give_back: [e.lease, e.next]
                     .iter()
                     .filter(|l| l.held(now_ns))
                     .map(|l| (l.id, l.tokens))
+                    .chain(retired)
                     .collect(),
                 previous: e.lease.previous(),
             };
@@ -536,16 +587,22 @@ impl Table<'_> {
             if let Some((lease_id, ttl_ms)) = learned.asked_lease {
                 e.renewing_until_ns = 0;
                 if learned.leased > 0 {
-                    let granted = Lease {
+                    let mut granted = Lease {
                         id: lease_id,
                         tokens: learned.leased,
                         until_ns: dispatched_ns.saturating_add(ttl_ms.saturating_mul(1_000_000)),
                         granted: learned.leased,
                         granted_ns: dispatched_ns,
+                        started_ns: 0,
                     };
+                    // A decaying maximum: one slow answer is remembered for a few asks.
+                    e.ask_rtt_ns = now_ns
+                        .saturating_sub(dispatched_ns)
+                        .max(e.ask_rtt_ns / 4 * 3);
                     if e.lease.held(now_ns) {
                         e.next = granted;
                     } else {
+                        granted.started_ns = now_ns;
                         e.lease = granted;
                     }
                 }
@@ -572,7 +629,11 @@ pub enum Probe {
     },
     /// The lease could pay but is running low: the request takes the remote path and asks for
     /// the next lease (sized from `previous`); the entry is marked renewing.
-    Renew { previous: Option<PreviousLease> },
+    Renew {
+        previous: Option<PreviousLease>,
+        /// The retired lease to give back with the ask: (lease id, tokens).
+        give_back: Option<(u64, u64)>,
+    },
     /// Nothing local decides: the request goes to the sidecar.
     Miss,
     /// As `Miss`, and the table held no entry of this bucket (so an admission has nothing to
@@ -846,7 +907,8 @@ mod tests {
                     granted: 8,
                     used: 6,
                     asked_ns: 0
-                })
+                }),
+                give_back: None,
             }
         );
         let e = t.get("h").unwrap();
@@ -890,6 +952,66 @@ mod tests {
             t.probe("h", 1, S + 4 + S * 95 / 100, true, true, Some(3 * S)),
             Probe::Renew { .. }
         ));
+    }
+
+    #[test]
+    fn a_lease_spent_faster_than_its_renewal_returns_asks_for_the_next_earlier() {
+        let m = Memory::default();
+        let t = table(&m);
+        const MS: u64 = 1_000_000;
+        // 100 tokens, asked at 0 and answered 10 ms later, then spent at one token per ms.
+        t.begin_lease("h", 0, S);
+        grant(&t, 77, 100, 0, 10 * MS);
+        assert_eq!(t.get("h").unwrap().ask_rtt_ns, 10 * MS);
+        for i in 1..=70 {
+            assert_eq!(
+                t.probe("h", 1, 10 * MS + i * MS, true, true, Some(S)),
+                t_taken(77, 100 - i),
+                "take {i}"
+            );
+        }
+        // 29 left would last 29 ms: under three round trips of the last ask (30 ms), although
+        // above a quarter of the grant. Time to ask.
+        assert!(matches!(
+            t.probe("h", 1, 81 * MS, true, true, Some(S)),
+            Probe::Renew { .. }
+        ));
+    }
+
+    #[test]
+    fn the_lease_a_next_one_took_over_from_is_given_back_by_the_next_ask() {
+        let m = Memory::default();
+        let t = table(&m);
+        t.begin_lease("h", 0, S);
+        grant(&t, 77, 4, 0, 0);
+        for left in [3, 2, 1] {
+            assert_eq!(t.probe("h", 1, 1, true, true, Some(S)), t_taken(77, left));
+        }
+        assert!(matches!(
+            t.probe("h", 1, 1, true, true, Some(S)),
+            Probe::Renew {
+                give_back: None,
+                ..
+            }
+        ));
+        // (Asked and answered at once here: no round trip to renew early for.)
+        grant(&t, 78, 8, 2, 2);
+        assert_eq!(t.probe("h", 1, 3, true, true, Some(S)), t_taken(77, 0));
+        // 77 is spent: 78 takes over, and 77 (whose record Redis keeps until its end) retires.
+        assert_eq!(t.probe("h", 1, 4, true, true, Some(S)), t_taken(78, 7));
+        assert_eq!(t.get("h").unwrap().retired.id, 77);
+        for left in (2..7).rev() {
+            assert_eq!(t.probe("h", 1, 5, true, true, Some(S)), t_taken(78, left));
+        }
+        // The ask for 78's successor gives 77 back (0 tokens: its record goes).
+        assert!(matches!(
+            t.probe("h", 1, 6, true, true, Some(S)),
+            Probe::Renew {
+                give_back: Some((77, 0)),
+                ..
+            }
+        ));
+        assert_eq!(t.get("h").unwrap().retired, Lease::default());
     }
 
     #[test]

@@ -1135,8 +1135,11 @@ impl Request {
             // The remote path; a busy bucket asks for a lease on the way: the next one while the
             // lease in use still pays (the probe marked the ask), or a new one in its place.
             let start = match probe {
-                Probe::Renew { previous } => Some(LeaseStart {
-                    give_back: Vec::new(),
+                Probe::Renew {
+                    previous,
+                    give_back,
+                } => Some(LeaseStart {
+                    give_back: give_back.into_iter().collect(),
                     previous,
                 }),
                 _ if hot => table.begin_lease(&p.id, now, w.deadline_ns),

@@ -1052,6 +1052,8 @@ fn empty_entry(id: &str) -> Vec<u8> {
         lease: Lease::default(),
         next: Lease::default(),
         renewing_until_ns: 0,
+        ask_rtt_ns: 0,
+        retired: Lease::default(),
     }
     .encode()
 }
@@ -1154,8 +1156,8 @@ fn entry() -> impl Strategy<Value = Entry> {
         prop::option::of((hostile::string(200), any::<u64>(), any::<f64>())),
         any::<[u64; 3]>(),
         0u8..3,
-        any::<[[u64; 5]; 2]>(),
-        any::<u64>(),
+        any::<[[u64; 6]; 3]>(),
+        any::<[u64; 2]>(),
     )
         .prop_map(
             |(
@@ -1164,16 +1166,18 @@ fn entry() -> impl Strategy<Value = Entry> {
                 [reject_cost, reject_until_ns, reject_local_until_ns],
                 why,
                 leases,
-                renewing_until_ns,
+                [renewing_until_ns, ask_rtt_ns],
             )| {
-                let [lease, next] =
-                    leases.map(|[id, tokens, until_ns, granted, granted_ns]| Lease {
+                let [lease, next, retired] = leases.map(
+                    |[id, tokens, until_ns, granted, granted_ns, started_ns]| Lease {
                         id,
                         tokens,
                         until_ns,
                         granted,
                         granted_ns,
-                    });
+                        started_ns,
+                    },
+                );
                 Entry {
                     id,
                     limit: limit.map(|(name, capacity, refill_per_sec)| KnownLimit {
@@ -1189,6 +1193,8 @@ fn entry() -> impl Strategy<Value = Entry> {
                     lease,
                     next,
                     renewing_until_ns,
+                    ask_rtt_ns,
+                    retired,
                 }
             },
         )
