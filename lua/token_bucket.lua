@@ -83,7 +83,7 @@
 
 local OK, INSUFFICIENT, COST_EXCEEDS_CAPACITY = 0, 1, 2
 local MAX_INT = 9007199254740992 -- 2^53: replies are integers; clamp what cannot be one exactly
-local MAX_LEASES = 16            -- lease entries one bucket holds; more asks get no grant
+local MAX_LEASES = 64            -- lease entries one bucket holds; more asks get no grant
 local MARGIN_MS = 1000           -- expiry margin past the time the bucket is full again
 
 local ARGV, tonumber, floor, ceil = ARGV, tonumber, math.floor, math.ceil

@@ -18,7 +18,7 @@ use super::{
 };
 
 /// Lease entries one bucket holds (as the script).
-pub const MAX_LEASES: usize = 16;
+pub const MAX_LEASES: usize = 64;
 const MAX_INT: f64 = 9_007_199_254_740_992.0;
 
 #[derive(Debug, Clone, PartialEq)]
