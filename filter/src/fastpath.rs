@@ -315,19 +315,20 @@ impl Entry {
         let l = &self.lease;
         let ttl_ns = l.until_ns.saturating_sub(l.granted_ns);
         let left = l.tokens - cost;
+        // What is left lasts left × spent / used: compared without a division, in floating
+        // point (the products overflow 64 bits; an estimate is all it is).
         let soon = || {
             let used = l.granted.saturating_sub(l.tokens).saturating_add(cost);
             let spent_ns = now_ns.saturating_sub(l.started_ns.max(l.granted_ns)).max(1);
-            let lasts_ns = u128::from(left) * u128::from(spent_ns) / u128::from(used.max(1));
-            self.ask_rtt_ns > 0
-                && lasts_ns < u128::from(RENEW_ROUND_TRIPS) * u128::from(self.ask_rtt_ns)
+            (left as f64) * (spent_ns as f64)
+                < (RENEW_ROUND_TRIPS as f64) * (self.ask_rtt_ns as f64) * (used.max(1) as f64)
         };
         self.renewing_until_ns <= now_ns
             && !self.next.held(now_ns)
             && self.rejection(cost, now_ns).is_none()
             && (left.saturating_mul(4) < l.granted
                 || (l.until_ns - now_ns).saturating_mul(10) < ttl_ns
-                || soon())
+                || (self.ask_rtt_ns > 0 && soon()))
     }
 }
 
