@@ -817,11 +817,7 @@ mod tests {
     #[test]
     fn a_rejection_is_known_until_its_retry_after_counted_from_the_dispatch() {
         let m = Memory::default();
-        let t = Table {
-            store: &m,
-            slots: 64,
-            max_rejection_ns: u64::MAX,
-        };
+        let t = table(&m);
         let learned = rejected(2, 1500);
         t.learn("b", &learned, 10 * S, 10 * S);
         let e = t.get("b").unwrap();
@@ -850,11 +846,7 @@ mod tests {
     #[test]
     fn a_lease_pays_until_it_runs_out_or_its_time_ends_and_gives_back_only_to_itself() {
         let m = Memory::default();
-        let t = Table {
-            store: &m,
-            slots: 64,
-            max_rejection_ns: u64::MAX,
-        };
+        let t = table(&m);
         let start = t.begin_lease("h", 0, S).unwrap();
         assert_eq!(start.give_back, vec![]);
         assert!(t.begin_lease("h", 1, S).is_none(), "one ask in flight");
@@ -1052,10 +1044,14 @@ mod tests {
     }
 
     fn table(m: &Memory) -> Table<'_> {
+        table_of(m, 64, u64::MAX)
+    }
+
+    fn table_of(m: &Memory, slots: usize, max_rejection_ns: u64) -> Table<'_> {
         Table {
             store: m,
-            slots: 64,
-            max_rejection_ns: u64::MAX,
+            slots,
+            max_rejection_ns,
         }
     }
 
@@ -1113,11 +1109,7 @@ mod tests {
     #[test]
     fn a_long_rejection_is_answered_locally_only_up_to_the_cap_with_the_whole_wait() {
         let m = Memory::default();
-        let t = Table {
-            store: &m,
-            slots: 16,
-            max_rejection_ns: S,
-        };
+        let t = table_of(&m, 16, S);
         // Redis said: an hour to wait. Locally answered for a second after the callout.
         t.learn("h", &rejected(1, 3_600_000), 0, 10);
         assert!(
@@ -1145,11 +1137,7 @@ mod tests {
     #[test]
     fn a_lease_that_pays_goes_before_a_known_rejection() {
         let m = Memory::default();
-        let t = Table {
-            store: &m,
-            slots: 16,
-            max_rejection_ns: u64::MAX,
-        };
+        let t = table_of(&m, 16, u64::MAX);
         t.begin_lease("h", 0, S);
         grant(&t, 7, 2, 0, 0);
         t.learn("h", &rejected(1, 500), 0, 0);
@@ -1176,11 +1164,7 @@ mod tests {
     #[test]
     fn an_admission_of_an_unknown_bucket_writes_nothing() {
         let m = Memory::default();
-        let t = Table {
-            store: &m,
-            slots: 16,
-            max_rejection_ns: u64::MAX,
-        };
+        let t = table_of(&m, 16, u64::MAX);
         let admitted = Learned {
             cost: 1,
             limit: Some(limit()),
@@ -1212,11 +1196,7 @@ mod tests {
     #[test]
     fn another_bucket_takes_a_slot_only_once_its_entry_is_no_longer_live() {
         let m = Memory::default();
-        let t = Table {
-            store: &m,
-            slots: 1,
-            max_rejection_ns: u64::MAX,
-        };
+        let t = table_of(&m, 1, u64::MAX);
         t.begin_lease("a", 0, S);
         grant_to(&t, "a", 1, 10, 0, 0);
         assert_eq!(take(&t, "b", 1, 1), None, "b never pays with a's lease");

@@ -15,18 +15,36 @@ struct Gateway {
     envoy: Envoy,
 }
 
+/// The rule `hot`: one bucket for every request.
+fn hot_rule() -> serde_json::Value {
+    json!([{"name": "hot", "match": {"path_prefix": "/"}, "subject": [], "on_error": "deny"}])
+}
+
+/// An Envoy of `workers` workers with the filter's `rules` (and `fast_paths`, if given) in
+/// front of `upstream`, asking `sidecar`.
+fn envoy(
+    sidecar: &Sidecar,
+    upstream: &Upstream,
+    rules: serde_json::Value,
+    fast_paths: Option<serde_json::Value>,
+    workers: u32,
+) -> Envoy {
+    let mut plugin = plugin_with_rules(rules);
+    if let Some(f) = fast_paths {
+        plugin["fast_paths"] = f;
+    }
+    let config = EnvoyConfig::shipped("envoy.yaml", sidecar.port, upstream.port)
+        .plugin(&plugin.to_string())
+        .concurrency(workers);
+    Envoy::start(&config)
+}
+
 fn gateways(redis: &Redis, upstream: &Upstream, policy: &str, n: usize) -> Vec<Gateway> {
-    let plugin = plugin_with_rules(json!([
-        {"name": "hot", "match": {"path_prefix": "/"}, "subject": [], "on_error": "deny"}
-    ]));
     (0..n)
         .map(|_| {
             let sidecar =
                 Sidecar::with_policy(&redis.url(), policy, &["--redis-timeout-ms", "500"]);
-            let config = EnvoyConfig::shipped("envoy.yaml", sidecar.port, upstream.port)
-                .plugin(&plugin.to_string())
-                .concurrency(2);
-            let envoy = Envoy::start(&config);
+            let envoy = envoy(&sidecar, upstream, hot_rule(), None, 2);
             Gateway { sidecar, envoy }
         })
         .collect()
@@ -96,14 +114,8 @@ fn a_busy_key_renews_its_lease_before_it_runs_out() {
     let proxy = FaultProxy::start(redis.port);
     let policy = "rules:\n  hot: {capacity: 1000000000, refill_per_sec: 1000000}\n";
     let sidecar = Sidecar::with_policy(&proxy.url(), policy, &["--redis-timeout-ms", "500"]);
-    let plugin = plugin_with_rules(json!([
-        {"name": "hot", "match": {"path_prefix": "/"}, "subject": [], "on_error": "deny"}
-    ]));
-    let config = EnvoyConfig::shipped("envoy.yaml", sidecar.port, upstream.port)
-        .plugin(&plugin.to_string())
-        .concurrency(2);
     let g = &Gateway {
-        envoy: Envoy::start(&config),
+        envoy: envoy(&sidecar, &upstream, hot_rule(), None, 2),
         sidecar,
     };
     proxy.delay_replies(20);
@@ -141,14 +153,8 @@ fn a_busy_key_renews_its_lease_before_it_runs_out() {
 /// requests).
 fn small_leases(redis: &Redis, upstream: &Upstream, policy: &str) -> (Sidecar, Envoy) {
     let sidecar = Sidecar::with_policy(&redis.url(), policy, &[]);
-    let mut plugin = plugin_with_rules(json!([
-        {"name": "hot", "match": {"path_prefix": "/"}, "subject": [], "on_error": "deny"}
-    ]));
-    plugin["fast_paths"] = json!({"leases": {"max_tokens": 40, "ttl_ms": 60000}});
-    let config = EnvoyConfig::shipped("envoy.yaml", sidecar.port, upstream.port)
-        .plugin(&plugin.to_string())
-        .concurrency(2);
-    let envoy = Envoy::start(&config);
+    let leases = json!({"leases": {"max_tokens": 40, "ttl_ms": 60000}});
+    let envoy = envoy(&sidecar, upstream, hot_rule(), Some(leases), 2);
     (sidecar, envoy)
 }
 
@@ -243,15 +249,11 @@ fn two_busy_buckets_in_one_slot_do_not_strand_each_others_leases() {
         "rules:\n  a: {capacity: 300, refill_per_sec: 0.00002}\n  b: {capacity: 300, refill_per_sec: 0.00002}\n",
         &[],
     );
-    let mut plugin = plugin_with_rules(json!([
+    let rules = json!([
         {"name": "a", "match": {"path_prefix": "/a/"}, "subject": [], "on_error": "deny"},
         {"name": "b", "match": {"path_prefix": "/b/"}, "subject": [], "on_error": "deny"}
-    ]));
-    plugin["fast_paths"] = json!({"slots": 1});
-    let config = EnvoyConfig::shipped("envoy.yaml", sidecar.port, upstream.port)
-        .plugin(&plugin.to_string())
-        .concurrency(2);
-    let envoy = Envoy::start(&config);
+    ]);
+    let envoy = envoy(&sidecar, &upstream, rules, Some(json!({"slots": 1})), 2);
     let (a, b) = (envoy.url("/a/x"), envoy.url("/b/x"));
     // 200 requests to each, taking turns, one at a time: well inside both budgets.
     let c = http();
@@ -290,13 +292,7 @@ fn a_raised_limit_is_seen_through_a_known_rejection_with_a_long_wait() {
         "rules:\n  hot: {capacity: 2, refill_per_sec: 0.001}\n",
         &[],
     );
-    let plugin = plugin_with_rules(json!([
-        {"name": "hot", "match": {"path_prefix": "/"}, "subject": [], "on_error": "deny"}
-    ]));
-    let config = EnvoyConfig::shipped("envoy.yaml", sidecar.port, upstream.port)
-        .plugin(&plugin.to_string())
-        .concurrency(1);
-    let envoy = Envoy::start(&config);
+    let envoy = envoy(&sidecar, &upstream, hot_rule(), None, 1);
     let url = envoy.url("/x");
     let c = http();
     let first: Vec<u16> = (0..3).map(|_| get(&c, &url, &[]).status).collect();

@@ -371,14 +371,7 @@ mod tests {
         .unwrap();
         let _watch = h.watch();
         std::fs::write(&file, "rules:\n  r: {capacity: 7, refill_per_sec: 1}\n").unwrap();
-        let started = std::time::Instant::now();
-        while capacity(&h) != Some(7) {
-            assert!(
-                started.elapsed() < Duration::from_secs(10),
-                "the change was not seen"
-            );
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        capacity_becomes(&h, 7, Duration::from_secs(10), "the change was not seen").await;
         let checks = h.checks();
         // Half a second with no change but a log file written beside the policy: at most the
         // write's last event still on its way (one check), where the loop made about ten.
@@ -422,12 +415,21 @@ mod tests {
         version("..2026_12_01_b", 7);
         symlink("..2026_12_01_b", d.join("..data_tmp")).unwrap();
         std::fs::rename(d.join("..data_tmp"), d.join("..data")).unwrap();
+        capacity_becomes(
+            &h,
+            7,
+            POLL_INTERVAL,
+            "the update was not seen before the next poll",
+        )
+        .await;
+    }
+
+    /// Waits (polling) until the policy in force gives rule `r` `want` tokens; fails with
+    /// `why` after `within`.
+    async fn capacity_becomes(h: &PolicyHandle, want: u64, within: Duration, why: &str) {
         let started = std::time::Instant::now();
-        while capacity(&h) != Some(7) {
-            assert!(
-                started.elapsed() < POLL_INTERVAL,
-                "the update was not seen before the next poll"
-            );
+        while capacity(h) != Some(want) {
+            assert!(started.elapsed() < within, "{why}");
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
     }
