@@ -13,6 +13,7 @@ use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::{ClusterClientBuilder, ClusterConfig};
 use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{MultipleNodeRoutingInfo, ResponsePolicy, RoutingInfo};
+use redis::io::tcp::TcpSettings;
 use redis::sentinel::{SentinelClientBuilder, SentinelServerType};
 use redis::{
     AsyncConnectionConfig, ClientTlsConfig, Cmd, ConnectionAddr, ConnectionInfo,
@@ -217,9 +218,20 @@ fn read_client_identity(cert: &Path, key: &Path) -> Result<ClientTlsConfig, Stor
     })
 }
 
-/// Parses `url` for `flag`; the error shows the URL redacted.
+/// The TCP options of every connection to Redis (and to the Sentinels): `TCP_NODELAY`, which
+/// redis-rs leaves off. With Nagle's algorithm on, a script call written while an earlier one on
+/// the same connection is still unacknowledged waits for that acknowledgement, which comes with
+/// the earlier call's reply: the calls in flight per node (`--redis-pipeline`) then leave one per
+/// round trip and connection, and a decision waits for the replies of the calls ahead of it
+/// (`make scale`, part 3: docs/scaling.md).
+pub fn tcp_settings() -> TcpSettings {
+    TcpSettings::default().set_nodelay(true)
+}
+
+/// Parses `url` for `flag`, with [`tcp_settings`]; the error shows the URL redacted.
 fn connection_info(flag: &str, url: &str) -> Result<ConnectionInfo, StoreError> {
     url.into_connection_info()
+        .map(|info| info.set_tcp_settings(tcp_settings()))
         .map_err(|e| StoreError::Config(format!("{flag} {}: {e}", redacted_url(url))))
 }
 
@@ -275,7 +287,9 @@ fn sentinel_client(
         infos.iter().map(|i| i.addr().clone()),
         master,
         SentinelServerType::Master,
-    )?;
+    )?
+    .set_client_to_sentinel_tcp_settings(tcp_settings())
+    .set_client_to_redis_tcp_settings(tcp_settings());
     if let Some(u) = user {
         b = b.set_client_to_sentinel_username(u);
     }
@@ -506,7 +520,9 @@ impl Connection {
         // it would be sent again and charged twice. A failed call is answered as such, and a
         // MOVED is followed by the store (slot map refreshed, work regrouped). The client still
         // reconnects after a dropped connection.
-        let mut builder = ClusterClientBuilder::new(infos).retries(0);
+        let mut builder = ClusterClientBuilder::new(infos)
+            .retries(0)
+            .tcp_settings(tcp_settings());
         if let Some(certs) = access.certificates.clone() {
             builder = builder.certs(certs);
         }
