@@ -224,7 +224,7 @@ fn read_client_identity(cert: &Path, key: &Path) -> Result<ClientTlsConfig, Stor
 /// the earlier call's reply: the calls in flight per node (`--redis-pipeline`) then leave one per
 /// round trip and connection, and a decision waits for the replies of the calls ahead of it
 /// (`make scale`, part 3: docs/scaling.md).
-pub fn tcp_settings() -> TcpSettings {
+fn tcp_settings() -> TcpSettings {
     TcpSettings::default().set_nodelay(true)
 }
 
