@@ -5,14 +5,23 @@
 //! where the library that opens them has its own defaults.
 
 use std::collections::HashSet;
-use std::net::TcpStream;
 use std::os::fd::{FromRawFd, OwnedFd};
 
 use nix::libc;
+use nix::sys::socket::{getsockopt, sockopt};
 
-/// `TCP_NODELAY` of every established TCP connection that process `pid` holds to `remote_port`
+/// The options of one TCP connection that matter to a long-lived client connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct TcpOptions {
+    /// `TCP_NODELAY`: Nagle's algorithm off.
+    pub nodelay: bool,
+    /// `SO_KEEPALIVE`, with `TCP_KEEPIDLE`, `TCP_KEEPINTVL` (seconds) and `TCP_KEEPCNT` when on.
+    pub keepalive: Option<(u32, u32, u32)>,
+}
+
+/// The options of every established TCP connection that process `pid` holds to `remote_port`
 /// (on any address), in no particular order. Panics when `/proc` or the duplication fails.
-pub fn tcp_nodelay_to(pid: u32, remote_port: u16) -> Vec<bool> {
+pub fn tcp_options_to(pid: u32, remote_port: u16) -> Vec<TcpOptions> {
     let inodes = established_to(pid, remote_port);
     if inodes.is_empty() {
         return Vec::new();
@@ -61,12 +70,23 @@ pub fn tcp_nodelay_to(pid: u32, remote_port: u16) -> Vec<bool> {
             continue;
         }
         // SAFETY: pidfd_getfd returned a descriptor this process now owns, of a TCP socket.
-        let stream = TcpStream::from(unsafe { OwnedFd::from_raw_fd(dup as i32) });
-        found.push(
-            stream
-                .nodelay()
-                .unwrap_or_else(|e| panic!("TCP_NODELAY of fd {fd} of {pid}: {e}")),
-        );
+        let socket = unsafe { OwnedFd::from_raw_fd(dup as i32) };
+        let read = |what: &str, e: nix::Error| -> ! { panic!("{what} of fd {fd} of {pid}: {e}") };
+        let nodelay =
+            getsockopt(&socket, sockopt::TcpNoDelay).unwrap_or_else(|e| read("TCP_NODELAY", e));
+        let on =
+            getsockopt(&socket, sockopt::KeepAlive).unwrap_or_else(|e| read("SO_KEEPALIVE", e));
+        let keepalive = on.then(|| {
+            (
+                getsockopt(&socket, sockopt::TcpKeepIdle)
+                    .unwrap_or_else(|e| read("TCP_KEEPIDLE", e)),
+                getsockopt(&socket, sockopt::TcpKeepInterval)
+                    .unwrap_or_else(|e| read("TCP_KEEPINTVL", e)),
+                getsockopt(&socket, sockopt::TcpKeepCount)
+                    .unwrap_or_else(|e| read("TCP_KEEPCNT", e)),
+            )
+        });
+        found.push(TcpOptions { nodelay, keepalive });
     }
     found
 }
@@ -105,10 +125,11 @@ mod tests {
     use std::process::{Command, Stdio};
 
     #[test]
-    fn reads_the_option_of_another_process_s_connections() {
+    fn reads_the_options_of_another_process_s_connections() {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let port = listener.local_addr().unwrap().port();
-        // A child holding two connections to the listener, Nagle on (the default).
+        // A child holding two connections to the listener: one as opened (Nagle on, no
+        // keepalive), one with TCP_NODELAY and keepalive probes after 45 s, every 7 s, 4 of them.
         let mut child = Command::new("python3")
             .args([
                 "-c",
@@ -117,6 +138,10 @@ mod tests {
                      a=socket.create_connection(('127.0.0.1',{port}))\n\
                      b=socket.create_connection(('127.0.0.1',{port}))\n\
                      b.setsockopt(socket.IPPROTO_TCP,socket.TCP_NODELAY,1)\n\
+                     b.setsockopt(socket.SOL_SOCKET,socket.SO_KEEPALIVE,1)\n\
+                     b.setsockopt(socket.IPPROTO_TCP,socket.TCP_KEEPIDLE,45)\n\
+                     b.setsockopt(socket.IPPROTO_TCP,socket.TCP_KEEPINTVL,7)\n\
+                     b.setsockopt(socket.IPPROTO_TCP,socket.TCP_KEEPCNT,4)\n\
                      print('up',flush=True)\n\
                      sys.stdin.read()"
                 ),
@@ -133,10 +158,22 @@ mod tests {
             &mut line,
         )
         .unwrap();
-        let mut got = tcp_nodelay_to(child.id(), port);
+        let mut got = tcp_options_to(child.id(), port);
         got.sort();
         let _ = child.kill();
         let _ = child.wait();
-        assert_eq!(got, vec![false, true]);
+        assert_eq!(
+            got,
+            vec![
+                TcpOptions {
+                    nodelay: false,
+                    keepalive: None
+                },
+                TcpOptions {
+                    nodelay: true,
+                    keepalive: Some((45, 7, 4))
+                },
+            ]
+        );
     }
 }

@@ -13,6 +13,7 @@ use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::{ClusterClientBuilder, ClusterConfig};
 use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{MultipleNodeRoutingInfo, ResponsePolicy, RoutingInfo};
+use redis::io::tcp::socket2::TcpKeepalive;
 use redis::io::tcp::TcpSettings;
 use redis::sentinel::{SentinelClientBuilder, SentinelServerType};
 use redis::{
@@ -218,14 +219,31 @@ fn read_client_identity(cert: &Path, key: &Path) -> Result<ClientTlsConfig, Stor
     })
 }
 
-/// The TCP options of every connection to Redis (and to the Sentinels): `TCP_NODELAY`, which
-/// redis-rs leaves off. With Nagle's algorithm on, a script call written while an earlier one on
-/// the same connection is still unacknowledged waits for that acknowledgement, which comes with
-/// the earlier call's reply: the calls in flight per node (`--redis-pipeline`) then leave one per
-/// round trip and connection, and a decision waits for the replies of the calls ahead of it
-/// (`make scale`, part 3: docs/scaling.md).
+/// Idle time before the first keepalive probe on a connection to Redis, the time between probes,
+/// and the probes unanswered before the kernel gives the connection up.
+pub const REDIS_KEEPALIVE: (Duration, Duration, u32) =
+    (Duration::from_secs(60), Duration::from_secs(10), 3);
+
+/// The TCP options of every connection to Redis (and to the Sentinels), where redis-rs leaves
+/// both off:
+/// - `TCP_NODELAY`. With Nagle's algorithm on, a script call written while an earlier one on the
+///   same connection is still unacknowledged waits for that acknowledgement, which comes with the
+///   earlier call's reply: the calls in flight per node (`--redis-pipeline`) then leave one per
+///   round trip and connection, and a decision waits for the replies of the calls ahead of it
+///   (`make scale`, part 3: docs/scaling.md).
+/// - Keepalive probes ([`REDIS_KEEPALIVE`]). A NAT or load balancer between the sidecar and Redis
+///   may forget an idle connection without a word (Azure's after 4 minutes, where Redis probes
+///   every 5); the first decision after a quiet night would then wait out a dead connection
+///   (max(`--redis-timeout-ms`, 1 s)) before it is replaced. Probing every minute keeps the path's
+///   state alive, and finds a Redis host that vanished while no decision was asked.
 fn tcp_settings() -> TcpSettings {
-    TcpSettings::default().set_nodelay(true)
+    let (idle, interval, retries) = REDIS_KEEPALIVE;
+    TcpSettings::default().set_nodelay(true).set_keepalive(
+        TcpKeepalive::new()
+            .with_time(idle)
+            .with_interval(interval)
+            .with_retries(retries),
+    )
 }
 
 /// Parses `url` for `flag`, with [`tcp_settings`]; the error shows the URL redacted.
