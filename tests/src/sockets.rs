@@ -5,7 +5,7 @@
 //! where the library that opens them has its own defaults.
 
 use std::collections::HashSet;
-use std::os::fd::{FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
 use nix::libc;
 use nix::sys::socket::{getsockopt, sockopt};
@@ -55,7 +55,6 @@ pub fn tcp_options_to(pid: u32, remote_port: u16) -> Vec<TcpOptions> {
         let Ok(fd) = entry.file_name().to_string_lossy().parse::<libc::c_long>() else {
             continue;
         };
-        use std::os::fd::AsRawFd;
         // SAFETY: as above; the duplicate is a new descriptor of this process.
         let dup = unsafe {
             libc::syscall(
