@@ -386,6 +386,116 @@ async fn envoy_stage(
     (r, callouts / requests.max(1.0))
 }
 
+/// The `edge` rule of [`POLICY`]: the hot key at its limit.
+const EDGE_CAPACITY: f64 = 2000.0;
+const EDGE_REFILL: f64 = 2000.0;
+/// The defaults that size a lease: the sidecar's `--lease-max-share` and the filter's
+/// `fast_paths.leases.max_tokens`.
+const LEASE_MAX_SHARE: f64 = 0.1;
+const LEASE_MAX_TOKENS: f64 = 1000.0;
+
+/// The hot key at its limit, measured once per worker count: one client far over a finite bucket
+/// (every fast path on: leases, known rejections), its bucket fresh and full at the start.
+struct AtLimit {
+    admitted: u64,
+    rejected: u64,
+    errors: u64,
+    seconds: f64,
+    callouts: f64,
+}
+
+impl AtLimit {
+    /// What the bucket could admit at most in the stage: `C + r·T`.
+    fn exact_bound(&self) -> f64 {
+        EDGE_CAPACITY + EDGE_REFILL * self.seconds
+    }
+    /// What leases can withhold from one Envoy at most: two leases (the one in use and the
+    /// next) of `L = min(max_tokens, max_share × C)` each (docs/fast-paths.md, deviation).
+    fn lease_bound() -> f64 {
+        2.0 * LEASE_MAX_TOKENS.min(LEASE_MAX_SHARE * EDGE_CAPACITY)
+    }
+    fn over(&self) -> f64 {
+        (self.admitted as f64 - self.exact_bound().floor()).max(0.0)
+    }
+    fn under(&self) -> f64 {
+        (self.exact_bound() - self.admitted as f64).max(0.0)
+    }
+}
+
+/// Runs the at-its-limit stage against a fresh Envoy: `args.concurrency` callers as one client
+/// (`client` names its address, so every run has a bucket of its own), no warm-up (the bucket is
+/// full at the first request), `args.seconds` long. Every answer is counted: 200 admitted, 429
+/// rejected, anything else an error.
+async fn at_limit_stage(
+    yaml: String,
+    workers: u32,
+    http: reqwest::Client,
+    args: &Args,
+    client: u32,
+) -> AtLimit {
+    let (child, port, admin, _dir) = off_runtime(move || envoy_from_yaml(&yaml, workers)).await;
+    let child = Reaped(child);
+    let url = format!("http://127.0.0.1:{port}/edge/x");
+    let address = format!("10.250.{}.{}", (client >> 8) & 255, client & 255);
+    let stop = Arc::new(AtomicBool::new(false));
+    let start = Instant::now();
+    let mut tasks = Vec::new();
+    for _ in 0..args.concurrency {
+        let (http, url, address, stop) = (http.clone(), url.clone(), address.clone(), stop.clone());
+        tasks.push(tokio::spawn(async move {
+            let (mut admitted, mut rejected, mut errors) = (0u64, 0u64, 0u64);
+            while !stop.load(Ordering::Relaxed) {
+                let sent = http
+                    .get(&url)
+                    .header("x-forwarded-for", &address)
+                    .send()
+                    .await;
+                match sent {
+                    Ok(r) => {
+                        let status = r.status().as_u16();
+                        let _ = r.bytes().await;
+                        match status {
+                            200 => admitted += 1,
+                            429 => rejected += 1,
+                            _ => errors += 1,
+                        }
+                    }
+                    Err(_) => {
+                        errors += 1;
+                        tokio::task::yield_now().await;
+                    }
+                }
+            }
+            (admitted, rejected, errors)
+        }));
+    }
+    tokio::time::sleep(Duration::from_secs(args.seconds)).await;
+    stop.store(true, Ordering::Relaxed);
+    let (mut admitted, mut rejected, mut errors) = (0, 0, 0);
+    for t in tasks {
+        let (a, r, e) = t.await.expect("at-limit task");
+        admitted += a;
+        rejected += r;
+        errors += e;
+    }
+    // Every answer counted arrived before this: the bound's time covers all of them.
+    let seconds = start.elapsed().as_secs_f64();
+    let callouts = off_runtime(move || {
+        envoy_stat(admin, "ratelimit.callouts")
+            / (envoy_stat(admin, "ratelimit.admitted") + envoy_stat(admin, "ratelimit.rejected"))
+                .max(1.0)
+    })
+    .await;
+    drop(child);
+    AtLimit {
+        admitted,
+        rejected,
+        errors,
+        seconds,
+        callouts,
+    }
+}
+
 /// A child process, killed and reaped when dropped.
 struct Reaped(std::process::Child);
 
@@ -509,6 +619,7 @@ const POLICY: &str = "rules:
   many: {capacity: 999999999999, refill_per_sec: 1000000000}
   hot: {capacity: 999999999999, refill_per_sec: 1000000000}
   flood: {capacity: 1, refill_per_sec: 0.000001}
+  edge: {capacity: 2000, refill_per_sec: 2000}
   mem: {capacity: 100, refill_per_sec: 1}
 ";
 
@@ -522,7 +633,8 @@ fn plugin(fast: bool) -> serde_json::Value {
         "rules": [
             {"name": "many", "match": {"path_prefix": "/many/"}, "subject": ["ip"], "on_error": "deny"},
             {"name": "hot", "match": {"path_prefix": "/hot/"}, "subject": [], "on_error": "deny"},
-            {"name": "flood", "match": {"path_prefix": "/flood/"}, "subject": [], "on_error": "deny"}
+            {"name": "flood", "match": {"path_prefix": "/flood/"}, "subject": [], "on_error": "deny"},
+            {"name": "edge", "match": {"path_prefix": "/edge/"}, "subject": ["ip"], "on_error": "deny"}
         ]
     });
     if !fast {
@@ -1263,7 +1375,14 @@ fn main() {
                 println!("-- medians of {rounds} rounds, {workers} worker(s)");
                 run.print();
             }
-            runs.push((run, measured));
+            println!("-- the hot key at its limit, {workers} worker(s)");
+            let yaml = edit_config(&config(true), Filter::Wasm, &noop_str, &wasm_str);
+            let edge = at_limit_stage(yaml, workers, http.clone(), &args, workers).await;
+            println!(
+                "hot key at its limit: {} admitted, {} rejected, {} errors in {:.1} s; {:.4} callouts/request",
+                edge.admitted, edge.rejected, edge.errors, edge.seconds, edge.callouts
+            );
+            runs.push((run, measured, edge));
         }
 
 
@@ -1294,7 +1413,7 @@ fn main() {
             args.rounds.max(1)
         );
         let script_redis = script_one.cpu_per_decision("redis");
-        for (run, rounds) in &runs {
+        for (run, rounds, edge) in &runs {
             let w = run.workers;
             let find = |wl: Workload| run.wasm.iter().find(|(x, ..)| *x == wl).expect("workload");
             let judged = judge(run, script_redis);
@@ -1379,6 +1498,20 @@ fn main() {
                     if wanted { format!(" ({})", verdict(&key)) } else { String::new() }
                 );
             }
+            println!(
+                "[{w} worker(s)] hot key at its limit ({EDGE_CAPACITY} + {EDGE_REFILL}/s, {} callers as one client, {:.1} s): {} admitted, exact bound C + r·T = {:.0}: over-admission {:.0} (goal 0: {}); under-admission {:.0} tokens ({:.1}% of the bound; leases withhold at most 2·L = {:.0} per Envoy, plus {} errors), {:.4} callouts/request",
+                args.concurrency,
+                edge.seconds,
+                edge.admitted,
+                edge.exact_bound(),
+                edge.over(),
+                if edge.over() == 0.0 { "met" } else { "NOT met" },
+                edge.under(),
+                100.0 * edge.under() / edge.exact_bound(),
+                AtLimit::lease_bound(),
+                edge.errors,
+                edge.callouts
+            );
             if rounds.len() > 1 {
                 print_rounds(w, &judged, rounds, script_redis);
             }
@@ -1560,6 +1693,23 @@ mod tests {
             js.iter().all(|j| !j.key.starts_with("loaded")),
             "no loaded stages, no goals"
         );
+    }
+
+    #[test]
+    fn the_hot_key_at_its_limit_is_held_to_its_exact_bound() {
+        let edge = |admitted| AtLimit {
+            admitted,
+            rejected: 0,
+            errors: 0,
+            seconds: 4.0,
+            callouts: 0.0,
+        };
+        // 2000 + 2000/s over 4 s: 10,000 tokens at most.
+        assert_eq!(edge(9_990).exact_bound(), 10_000.0);
+        assert_eq!((edge(9_990).over(), edge(9_990).under()), (0.0, 10.0));
+        assert_eq!((edge(10_003).over(), edge(10_003).under()), (3.0, 0.0));
+        // Two leases of min(1000, 10% of 2000) tokens.
+        assert_eq!(AtLimit::lease_bound(), 400.0);
     }
 
     #[test]
