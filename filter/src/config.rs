@@ -77,6 +77,11 @@ pub struct FastPaths {
     /// Callouts in flight per worker at once. Default: 1.
     #[serde(default = "default_max_in_flight")]
     pub max_in_flight: usize,
+    /// With `coalesce`: the workers of one Envoy share callouts. One worker (the courier) sends
+    /// the queued requests of every worker in its callouts and posts each answer back to the
+    /// request's own worker, through proxy-wasm shared queues. Default: true.
+    #[serde(default = "yes")]
+    pub share_callouts: bool,
     /// After a rejection, answer the same bucket and cost 429 locally until its `retry_after`.
     /// Default: true.
     #[serde(default = "yes")]
@@ -101,6 +106,7 @@ impl Default for FastPaths {
             coalesce: true,
             max_batch: default_max_batch(),
             max_in_flight: default_max_in_flight(),
+            share_callouts: true,
             known_rejections: true,
             max_rejection_ms: default_max_rejection_ms(),
             leases: Leases::default(),
@@ -1090,7 +1096,7 @@ pub(crate) mod tests {
         assert_eq!(c.rate_limit_headers, RateLimitHeaders::OnReject);
         assert_eq!(c.stat_prefix, "ratelimit");
         let f = &c.fast_paths;
-        assert!(f.coalesce);
+        assert!(f.coalesce && f.share_callouts);
         assert_eq!((f.max_batch, f.max_in_flight, f.slots), (64, 1, 4096));
         assert!(f.known_rejections);
         assert_eq!(
@@ -1116,7 +1122,7 @@ pub(crate) mod tests {
             v["fast_paths"] = json!({"coalesce": false, "leases": {"enabled": false}})
         })
         .fast_paths;
-        assert!(!some.coalesce && !some.leases.enabled);
+        assert!(!some.coalesce && !some.leases.enabled && some.share_callouts);
         assert_eq!(
             (some.max_batch, some.leases.ttl_ms, some.leases.max_tokens),
             (64, 1000, 1000)
@@ -1175,6 +1181,13 @@ pub(crate) mod tests {
         assert!(p[0].starts_with("rules[1].cost: invalid type"), "{p:?}");
         let p = problems(&edited(|v| v["fast_paths"] = json!({"max_batch": -1})));
         assert!(p[0].starts_with("fast_paths.max_batch: invalid"), "{p:?}");
+        let p = problems(&edited(|v| {
+            v["fast_paths"] = json!({"share_callouts": "yes"})
+        }));
+        assert!(
+            p[0].starts_with("fast_paths.share_callouts: invalid type"),
+            "{p:?}"
+        );
         let p = problems(&edited(|v| v["domain"] = 7.into()));
         assert!(p[0].starts_with("domain: invalid type"), "{p:?}");
     }
@@ -1684,7 +1697,7 @@ pub(crate) mod tests {
         // The bounds themselves are accepted.
         let f = accepted(|v| {
             v["fast_paths"] = json!({
-                "coalesce": false, "known_rejections": false,
+                "coalesce": false, "known_rejections": false, "share_callouts": false,
                 "max_batch": 256, "max_in_flight": 64, "slots": 1 << 20,
                 "max_rejection_ms": 86_400_000,
                 "leases": {"enabled": false, "min_rate_per_sec": 0.001, "ttl_ms": 60_000,
@@ -1698,6 +1711,7 @@ pub(crate) mod tests {
                 coalesce: false,
                 max_batch: 256,
                 max_in_flight: 64,
+                share_callouts: false,
                 known_rejections: false,
                 max_rejection_ms: 86_400_000,
                 leases: Leases {

@@ -42,6 +42,7 @@ use ratelimit_wire::{
 };
 
 use crate::config::{Config, FastPaths};
+use crate::courier;
 use crate::emergency::{self, Bucket, SharedStore, StoreError};
 use crate::fastpath::{self, Hotness, KnownLimit, Learned, LeaseStart, Outcome, Probe, Table, Why};
 use crate::identity::{self, Facts, ROUTE_NAME_PROPERTY, SOURCE_ADDRESS_PROPERTY};
@@ -82,6 +83,7 @@ struct Metrics {
     known_rejections: u32,
     lease_admitted: u32,
     callouts: u32,
+    forwarded: u32,
     decision_us: u32,
     batch_requests: u32,
     rules: Vec<RuleStats>,
@@ -117,6 +119,7 @@ impl Metrics {
             known_rejections: counter("known_rejections")?,
             lease_admitted: counter("lease_admitted")?,
             callouts: counter("callouts")?,
+            forwarded: counter("forwarded")?,
             decision_us: histogram("decision_us")?,
             batch_requests: histogram("batch_requests")?,
             rules,
@@ -200,7 +203,16 @@ struct Waiting {
 /// One callout in flight: the requests it carries, and when it was sent.
 struct Flight {
     contexts: Vec<u32>,
+    /// Requests of other workers it carries (their worker's nonce, their context), after
+    /// `contexts` in the call.
+    foreign: Vec<(u64, u32)>,
     dispatched_ns: u64,
+}
+
+/// A request of another worker, waiting in the courier for a callout.
+struct Foreign {
+    origin: u64,
+    request: courier::Forwarded,
 }
 
 /// A worker VM's shared state.
@@ -215,6 +227,14 @@ struct Vm {
     wake_pending: bool,
     hotness: Hotness,
     nonce: u64,
+    /// Shared callouts: this plugin's VM id (queues are resolved by it) and the shared-data key
+    /// naming the courier; `None` when callouts are not shared.
+    sharing: Option<(String, String)>,
+    /// As the courier: other workers' requests waiting for a callout.
+    foreign: VecDeque<Foreign>,
+    /// Requests this worker forwarded to the courier, with when they were sent; at most one
+    /// forward is out at a time (as one callout of its own would be).
+    forwarded: HashMap<u32, u64>,
     lease_counter: u64,
     /// Headers to add to the upstream's response, by context.
     response_headers: HashMap<u32, Vec<(String, String)>>,
@@ -262,7 +282,8 @@ impl Context for Root {
             plugin.metrics.decision_us,
             now.saturating_sub(flight.dispatched_ns) / 1_000,
         );
-        let answers = read_answer(num_headers, body_size, flight.contexts.len());
+        let own = flight.contexts.len();
+        let answers = read_answer(num_headers, body_size, own + flight.foreign.len());
         counting(|| {
             for (i, ctx) in flight.contexts.iter().enumerate() {
                 let answer = match &answers {
@@ -271,6 +292,10 @@ impl Context for Root {
                 };
                 settle_waiting(&vm, *ctx, answer, flight.dispatched_ns, true);
             }
+        });
+        answer_foreign(&vm, &flight.foreign, |j| match &answers {
+            Ok(a) => Ok(a.answers[own + j].clone()),
+            Err(e) => Err(e.clone()),
         });
         let _ = abi::set_effective_context(self.id);
         pump(&vm);
@@ -322,13 +347,26 @@ impl RootContext for Root {
         }
         let nonce = RandomState::new().hash_one(now);
         let mut queue_id = None;
+        let mut sharing = None;
         if config.fast_paths.coalesce {
             // A queue of this VM's own (the name is unique), so a wake-up reaches this worker.
-            match abi::register_shared_queue(&format!("ratelimit.wake.{nonce:016x}")) {
+            match abi::register_shared_queue(&courier::queue_name(nonce)) {
                 Ok(id) => queue_id = Some(id),
                 Err(status) => {
                     error!("ratelimit filter: cannot register the wake-up queue: status {status}");
                     return false;
+                }
+            }
+            if config.fast_paths.share_callouts {
+                // The worker configured last is the courier (until one takes over).
+                let vm_id =
+                    abi::property(&["plugin_vm_id"]).and_then(|b| String::from_utf8(b).ok());
+                let key = courier::key(&config.stat_prefix, &config.domain);
+                match vm_id {
+                    Some(vm_id) if abi::set_shared_data(&key, &nonce.to_le_bytes(), None).is_ok() => {
+                        sharing = Some((vm_id, key));
+                    }
+                    _ => warn!("ratelimit filter: cannot share callouts (no VM id or shared data): each worker sends its own"),
                 }
             }
             let tick_ms = (config.sidecar.timeout_ms / 2).clamp(1, 50);
@@ -360,6 +398,9 @@ impl RootContext for Root {
             wake_pending: false,
             hotness: Hotness::default(),
             nonce,
+            sharing,
+            foreign: VecDeque::new(),
+            forwarded: HashMap::new(),
             lease_counter: 0,
             response_headers: HashMap::new(),
         })));
@@ -367,11 +408,48 @@ impl RootContext for Root {
     }
 
     fn on_queue_ready(&mut self, queue_id: u32) {
-        while let Ok(Some(_)) = abi::dequeue_shared_queue(queue_id) {}
-        if let Some(vm) = self.vm.clone() {
-            vm.borrow_mut().wake_pending = false;
-            pump(&vm);
+        let Some(vm) = self.vm.clone() else {
+            while let Ok(Some(_)) = abi::dequeue_shared_queue(queue_id) {}
+            return;
+        };
+        while let Ok(Some(message)) = abi::dequeue_shared_queue(queue_id) {
+            match message.split_first() {
+                Some((&courier::FORWARD, body)) => {
+                    match serde_json::from_slice::<courier::Forward>(body) {
+                        Ok(f) => {
+                            let mut v = vm.borrow_mut();
+                            for request in f.requests {
+                                v.foreign.push_back(Foreign {
+                                    origin: f.origin,
+                                    request,
+                                });
+                            }
+                        }
+                        Err(e) => warn!("ratelimit filter: a malformed forward from a worker: {e}"),
+                    }
+                }
+                Some((&courier::ANSWERS, body)) => {
+                    match serde_json::from_slice::<courier::Answers>(body) {
+                        Ok(a) => counting(|| {
+                            for (ctx, answer) in a.answers {
+                                let sent = vm.borrow_mut().forwarded.remove(&ctx);
+                                if let Some(sent_ns) = sent {
+                                    settle_waiting(&vm, ctx, answer, sent_ns, true);
+                                }
+                            }
+                        }),
+                        Err(e) => {
+                            warn!("ratelimit filter: malformed answers from the courier: {e}")
+                        }
+                    }
+                }
+                // A wake-up.
+                _ => {}
+            }
         }
+        let _ = abi::set_effective_context(self.id);
+        vm.borrow_mut().wake_pending = false;
+        pump(&vm);
     }
 
     fn on_tick(&mut self) {
@@ -397,6 +475,32 @@ impl RootContext for Root {
         for ctx in expired {
             settle_waiting(&vm, ctx, Err(LimiterError::NoAnswer), now, true);
         }
+        // Requests forwarded to the courier and not answered by their deadline: their failure
+        // policy, and this worker takes the courier's place (it may be gone or stuck).
+        let overdue: Vec<u32> = {
+            let mut v = vm.borrow_mut();
+            let Vm {
+                forwarded, waiting, ..
+            } = &mut *v;
+            let mut overdue = Vec::new();
+            forwarded.retain(|c, _| match waiting.get(c) {
+                Some(w) if w.deadline_ns <= now => {
+                    overdue.push(*c);
+                    false
+                }
+                Some(_) => true,
+                None => false,
+            });
+            overdue
+        };
+        if !overdue.is_empty() {
+            take_over(&vm);
+            for ctx in overdue {
+                settle_waiting(&vm, ctx, Err(LimiterError::NoAnswer), now, true);
+            }
+            let _ = abi::set_effective_context(self.id);
+            pump(&vm);
+        }
         let _ = abi::set_effective_context(self.id);
     }
 
@@ -414,55 +518,71 @@ impl RootContext for Root {
 }
 
 /// Sends the queue as callouts while fewer than `max_in_flight` are out. Runs in the root
-/// context (its callbacks), so the callouts are the root's.
+/// context (its callbacks), so the callouts are the root's. When callouts are shared and another
+/// worker is the courier, the queue goes to the courier instead (one forward out at a time).
 fn pump(vm: &SharedVm) {
+    if let Some(c) = other_courier(vm) {
+        if forward(vm, c) {
+            return;
+        }
+        // The courier's queue is gone (its VM was replaced): this worker takes its place.
+        take_over(vm);
+    }
     loop {
-        let (plugin, batch, body, timeout_ms) = {
+        let (plugin, batch, foreign, body, timeout_ms) = {
             let mut v = vm.borrow_mut();
             let plugin = v.plugin.clone();
             let fp = &plugin.config.fast_paths;
-            if v.flights.len() >= fp.max_in_flight || v.queue.is_empty() {
+            if v.flights.len() >= fp.max_in_flight || (v.queue.is_empty() && v.foreign.is_empty()) {
                 return;
             }
             let now = now_ns();
+            // Other workers' requests past their deadline were settled there: not sent.
+            v.foreign.retain(|f| f.request.deadline_ns > now);
             // At most max_batch requests, and within the wire's bounds on decisions and returns
-            // per call (a request that would pass them waits for the next callout).
-            let mut batch = Vec::new();
-            let (mut decisions, mut returns) = (0, 0);
-            while batch.len() < fp.max_batch {
-                let Some(&ctx) = v.queue.front() else {
+            // per call (a request that would pass them waits for the next callout). Other
+            // workers' requests get up to half the batch first, so neither side waits behind the
+            // other.
+            let mut budget = Budget::default();
+            let reserved = v.foreign.len().min(fp.max_batch / 2);
+            let mut batch = take_batch(&mut v, fp.max_batch - reserved, &mut budget);
+            let mut foreign = Vec::new();
+            while batch.len() + foreign.len() < fp.max_batch {
+                let Some(f) = v.foreign.front() else {
                     break;
                 };
-                let Some(w) = v.waiting.get(&ctx) else {
-                    v.queue.pop_front();
-                    continue;
-                };
-                let (d, r) = (w.remote.len(), w.returns.len());
-                if !batch.is_empty()
-                    && (decisions + d > MAX_CALL_DECISIONS || returns + r > MAX_RETURNS)
-                {
+                let (d, r) = (f.request.decisions.decisions.len(), f.request.returns.len());
+                if !budget.admits(d, r) {
                     break;
                 }
-                v.queue.pop_front();
-                batch.push(ctx);
-                decisions += d;
-                returns += r;
+                budget.add(d, r);
+                foreign.extend(v.foreign.pop_front());
             }
-            if batch.is_empty() {
+            let room = fp.max_batch - batch.len() - foreign.len();
+            batch.extend(take_batch(&mut v, room, &mut budget));
+            if batch.is_empty() && foreign.is_empty() {
                 return;
             }
             let deadline = batch
                 .iter()
                 .filter_map(|c| v.waiting.get(c))
                 .map(|w| w.deadline_ns)
+                .chain(foreign.iter().map(|f| f.request.deadline_ns))
                 .min()
                 .unwrap_or(now);
             let timeout_ms = deadline.saturating_sub(now).div_ceil(1_000_000).max(1);
-            let body = call_body(&plugin.config, &v, &batch);
-            (plugin, batch, body, timeout_ms)
+            let body = call_body(&plugin.config, &v, &batch, &foreign);
+            let foreign: Vec<(u64, u32)> = foreign
+                .iter()
+                .map(|f| (f.origin, f.request.context))
+                .collect();
+            (plugin, batch, foreign, body, timeout_ms)
         };
         let dispatched = dispatch(&plugin, &body, timeout_ms);
-        let _ = abi::record_metric(plugin.metrics.batch_requests, batch.len() as u64);
+        let _ = abi::record_metric(
+            plugin.metrics.batch_requests,
+            (batch.len() + foreign.len()) as u64,
+        );
         match dispatched {
             Ok(token) => {
                 count(plugin.metrics.callouts);
@@ -470,6 +590,7 @@ fn pump(vm: &SharedVm) {
                     token,
                     Flight {
                         contexts: batch,
+                        foreign,
                         dispatched_ns: now_ns(),
                     },
                 );
@@ -479,6 +600,7 @@ fn pump(vm: &SharedVm) {
                 for ctx in batch {
                     settle_waiting(vm, ctx, Err(e.clone()), now, true);
                 }
+                answer_foreign(vm, &foreign, |_| Err(e.clone()));
                 let root = vm.borrow().root_id;
                 let _ = abi::set_effective_context(root);
                 return;
@@ -487,13 +609,174 @@ fn pump(vm: &SharedVm) {
     }
 }
 
-/// The body of a callout for `contexts` (waiting requests of this VM).
+/// Decisions and returns taken into one call so far, against the wire's bounds.
+#[derive(Default)]
+struct Budget {
+    requests: usize,
+    decisions: usize,
+    returns: usize,
+}
+
+impl Budget {
+    /// Whether a request of `d` decisions and `r` returns still fits (the first always does).
+    fn admits(&self, d: usize, r: usize) -> bool {
+        self.requests == 0
+            || (self.decisions + d <= MAX_CALL_DECISIONS && self.returns + r <= MAX_RETURNS)
+    }
+    fn add(&mut self, d: usize, r: usize) {
+        self.requests += 1;
+        self.decisions += d;
+        self.returns += r;
+    }
+}
+
+/// Takes up to `max` requests from the front of the queue, within `budget`.
+fn take_batch(v: &mut Vm, max: usize, budget: &mut Budget) -> Vec<u32> {
+    let mut batch = Vec::new();
+    while batch.len() < max {
+        let Some(&ctx) = v.queue.front() else {
+            break;
+        };
+        let Some(w) = v.waiting.get(&ctx) else {
+            v.queue.pop_front();
+            continue;
+        };
+        let (d, r) = (w.remote.len(), w.returns.len());
+        if !budget.admits(d, r) {
+            break;
+        }
+        v.queue.pop_front();
+        batch.push(ctx);
+        budget.add(d, r);
+    }
+    batch
+}
+
+/// The courier's nonce when callouts are shared and another worker is the courier. A worker
+/// that finds no courier named takes the place.
+fn other_courier(vm: &SharedVm) -> Option<u64> {
+    let (me, key) = {
+        let v = vm.borrow();
+        (v.nonce, v.sharing.as_ref()?.1.clone())
+    };
+    match abi::get_shared_data(&key)
+        .0
+        .as_deref()
+        .and_then(courier::decode_nonce)
+    {
+        Some(c) if c != me => Some(c),
+        Some(_) => None,
+        None => {
+            take_over(vm);
+            None
+        }
+    }
+}
+
+/// Names this worker the courier (the last to write is).
+fn take_over(vm: &SharedVm) {
+    let v = vm.borrow();
+    if let Some((_, key)) = &v.sharing {
+        if let Err(status) = abi::set_shared_data(key, &v.nonce.to_le_bytes(), None) {
+            warn!("ratelimit filter: cannot name this worker the courier: status {status}");
+        }
+    }
+}
+
+/// Sends the queue to the courier, unless a forward is still out. False when the courier's
+/// queue cannot be reached (nothing was taken from the queue then).
+fn forward(vm: &SharedVm, courier_nonce: u64) -> bool {
+    let mut v = vm.borrow_mut();
+    if !v.forwarded.is_empty() || v.queue.is_empty() {
+        return true;
+    }
+    let Some((vm_id, _)) = v.sharing.clone() else {
+        return false;
+    };
+    let Ok(Some(queue)) =
+        hostcalls::resolve_shared_queue(&vm_id, &courier::queue_name(courier_nonce))
+    else {
+        return false;
+    };
+    let plugin = v.plugin.clone();
+    let config = &plugin.config;
+    let batch = take_batch(&mut v, config.fast_paths.max_batch, &mut Budget::default());
+    let requests: Vec<courier::Forwarded> = batch
+        .iter()
+        .filter_map(|c| {
+            let w = v.waiting.get(c)?;
+            Some(courier::Forwarded {
+                context: *c,
+                decisions: RequestDecisions {
+                    decisions: decisions(config, w),
+                },
+                returns: w.returns.clone(),
+                deadline_ns: w.deadline_ns,
+            })
+        })
+        .collect();
+    let message = courier::encode(
+        courier::FORWARD,
+        &courier::Forward {
+            origin: v.nonce,
+            requests,
+        },
+    );
+    if abi::enqueue_shared_queue(queue, &message).is_err() {
+        for c in batch.into_iter().rev() {
+            v.queue.push_front(c);
+        }
+        return false;
+    }
+    let now = now_ns();
+    add(plugin.metrics.forwarded, batch.len() as i64);
+    for c in batch {
+        v.forwarded.insert(c, now);
+    }
+    true
+}
+
+/// Posts the answers to other workers' requests a callout carried back to their workers: `answer`
+/// gives the one of the `j`-th of `foreign`. A worker whose queue is gone has nothing to answer.
+fn answer_foreign(
+    vm: &SharedVm,
+    foreign: &[(u64, u32)],
+    answer: impl Fn(usize) -> Result<RequestAnswer, LimiterError>,
+) {
+    if foreign.is_empty() {
+        return;
+    }
+    let Some((vm_id, _)) = vm.borrow().sharing.clone() else {
+        return;
+    };
+    let mut by_origin: BTreeMap<u64, Vec<courier::Answer>> = BTreeMap::new();
+    for (j, (origin, ctx)) in foreign.iter().enumerate() {
+        by_origin
+            .entry(*origin)
+            .or_default()
+            .push((*ctx, answer(j)));
+    }
+    for (origin, answers) in by_origin {
+        let message = courier::encode(courier::ANSWERS, &courier::Answers { answers });
+        match hostcalls::resolve_shared_queue(&vm_id, &courier::queue_name(origin)) {
+            Ok(Some(q)) => {
+                if let Err(status) = abi::enqueue_shared_queue(q, &message) {
+                    debug!("ratelimit filter: cannot answer worker {origin:016x}: status {status}");
+                }
+            }
+            _ => debug!("ratelimit filter: worker {origin:016x} is gone: its answers dropped"),
+        }
+    }
+}
+
+/// The body of a callout for `contexts` (waiting requests of this VM) and `foreign` (other
+/// workers' requests), in that order.
 ///
 /// It carries no attempt id: Envoy never repeats a callout, so deduplication would cost Redis a
 /// record per request for nothing (a request split across Cluster nodes gets an id from the
 /// sidecar, for its refunds).
-fn call_body(config: &Config, vm: &Vm, contexts: &[u32]) -> Vec<u8> {
-    let mut requests = Vec::with_capacity(contexts.len());
+fn call_body(config: &Config, vm: &Vm, contexts: &[u32], foreign: &[Foreign]) -> Vec<u8> {
+    let mut requests = Vec::with_capacity(contexts.len() + foreign.len());
     let mut returns = Vec::new();
     for c in contexts {
         if let Some(w) = vm.waiting.get(c) {
@@ -502,6 +785,10 @@ fn call_body(config: &Config, vm: &Vm, contexts: &[u32]) -> Vec<u8> {
             });
             returns.extend(w.returns.iter().cloned());
         }
+    }
+    for f in foreign {
+        requests.push(f.request.decisions.clone());
+        returns.extend(f.request.returns.iter().cloned());
     }
     let call = DecideRequest {
         domain: config.domain.clone(),
@@ -972,6 +1259,7 @@ impl Drop for Request {
             return;
         };
         v.response_headers.remove(&self.id);
+        v.forwarded.remove(&self.id);
         let w = v
             .waiting
             .remove(&self.id)
@@ -1190,7 +1478,8 @@ impl Request {
                 let mut v = vm.borrow_mut();
                 v.waiting.insert(self.id, w);
                 v.queue.push_back(self.id);
-                let wake = !v.wake_pending && v.flights.len() < fp.max_in_flight;
+                let wake =
+                    !v.wake_pending && v.flights.len() < fp.max_in_flight && v.forwarded.is_empty();
                 if wake {
                     v.wake_pending = true;
                 }

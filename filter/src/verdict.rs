@@ -47,7 +47,7 @@ pub enum Verdict {
 }
 
 /// Why the sidecar's answer cannot be used.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, serde::Serialize, serde::Deserialize)]
 pub enum LimiterError {
     #[error("no answer (timeout, reset or unreachable cluster)")]
     NoAnswer,
