@@ -521,7 +521,10 @@ impl RootContext for Root {
 /// context (its callbacks), so the callouts are the root's. When callouts are shared and another
 /// worker is the courier, the queue goes to the courier instead (one forward out at a time).
 fn pump(vm: &SharedVm) {
-    if let Some(c) = other_courier(vm) {
+    // A worker holding other workers' requests sends them itself, even if another worker was
+    // named the courier since they came (they would otherwise wait for their deadline).
+    let holds_foreign = !vm.borrow().foreign.is_empty();
+    if let Some(c) = other_courier(vm).filter(|_| !holds_foreign) {
         if forward(vm, c) {
             return;
         }
