@@ -104,6 +104,17 @@ pub fn burst(url: &str, headers: &[(&str, &str)], n: usize, parallel: usize) -> 
 }
 
 /// As [`burst`], the requests spread round-robin over several URLs (several Envoys).
+/// A client whose every request opens a connection of its own (so that Envoy's workers share
+/// the requests), with a 10 s timeout.
+pub fn one_connection_client() -> reqwest::blocking::Client {
+    reqwest::blocking::Client::builder()
+        .pool_max_idle_per_host(0)
+        .timeout(Duration::from_secs(10))
+        .no_proxy()
+        .build()
+        .expect("client")
+}
+
 pub fn burst_to(urls: &[&str], headers: &[(&str, &str)], n: usize, parallel: usize) -> Vec<Answer> {
     let answers = Arc::new(Mutex::new(Vec::with_capacity(n)));
     let next = Arc::new(AtomicUsize::new(0));
@@ -115,13 +126,7 @@ pub fn burst_to(urls: &[&str], headers: &[(&str, &str)], n: usize, parallel: usi
                 if i >= n {
                     break;
                 }
-                let client = reqwest::blocking::Client::builder()
-                    .pool_max_idle_per_host(0)
-                    .timeout(Duration::from_secs(10))
-                    .no_proxy()
-                    .build()
-                    .expect("client");
-                let a = get(&client, urls[i % urls.len()], headers);
+                let a = get(&one_connection_client(), urls[i % urls.len()], headers);
                 answers.lock().expect("not poisoned").push(a);
             });
         }

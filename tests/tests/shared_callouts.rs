@@ -9,7 +9,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
-use ratelimit_e2e::scenario::plugin_with;
+use ratelimit_e2e::scenario::{one_connection_client, plugin_with};
 use ratelimit_e2e::{http, wait_until, Envoy, EnvoyConfig, Redis, Sidecar, Upstream};
 use serde_json::json;
 
@@ -40,6 +40,20 @@ struct Answer {
     elapsed: Duration,
 }
 
+/// The address of client `key` of `round`.
+fn address(round: u8, key: usize) -> String {
+    format!("10.{round}.{}.{}", key / 256, key % 256)
+}
+
+/// The statuses client `key` got.
+fn statuses_of(answers: &[Answer], key: usize) -> Vec<u16> {
+    answers
+        .iter()
+        .filter(|a| a.key == key)
+        .map(|a| a.status)
+        .collect()
+}
+
 /// `per_key` requests for each of `keys` clients (addresses `10.<round>.x.y`), interleaved, 24 at
 /// a time, each on a new connection so that both workers get some.
 fn round(envoy: &Envoy, round: u8, keys: usize, per_key: usize) -> Vec<Answer> {
@@ -55,19 +69,10 @@ fn round(envoy: &Envoy, round: u8, keys: usize, per_key: usize) -> Vec<Answer> {
                     break;
                 }
                 let key = i % keys;
-                let client = reqwest::blocking::Client::builder()
-                    .pool_max_idle_per_host(0)
-                    .timeout(Duration::from_secs(10))
-                    .no_proxy()
-                    .build()
-                    .expect("client");
                 let started = Instant::now();
-                let status = client
+                let status = one_connection_client()
                     .get(&url)
-                    .header(
-                        "x-forwarded-for",
-                        format!("10.{round}.{}.{}", key / 256, key % 256),
-                    )
+                    .header("x-forwarded-for", address(round, key))
                     .send()
                     .unwrap_or_else(|e| panic!("GET {url}: {e}"))
                     .status()
@@ -90,10 +95,7 @@ fn spend_odd(envoy: &Envoy, round: u8, keys: usize) {
         for _ in 0..2 {
             let status = http()
                 .get(envoy.url("/x"))
-                .header(
-                    "x-forwarded-for",
-                    format!("10.{round}.{}.{}", key / 256, key % 256),
-                )
+                .header("x-forwarded-for", address(round, key))
                 .send()
                 .expect("GET")
                 .status()
@@ -108,11 +110,7 @@ fn spend_odd(envoy: &Envoy, round: u8, keys: usize) {
 /// other's statuses.
 fn assert_even_admitted_odd_rejected(answers: &[Answer], keys: usize) {
     for key in 0..keys {
-        let mine: Vec<u16> = answers
-            .iter()
-            .filter(|a| a.key == key)
-            .map(|a| a.status)
-            .collect();
+        let mine = statuses_of(answers, key);
         let expected = if key % 2 == 0 { [200, 200] } else { [429, 429] };
         assert_eq!(mine, expected, "client {key}");
     }
@@ -121,11 +119,7 @@ fn assert_even_admitted_odd_rejected(answers: &[Answer], keys: usize) {
 /// Every client got exactly its bucket: 2 admitted, the rest rejected.
 fn assert_exact(answers: &[Answer], keys: usize, per_key: usize) {
     for key in 0..keys {
-        let mine: Vec<u16> = answers
-            .iter()
-            .filter(|a| a.key == key)
-            .map(|a| a.status)
-            .collect();
+        let mine = statuses_of(answers, key);
         let admitted = mine.iter().filter(|&&s| s == 200).count();
         let rejected = mine.iter().filter(|&&s| s == 429).count();
         assert_eq!(
