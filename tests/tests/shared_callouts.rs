@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
 use ratelimit_e2e::scenario::{one_connection_client, plugin_with};
-use ratelimit_e2e::{http, wait_until, Envoy, EnvoyConfig, Redis, Sidecar, Upstream};
+use ratelimit_e2e::{http, wait_until, Envoy, EnvoyConfig, FaultProxy, Redis, Sidecar, Upstream};
 use serde_json::json;
 
 /// Clients of a round, told apart by address (X-Forwarded-For).
@@ -134,9 +134,13 @@ fn assert_exact(answers: &[Answer], keys: usize, per_key: usize) {
 fn the_workers_share_callouts_and_every_answer_reaches_its_own_request() {
     let redis = Redis::start();
     let upstream = Upstream::start();
-    let sidecar = Sidecar::with_policy(&redis.url(), POLICY, &[]);
+    // Redis's answers held 20 ms on their way to the sidecar: requests pile up while a callout
+    // is out, so a forward and a callout carry many, of clients to admit and to reject.
+    let slow = FaultProxy::start(redis.port);
+    let sidecar = Sidecar::with_policy(&slow.url(), POLICY, &[]);
     let shared = envoy(&sidecar, &upstream, true, 2000);
     spend_odd(&shared, 1, KEYS);
+    slow.delay_replies(20);
     let hits = upstream.hits() as usize;
     let answers = round(&shared, 1, KEYS, 2);
     assert_even_admitted_odd_rejected(&answers, KEYS);
@@ -152,8 +156,10 @@ fn the_workers_share_callouts_and_every_answer_reaches_its_own_request() {
     assert!(callouts > 0 && (callouts as usize) < answers.len());
 
     // Sharing off: the same answers, and each worker sends its own callouts.
+    slow.delay_replies(0);
     let own = envoy(&sidecar, &upstream, false, 2000);
     spend_odd(&own, 2, KEYS);
+    slow.delay_replies(20);
     let answers = round(&own, 2, KEYS, 2);
     assert_even_admitted_odd_rejected(&answers, KEYS);
     assert_eq!(own.counter("ratelimit.forwarded"), 0);
