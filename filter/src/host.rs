@@ -524,12 +524,14 @@ fn pump(vm: &SharedVm) {
     // A worker holding other workers' requests sends them itself, even if another worker was
     // named the courier since they came (they would otherwise wait for their deadline).
     let holds_foreign = !vm.borrow().foreign.is_empty();
-    if let Some(c) = other_courier(vm).filter(|_| !holds_foreign) {
-        if forward(vm, c) {
-            return;
+    if !holds_foreign {
+        if let Some(c) = other_courier(vm) {
+            if forward(vm, c) {
+                return;
+            }
+            // The courier's queue is gone (its VM was replaced): this worker takes its place.
+            take_over(vm);
         }
-        // The courier's queue is gone (its VM was replaced): this worker takes its place.
-        take_over(vm);
     }
     loop {
         let (plugin, batch, foreign, body, timeout_ms) = {
