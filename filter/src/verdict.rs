@@ -10,9 +10,11 @@
 //! documents the fields). `Retry-After` is absent when the cost exceeds the bucket's capacity:
 //! waiting cannot help.
 
-use ratelimit_wire::headers::{self as fields, Limit};
+use ratelimit_wire::headers::{self as fields, limiting, HeaderLimit, Limiting};
 pub use ratelimit_wire::headers::{ceil_s, retry_after_s, sf_integer, MAX_SF_INTEGER};
-use ratelimit_wire::{AppliedLimit, DecideResponse, ErrorCode, Reason, RequestAnswer};
+use ratelimit_wire::{
+    elide_middle, AppliedLimit, DecideResponse, ErrorCode, Reason, RequestAnswer,
+};
 
 use crate::config::{window_s, Config, Emergency, FailurePolicy, RateLimitHeaders};
 use crate::emergency::{self, Bucket, Charge, Contention, Take};
@@ -97,7 +99,7 @@ pub fn parse_answer(
         ));
     }
     let answer: DecideResponse = serde_json::from_slice(body)
-        .map_err(|e| LimiterError::Malformed(elide_middle(e.to_string())))?;
+        .map_err(|e| LimiterError::Malformed(elide_middle(e.to_string(), MAX_ERROR_TEXT_BYTES)))?;
     if answer.answers.len() != expected {
         return Err(LimiterError::Count {
             expected,
@@ -122,7 +124,7 @@ pub fn check_answer(answer: &RequestAnswer, decisions: usize) -> Result<(), Limi
     if let Some(e) = &answer.error {
         return Err(LimiterError::Request {
             code: e.code,
-            message: elide_middle(e.message.clone()),
+            message: elide_middle(e.message.clone(), MAX_ERROR_TEXT_BYTES),
         });
     }
     if answer.results.len() != decisions {
@@ -149,25 +151,6 @@ pub fn check_answer(answer: &RequestAnswer, decisions: usize) -> Result<(), Limi
     Ok(())
 }
 
-/// `text` cut to at most [`MAX_ERROR_TEXT_BYTES`] by eliding its middle (serde's messages start
-/// with what was wrong and end with where: both stay).
-fn elide_middle(text: String) -> String {
-    const GAP: &str = " [...] ";
-    if text.len() <= MAX_ERROR_TEXT_BYTES {
-        return text;
-    }
-    let keep = (MAX_ERROR_TEXT_BYTES - GAP.len()) / 2;
-    let mut head = keep;
-    while !text.is_char_boundary(head) {
-        head -= 1;
-    }
-    let mut tail = text.len() - keep;
-    while !text.is_char_boundary(tail) {
-        tail += 1;
-    }
-    format!("{}{GAP}{}", &text[..head], &text[tail..])
-}
-
 /// One decision the gateway admitted from a lease: its rule's limit as last seen, and the tokens
 /// the lease still holds (the `r` of its `RateLimit` header; `t` is then the full window).
 #[derive(Debug, Clone, PartialEq)]
@@ -177,8 +160,8 @@ pub struct LeasedAdmit<'a> {
 }
 
 /// The headers figures of a limit the sidecar applied.
-fn applied<'a>(l: &'a AppliedLimit, remaining: u64, reset_s: u64) -> Limit<'a> {
-    Limit::applied(l, remaining, reset_s)
+fn applied<'a>(l: &'a AppliedLimit, remaining: u64, reset_s: u64) -> HeaderLimit<'a> {
+    HeaderLimit::applied(l, remaining, reset_s)
 }
 
 /// The verdict from a checked answer (see [`check_answer`]); `answer.results[i]` belongs to the
@@ -193,24 +176,21 @@ pub fn from_answer(
 ) -> Verdict {
     let results = &answer.results;
     let rule_of = |i: usize| rules.get(i).copied().unwrap_or("");
-    if let Some((i, r)) = results.iter().enumerate().find(|(_, r)| {
-        !r.allowed && matches!(r.reason, Reason::CostExceedsCapacity | Reason::Blocked)
-    }) {
-        let limit = r.limit.as_ref().map(|l| applied(l, 0, 0));
-        return Verdict::Reject(never(config, rule_of(i), limit.as_ref(), r.reason));
+    match limiting(results) {
+        Some(Limiting::Never(i)) => {
+            let r = &results[i];
+            let limit = r.limit.as_ref().map(|l| applied(l, 0, 0));
+            return Verdict::Reject(never(config, rule_of(i), limit.as_ref(), r.reason));
+        }
+        Some(Limiting::Wait(i)) => {
+            let r = &results[i];
+            let wait_s = retry_after_s(r.retry_after_ms);
+            let limit = r.limit.as_ref().map(|l| applied(l, r.remaining, wait_s));
+            return Verdict::Reject(rate_limited(config, rule_of(i), limit.as_ref(), wait_s));
+        }
+        None => {}
     }
-    // The limiting rule: the rejecting one that makes the client wait longest.
-    if let Some((i, r)) = results
-        .iter()
-        .enumerate()
-        .filter(|(_, r)| !r.allowed)
-        .max_by_key(|(_, r)| r.retry_after_ms)
-    {
-        let wait_s = retry_after_s(r.retry_after_ms);
-        let limit = r.limit.as_ref().map(|l| applied(l, r.remaining, wait_s));
-        return Verdict::Reject(rate_limited(config, rule_of(i), limit.as_ref(), wait_s));
-    }
-    let mut limits: Vec<Limit<'_>> = results
+    let mut limits: Vec<HeaderLimit<'_>> = results
         .iter()
         .filter(|r| !r.shadow)
         .filter_map(|r| {
@@ -222,7 +202,7 @@ pub fn from_answer(
     limits.extend(leased.iter().filter_map(|a| {
         a.limit.map(|l| {
             let w = window_s(l.capacity.max(1), l.refill_per_sec.max(f64::MIN_POSITIVE));
-            Limit {
+            HeaderLimit {
                 name: &l.name,
                 quota: l.capacity,
                 window_s: w,
@@ -258,7 +238,7 @@ pub fn known_rejection(
     left_ns: u64,
 ) -> LocalReply {
     let wait_s = retry_after_s(left_ns.div_ceil(1_000_000));
-    let figures = limit.map(|l| Limit {
+    let figures = limit.map(|l| HeaderLimit {
         name: &l.name,
         quota: l.capacity,
         window_s: window_s(l.capacity.max(1), l.refill_per_sec.max(f64::MIN_POSITIVE)),
@@ -344,7 +324,7 @@ pub fn from_emergency(
     local: &[(usize, &Emergency)],
     takes: &[Result<Take, Contention>],
 ) -> Verdict {
-    let limit = |i: usize, e: &Emergency, remaining: u64, reset_s: u64| Limit {
+    let limit = |i: usize, e: &Emergency, remaining: u64, reset_s: u64| HeaderLimit {
         name: &config.rules[planned[i].rule].name,
         quota: e.capacity,
         window_s: window_s(e.capacity, e.refill_per_sec),
@@ -437,7 +417,7 @@ fn content_type() -> (String, String) {
     ("content-type".into(), "application/json".into())
 }
 
-fn admit(config: &Config, limits: &[Limit<'_>]) -> Verdict {
+fn admit(config: &Config, limits: &[HeaderLimit<'_>]) -> Verdict {
     let headers = if config.rate_limit_headers == RateLimitHeaders::Always {
         fields::admitted(limits)
             .into_iter()
@@ -449,7 +429,7 @@ fn admit(config: &Config, limits: &[Limit<'_>]) -> Verdict {
     Verdict::Admit { headers }
 }
 
-fn rate_limited(config: &Config, rule: &str, limit: Option<&Limit<'_>>, wait_s: u64) -> LocalReply {
+fn rate_limited(config: &Config, rule: &str, limit: Option<&HeaderLimit<'_>>, wait_s: u64) -> LocalReply {
     let mut headers = vec![
         content_type(),
         (fields::RETRY_AFTER.into(), wait_s.to_string()),
@@ -471,7 +451,7 @@ fn rate_limited(config: &Config, rule: &str, limit: Option<&Limit<'_>>, wait_s: 
 }
 
 /// A 429 waiting cannot cure: the cost exceeds the capacity, or the subject is blocked.
-fn never(config: &Config, rule: &str, limit: Option<&Limit<'_>>, reason: Reason) -> LocalReply {
+fn never(config: &Config, rule: &str, limit: Option<&HeaderLimit<'_>>, reason: Reason) -> LocalReply {
     let mut headers = vec![content_type()];
     if let (Some(limit), true) = (limit, config.rate_limit_headers != RateLimitHeaders::Never) {
         if reason == Reason::CostExceedsCapacity {
@@ -1329,7 +1309,7 @@ mod tests {
 
     #[test]
     fn header_integers_are_clamped_to_structured_field_range() {
-        let l = Limit {
+        let l = HeaderLimit {
             name: "x",
             quota: u64::MAX,
             window_s: u64::MAX,

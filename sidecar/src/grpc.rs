@@ -48,7 +48,7 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::{
 };
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use envoy_types::pb::google::protobuf::Duration;
-use ratelimit_wire::headers::{self, ceil_s, retry_after_s, Limit};
+use ratelimit_wire::headers::{self, ceil_s, limiting, retry_after_s, HeaderLimit, Limiting};
 use ratelimit_wire::{
     AppliedLimit, DecisionResult, ErrorCode, Reason, RequestAnswer, MAX_DECISIONS, MAX_NAME_BYTES,
     MAX_SUBJECT_ENTRIES, MAX_VALUE_BYTES,
@@ -331,38 +331,36 @@ pub fn unit_of(capacity: u64, refill_per_sec: f64) -> Unit {
 /// mode.
 pub fn response_headers(answer: &RequestAnswer) -> Vec<(&'static str, String)> {
     let results = &answer.results;
-    if let Some(r) = results
-        .iter()
-        .find(|r| !r.allowed && matches!(r.reason, Reason::CostExceedsCapacity | Reason::Blocked))
-    {
-        return match (&r.limit, r.reason) {
-            (Some(l), Reason::CostExceedsCapacity) => {
-                vec![(headers::RATELIMIT_POLICY, Limit::applied(l, 0, 0).policy())]
-            }
-            _ => Vec::new(),
-        };
-    }
-    if let Some(r) = results
-        .iter()
-        .filter(|r| refused(r))
-        .max_by_key(|r| r.retry_after_ms)
-    {
-        let wait_s = retry_after_s(r.retry_after_ms);
-        let mut out = vec![(headers::RETRY_AFTER, wait_s.to_string())];
-        if let Some(l) = &r.limit {
-            let limit = Limit::applied(l, r.remaining, wait_s);
-            out.push((headers::RATELIMIT_POLICY, limit.policy()));
-            out.push((headers::RATELIMIT, limit.limit()));
+    match limiting(results) {
+        Some(Limiting::Never(i)) => {
+            let r = &results[i];
+            return match (&r.limit, r.reason) {
+                (Some(l), Reason::CostExceedsCapacity) => {
+                    vec![(headers::RATELIMIT_POLICY, HeaderLimit::applied(l, 0, 0).policy())]
+                }
+                _ => Vec::new(),
+            };
         }
-        return out;
+        Some(Limiting::Wait(i)) => {
+            let r = &results[i];
+            let wait_s = retry_after_s(r.retry_after_ms);
+            let mut out = vec![(headers::RETRY_AFTER, wait_s.to_string())];
+            if let Some(l) = &r.limit {
+                let limit = HeaderLimit::applied(l, r.remaining, wait_s);
+                out.push((headers::RATELIMIT_POLICY, limit.policy()));
+                out.push((headers::RATELIMIT, limit.limit()));
+            }
+            return out;
+        }
+        None => {}
     }
-    let limits: Vec<Limit<'_>> = results
+    let limits: Vec<HeaderLimit<'_>> = results
         .iter()
         .filter(|r| !r.shadow)
         .filter_map(|r| {
             r.limit
                 .as_ref()
-                .map(|l| Limit::applied(l, r.remaining, ceil_s(r.reset_ms)))
+                .map(|l| HeaderLimit::applied(l, r.remaining, ceil_s(r.reset_ms)))
         })
         .collect();
     headers::admitted(&limits)

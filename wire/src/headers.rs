@@ -13,7 +13,7 @@
 //!
 //! Every integer is clamped to [`MAX_SF_INTEGER`], the largest RFC 8941 structured-field integer.
 
-use crate::AppliedLimit;
+use crate::{AppliedLimit, DecisionResult, Reason};
 
 /// The largest integer of an RFC 8941 structured field: 15 digits.
 pub const MAX_SF_INTEGER: u64 = 999_999_999_999_999;
@@ -47,7 +47,7 @@ pub fn window_s(capacity: u64, refill_per_sec: f64) -> u64 {
 
 /// One bucket's figures for the headers.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Limit<'a> {
+pub struct HeaderLimit<'a> {
     /// The limit's name (a policy rule or override: `[A-Za-z0-9_.-]`, so it needs no escaping
     /// inside the quoted string).
     pub name: &'a str,
@@ -61,10 +61,10 @@ pub struct Limit<'a> {
     pub reset_s: u64,
 }
 
-impl<'a> Limit<'a> {
+impl<'a> HeaderLimit<'a> {
     /// The figures of a limit the sidecar applied, with `remaining` tokens and `reset_s` seconds.
-    pub fn applied(limit: &'a AppliedLimit, remaining: u64, reset_s: u64) -> Limit<'a> {
-        Limit {
+    pub fn applied(limit: &'a AppliedLimit, remaining: u64, reset_s: u64) -> HeaderLimit<'a> {
+        HeaderLimit {
             name: &limit.name,
             quota: limit.capacity,
             window_s: window_s(
@@ -99,16 +99,44 @@ impl<'a> Limit<'a> {
 
 /// `RateLimit-Policy` and `RateLimit` for several limits (structured-field lists), in order;
 /// nothing when `limits` is empty.
-pub fn admitted(limits: &[Limit<'_>]) -> Vec<(&'static str, String)> {
+pub fn admitted(limits: &[HeaderLimit<'_>]) -> Vec<(&'static str, String)> {
     if limits.is_empty() {
         return Vec::new();
     }
-    let policies: Vec<_> = limits.iter().map(Limit::policy).collect();
-    let remaining: Vec<_> = limits.iter().map(Limit::limit).collect();
+    let policies: Vec<_> = limits.iter().map(HeaderLimit::policy).collect();
+    let remaining: Vec<_> = limits.iter().map(HeaderLimit::limit).collect();
     vec![
         (RATELIMIT_POLICY, policies.join(", ")),
         (RATELIMIT, remaining.join(", ")),
     ]
+}
+
+/// Which decision of a rejected request names the rejection (its rule in the 429's body, its
+/// figures in the headers), as both the wasm filter and the gRPC API answer it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Limiting {
+    /// The `i`-th decision can never admit (a cost above its capacity, a blocked subject): the
+    /// first such one names the rejection, and waiting does not help.
+    Never(usize),
+    /// The `i`-th decision makes the client wait longest: the rejecting decision with the largest
+    /// `retry_after_ms` (one whose own bucket refused before one that merely was not decided).
+    Wait(usize),
+}
+
+/// The decision that names a request's rejection; `None` when no decision rejected.
+pub fn limiting(results: &[DecisionResult]) -> Option<Limiting> {
+    if let Some(i) = results.iter().position(|r| {
+        !r.allowed && matches!(r.reason, Reason::CostExceedsCapacity | Reason::Blocked)
+    }) {
+        return Some(Limiting::Never(i));
+    }
+    results
+        .iter()
+        .enumerate()
+        .filter(|(_, r)| !r.allowed)
+        // Ties go to the last, as `max_by_key` has it.
+        .max_by_key(|(_, r)| (r.reason != Reason::Ok, r.retry_after_ms))
+        .map(|(i, _)| Limiting::Wait(i))
 }
 
 #[cfg(test)]
@@ -143,7 +171,7 @@ mod tests {
             capacity: 5,
             refill_per_sec: 0.5,
         };
-        let limits = [Limit::applied(&a, 99, 1), Limit::applied(&b, 0, 2)];
+        let limits = [HeaderLimit::applied(&a, 99, 1), HeaderLimit::applied(&b, 0, 2)];
         assert_eq!(limits[0].policy(), "\"per-app\";q=100;w=10");
         assert_eq!(limits[1].limit(), "\"per-ip\";r=0;t=2");
         assert_eq!(
@@ -160,7 +188,7 @@ mod tests {
             ]
         );
         assert!(admitted(&[]).is_empty());
-        let huge = Limit {
+        let huge = HeaderLimit {
             name: "x",
             quota: u64::MAX,
             window_s: u64::MAX,
@@ -171,5 +199,49 @@ mod tests {
             huge.policy(),
             format!("\"x\";q={MAX_SF_INTEGER};w={MAX_SF_INTEGER}")
         );
+    }
+
+    #[test]
+    fn the_rejection_is_named_by_a_decision_that_never_admits_else_the_longest_wait() {
+        let r = |allowed: bool, reason: Reason, retry_after_ms: u64| DecisionResult {
+            allowed,
+            remaining: 0,
+            retry_after_ms,
+            reset_ms: 0,
+            reason,
+            limit: None,
+            shadow: false,
+            leased: 0,
+        };
+        let ok = r(true, Reason::Ok, 0);
+        assert_eq!(limiting(&[ok.clone(), ok.clone()]), None);
+        let short = r(false, Reason::Insufficient, 100);
+        let long = r(false, Reason::Insufficient, 900);
+        let never = r(false, Reason::CostExceedsCapacity, 0);
+        let blocked = r(false, Reason::Blocked, 0);
+        let undecided = r(false, Reason::Ok, 0);
+        assert_eq!(
+            limiting(&[ok.clone(), short.clone(), long.clone(), short.clone()]),
+            Some(Limiting::Wait(2))
+        );
+        assert_eq!(
+            limiting(&[long.clone(), never.clone(), blocked.clone()]),
+            Some(Limiting::Never(1))
+        );
+        assert_eq!(
+            limiting(&[blocked, never, long.clone()]),
+            Some(Limiting::Never(0))
+        );
+        // A decision that was not decided (another part failed) names the rejection only when
+        // no bucket refused.
+        assert_eq!(
+            limiting(&[short.clone(), undecided.clone()]),
+            Some(Limiting::Wait(0))
+        );
+        assert_eq!(
+            limiting(&[undecided.clone(), undecided]),
+            Some(Limiting::Wait(1))
+        );
+        assert_eq!(limiting(&[long.clone(), long]), Some(Limiting::Wait(1)));
     }
 }

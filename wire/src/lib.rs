@@ -289,9 +289,41 @@ pub struct ErrorBody {
     pub error: String,
 }
 
+/// `text` cut to at most `max` bytes by eliding its middle, so that both the field path an error
+/// starts with and the expectation it ends with (serde's `expected u64 at line 1 column 80`)
+/// remain. Error messages that quote what another party sent are bounded with it.
+pub fn elide_middle(text: String, max: usize) -> String {
+    const GAP: &str = " [...] ";
+    if text.len() <= max {
+        return text;
+    }
+    let keep = max.saturating_sub(GAP.len()) / 2;
+    let mut head = keep;
+    while !text.is_char_boundary(head) {
+        head -= 1;
+    }
+    let mut tail = text.len() - keep;
+    while !text.is_char_boundary(tail) {
+        tail += 1;
+    }
+    format!("{}{GAP}{}", &text[..head], &text[tail..])
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn long_errors_keep_both_ends_within_the_bound() {
+        assert_eq!(elide_middle("short".into(), 100), "short");
+        // Multi-byte characters are never split.
+        assert_eq!(elide_middle("é".repeat(300), 100).len(), 99);
+        let long = format!("requests[0].rule: {} expected u64", "x".repeat(1000));
+        let cut = elide_middle(long, 64);
+        assert!(cut.len() <= 64, "{cut}");
+        assert!(cut.starts_with("requests[0].rule: ") && cut.ends_with("expected u64"));
+        assert!(cut.contains(" [...] "));
+    }
 
     #[test]
     fn request_from_the_documented_example() {

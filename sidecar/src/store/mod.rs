@@ -13,6 +13,7 @@ pub mod batch;
 pub mod connection;
 pub mod memory;
 pub mod redis_store;
+pub mod script;
 pub mod sentinel;
 
 use std::future::Future;
