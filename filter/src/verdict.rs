@@ -429,7 +429,12 @@ fn admit(config: &Config, limits: &[HeaderLimit<'_>]) -> Verdict {
     Verdict::Admit { headers }
 }
 
-fn rate_limited(config: &Config, rule: &str, limit: Option<&HeaderLimit<'_>>, wait_s: u64) -> LocalReply {
+fn rate_limited(
+    config: &Config,
+    rule: &str,
+    limit: Option<&HeaderLimit<'_>>,
+    wait_s: u64,
+) -> LocalReply {
     let mut headers = vec![
         content_type(),
         (fields::RETRY_AFTER.into(), wait_s.to_string()),
@@ -451,7 +456,12 @@ fn rate_limited(config: &Config, rule: &str, limit: Option<&HeaderLimit<'_>>, wa
 }
 
 /// A 429 waiting cannot cure: the cost exceeds the capacity, or the subject is blocked.
-fn never(config: &Config, rule: &str, limit: Option<&HeaderLimit<'_>>, reason: Reason) -> LocalReply {
+fn never(
+    config: &Config,
+    rule: &str,
+    limit: Option<&HeaderLimit<'_>>,
+    reason: Reason,
+) -> LocalReply {
     let mut headers = vec![content_type()];
     if let (Some(limit), true) = (limit, config.rate_limit_headers != RateLimitHeaders::Never) {
         if reason == Reason::CostExceedsCapacity {

@@ -49,9 +49,9 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 
 use ratelimit_wire::{
-    elide_middle, AppliedLimit, DecideRequest, DecideResponse, DecisionResult, ErrorCode, LeaseAsk, Reason,
-    RequestAnswer, RequestError, MAX_CALL_DECISIONS, MAX_DECISIONS, MAX_LEASE_ID, MAX_NAME_BYTES,
-    MAX_REQUESTS, MAX_RETURNS, MAX_VALUE_BYTES,
+    elide_middle, AppliedLimit, DecideRequest, DecideResponse, DecisionResult, ErrorCode, LeaseAsk,
+    Reason, RequestAnswer, RequestError, MAX_CALL_DECISIONS, MAX_DECISIONS, MAX_LEASE_ID,
+    MAX_NAME_BYTES, MAX_REQUESTS, MAX_RETURNS, MAX_VALUE_BYTES,
 };
 
 use ratelimit_regions::ShareHistory;

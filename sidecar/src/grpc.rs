@@ -336,7 +336,10 @@ pub fn response_headers(answer: &RequestAnswer) -> Vec<(&'static str, String)> {
             let r = &results[i];
             return match (&r.limit, r.reason) {
                 (Some(l), Reason::CostExceedsCapacity) => {
-                    vec![(headers::RATELIMIT_POLICY, HeaderLimit::applied(l, 0, 0).policy())]
+                    vec![(
+                        headers::RATELIMIT_POLICY,
+                        HeaderLimit::applied(l, 0, 0).policy(),
+                    )]
                 }
                 _ => Vec::new(),
             };

@@ -171,7 +171,10 @@ mod tests {
             capacity: 5,
             refill_per_sec: 0.5,
         };
-        let limits = [HeaderLimit::applied(&a, 99, 1), HeaderLimit::applied(&b, 0, 2)];
+        let limits = [
+            HeaderLimit::applied(&a, 99, 1),
+            HeaderLimit::applied(&b, 0, 2),
+        ];
         assert_eq!(limits[0].policy(), "\"per-app\";q=100;w=10");
         assert_eq!(limits[1].limit(), "\"per-ip\";r=0;t=2");
         assert_eq!(

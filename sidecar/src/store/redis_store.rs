@@ -15,7 +15,6 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
-use ratelimit_wire::Reason;
 use redis::cluster_routing::ResponsePolicy;
 use redis::{Cmd, ErrorKind, RedisError, ServerErrorKind, Value};
 

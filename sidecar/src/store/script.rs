@@ -141,7 +141,10 @@ const MAX_EXACT: f64 = 9_007_199_254_740_992.0;
 
 /// The script's reply for `work` (one string of little-endian doubles, each an integer: see
 /// `lua/token_bucket.lua`) as outcomes per group and request.
-pub(crate) fn parse_apply(reply: Value, work: &Work) -> Result<Vec<Vec<RequestOutcome>>, StoreError> {
+pub(crate) fn parse_apply(
+    reply: Value,
+    work: &Work,
+) -> Result<Vec<Vec<RequestOutcome>>, StoreError> {
     let bad = |what: String| StoreError::Reply(what);
     let bytes: &[u8] = match &reply {
         Value::BulkString(b) => b,
