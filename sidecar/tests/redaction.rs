@@ -227,3 +227,59 @@ fn a_sentinel_whose_primary_refuses_the_password_shows_the_failure_and_neither_p
         ],
     );
 }
+
+/// redis-rs reads a unix socket URL's user and password from its query (`user=`, `pass=`): they
+/// are credentials too, in a Sentinel URL (shown by the log and `/readyz` while the Sentinel
+/// cannot be reached) and in a `--redis` or `--redis-cluster` URL the sidecar refuses at start.
+#[test]
+fn credentials_in_a_unix_socket_url_never_show() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("nothing-listens-here.sock");
+    let socket = socket.display();
+    let sentinel = format!("redis+unix://{socket}?user=sentinel-user-5d6e&pass=unix-pw-9f8e");
+    let seen = Seen::collect(
+        &[
+            "--redis-sentinel",
+            &sentinel,
+            "--sentinel-master",
+            "buckets",
+        ],
+        &[],
+        None,
+        "nothing-listens-here.sock",
+    );
+    seen.assert_hidden(
+        &["unix-pw-9f8e", "sentinel-user-5d6e"],
+        &["GET /readyz: 503", "pass=***", "user=***"],
+    );
+    for args in [
+        vec![
+            "--redis".to_string(),
+            format!("redis+unix://{socket}?pass=unix-pw-9f8e&protocol=bogus"),
+        ],
+        vec![
+            "--redis-cluster".to_string(),
+            format!("redis+unix://{socket}?pass=unix-pw-9f8e"),
+        ],
+        vec![
+            "--redis".to_string(),
+            format!("unix://{socket}?password=unix-pw-9f8e&protocol=bogus"),
+        ],
+    ] {
+        let out = sidecar_command(Path::new(BIN))
+            .args(["--listen", &format!("127.0.0.1:{}", free_port())])
+            .args(&args)
+            .env("RUST_LOG", "debug")
+            .output()
+            .unwrap();
+        let all = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(!out.status.success(), "{args:?} started: {all}");
+        assert!(all.contains(&args[0]), "the flag is named: {all}");
+        assert!(all.contains("=***"), "the URL is shown, redacted: {all}");
+        assert!(!all.contains("unix-pw-9f8e"), "the password leaked: {all}");
+    }
+}
