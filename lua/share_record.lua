@@ -12,6 +12,10 @@
 --   history    the share's changes, "<from_ms>:<ppm>" joined by ",", in time order, the last one
 --              in force now; from_ms on THIS Redis's clock (TIME), the clock its buckets use; 0 is
 --              "since always" (the share in force before the record existed)
+--   run_id     the run_id of the Redis process that applied the write (INFO server): a reader
+--              that finds another run_id knows this Redis restarted (or failed over) since, so the
+--              record may be older than the last one written (a restored snapshot, a lagging
+--              replica) and is not trusted until the rebalancer writes it again
 --
 -- KEYS[1] the record. ARGV (decimal): 1 version, 2 share_ppm, 3 lease_ms, 4 keep_ms,
 --   5 initial_ppm, 6 max_changes
@@ -73,7 +77,8 @@ end
 
 local parts = {}
 for i, c in ipairs(h) do parts[i] = string.format('%.0f:%.0f', c[1], c[2]) end
+local run_id = string.match(redis.call('INFO', 'server'), 'run_id:(%x+)') or ''
 redis.call('HSET', KEYS[1], 'version', string.format('%.0f', version),
   'share_ppm', string.format('%.0f', share), 'lease_ms', string.format('%.0f', lease_ms),
-  'history', table.concat(parts, ','))
+  'history', table.concat(parts, ','), 'run_id', run_id)
 return { 1, version }

@@ -127,13 +127,19 @@ impl Region {
             .map_err(|e| self.error(format!("HGETALL {key}: {e}")))
     }
 
-    /// The share record at `key` (`None`: there is none yet).
-    pub async fn read_record(&self, key: &str) -> Result<Option<ShareRecord>, RegionError> {
-        let fields = self.hash(key).await?;
-        record::parse(&fields).map_err(|message| RegionError::Data {
+    /// The share record at `key` (`None`: there is none yet), and whether the Redis process that
+    /// answered wrote it ([`ShareRecord::written_by`]: `false` after a restart or a failover).
+    pub async fn read_record(&self, key: &str) -> Result<Option<(ShareRecord, bool)>, RegionError> {
+        let (fields, live_run_id) = record::parse_read(self.query(record::read_cmd(key)).await?)
+            .map_err(|e| self.error(format!("{key}: {e}")))?;
+        let parsed = record::parse(&fields).map_err(|message| RegionError::Data {
             region: self.name.clone(),
             message: format!("{key}: {message}"),
-        })
+        })?;
+        Ok(parsed.map(|r| {
+            let trusted = r.written_by(&live_run_id);
+            (r, trusted)
+        }))
     }
 
     /// The demand counters at `key`: tokens (admitted, rejected) since they were created.

@@ -191,14 +191,19 @@ impl RuleRun {
         &self,
         region: &Region,
         seen: bool,
-    ) -> Result<(ShareRecord, u64), RegionError> {
+    ) -> Result<(ReadOutcome, u64), RegionError> {
         let key = self.share_key();
-        if let Some(r) = region.read_record(&key).await? {
+        if let Some((r, trusted)) = region.read_record(&key).await? {
             let record = ShareRecord {
                 share: r.share,
                 version: r.version,
             };
-            return Ok((record, r.lease_ms));
+            let outcome = if trusted {
+                ReadOutcome::Record(record)
+            } else {
+                ReadOutcome::Unconfirmed(record)
+            };
+            return Ok((outcome, r.lease_ms));
         }
         if seen {
             return Err(RegionError::Data {
@@ -227,11 +232,11 @@ impl RuleRun {
             "no share record yet: created it with the policy's initial share ({answer:?})"
         );
         match region.read_record(&key).await? {
-            Some(r) => Ok((
-                ShareRecord {
+            Some((r, _)) => Ok((
+                ReadOutcome::Record(ShareRecord {
                     share: r.share,
                     version: r.version,
-                },
+                }),
                 r.lease_ms.max(record::default_lease_ms()),
             )),
             None => Err(RegionError::Data {
@@ -270,7 +275,7 @@ impl RuleRun {
                     // The fence covers the lease of every record, and the default one while
                     // none existed.
                     self.fence_lease_ms = self.fence_lease_ms.max(lease_ms);
-                    ReadOutcome::Record(r)
+                    r
                 }
                 Err(e) => {
                     tracing::warn!(rule = %self.name(), %region, "region unreachable, frozen this round: {e}");
@@ -296,7 +301,25 @@ impl RuleRun {
             }
         };
         for (region, outcome) in &outcomes {
-            rb.observe(region, *outcome, now);
+            if let Some(suspect) = rb.observe(region, *outcome, now) {
+                tracing::warn!(
+                    rule = %self.name(),
+                    %region,
+                    version = suspect.read.version,
+                    share = %suspect.read.share,
+                    known_version = suspect.known.map(|k| k.version),
+                    known_share = %suspect.known.map_or("none".into(), |k| k.share.to_string()),
+                    went_back = suspect.regressed,
+                    restarted = suspect.unconfirmed,
+                    "share record not trusted ({}): its sidecars apply at most the floor; this \
+                     round writes it again",
+                    if suspect.regressed {
+                        "older than one seen: the region's Redis went back in time"
+                    } else {
+                        "the region's Redis restarted or failed over since it was written"
+                    }
+                );
+            }
         }
         for (region, o) in &observations {
             tracing::info!(

@@ -139,6 +139,52 @@ async fn a_round_moves_unused_share_to_the_rejecting_region_shrinking_first() {
 }
 
 #[tokio::test]
+async fn a_record_restored_from_an_older_snapshot_is_written_back_to_the_share_last_fenced() {
+    let (eu, mut us) = (Redis::start(), Redis::start());
+    seed(&eu, 0.5);
+    seed(&us, 0.5);
+    // Redis's default persistence: a snapshot taken before the move.
+    let before = us.snapshot();
+    let mut run = run(
+        rule("{eu: 0.5, us: 0.5}"),
+        &[("eu", &eu.url()), ("us", &us.url())],
+        "a",
+    );
+    run.observe_demand().await;
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    demand(&eu, 600, 600);
+    demand(&us, 20, 0);
+    run.round().await.expect("leading");
+    let (eu_moved, us_moved) = (read(&eu), read(&us));
+    assert!(us_moved.share < Share::from_fraction(0.5).unwrap());
+    assert_eq!(us_moved.version, 2);
+    // us's Redis restarts from the snapshot: its record is back at v1, 0.5, stamped by the
+    // process that wrote it, not by the one answering now.
+    us.restart_from(&before);
+    let restored = read(&us);
+    assert_eq!((restored.version, restored.share.ppm()), (1, 500_000));
+    assert!(!restored.written_by(&us.run_id()));
+    let region = Region::new("us", &us.url(), 1000);
+    let (_, trusted) = region.read_record(SHARE).await.unwrap().unwrap();
+    assert!(!trusted, "the rebalancer's read tells the restored record");
+    // The next round writes us's share back: the one fenced before, above every version seen.
+    demand(&us, 20, 0);
+    demand(&eu, 600, 600);
+    run.round().await.expect("leading");
+    let repaired = read(&us);
+    println!(
+        "us moved to {} (v2), restored {} (v1), repaired {} (v{}); eu {}",
+        us_moved.share, restored.share, repaired.share, repaired.version, eu_moved.share
+    );
+    assert_eq!(repaired.share, us_moved.share);
+    assert_eq!(repaired.version, 3);
+    assert!(repaired.written_by(&us.run_id()));
+    assert_eq!(read(&eu).share, eu_moved.share, "nothing grew meanwhile");
+    assert!(repaired.share.ppm() + read(&eu).share.ppm() <= Share::PPM);
+    run.resign().await;
+}
+
+#[tokio::test]
 async fn a_region_it_cannot_reach_is_frozen_and_the_others_rebalance_around_it() {
     let (eu, mut us) = (Redis::start(), Redis::start());
     // Shares leave 0.2 of the budget unassigned.
@@ -201,6 +247,7 @@ async fn one_rebalancer_at_a_time_leads_a_rule() {
             share: Share::from_fraction(0.5).unwrap(),
             lease_ms: LEASE_MS,
             history: ratelimit_regions::ShareHistory::new(0, Share::from_fraction(0.5).unwrap()),
+            run_id: Some(us.run_id()),
         }
     );
     first.resign().await;

@@ -24,7 +24,7 @@ pub use bucket::{Bucket, Budget, Limit};
 pub use lease::{LeasedShare, ShareHistory};
 pub use plan::{plan, proportional_target, Change, Observation, Params, Plan, RegionInput};
 pub use rebalancer::{
-    ReadOutcome, Rebalancer, RoundInProgress, RoundReport, ShareWrite, Step, WriteKind,
+    ReadOutcome, Rebalancer, RoundInProgress, RoundReport, ShareWrite, Step, Suspect, WriteKind,
     WriteOutcome,
 };
 pub use share::{QuotaError, QuotaProblem, RegionalQuota, Share, ShareRecord};

@@ -68,7 +68,26 @@ pub enum WriteOutcome {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ReadOutcome {
     Record(ShareRecord),
+    /// A record the region's Redis did not write itself: it restarted or failed over since the
+    /// last write (a restored snapshot, a promoted replica), so the record may be older than the
+    /// last one written there, and its sidecars do not trust it (they apply at most the floor)
+    /// until it is written again.
+    Unconfirmed(ShareRecord),
     Unreachable,
+}
+
+/// A record a read could not trust, and the write [`Rebalancer::start_round`] will send to
+/// repair it: reported by [`Rebalancer::observe`] for the driver to log and count.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Suspect {
+    /// What the read found.
+    pub read: ShareRecord,
+    /// The record this rebalancer knew before (written or read), when it knew one.
+    pub known: Option<ShareRecord>,
+    /// The read's version is lower than one seen before: the store went back in time.
+    pub regressed: bool,
+    /// The store restarted or failed over since the record was written.
+    pub unconfirmed: bool,
 }
 
 /// What the driver does next.
@@ -112,6 +131,12 @@ struct RegionState {
     reachable: bool,
     /// A write was refused: the stored version is newer than `record`; read before planning.
     stale: bool,
+    /// The record read cannot be trusted ([`Suspect`]): the next round writes it again, and the
+    /// region is frozen until then. Holds the share this rebalancer knew before the suspect
+    /// read, when it knew one (the repair writes no more than that).
+    repair: Option<Option<Share>>,
+    /// The highest version seen in this region (a repair is written above it).
+    highest_version: u64,
 }
 
 impl RegionState {
@@ -137,6 +162,7 @@ impl RegionState {
             || self.record.is_none()
             || self.unresolved.is_some()
             || self.in_flight.is_some()
+            || self.repair.is_some()
     }
 
     /// The share the planner counts: the record, or for a frozen region the largest it may hold
@@ -230,37 +256,61 @@ impl Rebalancer {
         matches!(self.phase, Phase::Idle)
     }
 
-    /// The result of reading `region`'s record at `now_ms`.
-    pub fn observe(&mut self, region: &str, read: ReadOutcome, now_ms: u64) {
+    /// The result of reading `region`'s record at `now_ms`; a record the read cannot trust (a
+    /// version lower than one seen, or one the store did not write itself) is reported, and the
+    /// next round writes it again (see [`Suspect`]).
+    pub fn observe(&mut self, region: &str, read: ReadOutcome, now_ms: u64) -> Option<Suspect> {
         let fence = self.params.fence_ms();
-        let Some(state) = self.regions.get_mut(region) else {
-            return;
+        let state = self.regions.get_mut(region)?;
+        let (rec, unconfirmed) = match read {
+            ReadOutcome::Unreachable => {
+                state.reachable = false;
+                return None;
+            }
+            ReadOutcome::Record(rec) => (rec, false),
+            ReadOutcome::Unconfirmed(rec) => (rec, true),
         };
-        match read {
-            ReadOutcome::Unreachable => state.reachable = false,
-            ReadOutcome::Record(rec) => {
-                state.reachable = true;
-                state.stale = false;
-                if let Some(known) = state.record {
-                    if rec.share < known.share {
-                        // Lowered by a write we did not see answered: the larger share may be
-                        // leased until one lease after this read.
-                        state
-                            .holds
-                            .push((known.share, now_ms.saturating_add(fence)));
-                    }
-                }
-                if state
-                    .unresolved
-                    .as_ref()
-                    .is_some_and(|w| rec.version >= w.version)
-                {
-                    state.unresolved = None;
-                }
-                state.record = Some(rec);
-                state.holds.retain(|&(_, until)| now_ms < until);
+        state.reachable = true;
+        state.stale = false;
+        let known = state.record;
+        if let Some(known) = known {
+            if rec.share < known.share {
+                // Lowered by a write we did not see answered: the larger share may be leased
+                // until one lease after this read.
+                state
+                    .holds
+                    .push((known.share, now_ms.saturating_add(fence)));
             }
         }
+        if state
+            .unresolved
+            .as_ref()
+            .is_some_and(|w| rec.version >= w.version)
+        {
+            state.unresolved = None;
+        }
+        let regressed = rec.version < state.highest_version;
+        state.highest_version = state.highest_version.max(rec.version);
+        state.record = Some(rec);
+        state.holds.retain(|&(_, until)| now_ms < until);
+        if !(regressed || unconfirmed) {
+            // The store wrote this record itself, at the newest version seen: trusted.
+            state.repair = None;
+            return None;
+        }
+        // Remember the smallest share known before the suspect read (a second suspect read
+        // keeps the first one's).
+        let before = known.map(|k| k.share);
+        state.repair = Some(match state.repair {
+            Some(Some(s)) => Some(before.map_or(s, |b| b.min(s))),
+            Some(None) | None => before,
+        });
+        Some(Suspect {
+            read: rec,
+            known,
+            regressed,
+            unconfirmed,
+        })
     }
 
     /// Plans and starts a round from `observations` (per region, over the last interval):
@@ -293,6 +343,7 @@ impl Rebalancer {
             .filter(|r| r.reachable && !r.stale && r.in_flight.is_none())
             .filter_map(|r| r.unresolved.clone())
             .collect();
+        first.extend(self.repairs(now_ms));
         for change in &plan.shrink {
             let version = self.regions[&change.region]
                 .record
@@ -381,6 +432,9 @@ impl Rebalancer {
                     share: write.share,
                     version: write.version,
                 });
+                state.highest_version = state.highest_version.max(write.version);
+                // Any write stamps the record with the store's current process: trusted again.
+                state.repair = None;
                 if state.unresolved.as_ref() == Some(write) {
                     state.unresolved = None;
                 }
@@ -394,6 +448,41 @@ impl Rebalancer {
                 self.round.failed.push((write.clone(), outcome));
             }
         }
+    }
+
+    /// The writes that repair the records reads could not trust: each region's share again, no
+    /// larger than the one read, than the one known before, nor than what the other regions'
+    /// envelopes leave (at least the floor), above every version seen there. Sent as shrinks: the
+    /// share read stays in the envelope for a fence after the write is acknowledged.
+    fn repairs(&self, now_ms: u64) -> Vec<ShareWrite> {
+        let mut writes = Vec::new();
+        for (name, r) in &self.regions {
+            let (Some(before), Some(record)) = (r.repair, r.record) else {
+                continue;
+            };
+            if !r.reachable || r.stale || r.in_flight.is_some() || r.unresolved.is_some() {
+                continue;
+            }
+            let others = sum_ppm(
+                self.regions
+                    .iter()
+                    .filter(|(n, _)| *n != name)
+                    .map(|(_, o)| o.envelope(now_ms)),
+            );
+            let room = Share::from_ppm(u64::from(Share::PPM).saturating_sub(others) as u32)
+                .unwrap_or(Share::ZERO);
+            let share = before
+                .map_or(record.share, |b| b.min(record.share))
+                .min(room)
+                .max(self.floor);
+            writes.push(ShareWrite {
+                region: name.clone(),
+                share,
+                version: r.highest_version.max(record.version) + 1,
+                kind: WriteKind::Shrink,
+            });
+        }
+        writes
     }
 
     fn hand_out(&mut self, writes: &[ShareWrite]) {
@@ -638,6 +727,122 @@ mod tests {
         assert!(!rb.frozen("us"));
         assert_eq!(rb.envelope("us", 25_000 + FENCE - 1), Some(s(0.7)));
         assert_eq!(rb.envelope("us", 25_000 + FENCE), Some(shrink[0].share));
+    }
+
+    /// us 0.7 -> 0.3 (v2) funds eu 0.3 -> 0.7 (v2); returns the rebalancer after the round.
+    fn moved_to_eu() -> (Rebalancer, Share, Share) {
+        let mut rb = started();
+        rb.start_round(&busy_eu(), 10_000).unwrap();
+        let shrink = writes(rb.poll(10_000));
+        rb.written(&shrink[0], WriteOutcome::Written, 10_000);
+        let grow = writes(rb.poll(20_000));
+        rb.written(&grow[0], WriteOutcome::Written, 20_000);
+        assert_eq!(rb.poll(20_000), Step::Idle);
+        assert_eq!((shrink[0].version, grow[0].version), (2, 2));
+        (rb, shrink[0].share, grow[0].share)
+    }
+
+    #[test]
+    fn a_record_that_went_back_in_time_is_repaired_to_the_share_last_fenced() {
+        let (mut rb, us_now, eu_now) = moved_to_eu();
+        assert_eq!(rb.envelope_sum_ppm(30_000), u64::from(Share::PPM));
+        // us's Redis restarted from a snapshot taken before the move: v1, 0.7 again.
+        let suspect = rb.observe(
+            "us",
+            ReadOutcome::Unconfirmed(ShareRecord {
+                share: s(0.7),
+                version: 1,
+            }),
+            30_000,
+        );
+        let suspect = suspect.expect("reported");
+        assert!(suspect.regressed && suspect.unconfirmed);
+        assert_eq!(suspect.known.map(|k| k.share), Some(us_now));
+        assert!(rb.frozen("us"));
+        // The next round plans nothing for us and writes its share back, above every version
+        // seen there, no larger than what was fenced for it.
+        rb.start_round(&busy_eu(), 30_000).unwrap();
+        let repair = writes(rb.poll(30_000));
+        assert_eq!(
+            repair,
+            [ShareWrite {
+                region: "us".into(),
+                share: us_now,
+                version: 3,
+                kind: WriteKind::Shrink
+            }]
+        );
+        rb.written(&repair[0], WriteOutcome::Written, 30_000);
+        assert!(!rb.frozen("us"));
+        // Until a fence after the repair, the share read stays in us's envelope (a sidecar that
+        // does not check the stamp may apply it): nothing grows meanwhile.
+        assert_eq!(rb.envelope("us", 30_000), Some(s(0.7)));
+        assert_eq!(rb.envelope("us", 30_000 + FENCE), Some(us_now));
+        assert_eq!(rb.envelope("eu", 30_000 + FENCE), Some(eu_now));
+        assert_eq!(rb.envelope_sum_ppm(30_000 + FENCE), u64::from(Share::PPM));
+    }
+
+    #[test]
+    fn a_restarted_rebalancer_repairs_a_region_to_what_the_others_leave() {
+        let (_, us_now, eu_now) = moved_to_eu();
+        // A new rebalancer (no memory) reads eu's v2 and us's restored v1 0.7 (unconfirmed).
+        let mut rb = Rebalancer::new(Params::default(), &quota(), 0);
+        rb.observe(
+            "eu",
+            ReadOutcome::Record(ShareRecord {
+                share: eu_now,
+                version: 2,
+            }),
+            10_000,
+        );
+        let suspect = rb.observe(
+            "us",
+            ReadOutcome::Unconfirmed(ShareRecord {
+                share: s(0.7),
+                version: 1,
+            }),
+            10_000,
+        );
+        assert!(suspect.is_some_and(|s| s.unconfirmed && !s.regressed && s.known.is_none()));
+        rb.start_round(&busy_eu(), 10_000).unwrap();
+        let repair = writes(rb.poll(10_000));
+        assert_eq!(repair.len(), 1);
+        assert_eq!(
+            (
+                repair[0].region.as_str(),
+                repair[0].share,
+                repair[0].version
+            ),
+            ("us", us_now, 2)
+        );
+        // A restarted Redis whose record is intact is confirmed at the same share.
+        let mut rb = Rebalancer::new(Params::default(), &quota(), 0);
+        rb.observe("eu", rec(0.3, 1), 10_000);
+        rb.observe(
+            "us",
+            ReadOutcome::Unconfirmed(ShareRecord {
+                share: s(0.7),
+                version: 1,
+            }),
+            10_000,
+        );
+        rb.start_round(&BTreeMap::new(), 10_000).unwrap();
+        let confirm = writes(rb.poll(10_000));
+        assert_eq!((confirm[0].share, confirm[0].version), (s(0.7), 2));
+        // A trusted read of a newer version (another writer repaired it) clears the repair.
+        let mut rb = Rebalancer::new(Params::default(), &quota(), 0);
+        rb.observe("eu", rec(0.3, 1), 10_000);
+        rb.observe(
+            "us",
+            ReadOutcome::Unconfirmed(ShareRecord {
+                share: s(0.7),
+                version: 1,
+            }),
+            10_000,
+        );
+        assert!(rb.frozen("us"));
+        assert_eq!(rb.observe("us", rec(0.7, 2), 11_000), None);
+        assert!(!rb.frozen("us"));
     }
 
     #[test]

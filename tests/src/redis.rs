@@ -203,6 +203,31 @@ impl Redis {
             .unwrap_or_else(|| panic!("port {} was taken meanwhile", self.port));
     }
 
+    /// An RDB snapshot of the data now (`SAVE`), as Redis's default persistence takes them.
+    pub fn snapshot(&self) -> Vec<u8> {
+        assert_eq!(self.cli(&["SAVE"]), "OK");
+        std::fs::read(self.dir.path().join("dump.rdb")).expect("the snapshot SAVE wrote")
+    }
+
+    /// Restarts the process from `snapshot` (an older [`Redis::snapshot`]): what a Redis
+    /// restarted from an RDB taken earlier, or a failover to a lagging replica, holds.
+    pub fn restart_from(&mut self, snapshot: &[u8]) {
+        self.stop();
+        std::fs::write(self.dir.path().join("dump.rdb"), snapshot).expect("write the snapshot");
+        self.process = Redis::spawn(self.port, &self.options, &self.dir)
+            .unwrap_or_else(|| panic!("port {} was taken meanwhile", self.port));
+    }
+
+    /// The run_id of the process (`INFO server`): a new one at every start.
+    pub fn run_id(&self) -> String {
+        self.cli(&["INFO", "server"])
+            .lines()
+            .find_map(|l| l.strip_prefix("run_id:"))
+            .expect("INFO server names the run_id")
+            .trim()
+            .to_string()
+    }
+
     /// A synchronous connection for checks (with the password and client certificate).
     pub fn connection(&self) -> redis::Connection {
         let url = self.url_with_password();

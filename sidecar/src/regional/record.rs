@@ -5,7 +5,8 @@
 //!
 //! - share record `<prefix>share:{<domain>|<rule>}` ([`crate::keys::share_key`]), a hash:
 //!   `version`, `share_ppm`, `lease_ms`, `history` (`<from_ms>:<ppm>,...`, stamped by that Redis's
-//!   clock; see the script's header);
+//!   clock; see the script's header), `run_id` (the Redis process that applied the write); read
+//!   with the answering process's run_id by `lua/share_read.lua` ([`read_cmd`], [`parse_read`]);
 //! - demand counters `<prefix>demand:{<domain>|<rule>}` ([`crate::keys::demand_key`]), a hash of
 //!   two counters that only grow: `admitted` and `rejected` tokens, summed over the region's
 //!   sidecars; the rebalancer reads the difference between two reads.
@@ -14,6 +15,9 @@ use ratelimit_regions::{Params, Share, ShareHistory};
 
 /// The script that writes a share record, one source of truth in `lua/`.
 pub const WRITE_SCRIPT: &str = include_str!("../../../lua/share_record.lua");
+
+/// The script that reads a share record with the run_id of the Redis answering, in `lua/`.
+pub const READ_SCRIPT: &str = include_str!("../../../lua/share_read.lua");
 
 /// The most changes a record keeps (older ones are merged conservatively, see the script).
 pub const MAX_CHANGES: usize = 32;
@@ -35,6 +39,40 @@ pub struct ShareRecord {
     pub share: Share,
     pub lease_ms: u64,
     pub history: ShareHistory,
+    /// The run_id of the Redis process that applied the last write (`None`: written by a
+    /// rebalancer that did not stamp it).
+    pub run_id: Option<String>,
+}
+
+impl ShareRecord {
+    /// Whether the record was written by the Redis process now answering (`live_run_id`), so it
+    /// is the last one written there: a process that restarted from a snapshot, or a replica
+    /// promoted after a failover, may hold an older record than the rebalancer last wrote. An
+    /// unstamped record is trusted (as before stamps existed).
+    pub fn written_by(&self, live_run_id: &str) -> bool {
+        self.run_id.as_deref().is_none_or(|r| r == live_run_id)
+    }
+}
+
+/// The read of a share record ([`READ_SCRIPT`]): `EVAL` (rare: each rule every `lease_ms / 4`).
+pub fn read_cmd(key: &str) -> redis::Cmd {
+    let mut cmd = redis::cmd("EVAL");
+    cmd.arg(READ_SCRIPT).arg(1).arg(key);
+    cmd
+}
+
+/// The reply of [`read_cmd`]: the record's fields and the run_id of the Redis that answered.
+pub fn parse_read(reply: redis::Value) -> Result<(Vec<(String, String)>, String), String> {
+    let (flat, run_id): (Vec<String>, String) = redis::from_redis_value(reply)
+        .map_err(|e| format!("unexpected reply to the share record's read: {e}"))?;
+    if flat.len() % 2 != 0 {
+        return Err("unexpected reply to the share record's read: an odd field list".into());
+    }
+    let fields = flat
+        .chunks_exact(2)
+        .map(|kv| (kv[0].clone(), kv[1].clone()))
+        .collect();
+    Ok((fields, run_id))
 }
 
 /// Parses the fields of a record (`HGETALL`): `Ok(None)` when there is none, `Err` naming what is
@@ -91,11 +129,17 @@ pub fn parse(fields: &[(String, String)]) -> Result<Option<ShareRecord>, String>
             history.current().ppm()
         ));
     }
+    let run_id = fields
+        .iter()
+        .find(|(k, _)| k == "run_id")
+        .map(|(_, v)| v.clone())
+        .filter(|v| !v.is_empty());
     Ok(Some(ShareRecord {
         version,
         share,
         lease_ms,
         history,
+        run_id,
     }))
 }
 
@@ -192,6 +236,35 @@ mod tests {
             ]
         );
         assert_eq!(parse(&[]).unwrap(), None, "no record");
+        assert_eq!(r.run_id, None);
+        assert!(r.written_by("any"), "an unstamped record is trusted");
+        let mut stamped = fields(&[
+            ("version", "3"),
+            ("share_ppm", "600000"),
+            ("lease_ms", "5000"),
+            ("history", "0:600000"),
+            ("run_id", "abc123"),
+        ]);
+        let r = parse(&stamped).unwrap().unwrap();
+        assert!(r.written_by("abc123") && !r.written_by("def456"));
+        stamped[4].1.clear();
+        assert_eq!(parse(&stamped).unwrap().unwrap().run_id, None);
+    }
+
+    #[test]
+    fn a_read_carries_the_fields_and_the_live_run_id() {
+        use redis::Value;
+        let s = |x: &str| Value::BulkString(x.as_bytes().to_vec());
+        let reply = Value::Array(vec![
+            Value::Array(vec![s("version"), s("2"), s("run_id"), s("abc")]),
+            s("def"),
+        ]);
+        let (f, live) = parse_read(reply).unwrap();
+        assert_eq!(f, fields(&[("version", "2"), ("run_id", "abc")]));
+        assert_eq!(live, "def");
+        let odd = Value::Array(vec![Value::Array(vec![s("version")]), s("def")]);
+        assert!(parse_read(odd).is_err());
+        assert!(parse_read(Value::Nil).is_err());
     }
 
     #[test]
