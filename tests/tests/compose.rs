@@ -1,7 +1,8 @@
-//! `envoy/docker-compose.yml` (no Docker engine runs here, so it is checked statically): it parses,
-//! every long-running service has a health check and starts only once what it needs is healthy,
-//! images are pinned to exact versions, the files it mounts or builds from exist, and it agrees
-//! with `envoy/compose/envoy.yaml` on names, ports, paths and the sidecar's token.
+//! `envoy/docker-compose.yml`, checked statically (`compose_stack.rs` starts it for real, with
+//! `make compose-test`): it parses, every long-running service has a health check and starts only
+//! once what it needs is healthy, its default images are pinned to exact versions, the files it
+//! mounts or builds from exist, and it agrees with `envoy/compose/envoy.yaml` on names, ports,
+//! paths and the sidecar's token.
 
 use std::path::{Path, PathBuf};
 
@@ -56,13 +57,31 @@ fn strings(service: &Value, field: &str) -> Vec<String> {
         .unwrap_or_default()
 }
 
-/// (host path relative to envoy/, container path) of a service's bind mounts.
+/// The value a `${VAR:-default}` stands for when VAR is not set (a plain value is itself).
+fn default_of(value: &str) -> &str {
+    match value.strip_prefix("${") {
+        Some(rest) => rest
+            .split_once(":-")
+            .and_then(|(_, default)| default.strip_suffix('}'))
+            .unwrap_or_else(|| panic!("{value}: a variable without a default")),
+        None => value,
+    }
+}
+
+/// (host path relative to envoy/, container path) of a service's bind mounts; a host path taken
+/// from a variable is its default.
 fn mounts(service: &Value) -> Vec<(String, String)> {
     strings(service, "volumes")
         .iter()
         .map(|v| {
-            let mut parts = v.split(':');
-            let (host, container) = (parts.next().unwrap(), parts.next().expect("host:container"));
+            let (host, rest) = match v.strip_prefix("${") {
+                Some(_) => {
+                    let end = v.find('}').expect("a closing }") + 1;
+                    (default_of(&v[..end]), &v[end + 1..])
+                }
+                None => v.split_once(':').expect("host:container"),
+            };
+            let container = rest.split(':').next().unwrap();
             (host.to_string(), container.to_string())
         })
         .collect()
@@ -133,9 +152,11 @@ fn images_are_pinned_to_exact_versions() {
         .and_then(|rest| rest.strip_suffix("}\""))
         .expect("ENVOY_VERSION in scripts/install-deps.sh");
     for (name, service) in services(&compose) {
-        let image = service["image"]
-            .as_str()
-            .unwrap_or_else(|| panic!("{name}: no image"));
+        let image = default_of(
+            service["image"]
+                .as_str()
+                .unwrap_or_else(|| panic!("{name}: no image")),
+        );
         let (_, tag) = image
             .rsplit_once(':')
             .unwrap_or_else(|| panic!("{name}: {image} has no tag"));
@@ -210,6 +231,12 @@ fn the_sidecar_reads_its_policy_file_authenticates_callers_and_is_probed_on_its_
         command.contains("--limits /etc/ratelimit/limits.yaml"),
         "{command}"
     );
+    // A reload is `docker compose kill -s HUP sidecar`, which Docker counts as a manual stop:
+    // only `always` still restarts a sidecar that crashes afterwards, and only if the image's
+    // STOPSIGNAL is not the reload's signal.
+    assert_eq!(sidecar["restart"], "always");
+    let dockerfile = std::fs::read_to_string(workspace_root().join("sidecar/Dockerfile")).unwrap();
+    assert!(dockerfile.lines().any(|l| l == "STOPSIGNAL SIGTERM"));
     assert!(
         mounts(sidecar).contains(&(
             "./limits.yaml".to_string(),
