@@ -11,7 +11,8 @@
 #   3. The sidecar image from sidecar/Dockerfile, through the shipped compose file's own `build:`,
 #      with the binary `make build` made (SIDECAR_BINARY=prebuilt) on this root filesystem
 #      (RUNTIME_IMAGE): no Rust image and no crates fetched inside the build.
-# A second run reuses the root filesystem and Docker's layer cache: a few seconds.
+# A second run reuses the imported image (or, if Docker lost it, the root filesystem's tar) and
+# Docker's layer cache: a few seconds.
 # Needs a running Docker daemon (scripts/dockerd.sh) and scripts/install-container-deps.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -31,36 +32,43 @@ rootfs_tar="$OUT/rootfs-$SUITE-$key.tar"
 versions="$OUT/rootfs-$SUITE-$key.versions"
 BASE_IMAGE="ratelimit-offline/debian:$SUITE-$key"
 
-if [ ! -f "$rootfs_tar" ] || [ ! -f "$versions" ]; then
-  dir="$OUT/rootfs-$SUITE-$key.tmp"
-  rm -rf "$dir"
-  echo "build-images: debootstrap $SUITE (minbase + $PACKAGES) from $MIRROR"
-  start=$SECONDS
-  debootstrap --variant=minbase --include="$PACKAGES" "$SUITE" "$dir" "$MIRROR" >"$OUT/debootstrap.log" 2>&1 ||
-    { echo "build-images: debootstrap failed; the end of $OUT/debootstrap.log:" >&2; tail -n 20 "$OUT/debootstrap.log" >&2; exit 1; }
-  # Nothing of this machine in the image (Docker writes resolv.conf, hosts and hostname when a
-  # container starts), and nothing the images do not use.
-  rm -rf "$dir"/var/cache/apt/archives/*.deb "$dir"/var/lib/apt/lists/* "$dir"/usr/share/doc/* \
-    "$dir"/usr/share/man/* "$dir"/usr/share/locale/* "$dir"/tmp/* "$dir"/var/log/*.log
-  : >"$dir/etc/resolv.conf"
-  echo localhost >"$dir/etc/hostname"
-  {
-    echo "REDIS_VERSION=$(chroot "$dir" redis-server --version | sed -n 's/.* v=\([0-9.]*\) .*/\1/p')"
-    echo "NGINX_VERSION=$(chroot "$dir" nginx -v 2>&1 | sed -n 's|.*nginx/\([0-9.]*\).*|\1|p')"
-  } >"$versions.tmp"
-  tar --numeric-owner -C "$dir" -cf "$rootfs_tar.tmp" .
-  mv "$rootfs_tar.tmp" "$rootfs_tar"
-  mv "$versions.tmp" "$versions"
-  rm -rf "$dir"
-  echo "build-images: root filesystem $rootfs_tar ($(du -h "$rootfs_tar" | cut -f1), $((SECONDS - start)) s)"
-fi
-# shellcheck disable=SC1090
-. "$versions"
-
-if ! docker image inspect "$BASE_IMAGE" >/dev/null 2>&1; then
+label() { docker image inspect --format "{{index .Config.Labels \"$1\"}}" "$BASE_IMAGE" 2>/dev/null || true; }
+if [ -n "$(label ratelimit.redis-version)" ]; then
+  # Imported before (by this checkout or another on this machine): its labels say what is inside.
+  REDIS_VERSION=$(label ratelimit.redis-version)
+  NGINX_VERSION=$(label ratelimit.nginx-version)
+else
+  if [ ! -f "$rootfs_tar" ] || [ ! -f "$versions" ]; then
+    dir="$OUT/rootfs-$SUITE-$key.tmp"
+    rm -rf "$dir"
+    echo "build-images: debootstrap $SUITE (minbase + $PACKAGES) from $MIRROR"
+    start=$SECONDS
+    debootstrap --variant=minbase --include="$PACKAGES" "$SUITE" "$dir" "$MIRROR" >"$OUT/debootstrap.log" 2>&1 ||
+      { echo "build-images: debootstrap failed; the end of $OUT/debootstrap.log:" >&2; tail -n 20 "$OUT/debootstrap.log" >&2; exit 1; }
+    # Nothing of this machine in the image (Docker writes resolv.conf, hosts and hostname when a
+    # container starts), and nothing the images do not use.
+    rm -rf "$dir"/var/cache/apt/archives/*.deb "$dir"/var/lib/apt/lists/* "$dir"/usr/share/doc/* \
+      "$dir"/usr/share/man/* "$dir"/usr/share/locale/* "$dir"/tmp/* "$dir"/var/log/*.log
+    : >"$dir/etc/resolv.conf"
+    echo localhost >"$dir/etc/hostname"
+    {
+      echo "REDIS_VERSION=$(chroot "$dir" redis-server --version | sed -n 's/.* v=\([0-9.]*\) .*/\1/p')"
+      echo "NGINX_VERSION=$(chroot "$dir" nginx -v 2>&1 | sed -n 's|.*nginx/\([0-9.]*\).*|\1|p')"
+    } >"$versions.tmp"
+    tar --numeric-owner -C "$dir" -cf "$rootfs_tar.tmp" .
+    mv "$rootfs_tar.tmp" "$rootfs_tar"
+    mv "$versions.tmp" "$versions"
+    rm -rf "$dir"
+    echo "build-images: root filesystem $rootfs_tar ($(du -h "$rootfs_tar" | cut -f1), $((SECONDS - start)) s)"
+  fi
+  # shellcheck disable=SC1090
+  . "$versions"
   echo "build-images: docker import $rootfs_tar $BASE_IMAGE"
-  docker import --change 'CMD ["bash"]' "$rootfs_tar" "$BASE_IMAGE" >/dev/null
+  docker import --change 'CMD ["bash"]' --change "LABEL ratelimit.redis-version=$REDIS_VERSION" \
+    --change "LABEL ratelimit.nginx-version=$NGINX_VERSION" "$rootfs_tar" "$BASE_IMAGE" >/dev/null
 fi
+[ -n "$REDIS_VERSION" ] && [ -n "$NGINX_VERSION" ] ||
+  { echo "build-images: no Redis or nginx version for $BASE_IMAGE (remove $versions to start over)" >&2; exit 1; }
 
 # Envoy: the real binary behind the venv's `envoy` script, in a build context of its own.
 envoy_real=$(.venv/bin/python3 -c 'import envoy._bin, os; print(os.path.join(os.path.dirname(envoy._bin.__file__), "envoy"))')
