@@ -52,6 +52,12 @@ fn median(answers: &[Answer]) -> Duration {
     t[t.len() / 2]
 }
 
+/// Requests the emergency bucket admitted so far.
+fn emergency_admitted() -> u64 {
+    filter_counter(ENVOY_ADMIN, "emergency_activations")
+        - filter_counter(ENVOY_ADMIN, "emergency_rejected")
+}
+
 /// The policy reloads the sidecar counted as applied.
 fn reloads() -> f64 {
     metric(
@@ -82,13 +88,13 @@ fn the_shipped_compose_file_runs_the_quick_start_reloads_survives_outages_and_le
 
     // The README's quick start: 150 requests with the demo API key, one after the other.
     let start = Instant::now();
+    let errors = filter_counter(ENVOY_ADMIN, "limiter_error");
     let answers = sequence("/api/hello", &[ALPHA], 150);
     let elapsed = start.elapsed();
     let admitted = answers.iter().filter(|a| a.status == 200).count();
     let rejected = answers.iter().filter(|a| a.status == 429).count();
     let refilled = (elapsed.as_secs_f64() * 10.0).floor() as usize;
-    let by_emergency = (filter_counter(ENVOY_ADMIN, "emergency_activations")
-        - filter_counter(ENVOY_ADMIN, "emergency_rejected")) as usize;
+    let by_emergency = emergency_admitted() as usize;
     println!(
         "quick start: {admitted} x 200, {rejected} x 429 in {elapsed:.2?} ({refilled} tokens \
          refilled meanwhile, {by_emergency} by the emergency bucket)"
@@ -99,11 +105,23 @@ fn the_shipped_compose_file_runs_the_quick_start_reloads_survives_outages_and_le
         "only 200 and 429: {:?}",
         statuses(&answers)
     );
-    assert!(
-        answers[..100].iter().all(|a| a.status == 200),
-        "the first 100 pass: {:?}",
-        statuses(&answers)
-    );
+    // A callout that timed out on this busy machine was answered by the emergency bucket, and
+    // its charge may still have been taken: only without one are the first 100 sure to pass.
+    let errors = filter_counter(ENVOY_ADMIN, "limiter_error") - errors;
+    if errors == 0 {
+        assert!(
+            answers[..100].iter().all(|a| a.status == 200),
+            "the first 100 pass: {:?}",
+            statuses(&answers)
+        );
+    } else {
+        println!("  ({errors} callouts timed out: the first 100 need not all pass)");
+        assert!(
+            admitted + errors as usize >= 100,
+            "{:?}",
+            statuses(&answers)
+        );
+    }
     assert!(
         admitted <= 100 + refilled + by_emergency,
         "over-admission: {admitted} > 100 + {refilled} refilled + {by_emergency} emergency"
@@ -208,12 +226,24 @@ fn the_shipped_compose_file_runs_the_quick_start_reloads_survives_outages_and_le
         },
     );
     // Clients without a key share the `unknown-apps` bucket, untouched so far: now 3 exactly.
+    let errors = filter_counter(ENVOY_ADMIN, "limiter_error");
+    let emergency = emergency_admitted();
     let unknown = sequence("/api/hello", &[], 10);
-    assert_eq!(
-        statuses(&unknown),
-        [200, 200, 200, 429, 429, 429, 429, 429, 429, 429],
-        "the unknown-apps override's new capacity"
-    );
+    if filter_counter(ENVOY_ADMIN, "limiter_error") == errors {
+        assert_eq!(
+            statuses(&unknown),
+            [200, 200, 200, 429, 429, 429, 429, 429, 429, 429],
+            "the unknown-apps override's new capacity"
+        );
+    } else {
+        // A timed-out callout: the emergency bucket answered it, its charge may have been taken.
+        let admitted = unknown.iter().filter(|a| a.status == 200).count() as u64;
+        assert!(
+            admitted - (emergency_admitted() - emergency) <= 3,
+            "more than 3 admitted by unknown-apps: {:?}",
+            statuses(&unknown)
+        );
+    }
     println!("reload by SIGHUP: per-app q=5, unknown-apps 3 of 10");
     let before = reloads();
     stack.write_policy(&shipped);

