@@ -19,7 +19,6 @@ pub mod load;
 pub mod netns;
 pub mod plugin;
 pub mod probe;
-pub mod procstat;
 pub mod redis;
 pub mod report;
 pub mod scenario;
