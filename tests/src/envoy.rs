@@ -2,7 +2,7 @@
 //! four ports, the wasm path and (optionally) the plugin configuration rewritten. So every
 //! end-to-end test is also a test of the configs an operator deploys.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
@@ -23,6 +23,9 @@ pub struct EnvoyConfig {
     plugin: Option<String>,
     /// YAML appended to clusters' definitions: (cluster name, lines).
     cluster_additions: Vec<(String, String)>,
+    /// The module the `wasm` filter loads, when not the filter's own build.
+    wasm: Option<PathBuf>,
+    log_level: String,
     pub sidecar_port: u16,
     pub upstream_port: u16,
     pub concurrency: u32,
@@ -57,6 +60,8 @@ impl EnvoyConfig {
             template,
             plugin: None,
             cluster_additions: Vec::new(),
+            wasm: None,
+            log_level: "info".to_string(),
             sidecar_port,
             upstream_port,
             concurrency: 2,
@@ -83,9 +88,9 @@ impl EnvoyConfig {
         self,
         name: &str,
         sni: &str,
-        ca: &std::path::Path,
-        cert: &std::path::Path,
-        key: &std::path::Path,
+        ca: &Path,
+        cert: &Path,
+        key: &Path,
     ) -> EnvoyConfig {
         let yaml = format!(
             "transport_socket:\n  name: envoy.transport_sockets.tls\n  typed_config:\n    \
@@ -114,9 +119,45 @@ impl EnvoyConfig {
         self
     }
 
+    /// Replaces the lines from the one that starts with `from` up to (not including) the next
+    /// one that starts with `to` by `with` (whole lines, or nothing): a filter of the chain, a
+    /// route table. Both must be in the file, so a reshaped config fails loudly.
+    pub fn replace_lines(mut self, from: &str, to: &str, with: &str) -> EnvoyConfig {
+        let find = |needle: &str, after: usize| {
+            self.template[after..]
+                .match_indices(needle)
+                .map(|(i, _)| after + i)
+                .find(|i| *i == 0 || self.template.as_bytes()[i - 1] == b'\n')
+                .unwrap_or_else(|| panic!("{} has no line starting `{needle}`", self.file))
+        };
+        let start = find(from, 0);
+        let end = find(to, start);
+        self.template = format!("{}{with}{}", &self.template[..start], &self.template[end..]);
+        self
+    }
+
+    /// The `wasm` filter loads `module` instead of the filter's build (another build, a filter
+    /// that does nothing).
+    pub fn wasm_module(mut self, module: &Path) -> EnvoyConfig {
+        self.wasm = Some(module.to_path_buf());
+        self
+    }
+
+    /// Envoy's log level (`-l`); `info` unless set.
+    pub fn log_level(mut self, level: &str) -> EnvoyConfig {
+        self.log_level = level.to_string();
+        self
+    }
+
     pub fn concurrency(mut self, n: u32) -> EnvoyConfig {
         self.concurrency = n;
         self
+    }
+
+    /// Whether the config loads a wasm module (Envoy's native rate limit filter does not, nor a
+    /// config whose wasm filter was replaced).
+    fn loads_wasm(&self) -> bool {
+        self.template.contains(SHIPPED_WASM)
     }
 
     /// The YAML Envoy is started with.
@@ -134,7 +175,9 @@ impl EnvoyConfig {
                 &format!("port_value: {}", self.upstream_port),
             )
             .replace(SHIPPED_WASM, wasm);
-        if let Some(plugin) = &self.plugin {
+        // A config whose wasm filter was taken out ([`EnvoyConfig::replace_lines`]) has no
+        // plugin to configure.
+        if let Some(plugin) = self.plugin.as_ref().filter(|_| self.loads_wasm()) {
             yaml = replace_plugin_block(&yaml, plugin);
         }
         for (cluster, addition) in &self.cluster_additions {
@@ -224,10 +267,10 @@ impl Envoy {
         let dir = tempfile::tempdir().expect("temp dir");
         let (listen_port, admin_port) = (free_port(), free_port());
         // Only a config that loads the filter needs it built.
-        let wasm = if config.template.contains(SHIPPED_WASM) {
-            Envoy::wasm().display().to_string()
-        } else {
-            String::new()
+        let wasm = match &config.wasm {
+            _ if !config.loads_wasm() => String::new(),
+            Some(module) => module.display().to_string(),
+            None => Envoy::wasm().display().to_string(),
         };
         let yaml = config.render(listen_port, admin_port, &wasm);
         let path = dir.path().join(&config.file);
@@ -236,7 +279,7 @@ impl Envoy {
         cmd.arg("-c")
             .arg(&path)
             .args(["--concurrency", &config.concurrency.to_string()])
-            .args(["--disable-hot-restart", "-l", "info"])
+            .args(["--disable-hot-restart", "-l", &config.log_level])
             .current_dir(crate::workspace_root());
         let process = Process::spawn(&format!("envoy-{listen_port}"), cmd, dir.path());
         Envoy {
@@ -319,6 +362,54 @@ mod tests {
             out,
             "clusters:\n  - name: a\n    type: STATIC\n  - name: b\n    transport_socket:\n      name: tls\n    type: STATIC\n"
         );
+    }
+
+    /// A config of the file `x.yaml` holding `template`.
+    fn config(template: &str) -> EnvoyConfig {
+        EnvoyConfig {
+            file: "x.yaml".into(),
+            template: template.into(),
+            plugin: None,
+            cluster_additions: Vec::new(),
+            wasm: None,
+            log_level: "info".into(),
+            sidecar_port: 1,
+            upstream_port: 2,
+            concurrency: 1,
+        }
+    }
+
+    #[test]
+    fn lines_are_replaced_from_one_line_start_to_another() {
+        let config = config("a\n  - name: f\n    x: 1\n  - name: router\nb\n");
+        let out = config
+            .clone()
+            .replace_lines("  - name: f", "  - name: router", "  - name: g\n");
+        assert_eq!(out.template, "a\n  - name: g\n  - name: router\nb\n");
+        let removed = config.replace_lines("  - name: f", "  - name: router", "");
+        assert_eq!(removed.template, "a\n  - name: router\nb\n");
+    }
+
+    #[test]
+    fn the_shipped_config_without_its_wasm_filter_renders_without_a_plugin() {
+        let without = EnvoyConfig::shipped("envoy.yaml", 1, 2)
+            .plugin("{\"rules\": []}")
+            .replace_lines(
+                "          - name: envoy.filters.http.wasm",
+                "          - name: envoy.filters.http.router",
+                "",
+            );
+        assert!(!without.loads_wasm());
+        let yaml = without.render(3, 4, "");
+        assert!(!yaml.contains("envoy.filters.http.wasm"), "{yaml}");
+        assert!(yaml.contains("envoy.filters.http.router"), "{yaml}");
+    }
+
+    #[test]
+    #[should_panic(expected = "x.yaml has no line starting `  - name: h`")]
+    fn a_missing_line_is_refused() {
+        let config = config("a\n  - name: f\n");
+        let _ = config.replace_lines("  - name: h", "  - name: f", "");
     }
 
     #[test]

@@ -2,6 +2,10 @@
 //! the sidecar binary, Envoy with the wasm filter) plus an in-process demo upstream, waits for each
 //! to be ready by polling its readiness check (never by sleeping), and stops them on drop.
 //!
+//! The measuring binaries (`make bench`, `make scale`, `make reliability`) share the rest: the
+//! load generator ([`load`]), what the processes say about themselves ([`probe`]), tables and
+//! quantiles ([`report`]), and the filter's plugin JSON with its lease defaults ([`plugin`]).
+//!
 //! Binaries are found through environment variables, falling back to the workspace's build
 //! outputs, so `make test` (which builds them first) needs no configuration:
 //! - `RATELIMIT_SIDECAR_BIN` (default `target/release/ratelimit-sidecar`)
@@ -11,9 +15,12 @@
 
 pub mod envoy;
 pub mod fault_proxy;
+pub mod load;
 pub mod netns;
-pub mod procstat;
+pub mod plugin;
+pub mod probe;
 pub mod redis;
+pub mod report;
 pub mod scenario;
 pub mod sockets;
 pub mod tls;

@@ -6,8 +6,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use serde_json::{json, Value};
+use serde_json::Value;
 
+use crate::plugin::Plugin;
 use crate::{Envoy, EnvoyConfig, Redis, Sidecar, Upstream};
 
 /// The API key the shipped configs know (its SHA-256 names the app `alpha`).
@@ -49,18 +50,11 @@ pub fn plugin_with_rules(rules: Value) -> Value {
     plugin_with(rules, 2000)
 }
 
+/// As [`plugin_with_rules`], with the callout timeout `timeout_ms`.
 pub fn plugin_with(rules: Value, timeout_ms: u64) -> Value {
-    json!({
-        "domain": "ratelimit",
-        "sidecar": {"cluster": "ratelimit_sidecar", "timeout_ms": timeout_ms},
-        "identity": {
-            "api_key": {"header": "x-api-key",
-                        "keys": {"677509799af78b2efa2f2af71d0f906e0a0c50c048efd3b515625f788e92b99a": "alpha"}},
-            "jwt": {"provider": "example", "user_claim": "sub", "tenant_claim": "tenant"},
-            "ip": true
-        },
-        "rules": rules
-    })
+    Plugin::shipped_identities(rules)
+        .timeout_ms(timeout_ms)
+        .json()
 }
 
 /// One answer as a test sees it.
@@ -103,7 +97,6 @@ pub fn burst(url: &str, headers: &[(&str, &str)], n: usize, parallel: usize) -> 
     burst_to(&[url], headers, n, parallel)
 }
 
-/// As [`burst`], the requests spread round-robin over several URLs (several Envoys).
 /// A client whose every request opens a connection of its own (so that Envoy's workers share
 /// the requests), with a 10 s timeout.
 pub fn one_connection_client() -> reqwest::blocking::Client {
@@ -115,6 +108,7 @@ pub fn one_connection_client() -> reqwest::blocking::Client {
         .expect("client")
 }
 
+/// As [`burst`], the requests spread round-robin over several URLs (several Envoys).
 pub fn burst_to(urls: &[&str], headers: &[(&str, &str)], n: usize, parallel: usize) -> Vec<Answer> {
     let answers = Arc::new(Mutex::new(Vec::with_capacity(n)));
     let next = Arc::new(AtomicUsize::new(0));

@@ -23,13 +23,16 @@
 //! 2-core machine the load generator, Redis, the sidecar and Envoy share the cores: read the ratios
 //! and the CPU per operation, not the absolute throughput.
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use ratelimit_e2e::procstat::cpu_seconds;
+use ratelimit_e2e::load::{self, figures, Callers, ClosedLoop, Load, Measured, Op, Warmup};
+use ratelimit_e2e::plugin::{max_lease_tokens, rule, Plugin};
+use ratelimit_e2e::probe::{self, Watched};
+use ratelimit_e2e::report::{median, Table};
 use ratelimit_e2e::{Envoy, EnvoyConfig, Redis, Sidecar, Upstream};
+use serde_json::json;
 
 #[derive(Parser, Clone)]
 #[command(about = "Measures the cost of a rate-limit decision against baselines in the same run")]
@@ -83,60 +86,230 @@ struct Args {
     sidecar_arg: Vec<String>,
 }
 
+fn main() {
+    let bench = Bench::start(Args::parse());
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    rt.block_on(async {
+        if let Some(other) = &bench.args.ab_filter {
+            return ab_filter(&bench, other).await;
+        }
+        let components = components(&bench, SCRIPT).await;
+        let memory = bucket_memory(&bench).await;
+        let mut runs = Vec::new();
+        if !bench.args.components_only {
+            for &workers in &bench.args.workers {
+                runs.push(envoy_stages(&bench, workers).await);
+            }
+        }
+        print_summary(&bench, &components, &memory);
+        print_goals(&bench, &components, &runs);
+    });
+}
+
+/// The bucket script, as the sidecar embeds it.
+const SCRIPT: &str = include_str!("../../../lua/token_bucket.lua");
+
 /// The longest one operation may take: one that hangs (a lost response) is an error, and the
 /// stage still ends on time.
 const OP_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// One process whose CPU time is attributed to a stage.
-#[derive(Clone, Copy)]
-struct Watched {
-    name: &'static str,
-    pid: u32,
+/// The bench's policy: huge budgets for the admitted workloads, an exhausted one for the flood,
+/// the hot key at its limit ([`EDGE_CAPACITY`]), and buckets to weigh ([`bucket_memory`]).
+const POLICY: &str = "rules:
+  many: {capacity: 999999999999, refill_per_sec: 1000000000}
+  hot: {capacity: 999999999999, refill_per_sec: 1000000000}
+  flood: {capacity: 1, refill_per_sec: 0.000001}
+  edge: {capacity: 2000, refill_per_sec: 2000}
+  mem: {capacity: 100, refill_per_sec: 1}
+";
+
+/// The `edge` rule of [`POLICY`]: the hot key at its limit.
+const EDGE_CAPACITY: f64 = 2000.0;
+const EDGE_REFILL: f64 = 2000.0;
+
+/// What every stage runs against: Redis, the sidecar and an upstream, started once.
+struct Bench {
+    args: Args,
+    sidecar: Sidecar,
+    redis: Redis,
+    upstream: Upstream,
+    /// The filter's build and the filter that does nothing.
+    wasm: PathBuf,
+    noop_wasm: PathBuf,
+    wasm_size: u64,
+    http: reqwest::Client,
 }
 
-/// Where Redis spent its time during a stage (since `CONFIG RESETSTAT`): script calls, requests
-/// per call (with the fast paths, most requests never reach Redis), the µs per call inside `EVALSHA` and of the commands it ran, and the keys that
-/// expired (a bucket full again is deleted; a quiet client's next decision creates it anew).
-/// The counts include the stage's start (Envoy starting, the warm-up): "about".
-fn redis_breakdown(redis: &Redis, r: &StageResult) -> String {
-    let stats = redis.cli(&["info", "commandstats"]);
-    let command = |name: &str| -> (f64, f64) {
-        let line = stats
-            .lines()
-            .find(|l| l.starts_with(&format!("cmdstat_{name}:")))
-            .unwrap_or("");
-        let field = |f: &str| -> f64 {
-            line.split(&format!("{f}="))
-                .nth(1)
-                .and_then(|v| v.split(',').next())
-                .and_then(|v| v.trim().parse().ok())
-                .unwrap_or(0.0)
-        };
-        (field("calls"), field("usec_per_call"))
-    };
-    let (calls, evalsha) = command("evalsha");
-    let (_, mget) = command("mget");
-    let (sets, set) = command("set");
-    let expired: f64 = redis
-        .cli(&["info", "stats"])
-        .lines()
-        .find_map(|l| l.strip_prefix("expired_keys:"))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(0.0);
-    if calls == 0.0 {
-        return format!(
-            "redis: no script call, {:.0} keys expired/s",
-            expired / r.seconds
+impl Bench {
+    /// Prints what runs where, then starts the processes.
+    fn start(args: Args) -> Bench {
+        let cores = std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1);
+        let wasm = Envoy::wasm();
+        let noop_wasm = ratelimit_e2e::workspace_root()
+            .join("target/wasm32-wasip1/release/ratelimit_noop_filter.wasm");
+        assert!(
+            noop_wasm.exists(),
+            "build the no-op filter first (make bench does)"
         );
+        let wasm_size = std::fs::metadata(&wasm).map(|m| m.len()).unwrap_or(0);
+        println!(
+            "ratelimit bench: {} s per stage, {} round(s) of the Envoy stages, {} concurrent callers, {} keys, {cores} cores ({}) shared by every process",
+            args.seconds, args.rounds.max(1), args.concurrency, args.keys, probe::cpu_model()
+        );
+        println!(
+            "filter module: {} ({} KiB)",
+            wasm.display(),
+            wasm_size / 1024
+        );
+        let redis = Redis::start_with(&["--maxmemory-policy", "noeviction"]);
+        let mut sidecar_args = vec!["--redis-timeout-ms", "1000"];
+        sidecar_args.extend(args.sidecar_arg.iter().map(String::as_str));
+        let sidecar = Sidecar::with_policy(&redis.url(), POLICY, &sidecar_args);
+        let upstream = Upstream::start();
+        let http = load::http_client(args.concurrency.max(args.loaded_concurrency), OP_TIMEOUT);
+        Bench {
+            args,
+            sidecar,
+            redis,
+            upstream,
+            wasm,
+            noop_wasm,
+            wasm_size,
+            http,
+        }
     }
-    format!(
-        "redis: about {:.1} requests per script call, {evalsha:.1} µs inside EVALSHA per call (MGET \
-         {mget:.1} µs, {:.1} SETs of {set:.2} µs), {:.0} keys expired/s",
-        r.ops as f64 / calls,
-        sets / calls,
-        expired / r.seconds
-    )
+
+    /// Redis and the sidecar, watched in every stage that reaches them.
+    fn watched(&self) -> Vec<Watched> {
+        vec![
+            Watched::new("redis", self.redis.pid()),
+            Watched::new("sidecar", self.sidecar.process.pid()),
+        ]
+    }
+
+    /// Measures `op` with `callers` callers and the bench's warm-up and length.
+    async fn stage(
+        &self,
+        name: &str,
+        callers: usize,
+        watched: &[Watched],
+        per_op: usize,
+        op: Op<Result<(), String>>,
+    ) -> StageResult {
+        let measured = ClosedLoop {
+            name,
+            callers,
+            warmup: Warmup::Alone(Duration::from_millis(self.args.warmup_ms)),
+            seconds: self.args.seconds as f64,
+            watched,
+            probe: None,
+            interrupted: None,
+        }
+        .measure(op)
+        .await;
+        StageResult::of(name, per_op, watched, &measured)
+    }
+
+    /// The shipped `envoy/envoy.yaml` with the bench's rules (every fast path on or off), the
+    /// filter slot holding `filter`, and the client address taken from `X-Forwarded-For` (the
+    /// bench tells its 10,000 clients apart by address; an edge Envoy must not, see the README).
+    fn envoy(&self, filter: Filter, fast: bool, workers: u32) -> EnvoyConfig {
+        let config = EnvoyConfig::shipped("envoy.yaml", self.sidecar.port, self.upstream.port)
+            .plugin(&plugin(fast).to_string())
+            .concurrency(workers)
+            .log_level("warning")
+            .replace("use_remote_address: true", "use_remote_address: false");
+        let slot = |c: EnvoyConfig, with: &str| c.replace_lines(WASM_FILTER, ROUTER, with);
+        match filter {
+            Filter::None => slot(config, ""),
+            Filter::Noop => config.wasm_module(&self.noop_wasm),
+            Filter::LocalRateLimit => slot(config, LOCAL_RATELIMIT),
+            Filter::Wasm(module) => config.wasm_module(module),
+        }
+    }
+
+    /// The shipped `envoy-native-ratelimit.yaml` (Envoy's native rate limit filter calling the
+    /// sidecar over gRPC) with one route per workload whose descriptors name the bench's rules,
+    /// the same generous timeout as the wasm stages, and addresses from `X-Forwarded-For`.
+    fn native(&self, workers: u32) -> EnvoyConfig {
+        let route = |prefix: &str, actions: &str| {
+            format!(
+                "              - match: {{ prefix: \"{prefix}\" }}\n                route:\n                  cluster: demo_upstream\n                  rate_limits:\n                  - actions:\n{actions}"
+            )
+        };
+        let generic = |rule: &str| {
+            format!("                    - generic_key: {{ descriptor_key: rule, descriptor_value: {rule} }}\n")
+        };
+        let ip = "                    - extension:\n                        name: ip\n                        typed_config:\n                          \"@type\": type.googleapis.com/envoy.extensions.matching.common_inputs.network.v3.SourceIPInput\n";
+        let routes = format!(
+            "              routes:\n{}{}{}",
+            route("/many/", &format!("{}{ip}", generic("many"))),
+            route("/hot/", &generic("hot")),
+            route("/flood/", &generic("flood")),
+        );
+        EnvoyConfig::shipped(
+            "envoy-native-ratelimit.yaml",
+            self.sidecar.port,
+            self.upstream.port,
+        )
+        .concurrency(workers)
+        .log_level("warning")
+        .replace("use_remote_address: true", "use_remote_address: false")
+        .replace("timeout: 0.05s", "timeout: 2s")
+        .replace_lines("              routes:", "          http_filters:", &routes)
+    }
+
+    /// Runs one stage of `workload` against a fresh Envoy started from `config`, with `callers`
+    /// callers: the stage's figures and the filter's callouts per decided request.
+    async fn envoy_stage(
+        &self,
+        name: String,
+        config: EnvoyConfig,
+        workload: Workload,
+        callers: usize,
+    ) -> (StageResult, f64) {
+        // Stopped however the stage ends: a stage that panics (its warm-up failing) leaves no
+        // Envoy running behind the bench.
+        let envoy = off_runtime(move || Envoy::start(&config)).await;
+        let mut watched = self.watched();
+        watched.push(Watched::new("envoy", envoy.process.pid()));
+        let op = workload_op(
+            self.http.clone(),
+            envoy.url(workload.path()),
+            workload,
+            self.args.keys as u64,
+        );
+        let r = self.stage(&name, callers, &watched, 1, op).await;
+        (r, callouts_per_request(&envoy))
+    }
 }
+
+/// Runs `f` (which makes blocking HTTP calls: starting Envoy waits on its readiness) on a
+/// blocking thread. Called on the runtime's own thread, reqwest's blocking client can spin
+/// forever: its wake-up is deferred to the very runtime it blocks (seen as a bench stuck at full
+/// CPU between two stages).
+async fn off_runtime<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+    tokio::task::spawn_blocking(f)
+        .await
+        .expect("a blocking step of the bench panicked")
+}
+
+/// The filter's callouts per request it decided (admitted or rejected), since Envoy started.
+fn callouts_per_request(envoy: &Envoy) -> f64 {
+    probe::envoy_stat(envoy, "ratelimit.callouts")
+        / (probe::envoy_stat(envoy, "ratelimit.admitted")
+            + probe::envoy_stat(envoy, "ratelimit.rejected"))
+        .max(1.0)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Stages and their table.
 
 #[derive(Clone)]
 struct StageResult {
@@ -149,17 +322,37 @@ struct StageResult {
     p50: Duration,
     p99: Duration,
     /// CPU µs per operation, by process.
-    cpu_us_per_op: Vec<(&'static str, f64)>,
+    cpu_us_per_op: Vec<(String, f64)>,
 }
 
 impl StageResult {
+    /// A measured stage: the watched processes' CPU per operation, then the load generator's.
+    fn of(name: &str, per_op: usize, watched: &[Watched], m: &Measured) -> StageResult {
+        let mut cpu_us_per_op: Vec<(String, f64)> = watched
+            .iter()
+            .map(|w| (w.name.clone(), m.cpu_us_per_op(&w.name)))
+            .collect();
+        cpu_us_per_op.push((
+            "load generator".into(),
+            m.cpu.own * 1e6 / m.ops.max(1) as f64,
+        ));
+        StageResult {
+            name: name.to_string(),
+            ops: m.ops,
+            per_op,
+            seconds: m.seconds,
+            p50: m.quantile(0.50),
+            p99: m.quantile(0.99),
+            cpu_us_per_op,
+        }
+    }
     fn per_second(&self) -> f64 {
         self.ops as f64 / self.seconds
     }
     fn cpu(&self, process: &str) -> f64 {
         self.cpu_us_per_op
             .iter()
-            .find(|(n, _)| *n == process)
+            .find(|(n, _)| n == process)
             .map_or(0.0, |(_, v)| *v)
     }
     /// CPU µs per decision of a process.
@@ -170,117 +363,36 @@ impl StageResult {
     fn stack_cpu(&self) -> f64 {
         self.cpu_us_per_op
             .iter()
-            .filter(|(n, _)| *n != "load generator")
+            .filter(|(n, _)| n != "load generator")
             .map(|(_, v)| v)
             .sum()
     }
 }
 
-type Op = Arc<
-    dyn Fn(u64) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), String>> + Send>>
-        + Send
-        + Sync,
->;
-
-/// Runs `concurrency` copies of `op` for `seconds` and measures them.
-async fn stage(name: &str, args: &Args, watched: &[Watched], per_op: usize, op: Op) -> StageResult {
-    // A short warm-up so connections, caches, leases exist before measuring.
-    let warm = Instant::now();
-    let mut warm_errors = 0;
-    while warm.elapsed() < Duration::from_millis(args.warmup_ms) {
-        if let Err(e) = op(rand_u64()).await {
-            warm_errors += 1;
-            if warm_errors > 1000 {
-                panic!("{name}: warm-up keeps failing: {e}");
-            }
-        }
-    }
-    let cpu_before: Vec<f64> = watched.iter().map(|w| cpu_seconds(w.pid)).collect();
-    let self_before = cpu_seconds(std::process::id());
-    let stop = Arc::new(AtomicBool::new(false));
-    let start = Instant::now();
-    let mut tasks = Vec::new();
-    for worker in 0..args.concurrency {
-        let (op, stop) = (op.clone(), stop.clone());
-        tasks.push(tokio::spawn(async move {
-            let mut latencies = Vec::new();
-            let mut errors = 0u64;
-            let mut first_error = None;
-            let mut i = worker as u64 * 7919 + 1;
-            while !stop.load(Ordering::Relaxed) {
-                i = i
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                let t = Instant::now();
-                match op(i >> 16).await {
-                    Ok(()) => latencies.push(t.elapsed()),
-                    Err(e) => {
-                        errors += 1;
-                        first_error.get_or_insert(e);
-                        // A failure can come back without waiting on anything: let the
-                        // runtime's timer (the stage's end) run.
-                        tokio::task::yield_now().await;
-                    }
-                }
-            }
-            (latencies, errors, first_error)
-        }));
-    }
-    tokio::time::sleep(Duration::from_secs(args.seconds)).await;
-    stop.store(true, Ordering::Relaxed);
-    let mut latencies = Vec::new();
-    let mut errors = 0;
-    let mut first_error = None;
-    for t in tasks {
-        let (l, e, first) = t.await.expect("stage task");
-        latencies.extend(l);
-        errors += e;
-        first_error = first_error.or(first);
-    }
-    let seconds = start.elapsed().as_secs_f64();
-    let ops = latencies.len() as u64;
-    let first_error = first_error.unwrap_or_default();
-    assert!(
-        ops > 0,
-        "{name}: no operation succeeded ({errors} errors, the first: {first_error})"
-    );
-    if errors > 0 {
-        eprintln!("{name}: {errors} operations failed, the first: {first_error}");
-    }
-    latencies.sort();
-    let pick = |q: f64| latencies[((latencies.len() as f64 * q) as usize).min(latencies.len() - 1)];
-    let mut cpu_us_per_op: Vec<(&'static str, f64)> = watched
-        .iter()
-        .zip(cpu_before)
-        .map(|(w, before)| (w.name, (cpu_seconds(w.pid) - before) * 1e6 / ops as f64))
-        .collect();
-    cpu_us_per_op.push((
-        "load generator",
-        (cpu_seconds(std::process::id()) - self_before) * 1e6 / ops as f64,
-    ));
-    StageResult {
-        name: name.to_string(),
-        ops,
-        per_op,
-        seconds,
-        p50: pick(0.50),
-        p99: pick(0.99),
-        cpu_us_per_op,
-    }
-}
-
-fn rand_u64() -> u64 {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap_or_default()
-        .subsec_nanos() as u64;
-    nanos.wrapping_mul(6364136223846793005)
+/// The table every stage is a line of.
+fn stage_table() -> Table {
+    Table::new()
+        .left(58)
+        .right(9)
+        .right(9)
+        .right(9)
+        .gap(2)
+        .right(8)
+        .gap(2)
+        .left(0)
 }
 
 fn print_header() {
     println!(
-        "{:<58} {:>9} {:>9} {:>9}  {:>8}  cpu µs per op by process",
-        "stage", "ops/s", "p50", "p99", "vs base"
+        "{}",
+        stage_table().line(&[
+            "stage",
+            "ops/s",
+            "p50",
+            "p99",
+            "vs base",
+            "cpu µs per op by process"
+        ])
     );
 }
 
@@ -294,24 +406,387 @@ fn print(r: &StageResult, baseline: Option<&StageResult>) {
         .map(|(n, v)| format!("{n} {v:.1}"))
         .collect();
     println!(
-        "{:<58} {:>9.0} {:>9} {:>9}  {:>8}  {}",
-        r.name,
-        r.per_second(),
-        format!("{:.2?}", r.p50),
-        format!("{:.2?}", r.p99),
-        ratio,
-        cpu.join(", ")
+        "{}",
+        stage_table().line(&[
+            r.name.clone(),
+            format!("{:.0}", r.per_second()),
+            format!("{:.2?}", r.p50),
+            format!("{:.2?}", r.p99),
+            ratio,
+            cpu.join(", "),
+        ])
     );
+}
+
+/// A line under a stage's row.
+fn print_note(text: &str) {
+    println!("{}", stage_table().note(text));
+}
+
+/// Where Redis spent its time during a stage (since `CONFIG RESETSTAT`): script calls, requests
+/// per call (with the fast paths, most requests never reach Redis), the µs per call inside
+/// `EVALSHA` and of the commands it ran, and the keys that expired (a bucket full again is
+/// deleted; a quiet client's next decision creates it anew). The counts include the stage's
+/// start (Envoy starting, the warm-up): "about".
+fn redis_breakdown(redis: &Redis, r: &StageResult) -> String {
+    let [evalsha, mget, set] = probe::command_stats(redis, &["evalsha", "mget", "set"])[..] else {
+        unreachable!("three commands asked")
+    };
+    let expired = probe::info_number(redis, "stats", "expired_keys");
+    if evalsha.calls == 0.0 {
+        return format!(
+            "redis: no script call, {:.0} keys expired/s",
+            expired / r.seconds
+        );
+    }
+    format!(
+        "redis: about {:.1} requests per script call, {:.1} µs inside EVALSHA per call (MGET \
+         {:.1} µs, {:.1} SETs of {:.2} µs), {:.0} keys expired/s",
+        r.ops as f64 / evalsha.calls,
+        evalsha.usec_per_call,
+        mget.usec_per_call,
+        set.calls / evalsha.calls,
+        set.usec_per_call,
+        expired / r.seconds
+    )
+}
+
+// ---------------------------------------------------------------------------------------------
+// Components: Redis, the script, the sidecar.
+
+/// The component stages' figures the summary and the goals use.
+struct Components {
+    incr: StageResult,
+    script_one: StageResult,
+    script_batch: StageResult,
+    decide_one: StageResult,
+    decide_batch: StageResult,
+}
+
+/// Redis's own ceiling (`INCR`), the bucket script `script` (its text) with one decision per call
+/// and with `--batch`, the sidecar's `POST /v1/decide` with one request per call and with a
+/// batch.
+async fn components(b: &Bench, script: &str) -> Components {
+    println!("\n== components");
+    print_header();
+    let conn = redis::Client::open(b.redis.url())
+        .expect("redis url")
+        .get_multiplexed_async_connection()
+        .await
+        .expect("connect redis");
+    let keys = b.args.keys as u64;
+    let redis_only = &b.watched()[..1];
+    let incr = {
+        let conn = conn.clone();
+        let op = load::op(move |call| {
+            let mut conn = conn.clone();
+            async move {
+                redis::cmd("INCR")
+                    .arg(format!("bench:incr:{}", (call.random() >> 16) % keys))
+                    .query_async::<i64>(&mut conn)
+                    .await
+                    .map(|_| ())
+                    .map_err(|e| e.to_string())
+            }
+        });
+        let name = "redis INCR, pipelined (Redis's ceiling)";
+        b.stage(name, b.args.concurrency, redis_only, 1, op).await
+    };
+    print(&incr, None);
+    let (script_one, script_batch) = script_stages(b, &conn, "bucket script", script).await;
+    print(&script_one, Some(&incr));
+    print(&script_batch, Some(&incr));
+
+    let decide_url = format!("{}/v1/decide", b.sidecar.base_url());
+    let decide_stage = |n: usize| {
+        let (http, url) = (b.http.clone(), decide_url.clone());
+        load::op(move |call| {
+            let (http, url) = (http.clone(), url.clone());
+            let i = call.random() >> 16;
+            async move {
+                let requests: Vec<serde_json::Value> = (0..n as u64)
+                    .map(|j| {
+                        json!({"decisions": [{"rule": "many",
+                            "subject": {"ip": format!("k{}", (i + j * 7919) % keys)}}]})
+                    })
+                    .collect();
+                let body = json!({"requests": requests}).to_string();
+                let resp = http
+                    .post(&url)
+                    .header("content-type", "application/json")
+                    .body(body)
+                    .send()
+                    .await
+                    .map_err(|e| e.to_string())?;
+                let status = resp.status();
+                resp.bytes().await.map_err(|e| e.to_string())?;
+                if status == 200 {
+                    Ok(())
+                } else {
+                    Err(format!("status {status}"))
+                }
+            }
+        })
+    };
+    let (c, batch, watched) = (b.args.concurrency, b.args.batch, b.watched());
+    let decide_one = b
+        .stage(
+            "sidecar POST /v1/decide, 1 request per call",
+            c,
+            &watched,
+            1,
+            decide_stage(1),
+        )
+        .await;
+    print(&decide_one, Some(&script_one));
+    let name = format!("sidecar POST /v1/decide, {batch} requests per call");
+    let decide_batch = b
+        .stage(&name, c, &watched, batch, decide_stage(batch))
+        .await;
+    print(&decide_batch, Some(&script_one));
+    Components {
+        incr,
+        script_one,
+        script_batch,
+        decide_one,
+        decide_batch,
+    }
+}
+
+/// The bucket script `script` (its text, loaded into Redis) called directly with one decision
+/// per call and with `--batch`, its stages named `<label>, N decision(s) per call`: a second
+/// script measured beside the first is one more call.
+async fn script_stages(
+    b: &Bench,
+    conn: &redis::aio::MultiplexedConnection,
+    label: &str,
+    script: &str,
+) -> (StageResult, StageResult) {
+    let sha: String = redis::cmd("SCRIPT")
+        .arg("LOAD")
+        .arg(script)
+        .query_async(&mut conn.clone())
+        .await
+        .expect("SCRIPT LOAD");
+    let keys = b.args.keys as u64;
+    let script_op = |n: usize| {
+        let (conn, sha) = (conn.clone(), sha.clone());
+        load::op(move |call| {
+            let mut conn = conn.clone();
+            let cmd = apply_call(&sha, call.random() >> 16, n, keys);
+            async move {
+                cmd.query_async::<redis::Value>(&mut conn)
+                    .await
+                    .map(|_| ())
+                    .map_err(|e| e.to_string())
+            }
+        })
+    };
+    let (c, batch, redis_only) = (b.args.concurrency, b.args.batch, &b.watched()[..1]);
+    let one = format!("{label}, 1 decision per call");
+    let one = b.stage(&one, c, redis_only, 1, script_op(1)).await;
+    let many = format!("{label}, {batch} decisions per call");
+    let many = b.stage(&many, c, redis_only, batch, script_op(batch)).await;
+    (one, many)
+}
+
+/// `EVALSHA` of the bucket script applying `n` one-token decisions, on buckets drawn from `i`
+/// among `keys`, as `lua/token_bucket.lua`'s header lays out ARGV: mode, record ttl, lease
+/// share, cluster 0, share margin; the buckets; one limit with no regional share; one group
+/// without a record of `n` one-decision requests; no returns.
+fn apply_call(sha: &str, i: u64, n: usize, keys: u64) -> redis::Cmd {
+    let bucket = |j: u64| format!("rl:{{bench|k={}}}", (i + j * 7919) % keys);
+    let mut c = redis::cmd("EVALSHA");
+    c.arg(sha).arg(1).arg(bucket(0));
+    c.arg("apply").arg(10_000).arg(0.1).arg(0).arg(1000).arg(n);
+    for j in 0..n as u64 {
+        c.arg(bucket(j));
+    }
+    c.arg(1)
+        .arg(999_999_999_999u64)
+        .arg(1_000_000_000u64)
+        .arg(0);
+    c.arg(1).arg("").arg(n);
+    for j in 0..n {
+        c.arg(1)
+            .arg(j + 1)
+            .arg(1)
+            .arg(1)
+            .arg(0)
+            .arg(0)
+            .arg(0)
+            .arg(0);
+    }
+    c.arg(0);
+    c
+}
+
+/// Buckets written to measure memory.
+const MEMORY_BUCKETS: usize = 10_000;
+
+/// What one bucket costs Redis.
+struct BucketMemory {
+    used_per_bucket: f64,
+    usage_per_bucket: f64,
+    sampled: usize,
+}
+
+/// Writes [`MEMORY_BUCKETS`] buckets of the `mem` rule through the sidecar (full again only after
+/// 100 s, so none expires meanwhile) and reads what Redis spends on them: the growth of
+/// `used_memory` per bucket (Redis's own overhead included) and `MEMORY USAGE` of a sample.
+async fn bucket_memory(b: &Bench) -> BucketMemory {
+    let url = format!("{}/v1/decide", b.sidecar.base_url());
+    let before = probe::used_memory(&b.redis);
+    let run = std::process::id();
+    for chunk in 0..MEMORY_BUCKETS / 250 {
+        let requests: Vec<serde_json::Value> = (0..250)
+            .map(|j| {
+                json!({"decisions": [{"rule": "mem",
+                    "subject": {"ip": format!("m{run}-{}", chunk * 250 + j)}}]})
+            })
+            .collect();
+        let resp = b
+            .http
+            .post(&url)
+            .header("content-type", "application/json")
+            .body(json!({ "requests": requests }).to_string())
+            .send()
+            .await
+            .expect("decide");
+        assert_eq!(resp.status(), 200, "the memory stage's decisions");
+    }
+    let after = probe::used_memory(&b.redis);
+    let mut c = b.redis.connection();
+    let mut sample = Vec::new();
+    let mut cursor = 0u64;
+    loop {
+        let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg("rl:{ratelimit|rule=mem*")
+            .arg("COUNT")
+            .arg(1000)
+            .query(&mut c)
+            .expect("SCAN");
+        sample.extend(keys);
+        cursor = next;
+        if cursor == 0 || sample.len() >= 200 {
+            break;
+        }
+    }
+    let bytes: Vec<u64> = sample
+        .iter()
+        .take(200)
+        .filter_map(|k| {
+            redis::cmd("MEMORY")
+                .arg("USAGE")
+                .arg(k)
+                .query::<Option<u64>>(&mut c)
+                .ok()
+                .flatten()
+        })
+        .collect();
+    BucketMemory {
+        used_per_bucket: (after - before) as f64 / MEMORY_BUCKETS as f64,
+        usage_per_bucket: bytes.iter().sum::<u64>() as f64 / bytes.len().max(1) as f64,
+        sampled: bytes.len(),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Envoy: the workloads, what the filter slot holds.
+
+#[derive(Clone, Copy, PartialEq, Debug, clap::ValueEnum)]
+enum Workload {
+    ManyKeys,
+    HotKey,
+    Flood,
+}
+
+impl Workload {
+    const ALL: [Workload; 3] = [Workload::ManyKeys, Workload::HotKey, Workload::Flood];
+
+    fn name(self) -> &'static str {
+        match self {
+            Workload::ManyKeys => "many keys",
+            Workload::HotKey => "hot key",
+            Workload::Flood => "flood",
+        }
+    }
+    fn path(self) -> &'static str {
+        match self {
+            Workload::ManyKeys => "/many/x",
+            Workload::HotKey => "/hot/x",
+            Workload::Flood => "/flood/x",
+        }
+    }
+}
+
+/// A GET of `url` with the workload's headers (many keys: one of `keys` client addresses);
+/// done when answered 200 (429 for the flood).
+fn workload_op(
+    client: reqwest::Client,
+    url: String,
+    workload: Workload,
+    keys: u64,
+) -> Op<Result<(), String>> {
+    load::op(move |call| {
+        let mut req = client.get(&url);
+        if workload == Workload::ManyKeys {
+            let k = (call.random() >> 16) % keys;
+            req = req.header(
+                "x-forwarded-for",
+                format!("10.{}.{}.{}", (k >> 16) & 255, (k >> 8) & 255, k & 255),
+            );
+        }
+        async move {
+            let resp = req.send().await.map_err(|e| e.to_string())?;
+            let status = resp.status().as_u16();
+            resp.bytes().await.map_err(|e| e.to_string())?;
+            let expected = if workload == Workload::Flood {
+                429
+            } else {
+                200
+            };
+            if status == expected {
+                Ok(())
+            } else {
+                Err(format!("status {status}"))
+            }
+        }
+    })
+}
+
+/// The plugin configuration: one rule per workload; `fast` turns every fast path on (as shipped)
+/// or off (one callout per request).
+fn plugin(fast: bool) -> Plugin {
+    let plugin = Plugin::by_address(json!([
+        rule("many", "/many/", &["ip"], "deny"),
+        rule("hot", "/hot/", &[], "deny"),
+        rule("flood", "/flood/", &[], "deny"),
+        rule("edge", "/edge/", &["ip"], "deny")
+    ]));
+    if fast {
+        plugin
+    } else {
+        plugin.one_callout_per_request()
+    }
 }
 
 /// What the wasm filter slot of the shipped config holds in a stage.
 #[derive(Clone, Copy, PartialEq)]
-enum Filter {
+enum Filter<'a> {
     None,
     Noop,
     LocalRateLimit,
-    Wasm,
+    /// The filter, this build of it.
+    Wasm(&'a Path),
 }
+
+/// The lines of the shipped config's filter chain where the wasm filter starts and where the
+/// router (after it) does.
+const WASM_FILTER: &str = "          - name: envoy.filters.http.wasm";
+const ROUTER: &str = "          - name: envoy.filters.http.router";
 
 const LOCAL_RATELIMIT: &str = r#"          - name: envoy.filters.http.local_ratelimit
             typed_config:
@@ -324,75 +799,122 @@ const LOCAL_RATELIMIT: &str = r#"          - name: envoy.filters.http.local_rate
                 default_value: { numerator: 100, denominator: HUNDRED }
 "#;
 
-/// The rendered shipped config with the filter slot replaced, and the client address taken from
-/// `X-Forwarded-For` (the bench tells its 10,000 clients apart by address; an edge Envoy must not,
-/// see the README).
-fn edit_config(yaml: &str, filter: Filter, noop_wasm: &str, wasm: &str) -> String {
-    let yaml = yaml.replace("use_remote_address: true", "use_remote_address: false");
-    let start = yaml
-        .find("          - name: envoy.filters.http.wasm")
-        .expect("the config has the wasm filter");
-    let end = yaml
-        .find("          - name: envoy.filters.http.router")
-        .expect("the config has the router");
-    let block = &yaml[start..end];
-    let replacement = match filter {
-        Filter::None => String::new(),
-        Filter::Noop => block.replace(wasm, noop_wasm),
-        Filter::LocalRateLimit => LOCAL_RATELIMIT.to_string(),
-        Filter::Wasm => block.to_string(),
-    };
-    format!("{}{}{}", &yaml[..start], replacement, &yaml[end..])
-}
+// ---------------------------------------------------------------------------------------------
+// The Envoy stages of one worker count.
 
-/// Starts Envoy from a YAML (for the variants the harness does not model).
-/// Runs one stage against a fresh Envoy started from `yaml` (its CPU watched with `watched`'s):
-/// the stage's figures and the filter's callouts per decided request.
-#[allow(clippy::too_many_arguments)]
-async fn envoy_stage(
-    name: String,
-    yaml: String,
-    workers: u32,
-    workload: Workload,
-    http: reqwest::Client,
-    args: &Args,
-    keys: u64,
-    watched: [Watched; 2],
-) -> (StageResult, f64) {
-    let (child, port, admin, _dir) = off_runtime(move || envoy_from_yaml(&yaml, workers)).await;
-    // Stopped however the stage ends: a stage that panics (its warm-up failing) leaves no Envoy
-    // running behind the bench.
-    let child = Reaped(child);
-    let envoy = Watched {
-        name: "envoy",
-        pid: child.0.id(),
-    };
-    let watched = [watched[0], watched[1], envoy];
-    let op = http_get_op(
-        http,
-        format!("http://127.0.0.1:{port}{}", workload.path()),
-        workload,
-        keys,
+/// The Envoy stages with `workers` workers, `--rounds` times (the stages taking turns), their
+/// medians, and the hot key at its limit.
+async fn envoy_stages(b: &Bench, workers: u32) -> (EnvoyRun, Vec<EnvoyRun>, AtLimit) {
+    println!("\n== Envoy, {workers} worker(s)");
+    print_header();
+    let rounds = b.args.rounds.max(1);
+    let mut measured = Vec::new();
+    for round in 0..rounds {
+        if rounds > 1 {
+            println!("-- round {} of {rounds}", round + 1);
+        }
+        measured.push(envoy_round(b, workers).await);
+    }
+    let run = EnvoyRun::median(&measured);
+    if rounds > 1 {
+        println!("-- medians of {rounds} rounds, {workers} worker(s)");
+        run.print();
+    }
+    println!("-- the hot key at its limit, {workers} worker(s)");
+    let edge = at_limit_stage(b, workers).await;
+    println!(
+        "hot key at its limit: {} admitted, {} rejected, {} errors in {:.1} s; {:.4} callouts/request",
+        edge.admitted, edge.rejected, edge.errors, edge.seconds, edge.callouts
     );
-    let r = stage(&name, args, &watched, 1, op).await;
-    let (callouts, requests) = off_runtime(move || {
-        (
-            envoy_stat(admin, "ratelimit.callouts"),
-            envoy_stat(admin, "ratelimit.admitted") + envoy_stat(admin, "ratelimit.rejected"),
-        )
-    })
-    .await;
-    drop(child);
-    (r, callouts / requests.max(1.0))
+    (run, measured, edge)
 }
 
-/// The `edge` rule of [`POLICY`]: the hot key at its limit.
-const EDGE_CAPACITY: f64 = 2000.0;
-const EDGE_REFILL: f64 = 2000.0;
-/// The defaults that size a lease: the sidecar's `--lease-max-share` and the filter's
-/// `fast_paths.leases.max_tokens`.
-const LEASE_MAX_SHARE: f64 = 0.1;
-const LEASE_MAX_TOKENS: f64 = 1000.0;
+/// One round of the Envoy stages: the baselines, the filter one callout per request and as
+/// shipped for each workload, Envoy's native filter, and many keys again under load.
+async fn envoy_round(b: &Bench, workers: u32) -> EnvoyRun {
+    let c = b.args.concurrency;
+    let wasm = Filter::Wasm(&b.wasm);
+    let stage = |name: &str, filter, fast, workload| {
+        b.envoy_stage(
+            name.to_string(),
+            b.envoy(filter, fast, workers),
+            workload,
+            c,
+        )
+    };
+    let hot = Workload::HotKey;
+    let (baseline, _) = stage("envoy, no filter (baseline)", Filter::None, true, hot).await;
+    print(&baseline, None);
+    let name = "envoy + a wasm filter that does nothing (floor)";
+    let (noop, _) = stage(name, Filter::Noop, true, hot).await;
+    print(&noop, Some(&baseline));
+    let name = "envoy + local_ratelimit (per-Envoy, no shared budget)";
+    let (local, _) = stage(name, Filter::LocalRateLimit, true, hot).await;
+    print(&local, Some(&baseline));
+    let mut wasm_stages = Vec::new();
+    for workload in Workload::ALL {
+        let name = format!("{}: filter, one callout per request", workload.name());
+        let (slow, _) = stage(&name, wasm, false, workload).await;
+        print(&slow, Some(&baseline));
+        b.redis.cli(&["config", "resetstat"]);
+        let name = format!("{}: filter as shipped (fast paths)", workload.name());
+        let (fast, callouts) = stage(&name, wasm, true, workload).await;
+        print(&fast, Some(&baseline));
+        print_note(&format!("callouts per request: {callouts:.3}"));
+        print_note(&redis_breakdown(&b.redis, &fast));
+        wasm_stages.push((workload, slow, fast, callouts));
+    }
+    let mut native = Vec::new();
+    for workload in Workload::ALL {
+        let name = format!("{}: Envoy's native ratelimit filter, gRPC", workload.name());
+        let (r, _) = b.envoy_stage(name, b.native(workers), workload, c).await;
+        print(&r, Some(&baseline));
+        native.push((workload, r));
+    }
+    let loaded = match b.args.loaded_concurrency {
+        0 => None,
+        _ => Some(loaded_stages(b, workers).await),
+    };
+    EnvoyRun {
+        workers,
+        baseline,
+        noop,
+        local,
+        wasm: wasm_stages,
+        native,
+        loaded,
+    }
+}
+
+/// Many keys again with `--loaded-concurrency` callers: the fast paths' batches grow with the
+/// load.
+async fn loaded_stages(b: &Bench, workers: u32) -> Loaded {
+    let c = b.args.loaded_concurrency;
+    let stage = |name: &str, filter, fast| {
+        let name = format!("{c} callers, many keys: {name}");
+        b.envoy_stage(name, b.envoy(filter, fast, workers), Workload::ManyKeys, c)
+    };
+    let wasm = Filter::Wasm(&b.wasm);
+    let (baseline, _) = stage("no filter (baseline)", Filter::None, true).await;
+    print(&baseline, None);
+    let (noop, _) = stage("the no-op filter", Filter::Noop, true).await;
+    print(&noop, Some(&baseline));
+    let (slow, _) = stage("filter, one callout per request", wasm, false).await;
+    print(&slow, Some(&baseline));
+    b.redis.cli(&["config", "resetstat"]);
+    let (fast, callouts) = stage("filter as shipped (fast paths)", wasm, true).await;
+    print(&fast, Some(&baseline));
+    print_note(&format!("callouts per request: {callouts:.3}"));
+    print_note(&redis_breakdown(&b.redis, &fast));
+    Loaded {
+        concurrency: c,
+        baseline,
+        noop,
+        slow,
+        fast,
+        callouts,
+    }
+}
 
 /// The hot key at its limit, measured once per worker count: one client far over a finite bucket
 /// (every fast path on: leases, known rejections), its bucket fresh and full at the start.
@@ -412,7 +934,7 @@ impl AtLimit {
     /// What leases can withhold from one Envoy at most: two leases (the one in use and the
     /// next) of `L = min(max_tokens, max_share × C)` each (docs/fast-paths.md, deviation).
     fn lease_bound() -> f64 {
-        2.0 * LEASE_MAX_TOKENS.min(LEASE_MAX_SHARE * EDGE_CAPACITY)
+        2.0 * max_lease_tokens(EDGE_CAPACITY)
     }
     fn over(&self) -> f64 {
         (self.admitted as f64 - self.exact_bound().floor()).max(0.0)
@@ -422,259 +944,237 @@ impl AtLimit {
     }
 }
 
-/// Runs the at-its-limit stage against a fresh Envoy: `args.concurrency` callers as one client
-/// (`client` names its address, so every run has a bucket of its own), no warm-up (the bucket is
-/// full at the first request), `args.seconds` long. Every answer is counted: 200 admitted, 429
-/// rejected, anything else an error.
-async fn at_limit_stage(
-    yaml: String,
-    workers: u32,
-    http: reqwest::Client,
-    args: &Args,
-    client: u32,
-) -> AtLimit {
-    let (child, port, admin, _dir) = off_runtime(move || envoy_from_yaml(&yaml, workers)).await;
-    let child = Reaped(child);
-    let url = format!("http://127.0.0.1:{port}/edge/x");
-    let address = format!("10.250.{}.{}", (client >> 8) & 255, client & 255);
-    let stop = Arc::new(AtomicBool::new(false));
+/// Runs the at-its-limit stage against a fresh Envoy: `--concurrency` callers as one client
+/// (its address names the worker count, so every run has a bucket of its own), no warm-up (the
+/// bucket is full at the first request), `--seconds` long. Every answer is counted: 200
+/// admitted, 429 rejected, anything else an error.
+async fn at_limit_stage(b: &Bench, workers: u32) -> AtLimit {
+    let config = b.envoy(Filter::Wasm(&b.wasm), true, workers);
+    let envoy = off_runtime(move || Envoy::start(&config)).await;
+    let (http, url) = (b.http.clone(), envoy.url("/edge/x"));
+    let address = format!("10.250.{}.{}", (workers >> 8) & 255, workers & 255);
+    let headers = vec![("x-forwarded-for".to_string(), address)];
+    let op = load::op(move |_| {
+        let (http, url, headers) = (http.clone(), url.clone(), headers.clone());
+        async move { load::get(&http, &url, &headers).await }
+    });
     let start = Instant::now();
-    let mut tasks = Vec::new();
-    for _ in 0..args.concurrency {
-        let (http, url, address, stop) = (http.clone(), url.clone(), address.clone(), stop.clone());
-        tasks.push(tokio::spawn(async move {
-            let (mut admitted, mut rejected, mut errors) = (0u64, 0u64, 0u64);
-            while !stop.load(Ordering::Relaxed) {
-                let sent = http
-                    .get(&url)
-                    .header("x-forwarded-for", &address)
-                    .send()
-                    .await;
-                match sent {
-                    Ok(r) => {
-                        let status = r.status().as_u16();
-                        let _ = r.bytes().await;
-                        match status {
-                            200 => admitted += 1,
-                            429 => rejected += 1,
-                            _ => errors += 1,
-                        }
-                    }
-                    Err(_) => {
-                        errors += 1;
-                        tokio::task::yield_now().await;
-                    }
-                }
-            }
-            (admitted, rejected, errors)
-        }));
-    }
-    tokio::time::sleep(Duration::from_secs(args.seconds)).await;
-    stop.store(true, Ordering::Relaxed);
-    let (mut admitted, mut rejected, mut errors) = (0, 0, 0);
-    for t in tasks {
-        let (a, r, e) = t.await.expect("at-limit task");
-        admitted += a;
-        rejected += r;
-        errors += e;
-    }
+    let callers = Callers::new(0, b.args.concurrency, op).backoff(Duration::from_millis(1));
+    let load = Load::spawn(vec![callers]);
+    tokio::time::sleep(Duration::from_secs(b.args.seconds)).await;
+    let samples = load.finish().await;
     // Every answer counted arrived before this: the bound's time covers all of them.
     let seconds = start.elapsed().as_secs_f64();
-    let callouts = off_runtime(move || {
-        envoy_stat(admin, "ratelimit.callouts")
-            / (envoy_stat(admin, "ratelimit.admitted") + envoy_stat(admin, "ratelimit.rejected"))
-                .max(1.0)
-    })
-    .await;
-    drop(child);
+    let f = figures(&samples);
     AtLimit {
-        admitted,
-        rejected,
-        errors,
+        admitted: f.admitted as u64,
+        rejected: f.rejected as u64,
+        errors: f.errors as u64,
         seconds,
-        callouts,
+        callouts: callouts_per_request(&envoy),
     }
 }
 
-/// A child process, killed and reaped when dropped.
-struct Reaped(std::process::Child);
+// ---------------------------------------------------------------------------------------------
+// A/B: two builds of the filter.
 
-impl Drop for Reaped {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// Runs `f` (which makes blocking HTTP calls) on a blocking thread. Called on the runtime's
-/// own thread, reqwest's blocking client can spin forever: its wake-up is deferred to the very
-/// runtime it blocks (seen as a bench stuck at full CPU between two stages).
-async fn off_runtime<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
-    tokio::task::spawn_blocking(f)
-        .await
-        .expect("a blocking step of the bench panicked")
-}
-
-fn envoy_from_yaml(yaml: &str, workers: u32) -> (std::process::Child, u16, u16, tempfile::TempDir) {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let (listen, admin) = (ratelimit_e2e::free_port(), ratelimit_e2e::free_port());
-    let yaml = yaml
-        .replace("port_value: 10000", &format!("port_value: {listen}"))
-        .replace("port_value: 9901", &format!("port_value: {admin}"));
-    let path = dir.path().join("envoy.yaml");
-    std::fs::write(&path, yaml).expect("write config");
-    let log = std::fs::File::create(dir.path().join("envoy.log")).expect("log");
-    let child = std::process::Command::new(Envoy::bin())
-        .arg("-c")
-        .arg(&path)
-        .args(["--concurrency", &workers.to_string()])
-        .args(["--disable-hot-restart", "-l", "warning"])
-        .current_dir(ratelimit_e2e::workspace_root())
-        .stdout(log.try_clone().expect("log"))
-        .stderr(log)
-        .spawn()
-        .expect("start envoy");
-    let client = ratelimit_e2e::http();
-    ratelimit_e2e::wait_until("envoy ready", ratelimit_e2e::READY_TIMEOUT, || {
-        client
-            .get(format!("http://127.0.0.1:{admin}/ready"))
-            .send()
-            .map(|r| r.status() == 200)
-            .unwrap_or(false)
-            && ratelimit_e2e::port_open(listen)
-    });
-    (child, listen, admin, dir)
-}
-
-/// Envoy stats (`/stats`) whose name contains `filter`, summed per suffix.
-fn envoy_stat(admin: u16, suffix: &str) -> f64 {
-    let body = ratelimit_e2e::http()
-        .get(format!("http://127.0.0.1:{admin}/stats?filter=ratelimit"))
-        .send()
-        .and_then(|r| r.text())
-        .unwrap_or_default();
-    body.lines()
-        .filter_map(|l| l.split_once(": "))
-        .filter(|(k, _)| k.ends_with(suffix))
-        .filter_map(|(_, v)| v.parse::<f64>().ok())
-        .sum()
-}
-
-/// A GET through Envoy with the workload's headers; `expect` is the status that counts as done.
-fn http_get_op(client: reqwest::Client, url: String, workload: Workload, keys: u64) -> Op {
-    Arc::new(move |i| {
-        let (client, url) = (client.clone(), url.clone());
-        Box::pin(async move {
-            let mut req = client.get(&url);
-            if workload == Workload::ManyKeys {
-                let k = i % keys;
-                req = req.header(
-                    "x-forwarded-for",
-                    format!("10.{}.{}.{}", (k >> 16) & 255, (k >> 8) & 255, k & 255),
-                );
-            }
-            let resp = req.send().await.map_err(|e| e.to_string())?;
-            let status = resp.status().as_u16();
-            resp.bytes().await.map_err(|e| e.to_string())?;
-            let expected = if workload == Workload::Flood {
-                429
-            } else {
-                200
-            };
-            if status == expected {
-                Ok(())
-            } else {
-                Err(format!("status {status}"))
-            }
-        })
-    })
-}
-
-#[derive(Clone, Copy, PartialEq, Debug, clap::ValueEnum)]
-enum Workload {
-    ManyKeys,
-    HotKey,
-    Flood,
-}
-
-impl Workload {
-    fn name(self) -> &'static str {
-        match self {
-            Workload::ManyKeys => "many keys",
-            Workload::HotKey => "hot key",
-            Workload::Flood => "flood",
-        }
-    }
-    fn path(self) -> &'static str {
-        match self {
-            Workload::ManyKeys => "/many/x",
-            Workload::HotKey => "/hot/x",
-            Workload::Flood => "/flood/x",
-        }
-    }
-}
-
-/// The bench's policy: huge budgets for the admitted workloads, an exhausted one for the flood.
-const POLICY: &str = "rules:
-  many: {capacity: 999999999999, refill_per_sec: 1000000000}
-  hot: {capacity: 999999999999, refill_per_sec: 1000000000}
-  flood: {capacity: 1, refill_per_sec: 0.000001}
-  edge: {capacity: 2000, refill_per_sec: 2000}
-  mem: {capacity: 100, refill_per_sec: 1}
-";
-
-/// The plugin configuration: one rule per workload; `fast` turns every fast path on (as shipped)
-/// or off (one callout per request).
-fn plugin(fast: bool) -> serde_json::Value {
-    let mut p = serde_json::json!({
-        "domain": "ratelimit",
-        "sidecar": {"cluster": "ratelimit_sidecar", "timeout_ms": 2000},
-        "identity": {"ip": true},
-        "rules": [
-            {"name": "many", "match": {"path_prefix": "/many/"}, "subject": ["ip"], "on_error": "deny"},
-            {"name": "hot", "match": {"path_prefix": "/hot/"}, "subject": [], "on_error": "deny"},
-            {"name": "flood", "match": {"path_prefix": "/flood/"}, "subject": [], "on_error": "deny"},
-            {"name": "edge", "match": {"path_prefix": "/edge/"}, "subject": ["ip"], "on_error": "deny"}
-        ]
-    });
-    if !fast {
-        p["fast_paths"] = serde_json::json!({
-            "coalesce": false, "known_rejections": false, "leases": {"enabled": false}
-        });
-    }
-    p
-}
-
-/// The shipped `envoy-native-ratelimit.yaml` (Envoy's native rate limit filter calling the
-/// sidecar over gRPC), rendered with one route per workload whose descriptors name the bench's
-/// rules, the same generous timeout as the wasm stages, and addresses from `X-Forwarded-For`.
-fn native_config(sidecar_port: u16, upstream_port: u16) -> String {
-    let yaml = EnvoyConfig::shipped("envoy-native-ratelimit.yaml", sidecar_port, upstream_port)
-        .render(10000, 9901, "")
-        .replace("use_remote_address: true", "use_remote_address: false")
-        .replace("timeout: 0.05s", "timeout: 2s");
-    let start = yaml
-        .find("              routes:\n")
-        .expect("the native config has routes");
-    let end = yaml
-        .find("          http_filters:")
-        .expect("the native config has http filters");
-    let route = |prefix: &str, actions: &str| {
-        format!(
-            "              - match: {{ prefix: \"{prefix}\" }}\n                route:\n                  cluster: demo_upstream\n                  rate_limits:\n                  - actions:\n{actions}"
-        )
-    };
-    let generic = |rule: &str| {
-        format!("                    - generic_key: {{ descriptor_key: rule, descriptor_value: {rule} }}\n")
-    };
-    let ip = "                    - extension:\n                        name: ip\n                        typed_config:\n                          \"@type\": type.googleapis.com/envoy.extensions.matching.common_inputs.network.v3.SourceIPInput\n";
-    let routes = format!(
-        "              routes:\n{}{}{}",
-        route("/many/", &format!("{}{ip}", generic("many"))),
-        route("/hot/", &generic("hot")),
-        route("/flood/", &generic("flood")),
+/// `--ab-filter`: one workload's stage of the shipped configuration, the current build (A) and
+/// `other` (B) in turns after the no-op filter, `--rounds` times; then each build's medians.
+async fn ab_filter(b: &Bench, other: &Path) {
+    let (workload, workers) = (b.args.ab_workload, b.args.ab_workers);
+    println!(
+        "\n== A/B: {}, filter as shipped, {workers} worker(s): A = {}, B = {}",
+        workload.name(),
+        b.wasm.display(),
+        other.display()
     );
-    format!("{}{}{}", &yaml[..start], routes, &yaml[end..])
+    print_header();
+    // Per build: Envoy CPU above the no-op filter, sidecar and Redis CPU per request,
+    // throughput relative to the no-op filter, callouts per request. The builds take turns going
+    // first (a stage right after the no-op one finds every bucket expired in Redis).
+    let mut figures: [Vec<[f64; 5]>; 2] = [Vec::new(), Vec::new()];
+    // The floor admits everything: for a flood it is measured as the full run does, with the hot
+    // key's requests (one key, answered 200).
+    let floor_workload = match workload {
+        Workload::Flood => Workload::HotKey,
+        w => w,
+    };
+    let c = b.args.concurrency;
+    for round in 0..b.args.rounds.max(1) {
+        let name = format!("round {round}: no-op filter");
+        let config = b.envoy(Filter::Noop, true, workers);
+        let (floor, _) = b.envoy_stage(name, config, floor_workload, c).await;
+        print(&floor, None);
+        let order = if round % 2 == 0 { [0, 1] } else { [1, 0] };
+        for i in order {
+            let (label, wasm) = [("A", b.wasm.as_path()), ("B", other)][i];
+            let name = format!("round {round}: {label}");
+            let config = b.envoy(Filter::Wasm(wasm), true, workers);
+            let (r, callouts) = b.envoy_stage(name, config, workload, c).await;
+            print(&r, Some(&floor));
+            println!("  {callouts:.4} callouts/request");
+            figures[i].push([
+                r.cpu("envoy") - floor.cpu("envoy"),
+                r.cpu("sidecar"),
+                r.cpu("redis"),
+                r.per_second() / floor.per_second(),
+                callouts,
+            ]);
+        }
+    }
+    let median_of = |v: &[[f64; 5]], k: usize| median(v.iter().map(|f| f[k]));
+    for (label, f) in ["A", "B"].iter().zip(&figures) {
+        println!(
+            "{label}: medians of {} rounds: Envoy CPU above the no-op filter {:.1} µs/request (rounds: {}), sidecar {:.1} µs, Redis {:.1} µs per request, {:.2}x the no-op filter's throughput, {:.4} callouts/request",
+            f.len(),
+            median_of(f, 0),
+            f.iter().map(|x| format!("{:.1}", x[0])).collect::<Vec<_>>().join(", "),
+            median_of(f, 1),
+            median_of(f, 2),
+            median_of(f, 3),
+            median_of(f, 4),
+        );
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The summary and the goals.
+
+fn print_summary(b: &Bench, c: &Components, memory: &BucketMemory) {
+    println!("\n== summary");
+    println!(
+        "Redis CPU per decision: {:.1} µs for the script with 1 decision per call, {:.1} µs with {} per call, {:.1} µs for INCR",
+        c.script_one.cpu_per_decision("redis"),
+        c.script_batch.cpu_per_decision("redis"),
+        b.args.batch,
+        c.incr.cpu_per_decision("redis")
+    );
+    println!(
+        "sidecar CPU per decision: {:.1} µs with 1 request per call, {:.1} µs with {} per call",
+        c.decide_one.cpu_per_decision("sidecar"),
+        c.decide_batch.cpu_per_decision("sidecar"),
+        b.args.batch
+    );
+    println!(
+        "Redis memory per bucket: {:.0} bytes (used_memory grew by that per bucket over {} buckets), {:.0} bytes by MEMORY USAGE ({} sampled); filter module {} KiB",
+        memory.used_per_bucket,
+        MEMORY_BUCKETS,
+        memory.usage_per_bucket,
+        memory.sampled,
+        b.wasm_size / 1024
+    );
+}
+
+/// Each worker count's goals, as ratios from this run, judged on the medians of its rounds.
+fn print_goals(b: &Bench, c: &Components, runs: &[(EnvoyRun, Vec<EnvoyRun>, AtLimit)]) {
+    println!(
+        "\n== goals (ratios from this run: the medians of {} round(s) of the Envoy stages)",
+        b.args.rounds.max(1)
+    );
+    let script_redis = c.script_one.cpu_per_decision("redis");
+    for (run, rounds, edge) in runs {
+        let w = run.workers;
+        let find = |wl: Workload| run.wasm.iter().find(|(x, ..)| *x == wl).expect("workload");
+        let judged = judge(run, script_redis);
+        let verdict = |key: &str| {
+            let j = judged.iter().find(|j| j.key == key).expect("goal");
+            format!("goal {}: {}", j.want, if j.ok { "met" } else { "NOT met" })
+        };
+        let (_, _, hot, hot_callouts) = find(Workload::HotKey);
+        let (_, _, flood, flood_callouts) = find(Workload::Flood);
+        let (_, many_slow, many, many_callouts) = find(Workload::ManyKeys);
+        let noop_envoy = run.noop.cpu("envoy");
+        let r = hot.per_second() / run.noop.per_second();
+        println!("[{w} worker(s)] hot key, mostly admitted: {r:.2}x the no-op filter's throughput ({}), {hot_callouts:.3} callouts/request", verdict("hot"));
+        let r = flood.per_second() / run.noop.per_second();
+        println!("[{w} worker(s)] flood on an exhausted key: {r:.2}x the no-op filter's throughput ({}), {flood_callouts:.4} callouts/request", verdict("flood"));
+        let r = many.per_second() / run.baseline.per_second();
+        println!("[{w} worker(s)] many keys: {r:.2}x the no-limit baseline ({}), {many_callouts:.3} callouts/request", verdict("many"));
+        let added_fast = many.cpu("envoy") - noop_envoy;
+        let added_slow = many_slow.cpu("envoy") - noop_envoy;
+        println!(
+            "[{w} worker(s)] many keys, Envoy CPU above the no-op filter: {added_fast:.1} µs/request vs {added_slow:.1} with a callout per request ({:.2} of it; {})",
+            added_fast / added_slow.max(1e-9),
+            verdict("envoy")
+        );
+        let redis_real = many.cpu_per_decision("redis");
+        println!(
+            "[{w} worker(s)] many keys, Redis CPU per decision on the real path: {redis_real:.1} µs vs {script_redis:.1} µs for the 1-decision script ({:.2}; {})",
+            redis_real / script_redis.max(1e-9),
+            verdict("redis")
+        );
+        for (wl, _, fast, _) in &run.wasm {
+            let r = fast.cpu_per_decision("redis");
+            println!(
+                "[{w} worker(s)] {}: Redis CPU {r:.2} µs and sidecar CPU {:.2} µs per request",
+                wl.name(),
+                fast.cpu_per_decision("sidecar")
+            );
+        }
+        let sidecar_real = many.cpu_per_decision("sidecar");
+        println!(
+            "[{w} worker(s)] many keys, sidecar CPU per decision: {sidecar_real:.1} µs ({})",
+            verdict("sidecar")
+        );
+        if let Some(l) = &run.loaded {
+            let c = l.concurrency;
+            let r = l.fast.per_second() / l.baseline.per_second();
+            println!("[{w} worker(s), {c} callers] many keys: {r:.2}x the no-limit baseline ({}), {:.3} callouts/request", verdict("loaded many"), l.callouts);
+            let added_fast = l.fast.cpu("envoy") - l.noop.cpu("envoy");
+            let added_slow = l.slow.cpu("envoy") - l.noop.cpu("envoy");
+            println!(
+                "[{w} worker(s), {c} callers] many keys, Envoy CPU above the no-op filter: {added_fast:.1} µs/request vs {added_slow:.1} with a callout per request ({:.2} of it; {})",
+                added_fast / added_slow.max(1e-9),
+                verdict("loaded envoy")
+            );
+            let redis_real = l.fast.cpu_per_decision("redis");
+            println!(
+                "[{w} worker(s), {c} callers] many keys, Redis CPU per decision on the real path: {redis_real:.1} µs vs {script_redis:.1} µs for the 1-decision script ({:.2}; {})",
+                redis_real / script_redis.max(1e-9),
+                verdict("loaded redis")
+            );
+            let sidecar_real = l.fast.cpu_per_decision("sidecar");
+            println!(
+                "[{w} worker(s), {c} callers] many keys, sidecar CPU per decision: {sidecar_real:.1} µs ({})",
+                verdict("loaded sidecar")
+            );
+        }
+        println!(
+            "[{w} worker(s)] local_ratelimit (no shared budget) for reference: {:.2}x the baseline",
+            run.local.per_second() / run.baseline.per_second()
+        );
+        for (wl, native) in &run.native {
+            let (_, _, fast, _) = find(*wl);
+            let t = fast.per_second() / native.per_second();
+            let c = fast.stack_cpu() / native.stack_cpu().max(1e-9);
+            let key = format!("native {}", wl.name());
+            let wanted = judged.iter().any(|j| j.key == key);
+            println!(
+                "[{w} worker(s)] {}: the wasm filter vs Envoy's native filter + sidecar (gRPC): {t:.2}x the throughput, {c:.2}x the whole-stack CPU per request ({:.1} vs {:.1} µs){}",
+                wl.name(),
+                fast.stack_cpu(),
+                native.stack_cpu(),
+                if wanted { format!(" ({})", verdict(&key)) } else { String::new() }
+            );
+        }
+        println!(
+            "[{w} worker(s)] hot key at its limit ({EDGE_CAPACITY} + {EDGE_REFILL}/s, {} callers as one client, {:.1} s): {} admitted, exact bound C + r·T = {:.0}: over-admission {:.0} (goal 0: {}); under-admission {:.0} tokens ({:.1}% of the bound; leases withhold at most 2·L = {:.0} per Envoy, plus {} errors), {:.4} callouts/request",
+            b.args.concurrency,
+            edge.seconds,
+            edge.admitted,
+            edge.exact_bound(),
+            edge.over(),
+            if edge.over() == 0.0 { "met" } else { "NOT met" },
+            edge.under(),
+            100.0 * edge.under() / edge.exact_bound(),
+            AtLimit::lease_bound(),
+            edge.errors,
+            edge.callouts
+        );
+        if rounds.len() > 1 {
+            print_rounds(w, &judged, rounds, script_redis);
+        }
+    }
 }
 
 /// Envoy stage results of one worker count.
@@ -701,22 +1201,11 @@ struct Loaded {
     callouts: f64,
 }
 
-/// The median of `values` (the mean of the middle two for an even count).
-fn median(mut values: Vec<f64>) -> f64 {
-    values.sort_by(f64::total_cmp);
-    let n = values.len();
-    match n {
-        0 => 0.0,
-        _ if n % 2 == 1 => values[n / 2],
-        _ => (values[n / 2 - 1] + values[n / 2]) / 2.0,
-    }
-}
-
 /// One stage measured in several rounds, as one: the median of each figure (throughput,
 /// latencies, each process's CPU) over the rounds.
 fn median_stage(rounds: &[&StageResult]) -> StageResult {
     let first = rounds[0];
-    let of = |f: &dyn Fn(&StageResult) -> f64| median(rounds.iter().map(|r| f(r)).collect());
+    let of = |f: &dyn Fn(&StageResult) -> f64| median(rounds.iter().map(|r| f(r)));
     let duration =
         |f: &dyn Fn(&StageResult) -> Duration| Duration::from_secs_f64(of(&|r| f(r).as_secs_f64()));
     StageResult {
@@ -729,7 +1218,7 @@ fn median_stage(rounds: &[&StageResult]) -> StageResult {
         cpu_us_per_op: first
             .cpu_us_per_op
             .iter()
-            .map(|(name, _)| (*name, of(&|r| r.cpu(name))))
+            .map(|(name, _)| (name.clone(), of(&|r| r.cpu(name))))
             .collect(),
     }
 }
@@ -747,7 +1236,7 @@ impl EnvoyRun {
                     first.wasm[i].0,
                     stage(&|r| &r.wasm[i].1),
                     stage(&|r| &r.wasm[i].2),
-                    median(rounds.iter().map(|r| r.wasm[i].3).collect()),
+                    median(rounds.iter().map(|r| r.wasm[i].3)),
                 )
             })
             .collect();
@@ -768,7 +1257,7 @@ impl EnvoyRun {
                     noop: stage(&|x| &x.noop),
                     slow: stage(&|x| &x.slow),
                     fast: stage(&|x| &x.fast),
-                    callouts: median(l.iter().map(|x| x.callouts).collect()),
+                    callouts: median(l.iter().map(|x| x.callouts)),
                 }
             });
         EnvoyRun {
@@ -791,7 +1280,7 @@ impl EnvoyRun {
         for (_, slow, fast, callouts) in &self.wasm {
             print(slow, Some(&self.baseline));
             print(fast, Some(&self.baseline));
-            println!("{:<58} callouts per request: {callouts:.3}", "");
+            print_note(&format!("callouts per request: {callouts:.3}"));
         }
         for (_, r) in &self.native {
             print(r, Some(&self.baseline));
@@ -801,7 +1290,7 @@ impl EnvoyRun {
             print(&l.noop, Some(&l.baseline));
             print(&l.slow, Some(&l.baseline));
             print(&l.fast, Some(&l.baseline));
-            println!("{:<58} callouts per request: {:.3}", "", l.callouts);
+            print_note(&format!("callouts per request: {:.3}", l.callouts));
         }
     }
 }
@@ -957,658 +1446,12 @@ fn print_rounds(workers: u32, medians: &[Judged], rounds: &[EnvoyRun], script_re
     }
 }
 
-fn main() {
-    let args = Args::parse();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .expect("runtime");
-    let cores = std::thread::available_parallelism()
-        .map(|n| n.get())
-        .unwrap_or(1);
-    let cpu_model = std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|c| {
-            c.lines()
-                .find(|l| l.starts_with("model name"))
-                .and_then(|l| l.split_once(':'))
-                .map(|(_, m)| m.trim().to_string())
-        })
-        .unwrap_or_else(|| "unknown CPU".into());
-    let wasm_path = Envoy::wasm();
-    let noop_wasm = ratelimit_e2e::workspace_root()
-        .join("target/wasm32-wasip1/release/ratelimit_noop_filter.wasm");
-    assert!(
-        noop_wasm.exists(),
-        "build the no-op filter first (make bench does)"
-    );
-    let wasm_size = std::fs::metadata(&wasm_path).map(|m| m.len()).unwrap_or(0);
-    println!(
-        "ratelimit bench: {} s per stage, {} round(s) of the Envoy stages, {} concurrent callers, {} keys, {cores} cores ({cpu_model}) shared by every process",
-        args.seconds, args.rounds.max(1), args.concurrency, args.keys
-    );
-    println!(
-        "filter module: {} ({} KiB)",
-        wasm_path.display(),
-        wasm_size / 1024
-    );
-
-    let redis = Redis::start_with(&["--maxmemory-policy", "noeviction"]);
-    let mut sidecar_args = vec!["--redis-timeout-ms", "1000"];
-    sidecar_args.extend(args.sidecar_arg.iter().map(String::as_str));
-    let sidecar = Sidecar::with_policy(&redis.url(), POLICY, &sidecar_args);
-    let upstream = Upstream::start();
-    let redis_w = Watched {
-        name: "redis",
-        pid: redis.process.pid(),
-    };
-    let sidecar_w = Watched {
-        name: "sidecar",
-        pid: sidecar.process.pid(),
-    };
-    let keys = args.keys as u64;
-
-    rt.block_on(async {
-        let client = redis::Client::open(redis.url()).expect("redis url");
-        let conn = client
-            .get_multiplexed_async_connection()
-            .await
-            .expect("connect redis");
-
-        if let Some(other) = &args.ab_filter {
-            let http = reqwest::Client::builder()
-                .pool_max_idle_per_host(args.concurrency.max(args.loaded_concurrency))
-                .timeout(OP_TIMEOUT)
-                .build()
-                .expect("client");
-            let current = wasm_path.display().to_string();
-            let other = other.display().to_string();
-            let noop = noop_wasm.display().to_string();
-            let watched = [redis_w, sidecar_w];
-            let yaml = |wasm: &str, filter: Filter| {
-                let y = EnvoyConfig::shipped("envoy.yaml", sidecar.port, upstream.port)
-                    .plugin(&plugin(true).to_string())
-                    .concurrency(args.ab_workers)
-                    .render(10000, 9901, wasm);
-                edit_config(&y, filter, &noop, wasm)
-            };
-            let (workload, workers) = (args.ab_workload, args.ab_workers);
-            println!(
-                "\n== A/B: {}, filter as shipped, {workers} worker(s): A = {current}, B = {other}",
-                workload.name()
-            );
-            print_header();
-            // Per build: Envoy CPU above the no-op filter, sidecar and Redis CPU per request,
-            // throughput relative to the no-op filter. The builds take turns going first (a
-            // stage right after the no-op one finds every bucket expired in Redis).
-            let mut figures: [Vec<[f64; 5]>; 2] = [Vec::new(), Vec::new()];
-            for round in 0..args.rounds.max(1) {
-                let run = |name: String, y: String, workload: Workload| {
-                    let http = http.clone();
-                    let (a, w) = (&args, watched);
-                    async move { envoy_stage(name, y, workers, workload, http, a, keys, w).await }
-                };
-                // The floor admits everything: for a flood it is measured as the full run does,
-                // with the hot key's requests (one key, answered 200).
-                let floor_workload = match workload {
-                    Workload::Flood => Workload::HotKey,
-                    w => w,
-                };
-                let (floor, _) = run(
-                    format!("round {round}: no-op filter"),
-                    yaml(&current, Filter::Noop),
-                    floor_workload,
-                )
-                .await;
-                print(&floor, None);
-                let order = if round % 2 == 0 { [0, 1] } else { [1, 0] };
-                for i in order {
-                    let (label, wasm) = [("A", &current), ("B", &other)][i];
-                    let (r, callouts) = run(
-                        format!("round {round}: {label}"),
-                        yaml(wasm, Filter::Wasm),
-                        workload,
-                    )
-                    .await;
-                    print(&r, Some(&floor));
-                    println!("  {callouts:.4} callouts/request");
-                    figures[i].push([
-                        r.cpu("envoy") - floor.cpu("envoy"),
-                        r.cpu("sidecar"),
-                        r.cpu("redis"),
-                        r.per_second() / floor.per_second(),
-                        callouts,
-                    ]);
-                }
-            }
-            let median_of = |v: &[[f64; 5]], k: usize| median(v.iter().map(|f| f[k]).collect());
-            for (label, f) in ["A", "B"].iter().zip(&figures) {
-                println!(
-                    "{label}: medians of {} rounds: Envoy CPU above the no-op filter {:.1} µs/request (rounds: {}), sidecar {:.1} µs, Redis {:.1} µs per request, {:.2}x the no-op filter's throughput, {:.4} callouts/request",
-                    f.len(),
-                    median_of(f, 0),
-                    f.iter().map(|x| format!("{:.1}", x[0])).collect::<Vec<_>>().join(", "),
-                    median_of(f, 1),
-                    median_of(f, 2),
-                    median_of(f, 3),
-                    median_of(f, 4),
-                );
-            }
-            return;
-        }
-        println!("\n== components");
-        print_header();
-        let incr = {
-            let conn = conn.clone();
-            let op: Op = Arc::new(move |i| {
-                let mut conn = conn.clone();
-                Box::pin(async move {
-                    redis::cmd("INCR")
-                        .arg(format!("bench:incr:{}", i % keys))
-                        .query_async::<i64>(&mut conn)
-                        .await
-                        .map(|_| ())
-                        .map_err(|e| e.to_string())
-                })
-            });
-            stage("redis INCR, pipelined (Redis's ceiling)", &args, &[redis_w], 1, op).await
-        };
-        print(&incr, None);
-
-        let script = ratelimit_sidecar_script();
-        let sha = sha1_smol::Sha1::from(script).digest().to_string();
-        let _: String = redis::cmd("SCRIPT")
-            .arg("LOAD")
-            .arg(script)
-            .query_async(&mut conn.clone())
-            .await
-            .expect("SCRIPT LOAD");
-        let script_stage = |n: usize| {
-            let (conn, sha) = (conn.clone(), sha.clone());
-            let op: Op = Arc::new(move |i| {
-                let (mut conn, sha) = (conn.clone(), sha.clone());
-                Box::pin(async move {
-                    let bucket = |j: u64| format!("rl:{{bench|k={}}}", (i + j * 7919) % keys);
-                    let mut c = redis::cmd("EVALSHA");
-                    c.arg(&sha).arg(1).arg(bucket(0));
-                    // As lua/token_bucket.lua's header lays out ARGV: mode, record ttl, lease
-                    // share, cluster 0, share margin; the buckets; one limit with no regional
-                    // share; one group without a record of n one-decision requests; no returns.
-                    c.arg("apply").arg(10_000).arg(0.1).arg(0).arg(1000).arg(n);
-                    for j in 0..n as u64 {
-                        c.arg(bucket(j));
-                    }
-                    c.arg(1).arg(999_999_999_999u64).arg(1_000_000_000u64).arg(0);
-                    c.arg(1).arg("").arg(n);
-                    for j in 0..n {
-                        c.arg(1).arg(j + 1).arg(1).arg(1).arg(0).arg(0).arg(0).arg(0);
-                    }
-                    c.arg(0);
-                    c.query_async::<redis::Value>(&mut conn)
-                        .await
-                        .map(|_| ())
-                        .map_err(|e| e.to_string())
-                })
-            });
-            op
-        };
-        let script_one = stage(
-            "bucket script, 1 decision per call",
-            &args,
-            &[redis_w],
-            1,
-            script_stage(1),
-        )
-        .await;
-        print(&script_one, Some(&incr));
-        let script_batch = stage(
-            &format!("bucket script, {} decisions per call", args.batch),
-            &args,
-            &[redis_w],
-            args.batch,
-            script_stage(args.batch),
-        )
-        .await;
-        print(&script_batch, Some(&incr));
-
-        let http = reqwest::Client::builder()
-            .pool_max_idle_per_host(args.concurrency.max(args.loaded_concurrency))
-            .timeout(OP_TIMEOUT)
-            .build()
-            .expect("client");
-        let decide_url = format!("{}/v1/decide", sidecar.base_url());
-        let decide_stage = |n: usize| {
-            let (http, url) = (http.clone(), decide_url.clone());
-            let op: Op = Arc::new(move |i| {
-                let (http, url) = (http.clone(), url.clone());
-                Box::pin(async move {
-                    let requests: Vec<serde_json::Value> = (0..n as u64)
-                        .map(|j| {
-                            serde_json::json!({"decisions": [{"rule": "many",
-                                "subject": {"ip": format!("k{}", (i + j * 7919) % keys)}}]})
-                        })
-                        .collect();
-                    let body = serde_json::json!({"requests": requests}).to_string();
-                    let resp = http
-                        .post(&url)
-                        .header("content-type", "application/json")
-                        .body(body)
-                        .send()
-                        .await
-                        .map_err(|e| e.to_string())?;
-                    let status = resp.status();
-                    resp.bytes().await.map_err(|e| e.to_string())?;
-                    if status == 200 {
-                        Ok(())
-                    } else {
-                        Err(format!("status {status}"))
-                    }
-                })
-            });
-            op
-        };
-        let watched_sc = [redis_w, sidecar_w];
-        let decide_one = stage(
-            "sidecar POST /v1/decide, 1 request per call",
-            &args,
-            &watched_sc,
-            1,
-            decide_stage(1),
-        )
-        .await;
-        print(&decide_one, Some(&script_one));
-        let decide_batch = stage(
-            &format!("sidecar POST /v1/decide, {} requests per call", args.batch),
-            &args,
-            &watched_sc,
-            args.batch,
-            decide_stage(args.batch),
-        )
-        .await;
-        print(&decide_batch, Some(&script_one));
-
-        let memory = bucket_memory(&redis, &http, &decide_url).await;
-
-        let mut runs = Vec::new();
-        let workers_measured: &[u32] = if args.components_only {
-            &[]
-        } else {
-            &args.workers
-        };
-        for &workers in workers_measured {
-            println!("\n== Envoy, {workers} worker(s)");
-            print_header();
-            let config = |fast: bool| {
-                EnvoyConfig::shipped("envoy.yaml", sidecar.port, upstream.port)
-                    .plugin(&plugin(fast).to_string())
-                    .concurrency(workers)
-                    .render(10000, 9901, &wasm_path.display().to_string())
-            };
-            let run_stage_with = |name: String, yaml: String, workload: Workload, args: Args| {
-                let http = http.clone();
-                let watched = [redis_w, sidecar_w];
-                async move {
-                    envoy_stage(name, yaml, workers, workload, http, &args, keys, watched).await
-                }
-            };
-            let run_stage = |name: String, yaml: String, workload: Workload| {
-                run_stage_with(name, yaml, workload, args.clone())
-            };
-            let wasm_str = wasm_path.display().to_string();
-            let noop_str = noop_wasm.display().to_string();
-            let rounds = args.rounds.max(1);
-            let mut measured = Vec::new();
-            for round in 0..rounds {
-            if rounds > 1 {
-                println!("-- round {} of {rounds}", round + 1);
-            }
-            let baseline = run_stage(
-                "envoy, no filter (baseline)".into(),
-                edit_config(&config(true), Filter::None, &noop_str, &wasm_str),
-                Workload::HotKey,
-            )
-            .await
-            .0;
-            print(&baseline, None);
-            let noop = run_stage(
-                "envoy + a wasm filter that does nothing (floor)".into(),
-                edit_config(&config(true), Filter::Noop, &noop_str, &wasm_str),
-                Workload::HotKey,
-            )
-            .await
-            .0;
-            print(&noop, Some(&baseline));
-            let local = run_stage(
-                "envoy + local_ratelimit (per-Envoy, no shared budget)".into(),
-                edit_config(&config(true), Filter::LocalRateLimit, &noop_str, &wasm_str),
-                Workload::HotKey,
-            )
-            .await
-            .0;
-            print(&local, Some(&baseline));
-            let mut wasm = Vec::new();
-            for workload in [Workload::ManyKeys, Workload::HotKey, Workload::Flood] {
-                let slow = run_stage(
-                    format!("{}: filter, one callout per request", workload.name()),
-                    edit_config(&config(false), Filter::Wasm, &noop_str, &wasm_str),
-                    workload,
-                )
-                .await
-                .0;
-                print(&slow, Some(&baseline));
-                redis.cli(&["config", "resetstat"]);
-                let (fast, callouts) = run_stage(
-                    format!("{}: filter as shipped (fast paths)", workload.name()),
-                    edit_config(&config(true), Filter::Wasm, &noop_str, &wasm_str),
-                    workload,
-                )
-                .await;
-                print(&fast, Some(&baseline));
-                println!("{:<58} callouts per request: {callouts:.3}", "");
-                println!("{:<58} {}", "", redis_breakdown(&redis, &fast));
-                wasm.push((workload, slow, fast, callouts));
-            }
-            let mut native = Vec::new();
-            for workload in [Workload::ManyKeys, Workload::HotKey, Workload::Flood] {
-                let r = run_stage(
-                    format!("{}: Envoy's native ratelimit filter, gRPC", workload.name()),
-                    native_config(sidecar.port, upstream.port),
-                    workload,
-                )
-                .await
-                .0;
-                print(&r, Some(&baseline));
-                native.push((workload, r));
-            }
-            // Many keys again with more callers: the fast paths' batches grow with the load.
-            let mut loaded = None;
-            if args.loaded_concurrency > 0 {
-                let c = args.loaded_concurrency;
-                let la = Args {
-                    concurrency: c,
-                    ..args.clone()
-                };
-                let run_loaded = |name: &str, filter: Filter, fast: bool| {
-                    run_stage_with(
-                        format!("{c} callers, many keys: {name}"),
-                        edit_config(&config(fast), filter, &noop_str, &wasm_str),
-                        Workload::ManyKeys,
-                        la.clone(),
-                    )
-                };
-                let base = run_loaded("no filter (baseline)", Filter::None, true).await.0;
-                print(&base, None);
-                let noop = run_loaded("the no-op filter", Filter::Noop, true).await.0;
-                print(&noop, Some(&base));
-                let slow = run_loaded("filter, one callout per request", Filter::Wasm, false)
-                    .await
-                    .0;
-                print(&slow, Some(&base));
-                redis.cli(&["config", "resetstat"]);
-                let (fast, callouts) =
-                    run_loaded("filter as shipped (fast paths)", Filter::Wasm, true).await;
-                print(&fast, Some(&base));
-                println!("{:<58} callouts per request: {callouts:.3}", "");
-                println!("{:<58} {}", "", redis_breakdown(&redis, &fast));
-                loaded = Some(Loaded {
-                    concurrency: c,
-                    baseline: base,
-                    noop,
-                    slow,
-                    fast,
-                    callouts,
-                });
-            }
-            measured.push(EnvoyRun {
-                workers,
-                baseline,
-                noop,
-                local,
-                wasm,
-                native,
-                loaded,
-            });
-            }
-            let run = EnvoyRun::median(&measured);
-            if rounds > 1 {
-                println!("-- medians of {rounds} rounds, {workers} worker(s)");
-                run.print();
-            }
-            println!("-- the hot key at its limit, {workers} worker(s)");
-            let yaml = edit_config(&config(true), Filter::Wasm, &noop_str, &wasm_str);
-            let edge = at_limit_stage(yaml, workers, http.clone(), &args, workers).await;
-            println!(
-                "hot key at its limit: {} admitted, {} rejected, {} errors in {:.1} s; {:.4} callouts/request",
-                edge.admitted, edge.rejected, edge.errors, edge.seconds, edge.callouts
-            );
-            runs.push((run, measured, edge));
-        }
-
-
-        println!("\n== summary");
-        println!(
-            "Redis CPU per decision: {:.1} µs for the script with 1 decision per call, {:.1} µs with {} per call, {:.1} µs for INCR",
-            script_one.cpu_per_decision("redis"),
-            script_batch.cpu_per_decision("redis"),
-            args.batch,
-            incr.cpu_per_decision("redis")
-        );
-        println!(
-            "sidecar CPU per decision: {:.1} µs with 1 request per call, {:.1} µs with {} per call",
-            decide_one.cpu_per_decision("sidecar"),
-            decide_batch.cpu_per_decision("sidecar"),
-            args.batch
-        );
-        println!(
-            "Redis memory per bucket: {:.0} bytes (used_memory grew by that per bucket over {} buckets), {:.0} bytes by MEMORY USAGE ({} sampled); filter module {} KiB",
-            memory.used_per_bucket,
-            MEMORY_BUCKETS,
-            memory.usage_per_bucket,
-            memory.sampled,
-            wasm_size / 1024
-        );
-        println!(
-            "\n== goals (ratios from this run: the medians of {} round(s) of the Envoy stages)",
-            args.rounds.max(1)
-        );
-        let script_redis = script_one.cpu_per_decision("redis");
-        for (run, rounds, edge) in &runs {
-            let w = run.workers;
-            let find = |wl: Workload| run.wasm.iter().find(|(x, ..)| *x == wl).expect("workload");
-            let judged = judge(run, script_redis);
-            let verdict = |key: &str| {
-                let j = judged.iter().find(|j| j.key == key).expect("goal");
-                format!("goal {}: {}", j.want, if j.ok { "met" } else { "NOT met" })
-            };
-            let (_, _, hot, hot_callouts) = find(Workload::HotKey);
-            let (_, _, flood, flood_callouts) = find(Workload::Flood);
-            let (_, many_slow, many, many_callouts) = find(Workload::ManyKeys);
-            let noop_envoy = run.noop.cpu("envoy");
-            let r = hot.per_second() / run.noop.per_second();
-            println!("[{w} worker(s)] hot key, mostly admitted: {r:.2}x the no-op filter's throughput ({}), {hot_callouts:.3} callouts/request", verdict("hot"));
-            let r = flood.per_second() / run.noop.per_second();
-            println!("[{w} worker(s)] flood on an exhausted key: {r:.2}x the no-op filter's throughput ({}), {flood_callouts:.4} callouts/request", verdict("flood"));
-            let r = many.per_second() / run.baseline.per_second();
-            println!("[{w} worker(s)] many keys: {r:.2}x the no-limit baseline ({}), {many_callouts:.3} callouts/request", verdict("many"));
-            let added_fast = many.cpu("envoy") - noop_envoy;
-            let added_slow = many_slow.cpu("envoy") - noop_envoy;
-            println!(
-                "[{w} worker(s)] many keys, Envoy CPU above the no-op filter: {added_fast:.1} µs/request vs {added_slow:.1} with a callout per request ({:.2} of it; {})",
-                added_fast / added_slow.max(1e-9),
-                verdict("envoy")
-            );
-            let redis_real = many.cpu_per_decision("redis");
-            println!(
-                "[{w} worker(s)] many keys, Redis CPU per decision on the real path: {redis_real:.1} µs vs {script_redis:.1} µs for the 1-decision script ({:.2}; {})",
-                redis_real / script_redis.max(1e-9),
-                verdict("redis")
-            );
-            for (wl, _, fast, _) in &run.wasm {
-                let r = fast.cpu_per_decision("redis");
-                println!(
-                    "[{w} worker(s)] {}: Redis CPU {r:.2} µs and sidecar CPU {:.2} µs per request",
-                    wl.name(),
-                    fast.cpu_per_decision("sidecar")
-                );
-            }
-            let sidecar_real = many.cpu_per_decision("sidecar");
-            println!(
-                "[{w} worker(s)] many keys, sidecar CPU per decision: {sidecar_real:.1} µs ({})",
-                verdict("sidecar")
-            );
-            if let Some(l) = &run.loaded {
-                let c = l.concurrency;
-                let r = l.fast.per_second() / l.baseline.per_second();
-                println!("[{w} worker(s), {c} callers] many keys: {r:.2}x the no-limit baseline ({}), {:.3} callouts/request", verdict("loaded many"), l.callouts);
-                let added_fast = l.fast.cpu("envoy") - l.noop.cpu("envoy");
-                let added_slow = l.slow.cpu("envoy") - l.noop.cpu("envoy");
-                println!(
-                    "[{w} worker(s), {c} callers] many keys, Envoy CPU above the no-op filter: {added_fast:.1} µs/request vs {added_slow:.1} with a callout per request ({:.2} of it; {})",
-                    added_fast / added_slow.max(1e-9),
-                    verdict("loaded envoy")
-                );
-                let redis_real = l.fast.cpu_per_decision("redis");
-                println!(
-                    "[{w} worker(s), {c} callers] many keys, Redis CPU per decision on the real path: {redis_real:.1} µs vs {script_redis:.1} µs for the 1-decision script ({:.2}; {})",
-                    redis_real / script_redis.max(1e-9),
-                    verdict("loaded redis")
-                );
-                let sidecar_real = l.fast.cpu_per_decision("sidecar");
-                println!(
-                    "[{w} worker(s), {c} callers] many keys, sidecar CPU per decision: {sidecar_real:.1} µs ({})",
-                    verdict("loaded sidecar")
-                );
-            }
-            println!(
-                "[{w} worker(s)] local_ratelimit (no shared budget) for reference: {:.2}x the baseline",
-                run.local.per_second() / run.baseline.per_second()
-            );
-            for (wl, native) in &run.native {
-                let (_, _, fast, _) = find(*wl);
-                let t = fast.per_second() / native.per_second();
-                let c = fast.stack_cpu() / native.stack_cpu().max(1e-9);
-                let key = format!("native {}", wl.name());
-                let wanted = judged.iter().any(|j| j.key == key);
-                println!(
-                    "[{w} worker(s)] {}: the wasm filter vs Envoy's native filter + sidecar (gRPC): {t:.2}x the throughput, {c:.2}x the whole-stack CPU per request ({:.1} vs {:.1} µs){}",
-                    wl.name(),
-                    fast.stack_cpu(),
-                    native.stack_cpu(),
-                    if wanted { format!(" ({})", verdict(&key)) } else { String::new() }
-                );
-            }
-            println!(
-                "[{w} worker(s)] hot key at its limit ({EDGE_CAPACITY} + {EDGE_REFILL}/s, {} callers as one client, {:.1} s): {} admitted, exact bound C + r·T = {:.0}: over-admission {:.0} (goal 0: {}); under-admission {:.0} tokens ({:.1}% of the bound; leases withhold at most 2·L = {:.0} per Envoy, plus {} errors), {:.4} callouts/request",
-                args.concurrency,
-                edge.seconds,
-                edge.admitted,
-                edge.exact_bound(),
-                edge.over(),
-                if edge.over() == 0.0 { "met" } else { "NOT met" },
-                edge.under(),
-                100.0 * edge.under() / edge.exact_bound(),
-                AtLimit::lease_bound(),
-                edge.errors,
-                edge.callouts
-            );
-            if rounds.len() > 1 {
-                print_rounds(w, &judged, rounds, script_redis);
-            }
-        }
-    });
-    drop(sidecar);
-    drop(redis);
-}
-
-/// The bucket script, as the sidecar embeds it.
-fn ratelimit_sidecar_script() -> &'static str {
-    include_str!("../../../lua/token_bucket.lua")
-}
-
-/// Buckets written to measure memory.
-const MEMORY_BUCKETS: usize = 10_000;
-
-/// What one bucket costs Redis.
-struct BucketMemory {
-    used_per_bucket: f64,
-    usage_per_bucket: f64,
-    sampled: usize,
-}
-
-/// Writes [`MEMORY_BUCKETS`] buckets of the `mem` rule through the sidecar (full again only after
-/// 100 s, so none expires meanwhile) and reads what Redis spends on them: the growth of
-/// `used_memory` per bucket (Redis's own overhead included) and `MEMORY USAGE` of a sample.
-async fn bucket_memory(redis: &Redis, http: &reqwest::Client, url: &str) -> BucketMemory {
-    let mut c = redis.connection();
-    let used = |c: &mut redis::Connection| -> f64 {
-        let info: String = redis::cmd("INFO").arg("memory").query(c).expect("INFO");
-        info.lines()
-            .find_map(|l| l.strip_prefix("used_memory:"))
-            .and_then(|v| v.trim().parse().ok())
-            .expect("used_memory")
-    };
-    let before = used(&mut c);
-    let run = std::process::id();
-    for chunk in 0..MEMORY_BUCKETS / 250 {
-        let requests: Vec<serde_json::Value> = (0..250)
-            .map(|j| {
-                serde_json::json!({"decisions": [{"rule": "mem",
-                    "subject": {"ip": format!("m{run}-{}", chunk * 250 + j)}}]})
-            })
-            .collect();
-        let resp = http
-            .post(url)
-            .header("content-type", "application/json")
-            .body(serde_json::json!({ "requests": requests }).to_string())
-            .send()
-            .await
-            .expect("decide");
-        assert_eq!(resp.status(), 200, "the memory stage's decisions");
-    }
-    let after = used(&mut c);
-    let mut sample = Vec::new();
-    let mut cursor = 0u64;
-    loop {
-        let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
-            .arg(cursor)
-            .arg("MATCH")
-            .arg("rl:{ratelimit|rule=mem*")
-            .arg("COUNT")
-            .arg(1000)
-            .query(&mut c)
-            .expect("SCAN");
-        sample.extend(keys);
-        cursor = next;
-        if cursor == 0 || sample.len() >= 200 {
-            break;
-        }
-    }
-    let bytes: Vec<u64> = sample
-        .iter()
-        .take(200)
-        .filter_map(|k| {
-            redis::cmd("MEMORY")
-                .arg("USAGE")
-                .arg(k)
-                .query::<Option<u64>>(&mut c)
-                .ok()
-                .flatten()
-        })
-        .collect();
-    BucketMemory {
-        used_per_bucket: (after - before) / MEMORY_BUCKETS as f64,
-        usage_per_bucket: bytes.iter().sum::<u64>() as f64 / bytes.len().max(1) as f64,
-        sampled: bytes.len(),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     /// A stage of `ops` operations in one second, with this CPU per operation by process.
-    fn stage(ops: u64, cpu: &[(&'static str, f64)]) -> StageResult {
+    fn stage(ops: u64, cpu: &[(&str, f64)]) -> StageResult {
         StageResult {
             name: String::new(),
             ops,
@@ -1616,7 +1459,7 @@ mod tests {
             seconds: 1.0,
             p50: Duration::ZERO,
             p99: Duration::ZERO,
-            cpu_us_per_op: cpu.to_vec(),
+            cpu_us_per_op: cpu.iter().map(|(n, v)| (n.to_string(), *v)).collect(),
         }
     }
 

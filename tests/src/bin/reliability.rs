@@ -13,16 +13,20 @@
 //! `on_error`, 4 failover (Sentinel, Cluster), 5 uncertain results, 6 sidecar restart, 7 flood,
 //! 8 many clients.
 
-use std::collections::HashMap;
 use std::net::IpAddr;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
 use nix::sys::signal::Signal;
-use ratelimit_e2e::scenario::plugin_with;
+use ratelimit_e2e::load::{self, figures, Background, Callers, Figures, Outcome, Status};
+use ratelimit_e2e::plugin::{max_lease_tokens, rule, with_emergency, Plugin};
+use ratelimit_e2e::probe::{
+    self, dbsize, filter_decision_us, script_calls, used_memory, write_calls,
+};
+use ratelimit_e2e::report::{markdown, ms, quantile};
 use ratelimit_e2e::{
     http, Envoy, EnvoyConfig, FaultProxy, Redis, RedisCluster, Sentinel, Sidecar, Upstream,
 };
@@ -102,18 +106,11 @@ impl Row {
 }
 
 fn table(rows: &[Row]) -> String {
-    let clean = |s: &str| s.replace('|', "/").replace('\n', " ");
-    let mut out = format!("| {} |\n", HEADER.join(" | "));
-    out += &format!("|{}\n", " --- |".repeat(HEADER.len()));
-    for r in rows {
-        let cells: Vec<String> = r
-            .cells()
-            .iter()
-            .map(|c| if c.is_empty() { "—".into() } else { clean(c) })
-            .collect();
-        out += &format!("| {} |\n", cells.join(" | "));
-    }
-    out
+    let rows: Vec<Vec<String>> = rows
+        .iter()
+        .map(|r| r.cells().iter().map(|c| c.to_string()).collect())
+        .collect();
+    markdown(&HEADER, &rows)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -157,158 +154,36 @@ impl Clients {
         self.pause = Some(d);
         self
     }
+
+    /// The group as callers of the load generator: GETs with a 5 s timeout.
+    fn callers(self) -> Callers<Status> {
+        let mut builder = reqwest::Client::builder()
+            .timeout(Duration::from_secs(5))
+            .no_proxy();
+        if let Some(ip) = self.from {
+            builder = builder.local_address(ip);
+        }
+        let client = builder.build().expect("client");
+        let (urls, headers) = (self.urls, self.headers);
+        let op = load::op(move |call| {
+            let url = urls[(call.caller + call.n as usize) % urls.len()].clone();
+            let (client, headers) = (client.clone(), headers.clone());
+            async move { load::get(&client, &url, &headers).await }
+        });
+        let callers = Callers::new(self.group, self.count, op);
+        match self.pause {
+            Some(p) => callers.pause(p),
+            None => callers,
+        }
+    }
 }
 
 /// One answer (status 0: no answer, the request failed or timed out at the client).
-#[derive(Clone, Copy)]
-struct Sample {
-    group: usize,
-    /// When it was sent, since the load started.
-    at: Duration,
-    latency: Duration,
-    status: u16,
-}
+type Sample = load::Sample<Status>;
 
-impl Sample {
-    fn done(&self) -> Duration {
-        self.at + self.latency
-    }
-    fn failed(&self) -> bool {
-        !matches!(self.status, 200 | 429)
-    }
-}
-
-struct Load {
-    t0: Instant,
-    stop: Arc<AtomicBool>,
-    thread: std::thread::JoinHandle<Vec<Sample>>,
-}
-
-impl Load {
-    fn start(groups: Vec<Clients>) -> Load {
-        let stop = Arc::new(AtomicBool::new(false));
-        let t0 = Instant::now();
-        let stop2 = stop.clone();
-        let thread = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(2)
-                .enable_all()
-                .build()
-                .expect("load runtime");
-            rt.block_on(async move {
-                let samples = Arc::new(Mutex::new(Vec::new()));
-                let mut tasks = Vec::new();
-                for g in groups {
-                    let mut builder = reqwest::Client::builder()
-                        .timeout(Duration::from_secs(5))
-                        .no_proxy();
-                    if let Some(ip) = g.from {
-                        builder = builder.local_address(ip);
-                    }
-                    let client = builder.build().expect("client");
-                    for c in 0..g.count {
-                        let (client, g, stop, samples) =
-                            (client.clone(), g.clone(), stop2.clone(), samples.clone());
-                        tasks.push(tokio::spawn(async move {
-                            let mut i = c;
-                            let mut mine = Vec::new();
-                            while !stop.load(Ordering::Relaxed) {
-                                let url = &g.urls[i % g.urls.len()];
-                                i += 1;
-                                let mut req = client.get(url);
-                                for (k, v) in &g.headers {
-                                    req = req.header(k, v);
-                                }
-                                let sent = Instant::now();
-                                let status = match req.send().await {
-                                    Ok(r) => {
-                                        let s = r.status().as_u16();
-                                        let _ = r.bytes().await;
-                                        s
-                                    }
-                                    Err(_) => 0,
-                                };
-                                mine.push(Sample {
-                                    group: g.group,
-                                    at: sent - t0,
-                                    latency: sent.elapsed(),
-                                    status,
-                                });
-                                if let Some(p) = g.pause {
-                                    tokio::time::sleep(p).await;
-                                }
-                            }
-                            samples.lock().expect("not poisoned").extend(mine);
-                        }));
-                    }
-                }
-                for t in tasks {
-                    let _ = t.await;
-                }
-                Arc::try_unwrap(samples)
-                    .ok()
-                    .expect("tasks done")
-                    .into_inner()
-                    .expect("not poisoned")
-            })
-        });
-        Load { t0, stop, thread }
-    }
-
-    /// Time since the load started.
-    fn now(&self) -> Duration {
-        self.t0.elapsed()
-    }
-
-    fn finish(self) -> Vec<Sample> {
-        self.stop.store(true, Ordering::Relaxed);
-        self.thread.join().expect("load thread")
-    }
-}
-
-/// Figures of a set of samples.
-struct Figures {
-    n: usize,
-    admitted: usize,
-    rejected: usize,
-    errors: usize,
-    p50: Duration,
-    p99: Duration,
-    /// From the first send to the last answer.
-    span: Duration,
-}
-
-fn figures<'a>(samples: impl IntoIterator<Item = &'a Sample>) -> Figures {
-    let s: Vec<&Sample> = samples.into_iter().collect();
-    let mut lat: Vec<Duration> = s.iter().map(|x| x.latency).collect();
-    lat.sort();
-    let pick = |q: f64| {
-        if lat.is_empty() {
-            Duration::ZERO
-        } else {
-            lat[((lat.len() as f64 * q) as usize).min(lat.len() - 1)]
-        }
-    };
-    let first = s.iter().map(|x| x.at).min().unwrap_or_default();
-    let last = s.iter().map(|x| x.done()).max().unwrap_or_default();
-    Figures {
-        n: s.len(),
-        admitted: s.iter().filter(|x| x.status == 200).count(),
-        rejected: s.iter().filter(|x| x.status == 429).count(),
-        errors: s.iter().filter(|x| x.failed()).count(),
-        p50: pick(0.5),
-        p99: pick(0.99),
-        span: last.saturating_sub(first),
-    }
-}
-
-fn ms(d: Duration) -> String {
-    let v = d.as_secs_f64() * 1000.0;
-    if v < 10.0 {
-        format!("{v:.1} ms")
-    } else {
-        format!("{v:.0} ms")
-    }
+/// The groups' clients, on a runtime of their own (2 threads), until `finish`.
+fn start_load(groups: Vec<Clients>) -> Background<Status> {
+    Background::start(2, groups.into_iter().map(Clients::callers).collect())
 }
 
 fn p50_p99(f: &Figures) -> String {
@@ -319,7 +194,7 @@ fn p50_p99(f: &Figures) -> String {
 fn errors_by_kind<'a>(samples: impl IntoIterator<Item = &'a Sample>) -> String {
     let mut by: std::collections::BTreeMap<u16, usize> = Default::default();
     for s in samples.into_iter().filter(|s| s.failed()) {
-        *by.entry(s.status).or_default() += 1;
+        *by.entry(s.status()).or_default() += 1;
     }
     if by.is_empty() {
         return "0".into();
@@ -358,56 +233,6 @@ fn mark(ok: bool) -> &'static str {
 // ---------------------------------------------------------------------------------------------
 // What the processes say about themselves.
 
-/// The filter's `decision_us` histogram (p50, p99 in µs) once Envoy has merged every callout into
-/// it (histograms are merged at each stats flush, every 5 s by default).
-fn filter_decision_us(envoy: &Envoy) -> Option<(f64, f64)> {
-    let c = http();
-    let callouts = envoy.counter("ratelimit.callouts");
-    let deadline = Instant::now() + Duration::from_secs(7);
-    let base = format!("http://127.0.0.1:{}", envoy.admin_port);
-    loop {
-        let text = c
-            .get(format!("{base}/stats/prometheus?filter=decision_us"))
-            .send()
-            .and_then(|r| r.text())
-            .unwrap_or_default();
-        let count: u64 = text
-            .lines()
-            .find(|l| l.contains("decision_us_count"))
-            .and_then(|l| l.rsplit(' ').next())
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0);
-        if count >= callouts || Instant::now() > deadline {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(250));
-    }
-    let v: Value = c
-        .get(format!("{base}/stats?format=json&filter=decision_us"))
-        .send()
-        .and_then(|r| r.json())
-        .ok()?;
-    for stat in v["stats"].as_array()? {
-        let h = &stat["histograms"];
-        let Some(quantiles) = h["supported_quantiles"].as_array() else {
-            continue;
-        };
-        let at = |q: f64| quantiles.iter().position(|x| x.as_f64() == Some(q));
-        let (i50, i99) = (at(50.0)?, at(99.0)?);
-        for computed in h["computed_quantiles"].as_array()? {
-            if computed["name"]
-                .as_str()
-                .is_some_and(|n| n.ends_with("decision_us"))
-            {
-                let values = computed["values"].as_array()?;
-                let get = |i: usize| values.get(i)?["cumulative"].as_f64();
-                return Some((get(i50)?, get(i99)?));
-            }
-        }
-    }
-    None
-}
-
 fn filter_cell(envoys: &[&Envoy]) -> String {
     envoys
         .iter()
@@ -415,69 +240,6 @@ fn filter_cell(envoys: &[&Envoy]) -> String {
         .map(|(p50, p99)| format!("{:.1} / {:.1} ms", p50 / 1000.0, p99 / 1000.0))
         .collect::<Vec<_>>()
         .join("; ")
-}
-
-/// `INFO <section>` as key/value pairs.
-fn info(redis: &Redis, section: &str) -> HashMap<String, String> {
-    redis
-        .cli(&["INFO", section])
-        .lines()
-        .filter_map(|l| l.trim().split_once(':'))
-        .map(|(k, v)| (k.to_string(), v.to_string()))
-        .collect()
-}
-
-/// Calls of one command (`INFO commandstats`), 0 when it never ran.
-fn command_calls(redis: &Redis, command: &str) -> u64 {
-    info(redis, "commandstats")
-        .get(&format!("cmdstat_{command}"))
-        .and_then(|v| v.strip_prefix("calls="))
-        .and_then(|v| v.split(',').next())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0)
-}
-
-/// Calls of the commands that write (what the bucket script may call).
-fn write_calls(redis: &Redis) -> u64 {
-    [
-        "set",
-        "del",
-        "pexpireat",
-        "expire",
-        "pexpire",
-        "hset",
-        "setex",
-        "psetex",
-    ]
-    .iter()
-    .map(|c| command_calls(redis, c))
-    .sum()
-}
-
-fn script_calls(redis: &Redis) -> u64 {
-    command_calls(redis, "evalsha") + command_calls(redis, "eval")
-}
-
-/// Seconds of CPU Redis used so far (user + system).
-fn redis_cpu(redis: &Redis) -> f64 {
-    let i = info(redis, "cpu");
-    let get = |k: &str| {
-        i.get(k)
-            .and_then(|v| v.parse::<f64>().ok())
-            .unwrap_or_default()
-    };
-    get("used_cpu_user") + get("used_cpu_sys")
-}
-
-fn used_memory(redis: &Redis) -> i64 {
-    info(redis, "memory")
-        .get("used_memory")
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0)
-}
-
-fn dbsize(redis: &Redis) -> u64 {
-    redis.cli(&["DBSIZE"]).parse().unwrap_or(0)
 }
 
 /// A bucket as the script stores it: (tokens, ts µs, expiry ms the key carries).
@@ -492,7 +254,7 @@ fn stored(conn: &mut redis::Connection, key: &str) -> Option<(f64, f64, f64)> {
     Some((d(0)?, d(1)?, d(2)?))
 }
 
-/// Envoy counter deltas.
+/// The sum of one counter over several Envoys.
 fn counters(envoys: &[&Envoy], name: &str) -> u64 {
     envoys.iter().map(|e| e.counter(name)).sum()
 }
@@ -505,15 +267,16 @@ fn emergency_admits(envoys: &[&Envoy]) -> u64 {
 // ---------------------------------------------------------------------------------------------
 // Stacks.
 
-/// The rule set of the filter with the callout timeout `timeout_ms`.
-fn plugin(rules: Value, timeout_ms: u64) -> String {
-    plugin_with(rules, timeout_ms).to_string()
+/// The plugin configuration of `envoy/envoy.yaml` with `rules` and the callout timeout
+/// `timeout_ms`.
+fn plugin(rules: Value, timeout_ms: u64) -> Plugin {
+    Plugin::shipped_identities(rules).timeout_ms(timeout_ms)
 }
 
-fn envoy(sidecar: &Sidecar, upstream: &Upstream, plugin: &str) -> Envoy {
+fn envoy(sidecar: &Sidecar, upstream: &Upstream, plugin: &Plugin) -> Envoy {
     Envoy::start(
         &EnvoyConfig::shipped("envoy.yaml", sidecar.port, upstream.port)
-            .plugin(plugin)
+            .plugin(&plugin.to_string())
             .concurrency(2),
     )
 }
@@ -538,8 +301,7 @@ fn shared_budget(a: &Args) -> Vec<Row> {
     let redis = Redis::start();
     let upstream = Upstream::start();
     let policy = format!("rules:\n  per-app: {{capacity: {capacity}, refill_per_sec: {refill}}}\n");
-    let rules = json!([{"name": "per-app", "match": {"path_prefix": "/api/"}, "subject": ["app"],
-                        "on_error": "deny"}]);
+    let rules = json!([rule("per-app", "/api/", &["app"], "deny")]);
     let p = plugin(rules, FILTER_TIMEOUT_MS);
     let mut sidecars = Vec::new();
     let mut envoys = Vec::new();
@@ -550,7 +312,7 @@ fn shared_budget(a: &Args) -> Vec<Row> {
     }
     let urls: Vec<String> = envoys.iter().map(|e| e.url("/api/x")).collect();
     log("1: shared budget, load");
-    let load = Load::start(vec![
+    let load = start_load(vec![
         Clients::new(0, a.clients, &urls).header("x-api-key", "alpha-key")
     ]);
     sleep(Duration::from_secs(a.seconds));
@@ -559,9 +321,9 @@ fn shared_budget(a: &Args) -> Vec<Row> {
     let t = f.span.as_secs_f64();
     let bound = capacity + refill * t;
     let over = (f.admitted as f64 - bound.floor()).max(0.0);
-    // A lease is at most --lease-max-share (10%) of the capacity; each gateway may end holding two
-    // (the one in use and the next).
-    let lease = (0.1 * capacity).floor();
+    // A lease is at most the sidecar's --lease-max-share of the capacity; each gateway may end
+    // holding two (the one in use and the next).
+    let lease = max_lease_tokens(capacity);
     let lower = capacity + refill * t - gateways as f64 * 2.0 * lease - f.errors as f64;
     let er: Vec<&Envoy> = envoys.iter().collect();
     let leased = counters(&er, "ratelimit.lease_admitted");
@@ -600,8 +362,7 @@ fn hot_key(a: &Args) -> Vec<Row> {
     let policy = format!("rules:\n  per-ip: {{capacity: {capacity}, refill_per_sec: {refill}}}\n");
     let sidecar = Sidecar::start_with_args(&policy, &["--redis-cluster", &cluster.seeds()]);
     let upstream = Upstream::start();
-    let rules = json!([{"name": "per-ip", "match": {"path_prefix": "/"}, "subject": ["ip"],
-                        "on_error": "deny"}]);
+    let rules = json!([rule("per-ip", "/", &["ip"], "deny")]);
     let e = envoy(&sidecar, &upstream, &plugin(rules, FILTER_TIMEOUT_MS));
     let url = vec![e.url("/x")];
     let quiet_clients = 50u8;
@@ -616,16 +377,16 @@ fn hot_key(a: &Args) -> Vec<Row> {
     let before: Vec<(u64, f64)> = cluster
         .nodes
         .iter()
-        .map(|n| (script_calls(n), redis_cpu(n)))
+        .map(|n| (script_calls(n).calls as u64, probe::redis_cpu_seconds(n)))
         .collect();
     log("2: hot key, load");
-    let load = Load::start(groups);
+    let load = start_load(groups);
     sleep(Duration::from_secs(a.seconds));
     let samples = load.finish();
     let after: Vec<(u64, f64)> = cluster
         .nodes
         .iter()
-        .map(|n| (script_calls(n), redis_cpu(n)))
+        .map(|n| (script_calls(n).calls as u64, probe::redis_cpu_seconds(n)))
         .collect();
     // The hot client's bucket and its node.
     let hot_node = cluster
@@ -706,17 +467,19 @@ fn redis_outage(a: &Args) -> Vec<Row> {
     let sidecar = Sidecar::with_policy(&redis.url(), policy, &[]);
     let upstream = Upstream::start();
     let rules = json!([
-        {"name": "allow", "match": {"path_prefix": "/allow/"}, "subject": ["ip"], "on_error": "allow"},
-        {"name": "deny", "match": {"path_prefix": "/deny/"}, "subject": ["ip"], "on_error": "deny"},
-        {"name": "local", "match": {"path_prefix": "/local/"}, "subject": ["ip"], "on_error": "local",
-         "emergency": {"capacity": em_capacity, "refill_per_sec": em_refill}}
+        rule("allow", "/allow/", &["ip"], "allow"),
+        rule("deny", "/deny/", &["ip"], "deny"),
+        with_emergency(
+            rule("local", "/local/", &["ip"], "local"),
+            em_capacity,
+            em_refill
+        )
     ]);
     // Leases off: what is admitted during the fault is the policy's doing alone (with leases, a
     // gateway also admits, exactly, from a lease it held when the fault began, for at most the
     // lease's ttl_ms).
-    let mut p = plugin_with(rules, FILTER_TIMEOUT_MS);
-    p["fast_paths"] = json!({"leases": {"enabled": false}});
-    let e = envoy(&sidecar, &upstream, &p.to_string());
+    let p = plugin(rules, FILTER_TIMEOUT_MS).leases(false);
+    let e = envoy(&sidecar, &upstream, &p);
     let per = (a.clients / 3).max(1);
     let names = ["allow", "deny", "local"];
     let groups: Vec<Clients> = names
@@ -726,7 +489,7 @@ fn redis_outage(a: &Args) -> Vec<Row> {
         .collect();
     let d = Duration::from_secs(a.seconds);
     log("3: Redis outage, load");
-    let load = Load::start(groups);
+    let load = start_load(groups);
     sleep(Duration::from_secs(1));
     let em0 = emergency_admits(&[&e]);
     let frozen_at = load.now();
@@ -851,55 +614,49 @@ struct Failover {
     lost: usize,
 }
 
-/// Charges fresh buckets of one token (rule `once`) straight at the sidecar from 2 callers until
-/// `stop`: the keys answered allowed.
-fn charge_fresh_keys(url: String, stop: Arc<AtomicBool>) -> std::thread::JoinHandle<Vec<String>> {
-    std::thread::spawn(move || {
-        std::thread::scope(|s| {
-            let callers: Vec<_> = (0..2)
-                .map(|t| {
-                    let (url, stop) = (&url, stop.clone());
-                    s.spawn(move || {
-                        let c = http();
-                        let mut allowed = Vec::new();
-                        let mut i = 0u64;
-                        while !stop.load(Ordering::Relaxed) {
-                            i += 1;
-                            let id = format!("k-{t}-{i}");
-                            if once(&c, url, &id) == Some(true) {
-                                allowed.push(id);
-                            } else {
-                                sleep(Duration::from_millis(5));
-                            }
-                        }
-                        allowed
-                    })
-                })
-                .collect();
-            callers
-                .into_iter()
-                .flat_map(|c| c.join().expect("caller"))
-                .collect()
-        })
-    })
+/// A fresh bucket of one token charged: its subject's id when the charge was answered allowed.
+struct Charged(Option<String>);
+
+impl Outcome for Charged {
+    fn failed(&self) -> bool {
+        self.0.is_none()
+    }
+}
+
+/// Charges fresh buckets of one token (rule `once`) straight at the sidecar from 2 callers
+/// until finished (5 ms between two charges not answered allowed).
+fn charge_fresh_keys(url: String) -> Background<Charged> {
+    let client = load::http_client(2, Duration::from_secs(10));
+    let op = load::op(move |call| {
+        let id = format!("k-{}-{}", call.caller, call.n + 1);
+        let (client, url) = (client.clone(), url.clone());
+        async move {
+            let allowed = once(&client, &url, &id).await == Some(true);
+            Charged(allowed.then_some(id))
+        }
+    });
+    Background::start(
+        1,
+        vec![Callers::new(0, 2, op).backoff(Duration::from_millis(5))],
+    )
 }
 
 /// One decision of rule `once` for `id`: whether it was allowed (None: no answer).
-fn once(c: &reqwest::blocking::Client, url: &str, id: &str) -> Option<bool> {
+async fn once(c: &reqwest::Client, url: &str, id: &str) -> Option<bool> {
     let body =
         json!({"requests": [{"decisions": [{"rule": "once", "subject": {"id": id}, "cost": 1}]}]});
-    let r = c.post(url).json(&body).send().ok()?;
+    let r = c.post(url).json(&body).send().await.ok()?;
     if r.status() != 200 {
         return None;
     }
-    let v: Value = r.json().ok()?;
+    let v: Value = r.json().await.ok()?;
     v["answers"][0]["allowed"].as_bool()
 }
 
 /// Replication offsets: what `primary` wrote that `replica` had not received, in bytes.
 fn lag_bytes(primary: &Redis, replica: &Redis) -> i64 {
     let offset = |r: &Redis, k: &str| -> i64 {
-        info(r, "replication")
+        probe::info(r, "replication")
             .get(k)
             .and_then(|v| v.parse().ok())
             .unwrap_or(0)
@@ -913,12 +670,11 @@ fn lag_bytes(primary: &Redis, replica: &Redis) -> i64 {
 /// returns the replication lag it saw just before); keeps the load until decisions have gone
 /// 2 s without a limiter error (at most 30 s after the kill).
 fn failover_run(a: &Args, e: &Envoy, sidecar: &Sidecar, kill: impl FnOnce() -> i64) -> Failover {
-    let load = Load::start(vec![
+    let load = start_load(vec![
         Clients::new(0, a.clients, &[e.url("/api/x")]).header("x-api-key", "alpha-key")
     ]);
     let url = format!("{}/v1/decide", sidecar.base_url());
-    let stop_charges = Arc::new(AtomicBool::new(false));
-    let charging = charge_fresh_keys(url.clone(), stop_charges.clone());
+    let charging = charge_fresh_keys(url.clone());
     sleep(Duration::from_secs(a.seconds));
     let killed_at = load.now();
     let lag_bytes = kill();
@@ -940,15 +696,27 @@ fn failover_run(a: &Args, e: &Envoy, sidecar: &Sidecar, kill: impl FnOnce() -> i
         }
     }
     let samples = load.finish();
-    stop_charges.store(true, Ordering::Relaxed);
-    let charged = charging.join().expect("charging thread");
+    let charged: Vec<String> = charging
+        .finish()
+        .into_iter()
+        .filter_map(|s| s.outcome.0)
+        .collect();
     // Every bucket of one token answered allowed must now be empty: a repeat admitted again
     // found the write of its charge lost at the promotion.
-    let c = http();
-    let lost = charged
-        .iter()
-        .filter(|id| once(&c, &url, id) == Some(true))
-        .count();
+    let c = load::http_client(1, Duration::from_secs(10));
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let lost = rt.block_on(async {
+        let mut lost = 0;
+        for id in &charged {
+            if once(&c, &url, id).await == Some(true) {
+                lost += 1;
+            }
+        }
+        lost
+    });
     Failover {
         samples,
         killed_at,
@@ -1004,8 +772,7 @@ fn failover(a: &Args) -> Vec<Row> {
     let policy = format!(
         "rules:\n  per-app: {{capacity: {capacity}, refill_per_sec: {refill}}}\n  once: {{capacity: 1, refill_per_sec: 0.001}}\n"
     );
-    let rules = json!([{"name": "per-app", "match": {"path_prefix": "/api/"}, "subject": ["app"],
-                        "on_error": "deny"}]);
+    let rules = json!([rule("per-app", "/api/", &["app"], "deny")]);
     let p = plugin(rules, FILTER_TIMEOUT_MS);
     let upstream = Upstream::start();
     let mut rows = Vec::new();
@@ -1148,8 +915,7 @@ fn uncertain(a: &Args) -> Vec<Row> {
             stored(&mut conn, &key).map_or(0.0, |(tokens, _, _)| (capacity - tokens).round());
         let decisions = a.lost as f64;
         latencies.sort();
-        let pick =
-            |q: f64| latencies[((latencies.len() as f64 * q) as usize).min(latencies.len() - 1)];
+        let pick = |q: f64| quantile(&latencies, q);
         let over_charge = charged - decisions;
         rows.push(Row {
             scenario: format!("5 uncertain result, repeat with {label}"),
@@ -1199,13 +965,16 @@ fn sidecar_restart(a: &Args) -> Vec<Row> {
     let mut sidecar = Sidecar::with_policy(&redis.url(), &policy, &[]);
     let upstream = Upstream::start();
     let rules = json!([
-        {"name": "per-app", "match": {"path_prefix": "/api/"}, "subject": ["app"], "on_error": "local",
-         "emergency": {"capacity": em_capacity, "refill_per_sec": em_refill}},
-        {"name": "probe", "match": {"path_prefix": "/probe/"}, "subject": ["ip"], "on_error": "deny"}
+        with_emergency(
+            rule("per-app", "/api/", &["app"], "local"),
+            em_capacity,
+            em_refill
+        ),
+        rule("probe", "/probe/", &["ip"], "deny")
     ]);
     let e = envoy(&sidecar, &upstream, &plugin(rules, FILTER_TIMEOUT_MS));
     log("6: sidecar restart, load");
-    let load = Load::start(vec![
+    let load = start_load(vec![
         Clients::new(0, a.clients, &[e.url("/api/x")]).header("x-api-key", "alpha-key"),
         Clients::new(1, 1, &[e.url("/probe/x")]).pause(Duration::from_millis(10)),
     ]);
@@ -1280,8 +1049,7 @@ fn flood(a: &Args) -> Vec<Row> {
     let policy = format!("rules:\n  per-app: {{capacity: {capacity}, refill_per_sec: 0.001}}\n");
     let sidecar = Sidecar::with_policy(&redis.url(), &policy, &[]);
     let upstream = Upstream::start();
-    let rules = json!([{"name": "per-app", "match": {"path_prefix": "/api/"}, "subject": ["app"],
-                        "on_error": "deny"}]);
+    let rules = json!([rule("per-app", "/api/", &["app"], "deny")]);
     let e = envoy(&sidecar, &upstream, &plugin(rules, FILTER_TIMEOUT_MS));
     let mut rows = Vec::new();
 
@@ -1296,13 +1064,13 @@ fn flood(a: &Args) -> Vec<Row> {
     let _ = redis.cli(&["CONFIG", "RESETSTAT"]);
     let (mem0, keys0) = (used_memory(&redis), dbsize(&redis));
     log("7: flood through Envoy");
-    let load = Load::start(vec![
+    let load = start_load(vec![
         Clients::new(0, a.clients, &[e.url("/api/x")]).header("x-api-key", "alpha-key")
     ]);
     sleep(Duration::from_secs(a.seconds));
     let samples = load.finish();
     let f = figures(&samples);
-    let (writes, scripts) = (write_calls(&redis), script_calls(&redis));
+    let (writes, scripts) = (write_calls(&redis), script_calls(&redis).calls as u64);
     let (mem1, keys1) = (used_memory(&redis), dbsize(&redis));
     rows.push(Row {
         scenario: "7 flood, through Envoy".into(),
@@ -1339,58 +1107,21 @@ fn flood(a: &Args) -> Vec<Row> {
     let _ = redis.cli(&["CONFIG", "RESETSTAT"]);
     let (mem0, keys0) = (used_memory(&redis), dbsize(&redis));
     log("7: flood straight to the sidecar");
-    let url = format!("{}/v1/decide", sidecar.base_url());
-    let stop = Arc::new(AtomicBool::new(false));
-    let count = Arc::new(AtomicU64::new(0));
-    let rejected = Arc::new(AtomicU64::new(0));
-    let admitted = Arc::new(AtomicU64::new(0));
+    let callers = a.clients.min(8);
     let started = Instant::now();
-    std::thread::scope(|s| {
-        for t in 0..a.clients.min(8) {
-            let (url, stop, count, rejected, admitted) = (
-                &url,
-                stop.clone(),
-                count.clone(),
-                rejected.clone(),
-                admitted.clone(),
-            );
-            s.spawn(move || {
-                let c = http();
-                let mut i = 0u64;
-                while !stop.load(Ordering::Relaxed) {
-                    i += 1;
-                    let body = json!({"attempt": format!("f-{t}-{i}"), "requests": [{"decisions": [
-                        {"rule": "per-app", "subject": {"app": "alpha"}, "cost": 1}]}]});
-                    if let Ok(r) = c.post(url).json(&body).send() {
-                        if let Ok(v) = r.json::<Value>() {
-                            count.fetch_add(1, Ordering::Relaxed);
-                            // An error answer (503 `{"error": ...}`) is neither.
-                            match v["answers"][0]["allowed"].as_bool() {
-                                Some(false) => rejected.fetch_add(1, Ordering::Relaxed),
-                                Some(true) => admitted.fetch_add(1, Ordering::Relaxed),
-                                None => 0,
-                            };
-                        }
-                    }
-                }
-            });
-        }
-        sleep(Duration::from_secs(a.seconds));
-        stop.store(true, Ordering::Relaxed);
-    });
+    let load = Background::start(2, vec![flood_callers(&sidecar, callers)]);
+    sleep(Duration::from_secs(a.seconds));
+    let samples = load.finish();
     let elapsed = started.elapsed().as_secs_f64();
-    let (n, rej, adm) = (
-        count.load(Ordering::Relaxed),
-        rejected.load(Ordering::Relaxed),
-        admitted.load(Ordering::Relaxed),
-    );
-    let (writes, scripts) = (write_calls(&redis), script_calls(&redis));
+    let of = |v: Verdict| samples.iter().filter(|s| s.outcome == v).count();
+    let (rej, adm) = (of(Verdict::Rejected), of(Verdict::Allowed));
+    let n = samples.len() - of(Verdict::NoAnswer);
+    let (writes, scripts) = (write_calls(&redis), script_calls(&redis).calls as u64);
     let (mem1, keys1) = (used_memory(&redis), dbsize(&redis));
     rows.push(Row {
         scenario: "7 flood, straight to the sidecar".into(),
         load: format!(
-            "{} callers, 1 decision per call, an attempt id each: {:.0} calls/s",
-            a.clients.min(8),
+            "{callers} callers, 1 decision per call, an attempt id each: {:.0} calls/s",
             n as f64 / elapsed
         ),
         fault: "far over the limit".into(),
@@ -1409,6 +1140,49 @@ fn flood(a: &Args) -> Vec<Row> {
         ),
     });
     rows
+}
+
+/// The sidecar's verdict on one decision, as a caller of `/v1/decide` sees it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Verdict {
+    Allowed,
+    Rejected,
+    /// An answer without a verdict (an error: 503 `{"error": ...}`).
+    Error,
+    /// No answer, or not JSON.
+    NoAnswer,
+}
+
+impl Outcome for Verdict {
+    fn failed(&self) -> bool {
+        matches!(self, Verdict::Error | Verdict::NoAnswer)
+    }
+}
+
+/// `callers` callers flooding rule `per-app` for app `alpha` straight at the sidecar, one
+/// decision per call, an attempt id each (as the filter sends).
+fn flood_callers(sidecar: &Sidecar, callers: usize) -> Callers<Verdict> {
+    let client = load::http_client(callers, Duration::from_secs(10));
+    let url = format!("{}/v1/decide", sidecar.base_url());
+    let op = load::op(move |call| {
+        let body = json!({"attempt": format!("f-{}-{}", call.caller, call.n + 1),
+            "requests": [{"decisions": [{"rule": "per-app", "subject": {"app": "alpha"}, "cost": 1}]}]});
+        let req = client.post(&url).json(&body);
+        async move {
+            let Ok(r) = req.send().await else {
+                return Verdict::NoAnswer;
+            };
+            match r.json::<Value>().await {
+                Ok(v) => match v["answers"][0]["allowed"].as_bool() {
+                    Some(true) => Verdict::Allowed,
+                    Some(false) => Verdict::Rejected,
+                    None => Verdict::Error,
+                },
+                Err(_) => Verdict::NoAnswer,
+            }
+        }
+    });
+    Callers::new(0, callers, op)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1536,53 +1310,25 @@ fn many_clients(a: &Args) -> Vec<Row> {
 
 type Scenario = fn(&Args) -> Vec<Row>;
 
+const SCENARIOS: [(u32, &str, Scenario); 8] = [
+    (1, "shared budget", shared_budget),
+    (2, "hot key", hot_key),
+    (3, "Redis slow and down", redis_outage),
+    (4, "failover", failover),
+    (5, "uncertain results", uncertain),
+    (6, "sidecar restart", sidecar_restart),
+    (7, "flood", flood),
+    (8, "many clients", many_clients),
+];
+
 fn main() {
     let args = Args::parse();
-    let all: [(u32, &str, Scenario); 8] = [
-        (1, "shared budget", shared_budget),
-        (2, "hot key", hot_key),
-        (3, "Redis slow and down", redis_outage),
-        (4, "failover", failover),
-        (5, "uncertain results", uncertain),
-        (6, "sidecar restart", sidecar_restart),
-        (7, "flood", flood),
-        (8, "many clients", many_clients),
-    ];
-    let mut rows = Vec::new();
     let started = Instant::now();
-    let mut failed = false;
-    for (n, name, run) in all {
-        if !args.scenario.is_empty() && !args.scenario.contains(&n) {
-            continue;
-        }
-        let t = Instant::now();
-        log(&format!("scenario {n}: {name}"));
-        // A failed scenario becomes a row; its processes were stopped as it unwound.
-        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run(&args))) {
-            Ok(r) => {
-                failed |= r.iter().any(|r| r.check.contains('✗'));
-                rows.extend(r);
-            }
-            Err(e) => {
-                failed = true;
-                let msg = e
-                    .downcast_ref::<String>()
-                    .cloned()
-                    .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
-                    .unwrap_or_default();
-                let msg = msg.lines().next().unwrap_or_default().to_string();
-                rows.push(Row {
-                    scenario: format!("{n} {name}"),
-                    check: format!("✗ FAILED: {msg}"),
-                    ..Row::default()
-                });
-            }
-        }
-        log(&format!(
-            "scenario {n} took {:.1} s",
-            t.elapsed().as_secs_f64()
-        ));
-    }
+    let rows: Vec<Row> = SCENARIOS
+        .into_iter()
+        .filter(|(n, ..)| args.scenario.is_empty() || args.scenario.contains(n))
+        .flat_map(|(n, name, run)| run_scenario(&args, n, name, run))
+        .collect();
     let out = table(&rows);
     println!("{out}");
     println!(
@@ -1593,7 +1339,35 @@ fn main() {
     if let Some(path) = &args.out {
         std::fs::write(path, &out).unwrap_or_else(|e| panic!("write {}: {e}", path.display()));
     }
-    if failed {
+    if rows.iter().any(|r| r.check.contains('✗')) {
         std::process::exit(1);
     }
+}
+
+/// Scenario `n`'s rows; a scenario that fails becomes a row saying so (its processes were
+/// stopped as it unwound).
+fn run_scenario(args: &Args, n: u32, name: &str, run: Scenario) -> Vec<Row> {
+    let t = Instant::now();
+    log(&format!("scenario {n}: {name}"));
+    let rows = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run(args))) {
+        Ok(rows) => rows,
+        Err(e) => {
+            let msg = e
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_default();
+            let msg = msg.lines().next().unwrap_or_default().to_string();
+            vec![Row {
+                scenario: format!("{n} {name}"),
+                check: format!("✗ FAILED: {msg}"),
+                ..Row::default()
+            }]
+        }
+    };
+    log(&format!(
+        "scenario {n} took {:.1} s",
+        t.elapsed().as_secs_f64()
+    ));
+    rows
 }

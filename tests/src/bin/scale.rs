@@ -19,22 +19,24 @@
 //! per decision (a cost, whatever the core count) and the ratios against the baseline of the same
 //! run, not the absolute throughput. Nothing is asserted about timing.
 
-use std::future::Future;
 use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
-use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
+use ratelimit_e2e::load::{self, mix, ClosedLoop, Measured, Op, Warmup};
 use ratelimit_e2e::netns::{self, DelayRelay, Netns};
-use ratelimit_e2e::procstat::{cpu_seconds, machine_busy_seconds};
+use ratelimit_e2e::plugin::{lease_ask, lease_defaults, rule, Plugin};
+use ratelimit_e2e::probe::{self, Watched};
 use ratelimit_e2e::redis::even_slot_ranges;
+use ratelimit_e2e::report::{quantile, short, Table};
 use ratelimit_e2e::{
     wait_until, Envoy, EnvoyConfig, Process, Redis, RedisCluster, RedisOptions, Sidecar, Upstream,
     READY_TIMEOUT,
 };
+use serde_json::json;
 
 #[derive(Parser)]
 #[command(
@@ -147,7 +149,7 @@ fn check_interrupted() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The machine, and CPU from /proc.
+// The machine.
 
 fn first_line(cmd: &str, args: &[&str]) -> String {
     std::process::Command::new(cmd)
@@ -175,15 +177,7 @@ fn describe_machine() {
     let cores = std::thread::available_parallelism()
         .map(|n| n.get())
         .unwrap_or(1);
-    let cpu_model = std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|c| {
-            c.lines()
-                .find(|l| l.starts_with("model name"))
-                .and_then(|l| l.split_once(':'))
-                .map(|(_, m)| m.trim().to_string())
-        })
-        .unwrap_or_else(|| "unknown CPU".into());
+    let cpu_model = probe::cpu_model();
     let redis = first_line("redis-server", &["--version"]);
     let envoy = Envoy::bin();
     let envoy = first_line(&envoy.display().to_string(), &["--version"]);
@@ -327,14 +321,6 @@ fn node_of_slot(p: usize) -> Vec<u8> {
     owner
 }
 
-/// splitmix64: the random bits of one draw.
-fn mix(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9E3779B97F4A7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58476D1CE4E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D049BB133111EB);
-    z ^ (z >> 31)
-}
-
 // ---------------------------------------------------------------------------------------------
 // Processes of this program's own: the sidecar with the scale policy, on any address, in any
 // namespace.
@@ -365,26 +351,6 @@ impl Workdir {
     fn path(&self) -> &Path {
         self.dir.path()
     }
-}
-
-/// `GET <path>` over a plain socket (from the calling thread's namespace): the status code.
-fn http_status(addr: SocketAddr, path: &str) -> Option<u16> {
-    use std::io::{Read, Write};
-    let mut s = TcpStream::connect_timeout(&addr, Duration::from_millis(500)).ok()?;
-    s.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nhost: scale\r\nconnection: close\r\n\r\n"
-    )
-    .ok()?;
-    let mut head = [0u8; 16];
-    let n = s.read(&mut head).ok()?;
-    std::str::from_utf8(&head[..n])
-        .ok()?
-        .split_whitespace()
-        .nth(1)?
-        .parse()
-        .ok()
 }
 
 /// Starts the sidecar binary listening on `listen` (inside `ns` if given) with `redis` flags
@@ -420,7 +386,7 @@ fn start_sidecar(
         cmd.arg("--allow-unauthenticated");
     }
     let mut process = Process::spawn(name, cmd, work.path());
-    let ready = || http_status(listen, "/readyz") == Some(200);
+    let ready = || probe::http_get(listen, "/readyz").is_some_and(|(status, _)| status == 200);
     let mut check = || {
         assert!(process.running(), "{name} exited:\n{}", process.log());
         match ns {
@@ -432,81 +398,8 @@ fn start_sidecar(
     process
 }
 
-/// `GET <path>` over a plain socket: the body (empty on any failure).
-fn http_get(addr: SocketAddr, path: &str) -> String {
-    use std::io::{Read, Write};
-    let Ok(mut s) = TcpStream::connect_timeout(&addr, Duration::from_secs(2)) else {
-        return String::new();
-    };
-    let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
-    if write!(
-        s,
-        "GET {path} HTTP/1.1\r\nhost: scale\r\nconnection: close\r\n\r\n"
-    )
-    .is_err()
-    {
-        return String::new();
-    }
-    let mut text = String::new();
-    let _ = s.read_to_string(&mut text);
-    text.split_once("\r\n\r\n")
-        .map(|(_, body)| body.to_string())
-        .unwrap_or_default()
-}
-
-/// The sum of the sidecar's `/metrics` lines starting with `prefix`.
-fn sidecar_metric(addr: SocketAddr, prefix: &str) -> f64 {
-    http_get(addr, "/metrics")
-        .lines()
-        .filter(|l| l.starts_with(prefix))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
-}
-
-/// The sum of Envoy's counters whose name ends with `suffix` (e.g. `ratelimit.admitted`).
-fn envoy_stat(envoy: &Envoy, suffix: &str) -> f64 {
-    http_get(
-        ([127, 0, 0, 1], envoy.admin_port).into(),
-        "/stats?filter=ratelimit",
-    )
-    .lines()
-    .filter_map(|l| l.split_once(": "))
-    .filter(|(k, _)| k.ends_with(suffix))
-    .filter_map(|(_, v)| v.trim().parse::<f64>().ok())
-    .sum()
-}
-
-/// Script calls a node has run so far (`EVALSHA` and the `EVAL` that heals a NOSCRIPT).
-fn script_calls(node: &Redis) -> u64 {
-    script_stats(node).0 as u64
-}
-
-/// Script calls a node has run so far and the µs it spent inside them (`INFO commandstats`:
-/// `calls` and `usec` of `EVALSHA` and `EVAL`; the rest of its CPU is reading, parsing and
-/// answering commands).
-fn script_stats(node: &Redis) -> (f64, f64) {
-    let field = |line: &str, name: &str| -> f64 {
-        line.split([':', ','])
-            .find_map(|kv| kv.strip_prefix(name)?.strip_prefix('=')?.parse().ok())
-            .unwrap_or(0.0)
-    };
-    node.cli(&["INFO", "commandstats"])
-        .lines()
-        .filter(|l| l.starts_with("cmdstat_evalsha:") || l.starts_with("cmdstat_eval:"))
-        .fold((0.0, 0.0), |(c, u), l| {
-            (c + field(l, "calls"), u + field(l, "usec"))
-        })
-}
-
-fn dbsize(node: &Redis) -> u64 {
-    node.cli(&["DBSIZE"]).trim().parse().unwrap_or(0)
-}
-
 // ---------------------------------------------------------------------------------------------
-// A stage: concurrent callers in a closed loop, measured after a warm-up.
-
-type Op =
-    Arc<dyn Fn(u64) -> Pin<Box<dyn Future<Output = Result<(), String>> + Send>> + Send + Sync>;
+// A throughput stage: concurrent callers in a closed loop, measured after a warm-up.
 
 /// Units (decisions, requests) attributed to each Cluster node by the ops themselves.
 type NodeCounts = Arc<Vec<AtomicU64>>;
@@ -515,194 +408,51 @@ fn node_counts(n: usize) -> NodeCounts {
     Arc::new((0..n).map(|_| AtomicU64::new(0)).collect())
 }
 
-#[derive(Clone)]
-struct Watched {
-    name: String,
-    pid: u32,
-}
-
-fn watched(name: impl Into<String>, pid: u32) -> Watched {
-    Watched {
-        name: name.into(),
-        pid,
-    }
-}
-
-/// What one stage measured.
-#[derive(Clone, Default)]
-struct Measured {
-    seconds: f64,
-    /// Successful operations (calls, requests).
-    ops: u64,
-    errors: u64,
-    /// Sorted.
-    latencies: Vec<Duration>,
-    /// CPU seconds each watched process used during the stage, in `watched` order.
-    cpu: Vec<(String, f64)>,
-    /// CPU seconds of this process (the load generator, and the demo upstream).
-    generator_cpu: f64,
-    /// CPU seconds the whole machine was busy.
-    machine_cpu: f64,
-    /// Units attributed to each node during the stage.
+/// What a throughput stage measured, and the units its ops attributed to each node.
+struct Stage {
+    m: Measured,
     per_node: Vec<u64>,
-    /// What the stage's probe counted during the stage.
-    probed: Vec<f64>,
 }
 
-impl Measured {
-    fn per_second(&self) -> f64 {
-        self.ops as f64 / self.seconds
-    }
-
-    fn quantile(&self, q: f64) -> Duration {
-        if self.latencies.is_empty() {
-            return Duration::ZERO;
-        }
-        let i = ((self.latencies.len() as f64 * q) as usize).min(self.latencies.len() - 1);
-        self.latencies[i]
-    }
-
-    fn cpu_of(&self, name: &str) -> f64 {
-        self.cpu
-            .iter()
-            .filter(|(n, _)| n == name)
-            .map(|(_, c)| c)
-            .sum()
-    }
-
-    /// CPU seconds of the machine used by processes this run did not start: the contention.
-    fn others_cores(&self) -> f64 {
-        let ours: f64 = self.cpu.iter().map(|(_, c)| c).sum::<f64>() + self.generator_cpu;
-        ((self.machine_cpu - ours) / self.seconds).max(0.0)
-    }
-}
-
-/// Runs `concurrency` callers of `op` for 1 s of warm-up, then measures `seconds`.
-/// Counters read at the start and at the end of the measured window (script calls, metrics);
-/// [`Measured::probed`] holds their increase.
-type Probe<'a> = &'a (dyn Fn() -> Vec<f64> + Sync);
-
-async fn closed_loop(
-    seconds: f64,
-    concurrency: usize,
+/// `--concurrency` callers of `op` for 1 s of warm-up, then `--seconds` measured; `probe`'s
+/// counters (script calls, metrics) and `counts` read as the window opens and closes.
+fn throughput(
+    args: &Args,
+    rt: &tokio::runtime::Runtime,
+    name: &str,
     watched: &[Watched],
     counts: &NodeCounts,
-    probe: Probe<'_>,
-    op: Op,
-) -> Measured {
-    let stop = Arc::new(AtomicBool::new(false));
-    let recording = Arc::new(AtomicBool::new(false));
-    let ops = Arc::new(AtomicU64::new(0));
-    let errors = Arc::new(AtomicU64::new(0));
-    let last_error = Arc::new(Mutex::new(String::new()));
-    let mut tasks = Vec::new();
-    for worker in 0..concurrency {
-        let (op, stop, recording, ops, errors, last_error) = (
-            op.clone(),
-            stop.clone(),
-            recording.clone(),
-            ops.clone(),
-            errors.clone(),
-            last_error.clone(),
-        );
-        tasks.push(tokio::spawn(async move {
-            let mut latencies = Vec::new();
-            let mut n = (worker as u64) << 40;
-            while !stop.load(Ordering::Relaxed) {
-                n += 1;
-                let counted = recording.load(Ordering::Relaxed);
-                let t = Instant::now();
-                match op(mix(n)).await {
-                    Ok(()) => {
-                        if counted && recording.load(Ordering::Relaxed) {
-                            latencies.push(t.elapsed());
-                        }
-                        ops.fetch_add(1, Ordering::Relaxed);
-                    }
-                    Err(e) => {
-                        errors.fetch_add(1, Ordering::Relaxed);
-                        *last_error.lock().unwrap_or_else(|e| e.into_inner()) = e;
-                        // A failing target must not turn into a busy loop.
-                        tokio::time::sleep(Duration::from_millis(1)).await;
-                    }
-                }
-            }
-            latencies
-        }));
-    }
-    tokio::time::sleep(Duration::from_secs(1)).await;
-    let snapshot = |counts: &NodeCounts| -> Vec<u64> {
-        counts.iter().map(|c| c.load(Ordering::Relaxed)).collect()
-    };
-    let probed_before = tokio::task::block_in_place(probe);
-    let cpu_before: Vec<f64> = watched.iter().map(|w| cpu_seconds(w.pid)).collect();
-    let gen_before = cpu_seconds(std::process::id());
-    let machine_before = machine_busy_seconds();
-    let (ops_before, errors_before, nodes_before) = (
-        ops.load(Ordering::Relaxed),
-        errors.load(Ordering::Relaxed),
-        snapshot(counts),
-    );
-    recording.store(true, Ordering::Relaxed);
-    let start = Instant::now();
-    while start.elapsed().as_secs_f64() < seconds && !INTERRUPTED.load(Ordering::Relaxed) {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    recording.store(false, Ordering::Relaxed);
-    let elapsed = start.elapsed().as_secs_f64();
-    let (ops_after, errors_after, nodes_after) = (
-        ops.load(Ordering::Relaxed),
-        errors.load(Ordering::Relaxed),
-        snapshot(counts),
-    );
-    let cpu: Vec<(String, f64)> = watched
-        .iter()
-        .zip(cpu_before)
-        .map(|(w, before)| (w.name.clone(), cpu_seconds(w.pid) - before))
-        .collect();
-    let generator_cpu = cpu_seconds(std::process::id()) - gen_before;
-    let machine_cpu = machine_busy_seconds() - machine_before;
-    let probed = tokio::task::block_in_place(probe)
-        .iter()
-        .zip(probed_before)
-        .map(|(a, b)| a - b)
-        .collect();
-    stop.store(true, Ordering::Relaxed);
-    let mut latencies = Vec::new();
-    for t in tasks {
-        latencies.extend(t.await.expect("caller task"));
-    }
-    check_interrupted();
-    latencies.sort();
-    let measured = Measured {
-        seconds: elapsed,
-        ops: ops_after - ops_before,
-        errors: errors_after - errors_before,
-        latencies,
-        cpu,
-        generator_cpu,
-        machine_cpu,
-        per_node: nodes_after
+    probe: &(dyn Fn() -> Vec<f64> + Sync),
+    op: Op<Result<(), String>>,
+) -> Stage {
+    let with_counts = || {
+        let mut v: Vec<f64> = counts
             .iter()
-            .zip(nodes_before)
-            .map(|(a, b)| a - b)
-            .collect(),
-        probed,
+            .map(|c| c.load(Ordering::Relaxed) as f64)
+            .collect();
+        v.extend(probe());
+        v
     };
-    assert!(
-        measured.ops > 0,
-        "no operation succeeded ({} errors, the last: {})",
-        measured.errors,
-        last_error.lock().unwrap_or_else(|e| e.into_inner())
+    let mut m = rt.block_on(
+        ClosedLoop {
+            name,
+            callers: args.concurrency,
+            warmup: Warmup::Together(Duration::from_secs(1)),
+            seconds: args.seconds,
+            watched,
+            probe: Some(&with_counts),
+            interrupted: Some(&INTERRUPTED),
+        }
+        .measure(op),
     );
-    if measured.errors > 0 {
-        eprintln!(
-            "  ({} operations failed; the last: {})",
-            measured.errors,
-            last_error.lock().unwrap_or_else(|e| e.into_inner())
-        );
-    }
-    measured
+    check_interrupted();
+    let per_node = m.probed.drain(..counts.len()).map(|v| v as u64).collect();
+    Stage { m, per_node }
+}
+
+/// The client of every throughput stage.
+fn http_client(args: &Args) -> reqwest::Client {
+    load::http_client(args.concurrency * 2, Duration::from_secs(10))
 }
 
 /// `POST /v1/decide` with `per_call` requests of one decision each, on keys drawn from `dist`
@@ -715,9 +465,10 @@ fn decide_op(
     per_call: usize,
     owner: Arc<Vec<u8>>,
     counts: NodeCounts,
-) -> Op {
+) -> Op<Result<(), String>> {
     let hot_node = owner[slot(&tag("hot", None)) as usize];
-    Arc::new(move |r| {
+    load::op(move |call| {
+        let r = call.random();
         let (http, url, keys, owner, counts) = (
             http.clone(),
             url.clone(),
@@ -725,7 +476,7 @@ fn decide_op(
             owner.clone(),
             counts.clone(),
         );
-        Box::pin(async move {
+        async move {
             let mut body = String::from("{\"requests\":[");
             let mut nodes = Vec::with_capacity(per_call);
             for j in 0..per_call {
@@ -764,7 +515,7 @@ fn decide_op(
                 counts[n as usize].fetch_add(1, Ordering::Relaxed);
             }
             Ok(())
-        })
+        }
     })
 }
 
@@ -777,9 +528,10 @@ fn envoy_op(
     dist: Option<Dist>,
     owner: Arc<Vec<u8>>,
     counts: NodeCounts,
-) -> Op {
+) -> Op<Result<(), String>> {
     let hot_node = owner[slot(&tag("hot", None)) as usize];
-    Arc::new(move |r| {
+    load::op(move |call| {
+        let r = call.random();
         let (http, base, keys, owner, counts) = (
             http.clone(),
             base.clone(),
@@ -787,7 +539,7 @@ fn envoy_op(
             owner.clone(),
             counts.clone(),
         );
-        Box::pin(async move {
+        async move {
             let (req, node) = match dist {
                 Some(dist) => {
                     let k = keys.pick(dist, r);
@@ -807,17 +559,8 @@ fn envoy_op(
             }
             counts[node as usize].fetch_add(1, Ordering::Relaxed);
             Ok(())
-        })
+        }
     })
-}
-
-fn http_client(concurrency: usize) -> reqwest::Client {
-    reqwest::Client::builder()
-        .no_proxy()
-        .pool_max_idle_per_host(concurrency * 2)
-        .timeout(Duration::from_secs(10))
-        .build()
-        .expect("http client")
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -825,19 +568,14 @@ fn http_client(concurrency: usize) -> reqwest::Client {
 
 /// The filter's rules for the Envoy stages; `leases` off keeps every other fast path on.
 fn plugin(leases: bool) -> String {
-    let mut p = serde_json::json!({
-        "domain": "ratelimit",
-        "sidecar": {"cluster": "ratelimit_sidecar", "timeout_ms": 2000},
-        "identity": {"ip": true},
-        "rules": [
-            {"name": "scale-ip", "match": {"path_prefix": "/k/"}, "subject": ["ip"], "on_error": "deny"},
-            {"name": "hot", "match": {"path_prefix": "/hot/"}, "subject": [], "on_error": "deny"}
-        ]
-    });
-    if !leases {
-        p["fast_paths"] = serde_json::json!({"leases": {"enabled": false}});
+    let plugin = Plugin::by_address(json!([
+        rule("scale-ip", "/k/", &["ip"], "deny"),
+        rule("hot", "/hot/", &[], "deny")
+    ]));
+    match leases {
+        true => plugin.to_string(),
+        false => plugin.leases(false).to_string(),
     }
-    p.to_string()
 }
 
 /// The shipped `envoy/envoy.yaml` with the scale rules, the client address taken from
@@ -861,6 +599,8 @@ struct ShardStage {
     replica: bool,
     m: Measured,
     /// Decisions (sidecar path) or requests (Envoy path) the load generator sent per node.
+    per_node: Vec<u64>,
+    /// Keys each node held after the stage (`DBSIZE`).
     keys_per_node: Vec<u64>,
     /// Decisions that reached the sidecar (its metric), for the Envoy path.
     sidecar_decisions: f64,
@@ -881,12 +621,12 @@ impl ShardStage {
     }
 
     fn per_call(&self) -> usize {
-        let total: u64 = self.m.per_node.iter().sum();
+        let total: u64 = self.per_node.iter().sum();
         (total as f64 / self.m.ops.max(1) as f64).round().max(1.0) as usize
     }
 
     fn node_cpu(&self, i: usize) -> f64 {
-        self.m.cpu_of(&format!("redis-{i}"))
+        self.m.cpu.of(&format!("redis-{i}"))
     }
 
     fn redis_cpu(&self) -> f64 {
@@ -899,14 +639,13 @@ impl ShardStage {
     }
 
     fn sidecar_us(&self) -> f64 {
-        self.m.cpu_of("sidecar") * 1e6 / self.decisions().max(1.0)
+        self.m.cpu.of("sidecar") * 1e6 / self.decisions().max(1.0)
     }
 
     /// The node with the most units, and its share of units, CPU and keys.
     fn hottest(&self) -> (usize, f64, f64, f64) {
-        let total: u64 = self.m.per_node.iter().sum();
+        let total: u64 = self.per_node.iter().sum();
         let (i, most) = self
-            .m
             .per_node
             .iter()
             .enumerate()
@@ -927,7 +666,7 @@ fn cluster_watch(cluster: &RedisCluster) -> Vec<Watched> {
         .nodes
         .iter()
         .enumerate()
-        .map(|(i, n)| watched(format!("redis-{i}"), n.pid()))
+        .map(|(i, n)| Watched::new(format!("redis-{i}"), n.pid()))
         .collect()
 }
 
@@ -937,7 +676,7 @@ fn flush(cluster: &RedisCluster) {
     }
 }
 
-/// A cluster-enabled node that becomes a replica of `primary` (node 0 of `cluster`).
+/// A cluster-enabled node that becomes a replica of node 0 of `cluster`.
 fn add_replica(cluster: &RedisCluster) -> Redis {
     let options = RedisOptions::default().args(&[
         "--cluster-enabled",
@@ -979,7 +718,7 @@ fn run_part1(
 ) -> Part1 {
     let mut stages = Vec::new();
     let mut kept = None;
-    let http = http_client(args.concurrency);
+    let http = http_client(args);
     for (index, &p) in args.primaries.iter().enumerate() {
         println!(
             "  starting a Cluster of {p} primar{}",
@@ -1008,27 +747,31 @@ fn run_part1(
         let decide_url = format!("http://{sidecar_addr}/v1/decide");
         let owner = Arc::new(node_of_slot(p));
         let mut watch = cluster_watch(&cluster);
-        watch.push(watched("sidecar", sidecar.pid()));
+        watch.push(Watched::new("sidecar", sidecar.pid()));
         // Per stage: each node's script calls, the decisions the sidecar answered, then each
         // node's µs inside scripts.
         let probe = || -> Vec<f64> {
-            let stats: Vec<(f64, f64)> = cluster.nodes.iter().map(script_stats).collect();
-            let mut v: Vec<f64> = stats.iter().map(|s| s.0).collect();
-            v.push(sidecar_metric(sidecar_addr, "ratelimit_decisions_total"));
-            v.extend(stats.iter().map(|s| s.1));
+            let stats: Vec<_> = cluster.nodes.iter().map(probe::script_calls).collect();
+            let mut v: Vec<f64> = stats.iter().map(|s| s.calls).collect();
+            v.push(probe::sidecar_metric(
+                sidecar_addr,
+                "ratelimit_decisions_total",
+            ));
+            v.extend(stats.iter().map(|s| s.usec));
             v
         };
-        let shard_stage = |path, dist, replica, m: Measured, slots: &[u16]| ShardStage {
+        let shard_stage = |path, dist, replica, stage: Stage, slots: &[u16]| ShardStage {
             path,
             dist,
             primaries: p,
             replica,
-            keys_per_node: cluster.nodes.iter().map(dbsize).collect(),
-            calls_per_node: m.probed[..p].iter().map(|c| *c as u64).collect(),
-            sidecar_decisions: m.probed[p],
-            script_us_per_node: m.probed[p + 1..].to_vec(),
+            per_node: stage.per_node,
+            keys_per_node: cluster.nodes.iter().map(probe::dbsize).collect(),
+            calls_per_node: stage.m.probed[..p].iter().map(|c| *c as u64).collect(),
+            sidecar_decisions: stage.m.probed[p],
+            script_us_per_node: stage.m.probed[p + 1..].to_vec(),
             predicted_shares: shard_shares(&keys.weights(dist), slots, p),
-            m,
+            m: stage.m,
         };
         for dist in [Dist::Uniform, Dist::Zipf] {
             flush(&cluster);
@@ -1042,23 +785,17 @@ fn run_part1(
                 owner.clone(),
                 counts.clone(),
             );
-            println!("  {p} primaries, sidecar, {}", keys.name(dist));
-            let m = rt.block_on(closed_loop(
-                args.seconds,
-                args.concurrency,
-                &watch,
-                &counts,
-                &probe,
-                op,
-            ));
-            stages.push(shard_stage("sidecar", dist, false, m, &keys.slot_id));
+            let name = format!("{p} primaries, sidecar, {}", keys.name(dist));
+            println!("  {name}");
+            let stage = throughput(args, rt, &name, &watch, &counts, &probe, op);
+            stages.push(shard_stage("sidecar", dist, false, stage, &keys.slot_id));
         }
         if index == 0 {
             // What a replica costs: the same uniform stage with a replica behind primary 0.
             flush(&cluster);
             let replica = add_replica(&cluster);
             let mut watch = watch.clone();
-            watch.push(watched("replica", replica.pid()));
+            watch.push(Watched::new("replica", replica.pid()));
             let counts = node_counts(p);
             let op = decide_op(
                 http.clone(),
@@ -1069,20 +806,14 @@ fn run_part1(
                 owner.clone(),
                 counts.clone(),
             );
-            println!("  {p} primaries and a replica of primary 0, sidecar, uniform");
-            let m = rt.block_on(closed_loop(
-                args.seconds,
-                args.concurrency,
-                &watch,
-                &counts,
-                &probe,
-                op,
-            ));
+            let name = format!("{p} primaries and a replica of primary 0, sidecar, uniform");
+            println!("  {name}");
+            let stage = throughput(args, rt, &name, &watch, &counts, &probe, op);
             stages.push(shard_stage(
                 "sidecar",
                 Dist::Uniform,
                 true,
-                m,
+                stage,
                 &keys.slot_id,
             ));
             // The replica goes: later stages measure primaries alone. The primaries forget it
@@ -1096,7 +827,7 @@ fn run_part1(
         if !args.skip_envoy {
             let envoy = start_envoy(sidecar_port, upstream.port, args.envoy_workers, true);
             let mut watch = watch.clone();
-            watch.push(watched("envoy", envoy.process.pid()));
+            watch.push(Watched::new("envoy", envoy.process.pid()));
             for dist in [Dist::Uniform, Dist::Zipf] {
                 flush(&cluster);
                 let counts = node_counts(p);
@@ -1108,19 +839,13 @@ fn run_part1(
                     owner.clone(),
                     counts.clone(),
                 );
-                println!(
-                    "  {p} primaries, envoy + filter (fast paths as shipped), {}",
+                let name = format!(
+                    "{p} primaries, envoy + filter (fast paths as shipped), {}",
                     keys.name(dist)
                 );
-                let m = rt.block_on(closed_loop(
-                    args.seconds,
-                    args.concurrency,
-                    &watch,
-                    &counts,
-                    &probe,
-                    op,
-                ));
-                stages.push(shard_stage("envoy", dist, false, m, &keys.slot_ip));
+                println!("  {name}");
+                let stage = throughput(args, rt, &name, &watch, &counts, &probe, op);
+                stages.push(shard_stage("envoy", dist, false, stage, &keys.slot_ip));
             }
         }
         if index + 1 == args.primaries.len() {
@@ -1130,14 +855,14 @@ fn run_part1(
     Part1 { stages, kept }
 }
 
-fn us(d: Duration) -> String {
-    if d >= Duration::from_millis(10) {
-        format!("{:.1}ms", d.as_secs_f64() * 1e3)
-    } else if d >= Duration::from_millis(1) {
-        format!("{:.2}ms", d.as_secs_f64() * 1e3)
-    } else {
-        format!("{:.0}µs", d.as_secs_f64() * 1e6)
-    }
+/// `v` with `decimals` decimals.
+fn num(v: f64, decimals: usize) -> String {
+    format!("{v:.decimals$}")
+}
+
+/// A share as a percentage with one decimal.
+fn pct(share: f64) -> String {
+    format!("{:.1}%", share * 100.0)
 }
 
 fn print_part1(args: &Args, keys: &Keyspace, part: &Part1) {
@@ -1145,25 +870,32 @@ fn print_part1(args: &Args, keys: &Keyspace, part: &Part1) {
         "\n== 1. shards: POST /v1/decide on a Redis Cluster ({} callers, {} request(s) of one decision per call, {} s per stage, nothing rejected)",
         args.concurrency, args.requests_per_call, args.seconds
     );
+    let t = Table::new()
+        .left(28)
+        .rights(&[3, 11, 7, 8, 8, 9, 9, 8])
+        .gap(2)
+        .rights(&[7, 7, 7, 7]);
     println!(
-        "{:<28} {:>3} {:>11} {:>7} {:>8} {:>8} {:>9} {:>9} {:>8}  {:>7} {:>7} {:>7} {:>7}",
-        "keys",
-        "P",
-        "decisions/s",
-        "vs base",
-        "p50",
-        "p99",
-        "sidecar",
-        "redis",
-        "others",
-        "hottest",
-        "pred.",
-        "of cpu",
-        "of keys"
+        "{}",
+        t.line(&[
+            "keys",
+            "P",
+            "decisions/s",
+            "vs base",
+            "p50",
+            "p99",
+            "sidecar",
+            "redis",
+            "others",
+            "hottest",
+            "pred.",
+            "of cpu",
+            "of keys"
+        ])
     );
     println!(
-        "{:<28} {:>3} {:>11} {:>7} {:>8} {:>8} {:>9} {:>9} {:>8}  {:>7} {:>7} {:>7} {:>7}",
-        "", "", "", "", "", "", "µs/dec", "µs/dec", "cores", "shard", "", "", ""
+        "{}",
+        t.line(&["", "", "", "", "", "", "µs/dec", "µs/dec", "cores", "shard", "", "", ""])
     );
     let sidecar: Vec<&ShardStage> = part.stages.iter().filter(|s| s.path == "sidecar").collect();
     for dist in [Dist::Uniform, Dist::Zipf] {
@@ -1172,25 +904,29 @@ fn print_part1(args: &Args, keys: &Keyspace, part: &Part1) {
             let rate = s.decisions() / s.m.seconds;
             let (_, share, cpu, keyshare) = s.hottest();
             let pred = s.predicted_shares.iter().cloned().fold(0.0, f64::max);
+            let vs = match base {
+                Some(b) if b.primaries != s.primaries => {
+                    format!("{:.2}x", rate / (b.decisions() / b.m.seconds))
+                }
+                _ => "base".into(),
+            };
             println!(
-                "{:<28} {:>3} {:>11.0} {:>7} {:>8} {:>8} {:>9.1} {:>9.1} {:>8.2}  {:>6.1}% {:>6.1}% {:>6.1}% {:>6.1}%",
-                keys.name(dist),
-                s.primaries,
-                rate,
-                match base {
-                    Some(b) if b.primaries != s.primaries =>
-                        format!("{:.2}x", rate / (b.decisions() / b.m.seconds)),
-                    _ => "base".into(),
-                },
-                us(s.m.quantile(0.5)),
-                us(s.m.quantile(0.99)),
-                s.sidecar_us(),
-                s.redis_us(),
-                s.m.others_cores(),
-                share * 100.0,
-                pred * 100.0,
-                cpu * 100.0,
-                keyshare * 100.0
+                "{}",
+                t.line(&[
+                    keys.name(dist),
+                    s.primaries.to_string(),
+                    num(rate, 0),
+                    vs,
+                    short(s.m.quantile(0.5)),
+                    short(s.m.quantile(0.99)),
+                    num(s.sidecar_us(), 1),
+                    num(s.redis_us(), 1),
+                    num(s.m.others_cores(), 2),
+                    pct(share),
+                    pct(pred),
+                    pct(cpu),
+                    pct(keyshare),
+                ])
             );
         }
     }
@@ -1200,24 +936,31 @@ fn print_part1(args: &Args, keys: &Keyspace, part: &Part1) {
             .find(|s| s.dist == Dist::Uniform && s.primaries == r.primaries && !s.replica);
         let d = r.decisions();
         let primary_us = r.node_cpu(0) * 1e6 / d;
-        let replica_us = r.m.cpu_of("replica") * 1e6 / d;
-        println!(
-            "{:<28} {:>3} {:>11.0} {:>7} {:>8} {:>8} {:>9.1} {:>9.1} {:>8.2}  primary {primary_us:.1} µs/dec, replica {replica_us:.1} µs/dec{}",
-            "uniform, + 1 replica",
-            r.primaries,
-            d / r.m.seconds,
-            base.map(|b| format!("{:.2}x", (d / r.m.seconds) / (b.decisions() / b.m.seconds)))
-                .unwrap_or_default(),
-            us(r.m.quantile(0.5)),
-            us(r.m.quantile(0.99)),
-            r.sidecar_us(),
-            r.redis_us(),
-            r.m.others_cores(),
-            base.map(|b| format!(
+        let replica_us = r.m.cpu.of("replica") * 1e6 / d;
+        let versus = base.map(|b| {
+            format!(
                 " (the primary: {:.2}x its cost without a replica)",
                 primary_us / b.redis_us().max(1e-9)
-            ))
-            .unwrap_or_default()
+            )
+        });
+        println!(
+            "{}",
+            t.line(&[
+                "uniform, + 1 replica".to_string(),
+                r.primaries.to_string(),
+                num(d / r.m.seconds, 0),
+                base.map(|b| format!("{:.2}x", (d / r.m.seconds) / (b.decisions() / b.m.seconds)))
+                    .unwrap_or_default(),
+                short(r.m.quantile(0.5)),
+                short(r.m.quantile(0.99)),
+                num(r.sidecar_us(), 1),
+                num(r.redis_us(), 1),
+                num(r.m.others_cores(), 2),
+                format!(
+                    "primary {primary_us:.1} µs/dec, replica {replica_us:.1} µs/dec{}",
+                    versus.unwrap_or_default()
+                ),
+            ])
         );
     }
     println!(
@@ -1226,42 +969,49 @@ fn print_part1(args: &Args, keys: &Keyspace, part: &Part1) {
     );
 
     println!("\nper shard:");
+    let t = Table::new()
+        .left(28)
+        .rights(&[3, 5, 13, 11, 7, 9, 7, 7, 9, 7, 9, 9]);
     println!(
-        "{:<28} {:>3} {:>5} {:>13} {:>11} {:>7} {:>9} {:>7} {:>7} {:>9} {:>7} {:>9} {:>9}",
-        "keys",
-        "P",
-        "shard",
-        "slots",
-        "decisions/s",
-        "share",
-        "µs/dec",
-        "busy",
-        "of cpu",
-        "keys",
-        "of keys",
-        "dec/call",
-        "in script"
+        "{}",
+        t.line(&[
+            "keys",
+            "P",
+            "shard",
+            "slots",
+            "decisions/s",
+            "share",
+            "µs/dec",
+            "busy",
+            "of cpu",
+            "keys",
+            "of keys",
+            "dec/call",
+            "in script"
+        ])
     );
     for s in sidecar.iter().filter(|s| !s.replica) {
-        let total: u64 = s.m.per_node.iter().sum();
+        let total: u64 = s.per_node.iter().sum();
         let keys_total: u64 = s.keys_per_node.iter().sum();
         for (i, (a, b)) in even_slot_ranges(s.primaries).into_iter().enumerate() {
-            let d = s.m.per_node[i] as f64;
+            let d = s.per_node[i] as f64;
             println!(
-                "{:<28} {:>3} {:>5} {:>13} {:>11.0} {:>6.1}% {:>9.1} {:>6.0}% {:>6.1}% {:>9} {:>6.1}% {:>9.1} {:>9.1}",
-                keys.name(s.dist),
-                s.primaries,
-                i,
-                format!("{a}-{b}"),
-                d / s.m.seconds,
-                d * 100.0 / total.max(1) as f64,
-                s.node_cpu(i) * 1e6 / d.max(1.0),
-                s.node_cpu(i) * 100.0 / s.m.seconds,
-                s.node_cpu(i) * 100.0 / s.redis_cpu().max(1e-9),
-                s.keys_per_node[i],
-                s.keys_per_node[i] as f64 * 100.0 / keys_total.max(1) as f64,
-                d / s.calls_per_node[i].max(1) as f64,
-                s.script_us_per_node[i] / d.max(1.0),
+                "{}",
+                t.line(&[
+                    keys.name(s.dist),
+                    s.primaries.to_string(),
+                    i.to_string(),
+                    format!("{a}-{b}"),
+                    num(d / s.m.seconds, 0),
+                    pct(d / total.max(1) as f64),
+                    num(s.node_cpu(i) * 1e6 / d.max(1.0), 1),
+                    format!("{:.0}%", s.node_cpu(i) * 100.0 / s.m.seconds),
+                    pct(s.node_cpu(i) / s.redis_cpu().max(1e-9)),
+                    s.keys_per_node[i].to_string(),
+                    pct(s.keys_per_node[i] as f64 / keys_total.max(1) as f64),
+                    num(d / s.calls_per_node[i].max(1) as f64, 1),
+                    num(s.script_us_per_node[i] / d.max(1.0), 1),
+                ])
             );
         }
     }
@@ -1276,48 +1026,62 @@ fn print_part1(args: &Args, keys: &Keyspace, part: &Part1) {
         "\nthrough Envoy ({} worker(s)) with the filter as shipped (coalesced callouts, leases), requests keyed by client address:",
         args.envoy_workers
     );
+    let t = Table::new()
+        .left(28)
+        .rights(&[3, 10, 7, 8, 8, 9, 8, 9, 9, 8])
+        .gap(2)
+        .rights(&[7, 7]);
     println!(
-        "{:<28} {:>3} {:>10} {:>7} {:>8} {:>8} {:>9} {:>8} {:>9} {:>9} {:>8}  {:>7} {:>7}",
-        "keys",
-        "P",
-        "requests/s",
-        "vs base",
-        "p50",
-        "p99",
-        "decisions",
-        "envoy",
-        "sidecar",
-        "redis",
-        "others",
-        "hottest",
-        "of cpu"
+        "{}",
+        t.line(&[
+            "keys",
+            "P",
+            "requests/s",
+            "vs base",
+            "p50",
+            "p99",
+            "decisions",
+            "envoy",
+            "sidecar",
+            "redis",
+            "others",
+            "hottest",
+            "of cpu"
+        ])
     );
     println!(
-        "{:<28} {:>3} {:>10} {:>7} {:>8} {:>8} {:>9} {:>8} {:>9} {:>9} {:>8}  {:>7} {:>7}",
-        "", "", "", "", "", "", "/request", "µs/req", "µs/dec", "µs/req", "cores", "shard", ""
+        "{}",
+        t.line(&[
+            "", "", "", "", "", "", "/request", "µs/req", "µs/dec", "µs/req", "cores", "shard", ""
+        ])
     );
     for dist in [Dist::Uniform, Dist::Zipf] {
         let base = envoy.iter().find(|s| s.dist == dist);
         for s in envoy.iter().filter(|s| s.dist == dist) {
             let (_, share, cpu, _) = s.hottest();
+            let vs = match base {
+                Some(b) if b.primaries != s.primaries => {
+                    format!("{:.2}x", s.m.per_second() / b.m.per_second())
+                }
+                _ => "base".into(),
+            };
             println!(
-                "{:<28} {:>3} {:>10.0} {:>7} {:>8} {:>8} {:>9.3} {:>8.1} {:>9.1} {:>9.1} {:>8.2}  {:>6.1}% {:>6.1}%",
-                keys.name(dist),
-                s.primaries,
-                s.m.per_second(),
-                match base {
-                    Some(b) if b.primaries != s.primaries => format!("{:.2}x", s.m.per_second() / b.m.per_second()),
-                    _ => "base".into(),
-                },
-                us(s.m.quantile(0.5)),
-                us(s.m.quantile(0.99)),
-                s.decisions() / s.m.ops.max(1) as f64,
-                s.m.cpu_of("envoy") * 1e6 / s.m.ops.max(1) as f64,
-                s.sidecar_us(),
-                s.redis_cpu() * 1e6 / s.m.ops.max(1) as f64,
-                s.m.others_cores(),
-                share * 100.0,
-                cpu * 100.0
+                "{}",
+                t.line(&[
+                    keys.name(dist),
+                    s.primaries.to_string(),
+                    num(s.m.per_second(), 0),
+                    vs,
+                    short(s.m.quantile(0.5)),
+                    short(s.m.quantile(0.99)),
+                    num(s.decisions() / s.m.ops.max(1) as f64, 3),
+                    num(s.m.cpu_us_per_op("envoy"), 1),
+                    num(s.sidecar_us(), 1),
+                    num(s.redis_cpu() * 1e6 / s.m.ops.max(1) as f64, 1),
+                    num(s.m.others_cores(), 2),
+                    pct(share),
+                    pct(cpu),
+                ])
             );
         }
     }
@@ -1326,6 +1090,22 @@ fn print_part1(args: &Args, keys: &Keyspace, part: &Part1) {
 
 // ---------------------------------------------------------------------------------------------
 // Part 2: a hot key.
+
+/// Part 2 alone: a cluster of the last size and its sidecar, without the stages of part 1.
+fn cluster_of_part2(args: &Args, work: &Workdir) -> (RedisCluster, Process, u16) {
+    let p = *args.primaries.last().expect("a size");
+    let cluster = RedisCluster::start_primaries(p);
+    let port = ratelimit_e2e::free_port();
+    let sidecar = start_sidecar(
+        args,
+        work,
+        None,
+        ([127, 0, 0, 1], port).into(),
+        &["--redis-cluster", &cluster.seeds()],
+        "sidecar",
+    );
+    (cluster, sidecar, port)
+}
 
 struct HotStage {
     name: &'static str,
@@ -1362,10 +1142,10 @@ fn run_part2(
     let p = cluster.nodes.len();
     let owner = Arc::new(node_of_slot(p));
     let hot_node = owner[slot(&tag("hot", None)) as usize] as usize;
-    let http = http_client(args.concurrency);
+    let http = http_client(args);
     let sidecar_addr: SocketAddr = ([127, 0, 0, 1], sidecar_port).into();
     let mut watch = cluster_watch(cluster);
-    watch.push(watched("sidecar", sidecar.pid()));
+    watch.push(Watched::new("sidecar", sidecar.pid()));
     let mut stages = Vec::new();
     let mut measure = |name: &'static str, envoy: Option<&Envoy>| {
         flush(cluster);
@@ -1382,7 +1162,7 @@ fn run_part2(
                 counts.clone(),
             ),
             Some(e) => {
-                watch.push(watched("envoy", e.process.pid()));
+                watch.push(Watched::new("envoy", e.process.pid()));
                 envoy_op(
                     http.clone(),
                     format!("http://127.0.0.1:{}", e.listen_port),
@@ -1397,20 +1177,13 @@ fn run_part2(
         // requests Envoy admitted from a lease.
         let probe = || {
             vec![
-                script_calls(&cluster.nodes[hot_node]) as f64,
-                sidecar_metric(sidecar_addr, "ratelimit_decisions_total{limit=\"hot\""),
-                envoy.map_or(0.0, |e| envoy_stat(e, "ratelimit.lease_admitted")),
+                probe::script_calls(&cluster.nodes[hot_node]).calls,
+                probe::sidecar_metric(sidecar_addr, "ratelimit_decisions_total{limit=\"hot\""),
+                envoy.map_or(0.0, |e| probe::envoy_stat(e, "ratelimit.lease_admitted")),
             ]
         };
         println!("  hot key: {name}");
-        let m = rt.block_on(closed_loop(
-            args.seconds,
-            args.concurrency,
-            &watch,
-            &counts,
-            &probe,
-            op,
-        ));
+        let Stage { m, .. } = throughput(args, rt, name, &watch, &counts, &probe, op);
         stages.push(HotStage {
             name,
             script_calls: m.probed[0],
@@ -1441,67 +1214,76 @@ fn print_part2(args: &Args, part: &Part2) {
         "\n== 2. a hot key: one bucket, so one shard (node {} of {}); {} callers, {} s per stage, Envoy with {} worker(s)",
         part.hot_node, part.primaries, args.concurrency, args.seconds, args.envoy_workers
     );
+    let t = Table::new()
+        .left(48)
+        .rights(&[10, 8, 8, 11, 9, 10, 10, 8, 8, 9, 8, 7]);
     println!(
-        "{:<48} {:>10} {:>8} {:>8} {:>11} {:>9} {:>10} {:>10} {:>8} {:>8} {:>9} {:>8} {:>7}",
-        "path",
-        "admitted/s",
-        "p50",
-        "p99",
-        "to Redis/s",
-        "per adm.",
-        "calls/s",
-        "hot µs",
-        "hot",
-        "others",
-        "sidecar",
-        "envoy",
-        "leased"
+        "{}",
+        t.line(&[
+            "path",
+            "admitted/s",
+            "p50",
+            "p99",
+            "to Redis/s",
+            "per adm.",
+            "calls/s",
+            "hot µs",
+            "hot",
+            "others",
+            "sidecar",
+            "envoy",
+            "leased"
+        ])
     );
     println!(
-        "{:<48} {:>10} {:>8} {:>8} {:>11} {:>9} {:>10} {:>10} {:>8} {:>8} {:>9} {:>8} {:>7}",
-        "",
-        "",
-        "",
-        "",
-        "decisions",
-        "",
-        "hot shard",
-        "/admitted",
-        "busy",
-        "shards",
-        "µs/adm.",
-        "µs/adm.",
-        ""
+        "{}",
+        t.line(&[
+            "",
+            "",
+            "",
+            "",
+            "decisions",
+            "",
+            "hot shard",
+            "/admitted",
+            "busy",
+            "shards",
+            "µs/adm.",
+            "µs/adm.",
+            ""
+        ])
     );
     for s in &part.stages {
-        let hot = s.m.cpu_of(&format!("redis-{}", part.hot_node));
+        let hot = s.m.cpu.of(&format!("redis-{}", part.hot_node));
         let others: f64 = (0..part.primaries)
             .filter(|i| *i != part.hot_node)
-            .map(|i| s.m.cpu_of(&format!("redis-{i}")))
+            .map(|i| s.m.cpu.of(&format!("redis-{i}")))
             .sum();
+        let envoy = match s.m.cpu.watched("envoy") {
+            true => num(s.per_admitted(s.m.cpu.of("envoy") * 1e6), 1),
+            false => "-".into(),
+        };
         println!(
-            "{:<48} {:>10.0} {:>8} {:>8} {:>11.0} {:>9.4} {:>10.0} {:>10.2} {:>7.0}% {:>7.0}% {:>9.2} {:>8} {:>6.1}%",
-            s.name,
-            s.m.per_second(),
-            us(s.m.quantile(0.5)),
-            us(s.m.quantile(0.99)),
-            s.decisions / s.m.seconds,
-            s.per_admitted(s.decisions),
-            s.script_calls / s.m.seconds,
-            s.per_admitted(hot * 1e6),
-            hot * 100.0 / s.m.seconds,
-            others * 100.0 / s.m.seconds,
-            s.per_admitted(s.m.cpu_of("sidecar") * 1e6),
-            if s.m.cpu.iter().any(|(n, _)| n == "envoy") {
-                format!("{:.1}", s.per_admitted(s.m.cpu_of("envoy") * 1e6))
-            } else {
-                "-".into()
-            },
-            s.lease_share * 100.0
+            "{}",
+            t.line(&[
+                s.name.to_string(),
+                num(s.m.per_second(), 0),
+                short(s.m.quantile(0.5)),
+                short(s.m.quantile(0.99)),
+                num(s.decisions / s.m.seconds, 0),
+                num(s.per_admitted(s.decisions), 4),
+                num(s.script_calls / s.m.seconds, 0),
+                num(s.per_admitted(hot * 1e6), 2),
+                format!("{:.0}%", hot * 100.0 / s.m.seconds),
+                format!("{:.0}%", others * 100.0 / s.m.seconds),
+                num(s.per_admitted(s.m.cpu.of("sidecar") * 1e6), 2),
+                envoy,
+                pct(s.lease_share),
+            ])
         );
     }
     if let (Some(off), Some(on)) = (part.stages.get(1), part.stages.get(2)) {
-        let cpu = |s: &HotStage| s.per_admitted(s.m.cpu_of(&format!("redis-{}", part.hot_node)));
+        let cpu = |s: &HotStage| s.per_admitted(s.m.cpu.of(&format!("redis-{}", part.hot_node)));
         println!(
             "leases vs leases off: {:.4}x the decisions reaching Redis per admitted request, {:.3}x the hot shard's CPU per admitted request, {:.2}x the admitted requests/s",
             on.per_admitted(on.decisions) / off.per_admitted(off.decisions).max(1e-12),
@@ -1510,7 +1292,7 @@ fn print_part2(args: &Args, part: &Part2) {
         );
     }
     let ceiling = |s: &HotStage| {
-        let us = s.per_admitted(s.m.cpu_of(&format!("redis-{}", part.hot_node)) * 1e6);
+        let us = s.per_admitted(s.m.cpu.of(&format!("redis-{}", part.hot_node)) * 1e6);
         1e6 / us.max(1e-9)
     };
     if let (Some(off), Some(on)) = (part.stages.get(1), part.stages.get(2)) {
@@ -1550,10 +1332,7 @@ struct LatencyStage {
 
 impl LatencyStage {
     fn q(&self, q: f64) -> Duration {
-        if self.latencies.is_empty() {
-            return Duration::ZERO;
-        }
-        self.latencies[((self.latencies.len() as f64 * q) as usize).min(self.latencies.len() - 1)]
+        quantile(&self.latencies, q)
     }
 }
 
@@ -1563,64 +1342,40 @@ struct Part3 {
 }
 
 /// Decisions paced at `rate`/s from the calling thread's namespace to `url` for `seconds` after
-/// 0.5 s of warm-up (an open loop: a slow answer does not slow the next send).
+/// 0.5 s of warm-up (an open loop: a slow answer does not slow the next send): the sorted
+/// latencies of the answered ones, the failed ones, and the rate sent.
 fn paced(url: &str, rate: f64, seconds: f64, keys: usize) -> (Vec<Duration>, u64, f64) {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("gateway runtime");
-    rt.block_on(async {
-        let http = http_client(64);
-        let interval = Duration::from_secs_f64(1.0 / rate);
-        let warm = Duration::from_millis(500);
-        let start = tokio::time::Instant::now();
-        let end = start + warm + Duration::from_secs_f64(seconds);
-        let mut next = start;
-        let mut tasks = Vec::new();
-        let mut n = 0u64;
-        while next < end {
-            if INTERRUPTED.load(Ordering::Relaxed) {
-                break;
-            }
-            tokio::time::sleep_until(next).await;
-            n += 1;
-            let record = next >= start + warm;
-            let body = format!(
-                "{{\"requests\":[{{\"decisions\":[{{\"rule\":\"scale\",\"subject\":{{\"id\":\"{}\"}}}}]}}]}}",
-                key_id((mix(n) % keys as u64) as usize)
-            );
-            let (http, url) = (http.clone(), url.to_string());
-            tasks.push(tokio::spawn(async move {
-                let t = Instant::now();
-                let ok = match http
-                    .post(&url)
-                    .header("content-type", "application/json")
-                    .body(body)
-                    .send()
-                    .await
-                {
-                    Ok(r) => r.status() == 200 && r.bytes().await.is_ok(),
-                    Err(_) => false,
-                };
-                (record, ok, t.elapsed())
-            }));
-            next += interval;
-        }
-        let mut latencies = Vec::new();
-        let mut errors = 0;
-        for t in tasks {
-            if let Ok((record, ok, d)) = t.await {
-                match (record, ok) {
-                    (true, true) => latencies.push(d),
-                    (true, false) => errors += 1,
-                    _ => {}
-                }
+    let http = load::http_client(128, Duration::from_secs(10));
+    let url = url.to_string();
+    let op = load::op(move |call| {
+        let body = format!(
+            "{{\"requests\":[{{\"decisions\":[{{\"rule\":\"scale\",\"subject\":{{\"id\":\"{}\"}}}}]}}]}}",
+            key_id((mix(call.n + 1) % keys as u64) as usize)
+        );
+        let req = http
+            .post(&url)
+            .header("content-type", "application/json")
+            .body(body);
+        async move {
+            let r = req.send().await.map_err(|e| e.to_string())?;
+            let status = r.status();
+            r.bytes().await.map_err(|e| e.to_string())?;
+            match status.as_u16() {
+                200 => Ok(()),
+                s => Err(format!("status {s}")),
             }
         }
-        latencies.sort();
-        let sent = latencies.len() as f64 + errors as f64;
-        (latencies, errors, sent / seconds)
-    })
+    });
+    let warmup = Duration::from_millis(500);
+    let (samples, sent) = load::paced(op, rate, warmup, seconds, &INTERRUPTED);
+    let mut latencies: Vec<Duration> = samples
+        .iter()
+        .filter(|s| !s.failed())
+        .map(|s| s.latency)
+        .collect();
+    latencies.sort();
+    let errors = samples.iter().filter(|s| s.failed()).count() as u64;
+    (latencies, errors, sent)
 }
 
 fn run_part3(args: &Args, work: &Workdir) -> Part3 {
@@ -1843,9 +1598,20 @@ fn print_part3(args: &Args, part: &Part3) {
          one hop at a time delayed by {} (half the round trip each way); {:.0} decisions/s paced, {} s per stage; sidecar --redis-timeout-ms 1000",
         part.mode, args.latency_rate, args.latency_seconds
     );
+    let t = Table::new().left(50).rights(&[8, 9, 9, 9, 10, 10, 10, 16]);
     println!(
-        "{:<50} {:>8} {:>9} {:>9} {:>9} {:>10} {:>10} {:>10} {:>16}",
-        "delay", "sent/s", "p50", "p95", "p99", "+p50", "+p95", "+p99", "relay late mean/max"
+        "{}",
+        t.line(&[
+            "delay",
+            "sent/s",
+            "p50",
+            "p95",
+            "p99",
+            "+p50",
+            "+p95",
+            "+p99",
+            "relay late mean/max"
+        ])
     );
     let base = part.stages.iter().find(|s| s.hop == "baseline");
     for s in &part.stages {
@@ -1856,25 +1622,23 @@ fn print_part3(args: &Args, part: &Part3) {
             }
             _ => String::new(),
         };
-        println!(
-            "{:<50} {:>8.0} {:>9} {:>9} {:>9} {:>10} {:>10} {:>10} {:>16}{}",
-            s.name,
-            s.rate,
-            us(s.q(0.5)),
-            us(s.q(0.95)),
-            us(s.q(0.99)),
+        let line = t.line(&[
+            s.name.clone(),
+            num(s.rate, 0),
+            short(s.q(0.5)),
+            short(s.q(0.95)),
+            short(s.q(0.99)),
             plus(0.5),
             plus(0.95),
             plus(0.99),
             s.lateness
-                .map(|(m, x)| format!("{}/{}", us(m), us(x)))
+                .map(|(m, x)| format!("{}/{}", short(m), short(x)))
                 .unwrap_or_default(),
-            if s.errors > 0 {
-                format!("  ({} failed)", s.errors)
-            } else {
-                String::new()
-            }
-        );
+        ]);
+        match s.errors {
+            0 => println!("{line}"),
+            n => println!("{line}  ({n} failed)"),
+        }
     }
     println!("+pNN: added to the baseline's percentile; relay late: how much later than due the relays wrote (their own cost on top of the delay)");
     for hop in ["gateway-sidecar", "sidecar-redis", "sidecar-redis-pipeline"] {
@@ -1901,19 +1665,17 @@ fn print_part3(args: &Args, part: &Part3) {
 // ---------------------------------------------------------------------------------------------
 // Part 4: the model.
 
-/// The filter's lease defaults (`fast_paths.leases`): a bucket is busy at a gateway from
-/// `min_rate_per_sec`, a lease lives `ttl_ms` and holds at most `max_tokens`.
-const LEASE_MIN_RATE: f64 = 50.0;
-const LEASE_TTL_S: f64 = 1.0;
-const LEASE_MAX_TOKENS: f64 = 1000.0;
+/// A lease's time to live with the filter's defaults, in seconds.
+fn lease_ttl_s() -> f64 {
+    lease_defaults().ttl_ms as f64 / 1000.0
+}
 
 /// Renewals per second of a lease on a bucket seen at `r` requests/s at one gateway: the lease
-/// holds `L = min(max_tokens, ceil(1.25 r ttl))` tokens and the next one is asked for when it
-/// runs low (a quarter of its tokens left, taken over when spent) or in the last tenth of its
-/// time, so `max(r / L, 1 / (0.9 ttl))` times a second.
+/// holds `L = min(max_tokens, ceil(1.25 r ttl))` tokens (the filter's sizing with its defaults)
+/// and the next one is asked for when it runs low (a quarter of its tokens left, taken over
+/// when spent) or in the last tenth of its time, so `max(r / L, 1 / (0.9 ttl))` times a second.
 fn lease_renewals(r: f64) -> f64 {
-    let lease = (r * LEASE_TTL_S * 1.25).ceil().clamp(1.0, LEASE_MAX_TOKENS);
-    (r / lease).max(1.0 / (0.9 * LEASE_TTL_S))
+    (r / lease_ask(r) as f64).max(1.0 / (0.9 * lease_ttl_s()))
 }
 
 /// The share of a bucket's requests at one gateway that reach Redis, at `r` requests/s there:
@@ -1922,7 +1684,7 @@ fn lease_renewals(r: f64) -> f64 {
 /// when the next lease is asked for early) are decided remotely too:
 /// `reach(r) = renewals(r) x (1 + r x t_ask) / r`, at most 1.
 fn lease_reach(r: f64, t_ask_s: f64) -> f64 {
-    if r < LEASE_MIN_RATE {
+    if r < lease_defaults().min_rate_per_sec {
         return 1.0;
     }
     (lease_renewals(r) * (1.0 + r * t_ask_s) / r).min(1.0)
@@ -2018,7 +1780,7 @@ fn print_model(args: &Args, keys: &Keyspace, p1: Option<&Part1>, p2: Option<&Par
             let d = r.decisions();
             (
                 (r.node_cpu(0) * 1e6 / d) / b.redis_us().max(1e-9),
-                r.m.cpu_of("replica") * 1e6 / d,
+                r.m.cpu.of("replica") * 1e6 / d,
             )
         }
         _ => (1.0, 0.0),
@@ -2103,16 +1865,29 @@ fn print_model(args: &Args, keys: &Keyspace, p1: Option<&Part1>, p2: Option<&Par
         "  with leases, a key seen at r requests/s per gateway (G = {} gateways) sends r x reach(r) to Redis:",
         args.gateways
     );
-    println!("              reach(r) = renewals(r) x (1 + r x t_ask) / r for r >= 50/s, else 1, where renewals(r) = max(r / min(1000, ceil(1.25 r x 1 s)), 1/(0.9 s))");
-    println!("              (the filter's lease defaults: busy from 50/s, 1 s leases of at most 1000 tokens)");
+    let (leases, ttl) = (lease_defaults(), lease_ttl_s());
+    let (busy, most, last) = (leases.min_rate_per_sec, leases.max_tokens, 0.9 * ttl);
+    println!("              reach(r) = renewals(r) x (1 + r x t_ask) / r for r >= {busy}/s, else 1, where renewals(r) = max(r / min({most}, ceil(1.25 r x {ttl} s)), 1/({last} s))");
+    println!("              (the filter's lease defaults: busy from {busy}/s, {ttl} s leases of at most {most} tokens)");
+    let t = Table::new()
+        .left(40)
+        .rights(&[12, 9, 9, 9, 9, 9, 8])
+        .gap(2)
+        .left(0);
     println!(
-        "{:<40} {:>12} {:>9} {:>9} {:>9} {:>9} {:>9} {:>8}",
-        "keys", "D_redis/s", "S(P)", "hottest", "primaries", "replicas", "sidecar", "Redis"
+        "{}",
+        t.line(&[
+            "keys",
+            "D_redis/s",
+            "S(P)",
+            "hottest",
+            "primaries",
+            "replicas",
+            "sidecar",
+            "Redis"
+        ])
     );
-    println!(
-        "{:<40} {:>12} {:>9} {:>9} {:>9} {:>9} {:>9} {:>8}",
-        "", "", "", "key", "", "", "cores", "cores"
-    );
+    println!("{}", t.line(&["", "", "", "key", "", "", "cores", "cores"]));
     for dist in [Dist::Uniform, Dist::Zipf] {
         for leases in [false, true] {
             let weights = keys.weights(dist);
@@ -2133,7 +1908,7 @@ fn print_model(args: &Args, keys: &Keyspace, p1: Option<&Part1>, p2: Option<&Par
             for (w, s) in reaching.iter().zip(&keys.slot_id) {
                 by_slot[*s as usize] += w / total;
             }
-            let hottest_key = reaching.iter().cloned().fold(0.0, f64::max) / total;
+            let max_key = reaching.iter().cloned().fold(0.0, f64::max) / total;
             let p = primaries_needed(d_redis, c_primary, &by_slot, u);
             let busiest = p.map(|p| {
                 shares_from_slots(&by_slot, p)
@@ -2145,32 +1920,37 @@ fn print_model(args: &Args, keys: &Keyspace, p1: Option<&Part1>, p2: Option<&Par
                 keys.name(dist),
                 if leases { ", leases" } else { "" }
             );
-            match p {
-                Some(p) => println!(
-                    "{:<40} {:>12.0} {:>8.2}% {:>8.3}% {:>9} {:>9} {:>9.0} {:>8.0}",
+            let hottest_key = format!("{:.3}%", max_key * 100.0);
+            let sidecar_cores = num((d_redis * c_sidecar / 1e6 / u).ceil(), 0);
+            let redis_cores = num(d_redis * c_primary / 1e6, 0);
+            let line = match p {
+                Some(p) => t.line(&[
                     name,
-                    d_redis,
-                    busiest.unwrap_or(0.0) * 100.0,
-                    hottest_key * 100.0,
-                    p,
-                    p * args.replicas_per_primary,
-                    (d_redis * c_sidecar / 1e6 / u).ceil(),
-                    d_redis * c_primary / 1e6
-                ),
-                None => println!(
-                    "{:<40} {:>12.0} {:>9} {:>8.3}% {:>9} {:>9} {:>9.0} {:>8.0}  the hottest key alone needs {:.2} primary cores at {:.0}%: no P suffices",
+                    num(d_redis, 0),
+                    format!("{:.2}%", busiest.unwrap_or(0.0) * 100.0),
+                    hottest_key,
+                    p.to_string(),
+                    (p * args.replicas_per_primary).to_string(),
+                    sidecar_cores,
+                    redis_cores,
+                ]),
+                None => t.line(&[
                     name,
-                    d_redis,
-                    "-",
-                    hottest_key * 100.0,
-                    "none",
-                    "-",
-                    (d_redis * c_sidecar / 1e6 / u).ceil(),
-                    d_redis * c_primary / 1e6,
-                    d_redis * hottest_key * c_primary / 1e6 / u,
-                    u * 100.0
-                ),
-            }
+                    num(d_redis, 0),
+                    "-".into(),
+                    hottest_key,
+                    "none".into(),
+                    "-".into(),
+                    sidecar_cores,
+                    redis_cores,
+                    format!(
+                        "the hottest key alone needs {:.2} primary cores at {:.0}%: no P suffices",
+                        d_redis * max_key * c_primary / 1e6 / u,
+                        u * 100.0
+                    ),
+                ]),
+            };
+            println!("{line}");
         }
     }
     println!(
@@ -2202,57 +1982,75 @@ fn main() {
     let keys = Arc::new(Keyspace::new(args.keys, args.zipf_s));
     let upstream = Upstream::start();
 
-    let mut part1 = None;
-    if args.parts.contains(&1) || args.parts.contains(&2) {
-        if args.parts.contains(&1) {
-            let p = run_part1(&args, &rt, &work, &keys, &upstream);
-            print_part1(&args, &keys, &p);
-            part1 = Some(p);
-        } else {
-            // Part 2 alone: the last cluster size, without the stages of part 1.
-            let p = *args.primaries.last().expect("a size");
-            let cluster = RedisCluster::start_primaries(p);
-            let port = ratelimit_e2e::free_port();
-            let sidecar = start_sidecar(
-                &args,
-                &work,
-                None,
-                ([127, 0, 0, 1], port).into(),
-                &["--redis-cluster", &cluster.seeds()],
-                "sidecar",
-            );
-            part1 = Some(Part1 {
-                stages: Vec::new(),
-                kept: Some((cluster, sidecar, port)),
-            });
-        }
+    let mut part1 = args
+        .parts
+        .contains(&1)
+        .then(|| run_part1(&args, &rt, &work, &keys, &upstream));
+    if let Some(p) = &part1 {
+        print_part1(&args, &keys, p);
     }
-    let mut part2 = None;
-    if args.parts.contains(&2) {
-        let (cluster, sidecar, port) = part1
-            .as_ref()
-            .and_then(|p| p.kept.as_ref())
-            .expect("a cluster from part 1");
-        let p = run_part2(&args, &rt, &keys, &upstream, cluster, sidecar, *port);
-        print_part2(&args, &p);
-        part2 = Some(p);
+    let part2 = args.parts.contains(&2).then(|| {
+        let kept = part1.as_mut().and_then(|p| p.kept.take());
+        // The cluster and its sidecar stop when part 2 ends.
+        let (cluster, sidecar, port) = kept.unwrap_or_else(|| cluster_of_part2(&args, &work));
+        run_part2(&args, &rt, &keys, &upstream, &cluster, &sidecar, port)
+    });
+    if let Some(p) = &part2 {
+        print_part2(&args, p);
     }
     if let Some(p) = part1.as_mut() {
         p.kept = None; // the cluster and its sidecar stop here
     }
     if args.parts.contains(&3) {
-        let p = run_part3(&args, &work);
-        print_part3(&args, &p);
+        print_part3(&args, &run_part3(&args, &work));
     }
-    print_model(
-        &args,
-        &keys,
-        part1.as_ref().filter(|p| !p.stages.is_empty()),
-        part2.as_ref(),
-    );
+    print_model(&args, &keys, part1.as_ref(), part2.as_ref());
     println!(
         "\nrun took {:.0} s; load average at the end: {}",
         started.elapsed().as_secs_f64(),
         load_average()
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_lease_is_renewed_when_spent_or_near_its_end() {
+        // 800/s: leases of 1000 (ceil(1.25 × 800 × 1 s)) last 1.25 s, so the end of their time
+        // comes first: once every 0.9 s.
+        assert!((lease_renewals(800.0) - 1.0 / 0.9).abs() < 1e-9);
+        // 10,000/s: leases of at most 1000 tokens are spent 10 times a second.
+        assert!((lease_renewals(10_000.0) - 10.0).abs() < 1e-9);
+        // Below the busy threshold every request reaches Redis; above it, one per renewal when
+        // the asks wait for nothing.
+        assert_eq!(lease_reach(49.0, 0.0), 1.0);
+        assert!((lease_reach(10_000.0, 0.0) - 0.001).abs() < 1e-12);
+        // The calibration inverts the reach.
+        let reach = lease_reach(5000.0, 0.002);
+        assert!((calibrate_t_ask(reach, 5000.0) - 0.002).abs() < 1e-9);
+    }
+
+    #[test]
+    fn the_batch_fit_recovers_the_per_call_and_per_decision_costs() {
+        let c = |b: f64| 30.0 / b + 4.0;
+        let (c_call, c_dec) = batch_fit(&[(1.0, c(1.0)), (4.0, c(4.0)), (32.0, c(32.0))]).unwrap();
+        assert!((c_call - 30.0).abs() < 1e-9 && (c_dec - 4.0).abs() < 1e-9);
+        assert_eq!(
+            batch_fit(&[(2.0, 10.0), (2.0, 11.0)]),
+            None,
+            "one batch size"
+        );
+    }
+
+    #[test]
+    fn primaries_are_added_until_the_busiest_fits() {
+        let uniform = vec![1.0 / 16384.0; 16384];
+        // 100,000 decisions/s at 10 µs: 1 core of work, 0.5 each allowed: 2 primaries.
+        assert_eq!(primaries_needed(100_000.0, 10.0, &uniform, 0.5), Some(2));
+        let mut one_hot = vec![0.0; 16384];
+        one_hot[7] = 1.0;
+        assert_eq!(primaries_needed(100_000.0, 10.0, &one_hot, 0.5), None);
+    }
 }
