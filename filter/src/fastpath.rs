@@ -41,11 +41,7 @@
 //! is no longer live (see [`Table::update`]). So an Envoy holds at most `slots` entries, each a
 //! few hundred bytes.
 
-use crate::emergency::{SharedStore, StoreError};
-
-/// How often a compare-and-swap is retried before giving up (the request then takes the remote
-/// path, or its give-back is lost: never an over-admission).
-pub const MAX_CAS_ATTEMPTS: usize = 16;
+use crate::shared::{compare_and_swap, SharedDataError, SharedStore, Write};
 
 /// How long a rejection for a blocked subject or a cost above the capacity (no wait to go by) is
 /// known, in nanoseconds.
@@ -407,21 +403,19 @@ impl Table<'_> {
         mut change: impl FnMut(&mut Entry, bool) -> Option<T>,
     ) -> Option<T> {
         let key = slot_key(id, self.slots);
-        for _ in 0..MAX_CAS_ATTEMPTS {
-            let (bytes, cas) = self.store.get(&key);
-            let (mut entry, existed) = match bytes.as_deref().and_then(Entry::decode) {
+        compare_and_swap(self.store, &key, |bytes| {
+            let (mut entry, existed) = match bytes.and_then(Entry::decode) {
                 Some(e) if e.id == id => (e, true),
-                Some(other) if other.live(now_ns) => return None,
+                Some(other) if other.live(now_ns) => return Write::Keep(None),
                 _ => (Entry::new(id), false),
             };
-            let out = change(&mut entry, existed)?;
-            match self.store.set(&key, &entry.encode(), cas) {
-                Ok(()) => return Some(out),
-                Err(StoreError::CasMismatch) => continue,
-                Err(StoreError::Failed) => return None,
+            match change(&mut entry, existed) {
+                Some(out) => Write::Store(entry.encode(), Some(out)),
+                None => Write::Keep(None),
             }
-        }
-        None
+        })
+        .ok()
+        .flatten()
     }
 
     /// One look at the entry of `id` for a request costing `cost`: `cost` taken from a lease
@@ -448,14 +442,19 @@ impl Table<'_> {
         renew: Option<u64>,
     ) -> Probe {
         let key = slot_key(id, self.slots);
-        for _ in 0..MAX_CAS_ATTEMPTS {
-            let (bytes, cas) = self.store.get(&key);
-            let Some(mut entry) = bytes
-                .as_deref()
-                .and_then(Entry::decode)
-                .filter(|e| e.id == id)
-            else {
-                return Probe::Absent;
+        // What the probe answers if the host refuses its write: the lease paid nothing.
+        let mut unwritten = Probe::Miss;
+        let found = compare_and_swap(self.store, &key, |bytes| {
+            let Some(mut entry) = bytes.and_then(Entry::decode).filter(|e| e.id == id) else {
+                return Write::Keep(Probe::Absent);
+            };
+            let known = |entry: &Entry| match entry.rejection(cost, now_ns) {
+                Some((why, left_ns)) if rejections => Probe::Rejected {
+                    why,
+                    left_ns,
+                    limit: entry.limit.clone(),
+                },
+                _ => Probe::Miss,
             };
             // The next lease takes over when the one in use cannot pay (what is left of that
             // one, less than the cost or past its time, stays unused: Redis's record expires).
@@ -466,47 +465,38 @@ impl Table<'_> {
                     entry.retired = old;
                 }
             }
-            if lease && entry.lease_pays(cost, now_ns) {
-                if let Some(until) = renew.filter(|_| entry.renewal_due(cost, now_ns)) {
-                    let previous = entry.lease.previous();
-                    let give_back = entry.take_retired(now_ns);
-                    entry.renewing_until_ns = until;
-                    match self.store.set(&key, &entry.encode(), cas) {
-                        Ok(()) => {
-                            return Probe::Renew {
-                                previous,
-                                give_back,
-                            }
-                        }
-                        Err(StoreError::CasMismatch) => continue,
-                        Err(StoreError::Failed) => return Probe::Miss,
-                    }
-                }
-                entry.lease.tokens -= cost;
-                match self.store.set(&key, &entry.encode(), cas) {
-                    Ok(()) => {
-                        return Probe::Taken {
-                            lease_id: entry.lease.id,
-                            tokens_left: entry.lease.tokens,
-                            limit: entry.limit,
-                        }
-                    }
-                    Err(StoreError::CasMismatch) => continue,
-                    Err(StoreError::Failed) => {}
-                }
+            if !(lease && entry.lease_pays(cost, now_ns)) {
+                return Write::Keep(known(&entry));
             }
-            if rejections {
-                if let Some((why, left_ns)) = entry.rejection(cost, now_ns) {
-                    return Probe::Rejected {
-                        why,
-                        left_ns,
-                        limit: entry.limit,
-                    };
-                }
+            if let Some(until) = renew.filter(|_| entry.renewal_due(cost, now_ns)) {
+                let previous = entry.lease.previous();
+                let give_back = entry.take_retired(now_ns);
+                entry.renewing_until_ns = until;
+                unwritten = Probe::Miss;
+                return Write::Store(
+                    entry.encode(),
+                    Probe::Renew {
+                        previous,
+                        give_back,
+                    },
+                );
             }
-            return Probe::Miss;
+            entry.lease.tokens -= cost;
+            unwritten = known(&entry);
+            Write::Store(
+                entry.encode(),
+                Probe::Taken {
+                    lease_id: entry.lease.id,
+                    tokens_left: entry.lease.tokens,
+                    limit: entry.limit,
+                },
+            )
+        });
+        match found {
+            Ok(probe) => probe,
+            Err(SharedDataError::Failed) => unwritten,
+            Err(SharedDataError::CasMismatch) => Probe::Miss,
         }
-        Probe::Miss
     }
 
     /// Gives `cost` back to lease `lease_id` of `id` (a take for a request that was then
@@ -748,34 +738,10 @@ impl Hotness {
 
 #[cfg(test)]
 mod tests {
-    use std::cell::RefCell;
-    use std::collections::HashMap;
-
     use super::*;
+    use crate::shared::fake::Memory;
     #[cfg(target_arch = "wasm32")]
     use wasm_bindgen_test::wasm_bindgen_test as test;
-
-    /// Shared data with compare-and-swap, in memory.
-    #[derive(Default)]
-    struct Memory(RefCell<HashMap<String, (Vec<u8>, u32)>>);
-
-    impl SharedStore for Memory {
-        fn get(&self, key: &str) -> (Option<Vec<u8>>, Option<u32>) {
-            match self.0.borrow().get(key) {
-                Some((v, cas)) => (Some(v.clone()), Some(*cas)),
-                None => (None, None),
-            }
-        }
-        fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
-            let mut m = self.0.borrow_mut();
-            let current = m.get(key).map(|(_, c)| *c);
-            if cas.is_some() && cas != current {
-                return Err(StoreError::CasMismatch);
-            }
-            m.insert(key.into(), (value.to_vec(), current.unwrap_or(0) + 1));
-            Ok(())
-        }
-    }
 
     const S: u64 = 1_000_000_000;
 

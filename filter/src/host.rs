@@ -43,10 +43,11 @@ use ratelimit_wire::{
 
 use crate::config::{Config, FastPaths};
 use crate::courier;
-use crate::emergency::{self, Bucket, SharedStore, StoreError};
+use crate::emergency::{self, Bucket};
 use crate::fastpath::{self, Hotness, KnownLimit, Learned, LeaseStart, Outcome, Probe, Table, Why};
 use crate::identity::{self, Facts, ROUTE_NAME_PROPERTY, SOURCE_ADDRESS_PROPERTY};
 use crate::rules::{self, Planned, RequestFacts};
+use crate::shared::{SharedDataError, SharedStore};
 use crate::verdict::{
     self, FailurePlan, LeasedAdmit, LimiterError, LocalReply, Verdict, MAX_ANSWER_BYTES,
 };
@@ -1588,11 +1589,11 @@ impl SharedStore for HostShared {
         abi::get_shared_data(key)
     }
 
-    fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
+    fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), SharedDataError> {
         match abi::set_shared_data(key, value, cas) {
             Ok(()) => Ok(()),
-            Err(abi::CAS_MISMATCH) => Err(StoreError::CasMismatch),
-            Err(_) => Err(StoreError::Failed),
+            Err(abi::CAS_MISMATCH) => Err(SharedDataError::CasMismatch),
+            Err(_) => Err(SharedDataError::Failed),
         }
     }
 }

@@ -7,6 +7,7 @@
 //! - [`rules`]: which rules apply, and what each asks the sidecar (rule and subject);
 //! - [`fastpath`]: known rejections and leases in shared data (the exact local fast paths);
 //! - [`emergency`]: the local token bucket of the `local` failure policy;
+//! - [`shared`]: shared data (the store both of those live in) and its compare-and-swap loop;
 //! - [`verdict`]: admit or reject from the sidecar's answer, local knowledge or the failure
 //!   policies.
 //!
@@ -18,6 +19,7 @@ pub mod emergency;
 pub mod fastpath;
 pub mod identity;
 pub mod rules;
+pub mod shared;
 pub mod verdict;
 
 #[cfg(all(target_arch = "wasm32", target_os = "wasi"))]

@@ -31,12 +31,13 @@ use ratelimit_filter::config::{
     self, ApiKey, Config, Dimension, Identity, Jwt, RateLimitHeaders, UnknownPolicy, MAX_CAPACITY,
     MAX_RULES, MAX_RULE_NAME_BYTES, MAX_SF_INTEGER,
 };
-use ratelimit_filter::emergency::{Bucket, SharedStore, State, StoreError};
+use ratelimit_filter::emergency::{Bucket, State};
 use ratelimit_filter::fastpath::{
     self, Entry, KnownLimit, Learned, Lease, Outcome, Probe, Table, Why,
 };
 use ratelimit_filter::identity::{self, Facts, Subject, MAX_IDENTITY_BYTES};
 use ratelimit_filter::rules::{self, RequestFacts, MAX_KEY_VALUE_BYTES};
+use ratelimit_filter::shared::{SharedDataError, SharedStore};
 use ratelimit_filter::verdict::{self, LeasedAdmit, LimiterError, Verdict};
 use ratelimit_wire::{
     DecideRequest, Decision, RequestDecisions, MAX_DECISIONS, MAX_NAME_BYTES, MAX_SUBJECT_ENTRIES,
@@ -1136,11 +1137,11 @@ impl SharedStore for Memory {
         }
     }
 
-    fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
+    fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), SharedDataError> {
         let mut data = self.0.borrow_mut();
         let current = data.get(key).map(|(_, c)| *c);
         if cas.is_some() && cas != current {
-            return Err(StoreError::CasMismatch);
+            return Err(SharedDataError::CasMismatch);
         }
         data.insert(
             key.to_string(),
