@@ -34,16 +34,16 @@ pub fn shared_key(rule: &str) -> String {
 
 /// A token bucket's size and speed.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Bucket {
+pub struct EmergencyBucket {
     /// Tokens a full bucket holds.
     pub capacity: f64,
     /// Tokens added per second.
     pub refill_per_sec: f64,
 }
 
-impl From<&Emergency> for Bucket {
+impl From<&Emergency> for EmergencyBucket {
     fn from(e: &Emergency) -> Self {
-        Bucket {
+        EmergencyBucket {
             capacity: e.capacity as f64,
             refill_per_sec: e.refill_per_sec,
         }
@@ -60,7 +60,7 @@ pub struct State {
 
 impl State {
     /// A full bucket at `now_ns`.
-    pub fn full(bucket: &Bucket, now_ns: u64) -> State {
+    pub fn full(bucket: &EmergencyBucket, now_ns: u64) -> State {
         State {
             tokens: bucket.capacity,
             updated_ns: now_ns,
@@ -84,7 +84,7 @@ impl State {
     }
 }
 
-/// The result of one [`Bucket::take`].
+/// The result of one [`EmergencyBucket::take`].
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Take {
     /// The state to store.
@@ -98,7 +98,7 @@ pub struct Take {
     pub reset_ms: u64,
 }
 
-impl Bucket {
+impl EmergencyBucket {
     /// Takes `cost` tokens at `now_ns` from the bucket whose stored state is `state` (absent or
     /// malformed: a full bucket). Pure: the caller stores `Take::state`.
     pub fn take(&self, state: Option<&[u8]>, now_ns: u64, cost: f64) -> Take {
@@ -140,7 +140,7 @@ pub struct Contention;
 pub fn take_shared(
     store: &dyn SharedStore,
     key: &str,
-    bucket: &Bucket,
+    bucket: &EmergencyBucket,
     now_ns: u64,
     cost: f64,
 ) -> Result<Take, Contention> {
@@ -160,7 +160,7 @@ pub fn take_shared(
 pub fn peek_shared(
     store: &dyn SharedStore,
     key: &str,
-    bucket: &Bucket,
+    bucket: &EmergencyBucket,
     now_ns: u64,
     cost: f64,
 ) -> Take {
@@ -170,7 +170,7 @@ pub fn peek_shared(
 /// Gives `cost` tokens back to the shared bucket `key` (an earlier take of a request that ended
 /// up rejected), capped at `capacity`, with compare-and-swap. `false` when it could not be
 /// written (the tokens are then lost, as they would have been without the give-back).
-pub fn give_back(store: &dyn SharedStore, key: &str, bucket: &Bucket, cost: f64) -> bool {
+pub fn give_back(store: &dyn SharedStore, key: &str, bucket: &EmergencyBucket, cost: f64) -> bool {
     compare_and_swap(store, key, |bytes| match bytes.and_then(State::decode) {
         // Absent or malformed reads as a full bucket already.
         None => Write::Keep(()),
@@ -187,9 +187,9 @@ pub fn give_back(store: &dyn SharedStore, key: &str, bucket: &Bucket, cost: f64)
 
 /// One bucket a request charges: its shared-data key, size and cost.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Charge {
+pub struct EmergencyCharge {
     pub key: String,
-    pub bucket: Bucket,
+    pub bucket: EmergencyBucket,
     pub cost: f64,
 }
 
@@ -201,7 +201,7 @@ pub struct Charge {
 /// back ([`give_back`]) and the results end at the failed one.
 pub fn take_all(
     store: &dyn SharedStore,
-    charges: &[Charge],
+    charges: &[EmergencyCharge],
     now_ns: u64,
 ) -> Vec<Result<Take, Contention>> {
     let peeks: Vec<Take> = charges
@@ -232,7 +232,12 @@ pub fn take_all(
 /// The check and the write are not atomic (proxy-wasm has no create-if-absent): a worker that
 /// configures after another worker's first takes may overwrite them with a full bucket. The
 /// over-admission is bounded by one `capacity` per bucket, at start only.
-pub fn ensure_initialized(store: &dyn SharedStore, key: &str, bucket: &Bucket, now_ns: u64) {
+pub fn ensure_initialized(
+    store: &dyn SharedStore,
+    key: &str,
+    bucket: &EmergencyBucket,
+    now_ns: u64,
+) {
     let (bytes, _) = store.get(key);
     if bytes.as_deref().and_then(State::decode).is_none() {
         let _ = store.set(key, &State::full(bucket, now_ns).encode(), None);
@@ -250,8 +255,8 @@ mod tests {
     const S: u64 = 1_000_000_000;
     const T0: u64 = 1_700_000_000 * S;
 
-    fn bucket() -> Bucket {
-        Bucket {
+    fn bucket() -> EmergencyBucket {
+        EmergencyBucket {
             capacity: 10.0,
             refill_per_sec: 1.0,
         }
@@ -437,8 +442,8 @@ mod tests {
         assert_eq!(store.writes.get(), 0);
     }
 
-    fn charge(key: &str) -> Charge {
-        Charge {
+    fn charge(key: &str) -> EmergencyCharge {
+        EmergencyCharge {
             key: key.into(),
             bucket: bucket(),
             cost: 1.0,

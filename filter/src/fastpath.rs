@@ -49,9 +49,27 @@ pub const FIXED_REJECTION_NS: u64 = 1_000_000_000;
 
 const VERSION: u8 = 4;
 
+/// A lease asks for this many times what its bucket would spend over the lease's time at the
+/// rate measured (room for a rate that grows while it lasts).
+pub const LEASE_HEADROOM: f64 = 1.25;
+
+/// A lease is renewed once paying a request would leave it less than its grant divided by this
+/// (a quarter).
+pub const RENEW_TOKENS_DIVISOR: u64 = 4;
+
+/// A lease is renewed once less than its time divided by this is left (its last tenth).
+pub const RENEW_TIME_DIVISOR: u64 = 10;
+
 /// A lease is renewed once what it holds would last fewer than this many round trips of the
 /// last ask, at the rate it is being spent.
 pub const RENEW_ROUND_TRIPS: u64 = 3;
+
+/// The round trip of a bucket's lease asks, remembered as a decaying maximum: at each grant the
+/// one remembered is kept at `ASK_RTT_KEPT / ASK_RTT_DIVISOR` of itself if the new one is
+/// shorter (one slow answer is remembered for a few asks).
+pub const ASK_RTT_KEPT: u64 = 3;
+/// See [`ASK_RTT_KEPT`].
+pub const ASK_RTT_DIVISOR: u64 = 4;
 
 /// The shared-data key of the slot for a bucket id.
 pub fn slot_key(id: &str, slots: usize) -> String {
@@ -72,7 +90,7 @@ fn fnv1a(bytes: &[u8]) -> u64 {
 
 /// Why a bucket rejects (as the sidecar said), for a local reply of the same shape.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Why {
+pub enum RejectionCause {
     Insufficient,
     CostExceedsCapacity,
     Blocked,
@@ -97,7 +115,7 @@ pub struct Entry {
     pub reject_cost: u64,
     pub reject_until_ns: u64,
     pub reject_local_until_ns: u64,
-    pub reject_why: Why,
+    pub reject_cause: RejectionCause,
     /// The lease in use.
     pub lease: Lease,
     /// The next lease, granted while the one in use still paid (an early renewal). It takes over
@@ -182,7 +200,7 @@ impl Entry {
             reject_cost: 0,
             reject_until_ns: 0,
             reject_local_until_ns: 0,
-            reject_why: Why::Insufficient,
+            reject_cause: RejectionCause::Insufficient,
             lease: Lease::default(),
             next: Lease::default(),
             renewing_until_ns: 0,
@@ -211,10 +229,10 @@ impl Entry {
         ] {
             out.extend_from_slice(&v.to_le_bytes());
         }
-        out.push(match self.reject_why {
-            Why::Insufficient => 0,
-            Why::CostExceedsCapacity => 1,
-            Why::Blocked => 2,
+        out.push(match self.reject_cause {
+            RejectionCause::Insufficient => 0,
+            RejectionCause::CostExceedsCapacity => 1,
+            RejectionCause::Blocked => 2,
         });
         self.lease.put(&mut out);
         out.extend_from_slice(&self.renewing_until_ns.to_le_bytes());
@@ -251,10 +269,10 @@ impl Entry {
         e.reject_cost = r.u64()?;
         e.reject_until_ns = r.u64()?;
         e.reject_local_until_ns = r.u64()?;
-        e.reject_why = match r.u8()? {
-            0 => Why::Insufficient,
-            1 => Why::CostExceedsCapacity,
-            2 => Why::Blocked,
+        e.reject_cause = match r.u8()? {
+            0 => RejectionCause::Insufficient,
+            1 => RejectionCause::CostExceedsCapacity,
+            2 => RejectionCause::Blocked,
             _ => return None,
         };
         e.lease = Lease::read(&mut r)?;
@@ -265,13 +283,13 @@ impl Entry {
         r.0.is_empty().then_some(e)
     }
 
-    /// The rejection answered locally for `cost` at `now_ns`: (why, time left in ns until the
+    /// The rejection answered locally for `cost` at `now_ns`: (cause, time left in ns until the
     /// bucket may admit it, for `Retry-After`).
-    pub fn rejection(&self, cost: u64, now_ns: u64) -> Option<(Why, u64)> {
+    pub fn rejection(&self, cost: u64, now_ns: u64) -> Option<(RejectionCause, u64)> {
         (self.reject_local_until_ns > now_ns && cost >= self.reject_cost && self.reject_cost > 0)
             .then(|| {
                 (
-                    self.reject_why,
+                    self.reject_cause,
                     self.reject_until_ns.max(self.reject_local_until_ns) - now_ns,
                 )
             })
@@ -302,10 +320,10 @@ impl Entry {
     /// no ask in flight and no known rejection of `cost` (the bucket has nothing to lease: an ask
     /// would be rejected, and the lease's last tokens would never be spent): time to ask for the
     /// next one while this one still pays. Low: paying `cost` would leave less than a quarter of
-    /// its grant; or, at the rate it is being spent, what is left would last less than
+    /// its grant ([`RENEW_TOKENS_DIVISOR`]); or, at the rate it is being spent, what is left would last less than
     /// [`RENEW_ROUND_TRIPS`] round trips of the last ask (a lease capped by `max_tokens` on a
     /// bucket busy enough to spend a quarter of it within one ask's round trip); or less than a
-    /// tenth of its time is left (a lease used more slowly than it was sized for: its
+    /// tenth of its time is left ([`RENEW_TIME_DIVISOR`]) (a lease used more slowly than it was sized for: its
     /// successor, whose time starts when it is asked for, should not wait long unused).
     fn renewal_due(&self, cost: u64, now_ns: u64) -> bool {
         let l = &self.lease;
@@ -322,8 +340,8 @@ impl Entry {
         self.renewing_until_ns <= now_ns
             && !self.next.held(now_ns)
             && self.rejection(cost, now_ns).is_none()
-            && (left.saturating_mul(4) < l.granted
-                || (l.until_ns - now_ns).saturating_mul(10) < ttl_ns
+            && (left.saturating_mul(RENEW_TOKENS_DIVISOR) < l.granted
+                || (l.until_ns - now_ns).saturating_mul(RENEW_TIME_DIVISOR) < ttl_ns
                 || (self.ask_rtt_ns > 0 && soon()))
     }
 }
@@ -443,18 +461,18 @@ impl Table<'_> {
     ) -> Probe {
         let key = slot_key(id, self.slots);
         // What the probe answers if the host refuses its write: the lease paid nothing.
-        let mut unwritten = Probe::Miss;
+        let mut unwritten = Probe::Undecided;
         let found = compare_and_swap(self.store, &key, |bytes| {
             let Some(mut entry) = bytes.and_then(Entry::decode).filter(|e| e.id == id) else {
-                return Write::Keep(Probe::Absent);
+                return Write::Keep(Probe::NoEntry);
             };
             let known = |entry: &Entry| match entry.rejection(cost, now_ns) {
-                Some((why, left_ns)) if rejections => Probe::Rejected {
-                    why,
+                Some((cause, left_ns)) if rejections => Probe::Rejected {
+                    cause,
                     left_ns,
                     limit: entry.limit.clone(),
                 },
-                _ => Probe::Miss,
+                _ => Probe::Undecided,
             };
             // The next lease takes over when the one in use cannot pay (what is left of that
             // one, less than the cost or past its time, stays unused: Redis's record expires).
@@ -472,7 +490,7 @@ impl Table<'_> {
                 let previous = entry.lease.previous();
                 let give_back = entry.take_retired(now_ns);
                 entry.renewing_until_ns = until;
-                unwritten = Probe::Miss;
+                unwritten = Probe::Undecided;
                 return Write::Store(
                     entry.encode(),
                     Probe::Renew {
@@ -495,7 +513,7 @@ impl Table<'_> {
         match found {
             Ok(probe) => probe,
             Err(SharedDataError::Failed) => unwritten,
-            Err(SharedDataError::CasMismatch) => Probe::Miss,
+            Err(SharedDataError::CasMismatch) => Probe::Undecided,
         }
     }
 
@@ -541,8 +559,8 @@ impl Table<'_> {
     /// renewal) waits as the next one. An admission of a bucket this Envoy holds nothing about
     /// writes nothing: only rejections and leases are worth a slot.
     pub fn learn(&self, id: &str, learned: &Learned, dispatched_ns: u64, now_ns: u64) {
-        let worth_a_slot =
-            matches!(learned.outcome, Outcome::Rejected { .. }) || learned.asked_lease.is_some();
+        let worth_a_slot = matches!(learned.outcome, DecisionOutcome::Rejected { .. })
+            || learned.asked_lease.is_some();
         self.update_found(id, now_ns, |e, existed| {
             if !existed && !worth_a_slot {
                 return None;
@@ -552,28 +570,28 @@ impl Table<'_> {
                 e.limit = Some(limit.clone());
             }
             match learned.outcome {
-                Outcome::Admitted => {
+                DecisionOutcome::Admitted => {
                     if e.reject_cost <= learned.cost {
                         e.reject_cost = 0;
                         e.reject_until_ns = 0;
                         e.reject_local_until_ns = 0;
                     }
                 }
-                Outcome::Rejected {
-                    why,
+                DecisionOutcome::Rejected {
+                    cause,
                     retry_after_ms,
                 } => {
                     e.reject_cost = learned.cost;
-                    e.reject_why = why;
-                    e.reject_until_ns = dispatched_ns.saturating_add(match why {
-                        Why::Insufficient => retry_after_ms.saturating_mul(1_000_000),
+                    e.reject_cause = cause;
+                    e.reject_until_ns = dispatched_ns.saturating_add(match cause {
+                        RejectionCause::Insufficient => retry_after_ms.saturating_mul(1_000_000),
                         _ => FIXED_REJECTION_NS,
                     });
                     e.reject_local_until_ns = e
                         .reject_until_ns
                         .min(dispatched_ns.saturating_add(self.max_rejection_ns));
                 }
-                Outcome::NotDecided => {}
+                DecisionOutcome::NotDecided => {}
             }
             if let Some((lease_id, ttl_ms)) = learned.asked_lease {
                 e.renewing_until_ns = 0;
@@ -586,10 +604,9 @@ impl Table<'_> {
                         granted_ns: dispatched_ns,
                         started_ns: 0,
                     };
-                    // A decaying maximum: one slow answer is remembered for a few asks.
                     e.ask_rtt_ns = now_ns
                         .saturating_sub(dispatched_ns)
-                        .max(e.ask_rtt_ns / 4 * 3);
+                        .max(e.ask_rtt_ns / ASK_RTT_DIVISOR * ASK_RTT_KEPT);
                     if e.lease.held(now_ns) {
                         e.next = granted;
                     } else {
@@ -608,7 +625,7 @@ impl Table<'_> {
 pub enum Probe {
     /// A known rejection applies for `left_ns` more.
     Rejected {
-        why: Why,
+        cause: RejectionCause,
         left_ns: u64,
         limit: Option<KnownLimit>,
     },
@@ -626,10 +643,10 @@ pub enum Probe {
         give_back: Option<(u64, u64)>,
     },
     /// Nothing local decides: the request goes to the sidecar.
-    Miss,
-    /// As `Miss`, and the table held no entry of this bucket (so an admission has nothing to
-    /// update there: [`Table::learn`] can be skipped).
-    Absent,
+    Undecided,
+    /// As `Undecided`, and the table holds no entry of this bucket (so an admission has nothing
+    /// to update there: [`Table::learn`] can be skipped).
+    NoEntry,
 }
 
 /// What starting a lease ask found.
@@ -648,7 +665,7 @@ pub struct PreviousLease {
     pub asked_ns: u64,
 }
 
-/// The size of a lease ask: `clamp(ceil(rate * ttl * 1.25), cost, max_tokens)`; `rate` from the
+/// The size of a lease ask: `clamp(ceil(rate * ttl * LEASE_HEADROOM), cost, max_tokens)`; `rate` from the
 /// previous lease's use when there was one (tokens used over the time since it was asked), else
 /// from `observed_per_sec`.
 pub fn lease_size(
@@ -666,7 +683,7 @@ pub fn lease_size(
         }
         _ => observed_per_sec,
     };
-    let want = (rate * ttl_ms as f64 / 1000.0 * 1.25).ceil();
+    let want = (rate * ttl_ms as f64 / 1000.0 * LEASE_HEADROOM).ceil();
     // `as` saturates: an absurd rate cannot overflow.
     (want as u64).clamp(cost, max_tokens.max(cost))
 }
@@ -676,7 +693,7 @@ pub fn lease_size(
 pub struct Learned {
     pub cost: u64,
     pub limit: Option<KnownLimit>,
-    pub outcome: Outcome,
+    pub outcome: DecisionOutcome,
     /// The decision asked for a lease: (lease id, ttl_ms).
     pub asked_lease: Option<(u64, u64)>,
     pub leased: u64,
@@ -684,10 +701,10 @@ pub struct Learned {
 
 /// The sidecar's verdict on one decision.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Outcome {
+pub enum DecisionOutcome {
     Admitted,
     Rejected {
-        why: Why,
+        cause: RejectionCause,
         retry_after_ms: u64,
     },
     /// No verdict for this bucket (an error, a shadow limit, another part rejected first).
@@ -759,7 +776,7 @@ mod tests {
         e.limit = Some(limit());
         e.reject_cost = 3;
         e.reject_until_ns = 9;
-        e.reject_why = Why::Blocked;
+        e.reject_cause = RejectionCause::Blocked;
         e.lease.id = 7;
         e.lease.tokens = 5;
         assert_eq!(Entry::decode(&e.encode()), Some(e.clone()));
@@ -788,8 +805,14 @@ mod tests {
         t.learn("b", &learned, 10 * S, 10 * S);
         let e = t.get("b").unwrap();
         // Dispatched at 10 s, wait 1.5 s: known until 11.5 s, for costs of 2 or more.
-        assert_eq!(e.rejection(2, 11 * S), Some((Why::Insufficient, S / 2)));
-        assert_eq!(e.rejection(5, 11 * S), Some((Why::Insufficient, S / 2)));
+        assert_eq!(
+            e.rejection(2, 11 * S),
+            Some((RejectionCause::Insufficient, S / 2))
+        );
+        assert_eq!(
+            e.rejection(5, 11 * S),
+            Some((RejectionCause::Insufficient, S / 2))
+        );
         assert_eq!(e.rejection(1, 11 * S), None, "a smaller cost may pass");
         assert_eq!(
             e.rejection(2, 11 * S + S / 2),
@@ -800,7 +823,7 @@ mod tests {
         t.learn(
             "b",
             &Learned {
-                outcome: Outcome::Admitted,
+                outcome: DecisionOutcome::Admitted,
                 ..learned
             },
             11 * S,
@@ -1002,7 +1025,7 @@ mod tests {
         let e = t.get("h").unwrap();
         assert_eq!((e.lease.tokens, e.next.tokens), (4, 2));
         // A request costing 5: neither lease pays it; its ask hands both leftovers back.
-        assert_eq!(t.probe("h", 5, 1, true, true, Some(S)), Probe::Miss);
+        assert_eq!(t.probe("h", 5, 1, true, true, Some(S)), Probe::Undecided);
         let start = t.begin_lease("h", 1, S).unwrap();
         assert_eq!(start.give_back, vec![(1, 4), (2, 2)]);
         let e = t.get("h").unwrap();
@@ -1033,7 +1056,7 @@ mod tests {
             &Learned {
                 cost: 1,
                 limit: Some(limit()),
-                outcome: Outcome::Admitted,
+                outcome: DecisionOutcome::Admitted,
                 asked_lease: Some((id, 1000)),
                 leased: tokens,
             },
@@ -1047,8 +1070,8 @@ mod tests {
         Learned {
             cost,
             limit: Some(limit()),
-            outcome: Outcome::Rejected {
-                why: Why::Insufficient,
+            outcome: DecisionOutcome::Rejected {
+                cause: RejectionCause::Insufficient,
                 retry_after_ms,
             },
             asked_lease: None,
@@ -1084,7 +1107,7 @@ mod tests {
         );
         assert_eq!(
             t.probe("h", 1, S, true, true, None),
-            Probe::Miss,
+            Probe::Undecided,
             "after the cap the next request asks again (and sees a raised limit)"
         );
         assert!(!t.get("h").unwrap().live(S), "nor does it hold the slot");
@@ -1096,7 +1119,7 @@ mod tests {
         ));
         assert_eq!(
             t.probe("h", 1, 2 * S + 300_000_000, true, true, None),
-            Probe::Miss
+            Probe::Undecided
         );
     }
 
@@ -1117,12 +1140,12 @@ mod tests {
         );
         assert_eq!(take(&t, "h", 1, 1), Some(7));
         assert!(
-            matches!(t.probe("h", 1, 1, true, true, None), Probe::Rejected { why: Why::Insufficient, left_ns, .. } if left_ns == 500_000_000 - 1),
+            matches!(t.probe("h", 1, 1, true, true, None), Probe::Rejected { cause: RejectionCause::Insufficient, left_ns, .. } if left_ns == 500_000_000 - 1),
             "the lease is spent: the rejection answers"
         );
         assert_eq!(
             t.probe("h", 1, 1, false, true, None),
-            Probe::Miss,
+            Probe::Undecided,
             "rejections off"
         );
     }
@@ -1134,19 +1157,19 @@ mod tests {
         let admitted = Learned {
             cost: 1,
             limit: Some(limit()),
-            outcome: Outcome::Admitted,
+            outcome: DecisionOutcome::Admitted,
             asked_lease: None,
             leased: 0,
         };
         t.learn("quiet", &admitted, 0, 0);
         assert!(t.get("quiet").is_none());
-        assert_eq!(t.probe("quiet", 1, 0, true, true, None), Probe::Absent);
+        assert_eq!(t.probe("quiet", 1, 0, true, true, None), Probe::NoEntry);
         // Once known (a rejection), an admission clears it.
         t.learn(
             "quiet",
             &Learned {
-                outcome: Outcome::Rejected {
-                    why: Why::Insufficient,
+                outcome: DecisionOutcome::Rejected {
+                    cause: RejectionCause::Insufficient,
                     retry_after_ms: 100,
                 },
                 ..admitted.clone()

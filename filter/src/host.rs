@@ -43,8 +43,10 @@ use ratelimit_wire::{
 
 use crate::config::{Config, FastPaths};
 use crate::courier;
-use crate::emergency::{self, Bucket};
-use crate::fastpath::{self, Hotness, KnownLimit, Learned, LeaseStart, Outcome, Probe, Table, Why};
+use crate::emergency::{self, EmergencyBucket};
+use crate::fastpath::{
+    self, DecisionOutcome, Hotness, KnownLimit, Learned, LeaseStart, Probe, RejectionCause, Table,
+};
 use crate::identity::{self, Facts, ROUTE_NAME_PROPERTY, SOURCE_ADDRESS_PROPERTY};
 use crate::rules::{self, Planned, RequestFacts};
 use crate::shared::{SharedDataError, SharedStore};
@@ -341,7 +343,7 @@ impl RootContext for Root {
                 emergency::ensure_initialized(
                     &HostShared,
                     &emergency::shared_key(&rule.name),
-                    &Bucket::from(e),
+                    &EmergencyBucket::from(e),
                     now,
                 );
             }
@@ -942,17 +944,17 @@ fn conclude(
             for (k, r) in answer.results.iter().enumerate() {
                 let p = &w.planned[w.remote[k]];
                 let outcome = if r.shadow {
-                    Outcome::NotDecided
+                    DecisionOutcome::NotDecided
                 } else if r.allowed && answer.allowed {
-                    Outcome::Admitted
+                    DecisionOutcome::Admitted
                 } else if r.allowed {
-                    Outcome::NotDecided
+                    DecisionOutcome::NotDecided
                 } else {
-                    Outcome::Rejected {
-                        why: match r.reason {
-                            Reason::CostExceedsCapacity => Why::CostExceedsCapacity,
-                            Reason::Blocked => Why::Blocked,
-                            _ => Why::Insufficient,
+                    DecisionOutcome::Rejected {
+                        cause: match r.reason {
+                            Reason::CostExceedsCapacity => RejectionCause::CostExceedsCapacity,
+                            Reason::Blocked => RejectionCause::Blocked,
+                            _ => RejectionCause::Insufficient,
                         },
                         retry_after_ms: r.retry_after_ms,
                     }
@@ -973,7 +975,7 @@ fn conclude(
                 // at worst a rejection stays known a little longer, never an admission more.)
                 let nothing_to_learn = w.absent.get(k) == Some(&true)
                     && w.asks[k].is_none()
-                    && !matches!(outcome, Outcome::Rejected { .. });
+                    && !matches!(outcome, DecisionOutcome::Rejected { .. });
                 if learns && !nothing_to_learn && r.reason != Reason::Unlimited {
                     table.learn(
                         &p.id,
@@ -987,7 +989,7 @@ fn conclude(
                             outcome: if config.fast_paths.known_rejections {
                                 outcome
                             } else {
-                                Outcome::NotDecided
+                                DecisionOutcome::NotDecided
                             },
                             asked_lease: w.asks[k].map(|a| (a.id, a.ttl_ms)),
                             leased: if answer.allowed { r.leased } else { 0 },
@@ -1038,7 +1040,7 @@ fn conclude(
                         &Learned {
                             cost: p.cost,
                             limit: None,
-                            outcome: Outcome::NotDecided,
+                            outcome: DecisionOutcome::NotDecided,
                             asked_lease: ask.map(|a| (a.id, a.ttl_ms)),
                             leased: 0,
                         },
@@ -1393,12 +1395,12 @@ impl Request {
                     renew,
                 )
             } else {
-                Probe::Miss
+                Probe::Undecided
             };
-            let absent = probe == Probe::Absent;
+            let absent = probe == Probe::NoEntry;
             match probe {
                 Probe::Rejected {
-                    why,
+                    cause,
                     left_ns,
                     limit,
                 } => {
@@ -1411,7 +1413,7 @@ impl Request {
                         config,
                         rule,
                         limit.as_ref(),
-                        why,
+                        cause,
                         left_ns,
                     ));
                 }
@@ -1424,7 +1426,7 @@ impl Request {
                     paid.push((limit, tokens_left));
                     continue;
                 }
-                Probe::Renew { .. } | Probe::Miss | Probe::Absent => {}
+                Probe::Renew { .. } | Probe::Undecided | Probe::NoEntry => {}
             }
             // The remote path; a busy bucket asks for a lease on the way: the next one while the
             // lease in use still pays (the probe marked the ask), or a new one in its place.

@@ -31,9 +31,9 @@ use ratelimit_filter::config::{
     self, ApiKey, Config, Dimension, Identity, Jwt, RateLimitHeaders, UnknownPolicy, MAX_CAPACITY,
     MAX_RULES, MAX_RULE_NAME_BYTES, MAX_SF_INTEGER,
 };
-use ratelimit_filter::emergency::{Bucket, State};
+use ratelimit_filter::emergency::{EmergencyBucket, State};
 use ratelimit_filter::fastpath::{
-    self, Entry, KnownLimit, Learned, Lease, Outcome, Probe, Table, Why,
+    self, DecisionOutcome, Entry, KnownLimit, Learned, Lease, Probe, RejectionCause, Table,
 };
 use ratelimit_filter::identity::{self, Facts, Subject, MAX_IDENTITY_BYTES};
 use ratelimit_filter::rules::{self, RequestFacts, MAX_KEY_VALUE_BYTES};
@@ -1049,7 +1049,7 @@ fn empty_entry(id: &str) -> Vec<u8> {
         reject_cost: 0,
         reject_until_ns: 0,
         reject_local_until_ns: 0,
-        reject_why: Why::Insufficient,
+        reject_cause: RejectionCause::Insufficient,
         lease: Lease::default(),
         next: Lease::default(),
         renewing_until_ns: 0,
@@ -1165,7 +1165,7 @@ fn entry() -> impl Strategy<Value = Entry> {
                 id,
                 limit,
                 [reject_cost, reject_until_ns, reject_local_until_ns],
-                why,
+                cause,
                 leases,
                 [renewing_until_ns, ask_rtt_ns],
             )| {
@@ -1189,8 +1189,11 @@ fn entry() -> impl Strategy<Value = Entry> {
                     reject_cost,
                     reject_until_ns,
                     reject_local_until_ns,
-                    reject_why: [Why::Insufficient, Why::CostExceedsCapacity, Why::Blocked]
-                        [usize::from(why)],
+                    reject_cause: [
+                        RejectionCause::Insufficient,
+                        RejectionCause::CostExceedsCapacity,
+                        RejectionCause::Blocked,
+                    ][usize::from(cause)],
                     lease,
                     next,
                     renewing_until_ns,
@@ -1212,10 +1215,14 @@ enum TableOp {
 
 fn table_op() -> impl Strategy<Value = TableOp> {
     let outcome = prop_oneof![
-        Just(Outcome::Admitted),
-        Just(Outcome::NotDecided),
-        (0u8..3, any::<u64>()).prop_map(|(w, retry_after_ms)| Outcome::Rejected {
-            why: [Why::Insufficient, Why::CostExceedsCapacity, Why::Blocked][usize::from(w)],
+        Just(DecisionOutcome::Admitted),
+        Just(DecisionOutcome::NotDecided),
+        (0u8..3, any::<u64>()).prop_map(|(w, retry_after_ms)| DecisionOutcome::Rejected {
+            cause: [
+                RejectionCause::Insufficient,
+                RejectionCause::CostExceedsCapacity,
+                RejectionCause::Blocked
+            ][usize::from(w)],
             retry_after_ms,
         }),
     ];
@@ -1302,7 +1309,7 @@ fn fuzz_fastpath() {
                     &always,
                     "per-app",
                     e.limit.as_ref(),
-                    e.reject_why,
+                    e.reject_cause,
                     now_ns,
                 );
                 check_verdict(&Verdict::Reject(reply), &["per-app"])?;
@@ -1382,7 +1389,7 @@ fn fuzz_fastpath() {
                                     "a renewal not marked"
                                 );
                             }
-                            Probe::Miss | Probe::Absent => {}
+                            Probe::Undecided | Probe::NoEntry => {}
                         }
                     }
                     TableOp::GiveBack(lease, cost, now) => table.give_back(id, *lease, *cost, *now),
@@ -1431,7 +1438,7 @@ fn fuzz_emergency() {
     let bucket = (1u64..=MAX_CAPACITY, 1e-6f64..1e9).prop_filter_map(
         "a full refill within a year",
         |(capacity, refill_per_sec)| {
-            (capacity as f64 / refill_per_sec <= config::MAX_REFILL_S).then_some(Bucket {
+            (capacity as f64 / refill_per_sec <= config::MAX_REFILL_S).then_some(EmergencyBucket {
                 capacity: capacity as f64,
                 refill_per_sec,
             })
