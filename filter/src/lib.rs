@@ -14,9 +14,9 @@
 //! `host` (only in the `wasm32-wasip1` build) adapts the proxy-wasm ABI to them.
 
 pub mod config;
-pub mod courier;
 pub mod emergency;
 pub mod fastpath;
+pub mod flow;
 pub mod identity;
 pub mod rules;
 pub mod shared;

@@ -1,5 +1,6 @@
-//! The filter's stats in Envoy: their definitions (`<stat_prefix>.<name>`, once per VM), and
-//! counter increments held back while a callout's answers are settled ([`counting`]).
+//! The filter's stats in Envoy: their definitions (`<stat_prefix>.<name>`, once per VM; what each
+//! counts: docs/observability.md), the request flow's [`Stats`] sink, and counter increments held
+//! back while a callout's answers are settled ([`counting`]).
 
 use std::cell::RefCell;
 
@@ -7,36 +8,39 @@ use proxy_wasm::types::MetricType;
 
 use super::abi;
 use crate::config::Config;
+use crate::flow::{Stat, Stats};
 
 /// The counters of one rule.
 #[derive(Debug, Clone, Copy)]
-pub struct RuleStats {
-    pub admitted: u32,
-    pub rejected: u32,
-    pub shadow_rejected: u32,
+struct RuleStats {
+    admitted: u32,
+    rejected: u32,
+    shadow_rejected: u32,
 }
 
-/// The filter's stats, defined once per VM.
+/// The filter's stats (their ids), defined once per VM.
 #[derive(Debug, Clone)]
 pub struct Metrics {
-    pub admitted: u32,
-    pub rejected: u32,
-    pub limiter_error: u32,
-    pub config_error: u32,
-    pub failed_open: u32,
-    pub failed_closed: u32,
-    pub emergency_activations: u32,
-    pub emergency_rejected: u32,
-    pub subject_unknown: u32,
-    pub unknown_rejected: u32,
-    pub repeated_identity: u32,
-    pub known_rejections: u32,
-    pub lease_admitted: u32,
-    pub callouts: u32,
-    pub forwarded: u32,
+    admitted: u32,
+    rejected: u32,
+    limiter_error: u32,
+    config_error: u32,
+    failed_open: u32,
+    failed_closed: u32,
+    emergency_activations: u32,
+    emergency_rejected: u32,
+    subject_unknown: u32,
+    unknown_rejected: u32,
+    repeated_identity: u32,
+    known_rejections: u32,
+    lease_admitted: u32,
+    callouts: u32,
+    forwarded: u32,
+    /// Histogram: a callout's time, from its dispatch to its answer, in microseconds.
     pub decision_us: u32,
+    /// Histogram: the requests one coalesced callout carries.
     pub batch_requests: u32,
-    pub rules: Vec<RuleStats>,
+    rules: Vec<RuleStats>,
 }
 
 impl Metrics {
@@ -77,18 +81,54 @@ impl Metrics {
     }
 }
 
+impl Metrics {
+    /// The counter of `stat` (`None`: a rule this configuration does not have).
+    fn counter(&self, stat: Stat) -> Option<u32> {
+        let rule = |i: usize| self.rules.get(i);
+        Some(match stat {
+            Stat::Admitted => self.admitted,
+            Stat::Rejected => self.rejected,
+            Stat::LimiterError => self.limiter_error,
+            Stat::ConfigError => self.config_error,
+            Stat::FailedOpen => self.failed_open,
+            Stat::FailedClosed => self.failed_closed,
+            Stat::EmergencyActivations => self.emergency_activations,
+            Stat::EmergencyRejected => self.emergency_rejected,
+            Stat::SubjectUnknown => self.subject_unknown,
+            Stat::UnknownRejected => self.unknown_rejected,
+            Stat::RepeatedIdentity => self.repeated_identity,
+            Stat::KnownRejections => self.known_rejections,
+            Stat::LeaseAdmitted => self.lease_admitted,
+            Stat::Callouts => self.callouts,
+            Stat::Forwarded => self.forwarded,
+            Stat::RuleAdmitted(i) => rule(i)?.admitted,
+            Stat::RuleRejected(i) => rule(i)?.rejected,
+            Stat::RuleShadowRejected(i) => rule(i)?.shadow_rejected,
+        })
+    }
+
+    /// Records `value` in a histogram.
+    pub fn record(&self, histogram: u32, value: u64) {
+        let _ = abi::record_metric(histogram, value);
+    }
+}
+
+impl Stats for Metrics {
+    fn add(&self, stat: Stat, n: u64) {
+        if let Some(metric) = self.counter(stat) {
+            add(metric, i64::try_from(n).unwrap_or(i64::MAX));
+        }
+    }
+}
+
 thread_local! {
     /// Counter increments held back while a callout's answers are settled ([`counting`]): one
     /// host call per counter and callout instead of several per request.
     static HELD: RefCell<Option<Vec<(u32, i64)>>> = const { RefCell::new(None) };
 }
 
-pub fn count(metric: u32) {
-    add(metric, 1);
-}
-
 /// Adds `n` to a counter, now or (inside [`counting`]) when the batch is settled.
-pub fn add(metric: u32, n: i64) {
+fn add(metric: u32, n: i64) {
     let held = HELD.with(|h| match h.borrow_mut().as_mut() {
         Some(held) => {
             match held.iter_mut().find(|(m, _)| *m == metric) {
