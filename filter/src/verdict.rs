@@ -11,10 +11,8 @@
 //! waiting cannot help.
 
 use ratelimit_wire::headers::{self as fields, limiting, HeaderLimit, Limiting};
-pub use ratelimit_wire::headers::{ceil_s, retry_after_s, sf_integer, MAX_SF_INTEGER};
-use ratelimit_wire::{
-    elide_middle, AppliedLimit, DecideResponse, ErrorCode, Reason, RequestAnswer,
-};
+use ratelimit_wire::headers::{ceil_s, retry_after_s};
+use ratelimit_wire::{elide_middle, DecideResponse, ErrorCode, Reason, RequestAnswer};
 
 use crate::config::{window_s, Config, Emergency, FailurePolicy, RateLimitHeaders};
 use crate::emergency::{self, Contention, EmergencyBucket, EmergencyCharge, Take};
@@ -159,11 +157,6 @@ pub struct LeasedAdmit<'a> {
     pub lease_tokens: u64,
 }
 
-/// The headers figures of a limit the sidecar applied.
-fn applied<'a>(l: &'a AppliedLimit, remaining: u64, reset_s: u64) -> HeaderLimit<'a> {
-    HeaderLimit::applied(l, remaining, reset_s)
-}
-
 /// The verdict from a checked answer (see [`check_answer`]); `answer.results[i]` belongs to the
 /// i-th remote decision, whose rule is `rules[i]` (the gateway's rule names the rejection in the
 /// body and the response code details; the limit the sidecar applied names `RateLimit-Policy`);
@@ -179,13 +172,16 @@ pub fn from_answer(
     match limiting(results) {
         Some(Limiting::Never(i)) => {
             let r = &results[i];
-            let limit = r.limit.as_ref().map(|l| applied(l, 0, 0));
+            let limit = r.limit.as_ref().map(|l| HeaderLimit::applied(l, 0, 0));
             return Verdict::Reject(never(config, rule_of(i), limit.as_ref(), r.reason));
         }
         Some(Limiting::Wait(i)) => {
             let r = &results[i];
             let wait_s = retry_after_s(r.retry_after_ms);
-            let limit = r.limit.as_ref().map(|l| applied(l, r.remaining, wait_s));
+            let limit = r
+                .limit
+                .as_ref()
+                .map(|l| HeaderLimit::applied(l, r.remaining, wait_s));
             return Verdict::Reject(rate_limited(config, rule_of(i), limit.as_ref(), wait_s));
         }
         None => {}
@@ -196,7 +192,7 @@ pub fn from_answer(
         .filter_map(|r| {
             r.limit
                 .as_ref()
-                .map(|l| applied(l, r.remaining, ceil_s(r.reset_ms)))
+                .map(|l| HeaderLimit::applied(l, r.remaining, ceil_s(r.reset_ms)))
         })
         .collect();
     limits.extend(leased.iter().filter_map(|a| {
@@ -493,7 +489,8 @@ mod tests {
     use super::*;
     use crate::config::tests::example;
     use crate::emergency::State;
-    use ratelimit_wire::{DecisionResult, RequestError, Subject as WireSubject};
+    use ratelimit_wire::headers::MAX_SF_INTEGER;
+    use ratelimit_wire::{AppliedLimit, DecisionResult, RequestError, Subject as WireSubject};
     #[cfg(target_arch = "wasm32")]
     use wasm_bindgen_test::wasm_bindgen_test as test;
 
