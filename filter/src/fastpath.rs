@@ -1,45 +1,10 @@
-//! What a gateway knows about a bucket without asking: known rejections and leases, kept in
-//! proxy-wasm shared data so every worker VM of one Envoy sees them. Never admits what the bucket
-//! would not (over-admission 0); it may only reject early, within stated bounds.
-//!
-//! # Known rejections
-//! The sidecar rejected `cost` tokens of a bucket with `retry_after_ms` at the earliest: the bucket
-//! held less than `cost` and refills at a known rate, so it cannot admit `cost` (or more) before
-//! that wait has passed. The entry keeps `(cost, until)`, `until` counted from when the callout was
-//! DISPATCHED (before Redis decided, so it ends no later than the true wait), and requests of that
-//! bucket costing at least `cost` are answered 429 locally until then, with `Retry-After` the time
-//! left. A rejection can only end earlier than its `retry_after` if tokens come back another way
-//! (a refund, a returned lease, a raised limit): until then the entry may reject what the bucket
-//! would admit (under-admission, bounded by the entry's remaining time); an admission seen meanwhile
-//! clears it.
-//!
-//! # Leases
-//! A bucket this gateway uses often (see [`Hotness`]) is served from a lease: its decision asks
-//! the sidecar for `want` tokens beyond its cost, deducted in Redis at once and held for `ttl_ms`
-//! (Redis lowers the bucket's ceiling by the lease while it lasts, so tokens in Redis plus tokens
-//! held by gateways never exceed the capacity). The gateway then admits locally from the lease,
-//! with compare-and-swap across its workers, and stops using it `ttl_ms` after it DISPATCHED the
-//! ask (before Redis granted it, hence before Redis's own expiry). Tokens are never created
-//! locally: over-admission stays 0.
-//!
-//! Sizing: `want = clamp(ceil(rate * ttl * 1.25), cost, max_tokens)`, where `rate` is the rate at
-//! which the previous lease was used (the first time: this worker's observed rate); the sidecar
-//! grants at most `--lease-max-share` of the capacity and at most what the bucket holds after the
-//! cost. Renewal: the request that would leave the lease below a quarter of its grant, or that
-//! comes in the last tenth of its time, asks for the next one instead of paying from it; the
-//! next lease waits in the entry and takes over when the one in use cannot pay, so a busy
-//! bucket's callers do not wait for renewals. Recovery: when neither lease can pay, the next ask
-//! of that bucket gives both leftovers back (`returns` in the same callout); a lease nobody renews
-//! expires with its leftover, lost until then. Deviation: at any moment a gateway withholds at
-//! most two leases per bucket from the other gateways (the one in use and the next); that is also
-//! what a gateway that went quiet loses per bucket. One ask per bucket is in flight per Envoy at a
-//! time (the entry's `renewing` mark).
-//!
-//! # Memory
-//! A bucket's entry lives in one of `slots` shared-data keys (`ratelimit.fp.<n>`, `n` from a hash
-//! of the bucket's id). Another bucket hashing to the same slot takes it only once the entry there
-//! is no longer live (see [`Table::update`]). So an Envoy holds at most `slots` entries, each a
-//! few hundred bytes.
+//! What a gateway knows about a bucket without asking: known rejections and leases, one
+//! [`Entry`] per bucket in a [`Table`] of `slots` shared-data keys (`ratelimit.fp.<n>`), so every
+//! worker VM of one Envoy sees them; how busy each bucket is at this worker ([`Hotness`]); and
+//! the size of a lease ask ([`lease_size`]). It never admits what the bucket would not: a lease
+//! pays only tokens Redis deducted for this gateway, and both a known rejection and a lease end
+//! no later than Redis's own, their time counted from when the callout was dispatched. Each path,
+//! why it is exact and what it may cost: docs/fast-paths.md.
 
 use crate::shared::{compare_and_swap, SharedDataError, SharedStore, Write};
 
