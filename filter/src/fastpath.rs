@@ -6,6 +6,7 @@
 //! no later than Redis's own, their time counted from when the callout was dispatched. Each path,
 //! why it is exact and what it may cost: docs/fast-paths.md.
 
+use crate::config::FastPaths;
 use crate::shared::{compare_and_swap, SharedDataError, SharedStore, Write};
 
 /// How long a rejection for a blocked subject or a cost above the capacity (no wait to go by) is
@@ -402,8 +403,8 @@ impl Table<'_> {
     }
 
     /// One look at the entry of `id` for a request costing `cost`: `cost` taken from a lease
-    /// that pays (when `lease`), else a known rejection that applies (when `rejections`), else
-    /// a miss. A single read unless a lease pays (then a compare-and-swap write).
+    /// that pays, else a known rejection that applies (as far as `paths` let them answer), else
+    /// [`Probe::Undecided`]. A single read unless a lease pays (then a compare-and-swap write).
     ///
     /// The lease goes first: its tokens were deducted in Redis for this gateway, so admitting
     /// from it is exact even while a rejection is known (one decided remotely while the lease
@@ -420,10 +421,10 @@ impl Table<'_> {
         id: &str,
         cost: u64,
         now_ns: u64,
-        rejections: bool,
-        lease: bool,
+        paths: ProbeFor,
         renew: Option<u64>,
     ) -> Probe {
+        let (rejections, lease) = (paths.known_rejections(), paths.leases());
         let key = slot_key(id, self.slots);
         // What the probe answers if the host refuses its write: the lease paid nothing.
         let mut unwritten = Probe::Undecided;
@@ -585,6 +586,37 @@ impl Table<'_> {
     }
 }
 
+/// What a [`Table::probe`] may answer a request from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProbeFor {
+    /// A lease that pays, else a known rejection.
+    Both,
+    /// A lease that pays, and nothing else.
+    Leases,
+    /// A known rejection (leases are off).
+    KnownRejections,
+}
+
+impl ProbeFor {
+    /// What the fast paths configured answer from; `None`: neither is on (the table is not read).
+    pub fn configured(fp: &FastPaths) -> Option<ProbeFor> {
+        match (fp.leases.enabled, fp.known_rejections) {
+            (true, true) => Some(ProbeFor::Both),
+            (true, false) => Some(ProbeFor::Leases),
+            (false, true) => Some(ProbeFor::KnownRejections),
+            (false, false) => None,
+        }
+    }
+
+    pub fn leases(self) -> bool {
+        matches!(self, ProbeFor::Both | ProbeFor::Leases)
+    }
+
+    pub fn known_rejections(self) -> bool {
+        matches!(self, ProbeFor::Both | ProbeFor::KnownRejections)
+    }
+}
+
 /// What [`Table::probe`] found.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Probe {
@@ -724,6 +756,7 @@ mod tests {
     use crate::shared::fake::Memory;
     #[cfg(target_arch = "wasm32")]
     use wasm_bindgen_test::wasm_bindgen_test as test;
+    use ProbeFor::Both;
 
     const S: u64 = 1_000_000_000;
 
@@ -842,13 +875,13 @@ mod tests {
         let grant = |id: u64, tokens: u64, at: u64, now: u64| grant(&t, id, tokens, at, now);
         grant(77, 8, 0, 0);
         // Without `renew` (a bucket not busy enough) the lease is simply spent.
-        assert_eq!(t.probe("h", 1, 1, true, true, None), t_taken(77, 7));
+        assert_eq!(t.probe("h", 1, 1, Both, None), t_taken(77, 7));
         // Paying down to 2 of 8 keeps at least a quarter; the request that would leave 1 asks.
         for left in (2..7).rev() {
-            assert_eq!(t.probe("h", 1, 1, true, true, Some(S)), t_taken(77, left));
+            assert_eq!(t.probe("h", 1, 1, Both, Some(S)), t_taken(77, left));
         }
         assert_eq!(
-            t.probe("h", 1, 1, true, true, Some(S)),
+            t.probe("h", 1, 1, Both, Some(S)),
             Probe::Renew {
                 previous: Some(PreviousLease {
                     granted: 8,
@@ -865,7 +898,7 @@ mod tests {
             "nothing taken, marked"
         );
         // One ask in flight: the others keep paying from the lease in use.
-        assert_eq!(t.probe("h", 1, 2, true, true, Some(S)), t_taken(77, 1));
+        assert_eq!(t.probe("h", 1, 2, Both, Some(S)), t_taken(77, 1));
         // The next lease arrives while the one in use still holds a token: it waits.
         grant(78, 10, 2, 3);
         let e = t.get("h").unwrap();
@@ -874,16 +907,16 @@ mod tests {
             (77, 1, 78, 10)
         );
         assert_eq!(e.renewing_until_ns, 0);
-        assert_eq!(t.probe("h", 1, 4, true, true, Some(S)), t_taken(77, 0));
+        assert_eq!(t.probe("h", 1, 4, Both, Some(S)), t_taken(77, 0));
         // The one in use is spent: the next one takes over, sized from its own grant.
-        assert_eq!(t.probe("h", 1, 5, true, true, Some(S)), t_taken(78, 9));
+        assert_eq!(t.probe("h", 1, 5, Both, Some(S)), t_taken(78, 9));
         let e = t.get("h").unwrap();
         assert_eq!((e.lease.granted, e.lease.granted_ns, e.next.id), (10, 2, 0));
         // A next lease never pays past its own end (1 s after its ask).
         grant(79, 4, 3, 6);
         assert_eq!(t.get("h").unwrap().next.id, 79);
         assert!(!matches!(
-            t.probe("h", 10, S + 3, true, true, None),
+            t.probe("h", 10, S + 3, Both, None),
             Probe::Taken { .. }
         ));
         // A lease granted when the one in use is spent is used at once.
@@ -894,9 +927,9 @@ mod tests {
         // In the first nine tenths of its time a full lease just pays; in the last tenth it asks
         // for the next one, however much it holds.
         let at = S + 4 + S * 85 / 100;
-        assert_eq!(t.probe("h", 1, at, true, true, Some(3 * S)), t_taken(80, 4));
+        assert_eq!(t.probe("h", 1, at, Both, Some(3 * S)), t_taken(80, 4));
         assert!(matches!(
-            t.probe("h", 1, S + 4 + S * 95 / 100, true, true, Some(3 * S)),
+            t.probe("h", 1, S + 4 + S * 95 / 100, Both, Some(3 * S)),
             Probe::Renew { .. }
         ));
     }
@@ -912,7 +945,7 @@ mod tests {
         assert_eq!(t.get("h").unwrap().ask_rtt_ns, 10 * MS);
         for i in 1..=70 {
             assert_eq!(
-                t.probe("h", 1, 10 * MS + i * MS, true, true, Some(S)),
+                t.probe("h", 1, 10 * MS + i * MS, Both, Some(S)),
                 t_taken(77, 100 - i),
                 "take {i}"
             );
@@ -920,7 +953,7 @@ mod tests {
         // 29 left would last 29 ms: under three round trips of the last ask (30 ms), although
         // above a quarter of the grant. Time to ask.
         assert!(matches!(
-            t.probe("h", 1, 81 * MS, true, true, Some(S)),
+            t.probe("h", 1, 81 * MS, Both, Some(S)),
             Probe::Renew { .. }
         ));
     }
@@ -932,10 +965,10 @@ mod tests {
         t.begin_lease("h", 0, S);
         grant(&t, 77, 4, 0, 0);
         for left in [3, 2, 1] {
-            assert_eq!(t.probe("h", 1, 1, true, true, Some(S)), t_taken(77, left));
+            assert_eq!(t.probe("h", 1, 1, Both, Some(S)), t_taken(77, left));
         }
         assert!(matches!(
-            t.probe("h", 1, 1, true, true, Some(S)),
+            t.probe("h", 1, 1, Both, Some(S)),
             Probe::Renew {
                 give_back: None,
                 ..
@@ -943,16 +976,16 @@ mod tests {
         ));
         // (Asked and answered at once here: no round trip to renew early for.)
         grant(&t, 78, 8, 2, 2);
-        assert_eq!(t.probe("h", 1, 3, true, true, Some(S)), t_taken(77, 0));
+        assert_eq!(t.probe("h", 1, 3, Both, Some(S)), t_taken(77, 0));
         // 77 is spent: 78 takes over, and 77 (whose record Redis keeps until its end) retires.
-        assert_eq!(t.probe("h", 1, 4, true, true, Some(S)), t_taken(78, 7));
+        assert_eq!(t.probe("h", 1, 4, Both, Some(S)), t_taken(78, 7));
         assert_eq!(t.get("h").unwrap().retired.id, 77);
         for left in (2..7).rev() {
-            assert_eq!(t.probe("h", 1, 5, true, true, Some(S)), t_taken(78, left));
+            assert_eq!(t.probe("h", 1, 5, Both, Some(S)), t_taken(78, left));
         }
         // The ask for 78's successor gives 77 back (0 tokens: its record goes).
         assert!(matches!(
-            t.probe("h", 1, 6, true, true, Some(S)),
+            t.probe("h", 1, 6, Both, Some(S)),
             Probe::Renew {
                 give_back: Some((77, 0)),
                 ..
@@ -966,16 +999,16 @@ mod tests {
         let m = Memory::default();
         let t = table(&m);
         grant(&t, 77, 4, 0, 0);
-        assert_eq!(t.probe("h", 1, 1, true, true, None), t_taken(77, 3));
-        assert_eq!(t.probe("h", 1, 1, true, true, None), t_taken(77, 2));
+        assert_eq!(t.probe("h", 1, 1, Both, None), t_taken(77, 3));
+        assert_eq!(t.probe("h", 1, 1, Both, None), t_taken(77, 2));
         // Another request was rejected: the bucket is empty for 10 s.
         t.learn("h", &rejected(1, 10_000), 1, 1);
         // 2 of 4 left would ask for the next lease; the ask would be rejected, so the lease pays.
-        assert_eq!(t.probe("h", 1, 2, true, true, Some(S)), t_taken(77, 1));
-        assert_eq!(t.probe("h", 1, 2, true, true, Some(S)), t_taken(77, 0));
+        assert_eq!(t.probe("h", 1, 2, Both, Some(S)), t_taken(77, 1));
+        assert_eq!(t.probe("h", 1, 2, Both, Some(S)), t_taken(77, 0));
         // Spent: the known rejection answers.
         assert!(matches!(
-            t.probe("h", 1, 2, true, true, Some(S)),
+            t.probe("h", 1, 2, Both, Some(S)),
             Probe::Rejected { .. }
         ));
     }
@@ -990,7 +1023,7 @@ mod tests {
         let e = t.get("h").unwrap();
         assert_eq!((e.lease.tokens, e.next.tokens), (4, 2));
         // A request costing 5: neither lease pays it; its ask hands both leftovers back.
-        assert_eq!(t.probe("h", 5, 1, true, true, Some(S)), Probe::Undecided);
+        assert_eq!(t.probe("h", 5, 1, Both, Some(S)), Probe::Undecided);
         let start = t.begin_lease("h", 1, S).unwrap();
         assert_eq!(start.give_back, vec![(1, 4), (2, 2)]);
         let e = t.get("h").unwrap();
@@ -1054,7 +1087,7 @@ mod tests {
 
     /// The lease id `probe` took `cost` from.
     fn take(t: &Table<'_>, id: &str, cost: u64, now_ns: u64) -> Option<u64> {
-        match t.probe(id, cost, now_ns, true, true, None) {
+        match t.probe(id, cost, now_ns, Both, None) {
             Probe::Taken { lease_id, .. } => Some(lease_id),
             _ => None,
         }
@@ -1067,11 +1100,11 @@ mod tests {
         // Redis said: an hour to wait. Locally answered for a second after the callout.
         t.learn("h", &rejected(1, 3_600_000), 0, 10);
         assert!(
-            matches!(t.probe("h", 1, S - 1, true, true, None), Probe::Rejected { left_ns, .. } if left_ns == 3600 * S - (S - 1)),
+            matches!(t.probe("h", 1, S - 1, Both, None), Probe::Rejected { left_ns, .. } if left_ns == 3600 * S - (S - 1)),
             "Retry-After says the whole wait"
         );
         assert_eq!(
-            t.probe("h", 1, S, true, true, None),
+            t.probe("h", 1, S, Both, None),
             Probe::Undecided,
             "after the cap the next request asks again (and sees a raised limit)"
         );
@@ -1079,11 +1112,11 @@ mod tests {
         // A shorter wait than the cap is answered for the wait.
         t.learn("h", &rejected(1, 300), 2 * S, 2 * S);
         assert!(matches!(
-            t.probe("h", 1, 2 * S + 299_999_999, true, true, None),
+            t.probe("h", 1, 2 * S + 299_999_999, Both, None),
             Probe::Rejected { .. }
         ));
         assert_eq!(
-            t.probe("h", 1, 2 * S + 300_000_000, true, true, None),
+            t.probe("h", 1, 2 * S + 300_000_000, Both, None),
             Probe::Undecided
         );
     }
@@ -1096,7 +1129,7 @@ mod tests {
         grant(&t, 7, 2, 0, 0);
         t.learn("h", &rejected(1, 500), 0, 0);
         assert_eq!(
-            t.probe("h", 1, 1, true, true, None),
+            t.probe("h", 1, 1, Both, None),
             Probe::Taken {
                 lease_id: 7,
                 tokens_left: 1,
@@ -1105,11 +1138,11 @@ mod tests {
         );
         assert_eq!(take(&t, "h", 1, 1), Some(7));
         assert!(
-            matches!(t.probe("h", 1, 1, true, true, None), Probe::Rejected { cause: RejectionCause::Insufficient, left_ns, .. } if left_ns == 500_000_000 - 1),
+            matches!(t.probe("h", 1, 1, Both, None), Probe::Rejected { cause: RejectionCause::Insufficient, left_ns, .. } if left_ns == 500_000_000 - 1),
             "the lease is spent: the rejection answers"
         );
         assert_eq!(
-            t.probe("h", 1, 1, false, true, None),
+            t.probe("h", 1, 1, ProbeFor::Leases, None),
             Probe::Undecided,
             "rejections off"
         );
@@ -1128,7 +1161,7 @@ mod tests {
         };
         t.learn("quiet", &admitted, 0, 0);
         assert!(t.get("quiet").is_none());
-        assert_eq!(t.probe("quiet", 1, 0, true, true, None), Probe::NoEntry);
+        assert_eq!(t.probe("quiet", 1, 0, Both, None), Probe::NoEntry);
         // Once known (a rejection), an admission clears it.
         t.learn(
             "quiet",

@@ -25,7 +25,8 @@ use ratelimit_wire::{
 use crate::config::Config;
 use crate::emergency;
 use crate::fastpath::{
-    self, DecisionOutcome, Hotness, KnownLimit, Learned, LeaseStart, Probe, RejectionCause, Table,
+    self, DecisionOutcome, Hotness, KnownLimit, Learned, LeaseStart, Probe, ProbeFor,
+    RejectionCause, Table,
 };
 use crate::identity::{self, Facts, ROUTE_NAME_PROPERTY, SOURCE_ADDRESS_PROPERTY};
 use crate::rules::{self, Planned, RequestFacts};
@@ -306,7 +307,7 @@ impl Flow<'_> {
             returns: Vec::new(),
             deadline_ns: now_ns + config.sidecar.timeout_ms * 1_000_000,
         };
-        let uses_table = fp.known_rejections || fp.leases.enabled;
+        let paths = ProbeFor::configured(fp);
         // What the leases said about the decisions they paid: (limit, tokens left).
         let mut paid: Vec<(Option<KnownLimit>, u64)> = Vec::new();
         for i in 0..w.planned.len() {
@@ -318,18 +319,10 @@ impl Flow<'_> {
             };
             // A bucket busy enough for leases renews its lease before it runs out.
             let hot = fp.leases.enabled && rate >= fp.leases.min_rate_per_sec;
-            let probe = if uses_table {
-                let renew = hot.then_some(w.deadline_ns);
-                table.probe(
-                    &p.id,
-                    p.cost,
-                    now_ns,
-                    fp.known_rejections,
-                    fp.leases.enabled,
-                    renew,
-                )
-            } else {
-                Probe::Undecided
+            let renew = hot.then_some(w.deadline_ns);
+            let probe = match paths {
+                Some(paths) => table.probe(&p.id, p.cost, now_ns, paths, renew),
+                None => Probe::Undecided,
             };
             let no_entry = probe == Probe::NoEntry;
             let start = match probe {
@@ -616,7 +609,7 @@ impl Flow<'_> {
             let p = &w.planned[d.planned];
             if d.renewal {
                 if let Probe::Taken { lease_id, .. } =
-                    table.probe(&p.id, p.cost, now_ns, false, true, None)
+                    table.probe(&p.id, p.cost, now_ns, ProbeFor::Leases, None)
                 {
                     w.taken.push(LeaseTake {
                         planned: d.planned,

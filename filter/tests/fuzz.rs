@@ -33,7 +33,8 @@ use ratelimit_filter::config::{
 };
 use ratelimit_filter::emergency::{EmergencyBucket, State};
 use ratelimit_filter::fastpath::{
-    self, DecisionOutcome, Entry, KnownLimit, Learned, Lease, Probe, RejectionCause, Table,
+    self, DecisionOutcome, Entry, KnownLimit, Learned, Lease, Probe, ProbeFor, RejectionCause,
+    Table,
 };
 use ratelimit_filter::identity::{self, Facts, Subject, MAX_IDENTITY_BYTES};
 use ratelimit_filter::rules::{self, RequestFacts, MAX_KEY_VALUE_BYTES};
@@ -1208,7 +1209,7 @@ fn entry() -> impl Strategy<Value = Entry> {
 #[derive(Debug, Clone)]
 enum TableOp {
     Learn(Learned, u64, u64),
-    Probe(u64, u64, bool, bool, Option<u64>),
+    Probe(u64, u64, ProbeFor, Option<u64>),
     GiveBack(u64, u64, u64),
     Begin(u64, u64),
 }
@@ -1253,8 +1254,15 @@ fn table_op() -> impl Strategy<Value = TableOp> {
                     now,
                 )
             }),
-        any::<(u64, u64, bool, bool, Option<u64>)>()
-            .prop_map(|(c, n, r, l, renew)| TableOp::Probe(c, n, r, l, renew)),
+        (
+            any::<(u64, u64, Option<u64>)>(),
+            prop_oneof![
+                Just(ProbeFor::Both),
+                Just(ProbeFor::Leases),
+                Just(ProbeFor::KnownRejections)
+            ]
+        )
+            .prop_map(|((c, n, renew), paths)| TableOp::Probe(c, n, paths, renew)),
         any::<(u64, u64, u64)>().prop_map(|(l, c, now)| TableOp::GiveBack(l, c, now)),
         any::<(u64, u64)>().prop_map(|(n, u)| TableOp::Begin(n, u)),
     ]
@@ -1345,7 +1353,8 @@ fn fuzz_fastpath() {
                     .filter(|b| Entry::decode(b).is_some_and(|e| e.id != id && e.live(op_now)));
                 match op {
                     TableOp::Learn(l, at, now) => table.learn(id, l, *at, *now),
-                    TableOp::Probe(cost, now, rejections, lease, renew) => {
+                    TableOp::Probe(cost, now, paths, renew) => {
+                        let (rejections, lease) = (paths.known_rejections(), paths.leases());
                         // The lease that pays: the one in use, else the next one taking over.
                         let held = table.get(id);
                         let before = held.as_ref().map_or(0, |e| {
@@ -1355,11 +1364,11 @@ fn fuzz_fastpath() {
                                 e.next.tokens
                             }
                         });
-                        match table.probe(id, *cost, *now, *rejections, *lease, *renew) {
+                        match table.probe(id, *cost, *now, *paths, *renew) {
                             Probe::Taken {
                                 tokens_left, limit, ..
                             } => {
-                                prop_assert!(*lease, "a lease taken when leases are off");
+                                prop_assert!(lease, "a lease taken when leases are off");
                                 prop_assert_eq!(
                                     tokens_left,
                                     before - cost,
@@ -1372,11 +1381,11 @@ fn fuzz_fastpath() {
                                 prop_assert!(limit.is_none_or(|l| verdict::is_limit_name(&l.name)));
                             }
                             Probe::Rejected { left_ns, limit, .. } => {
-                                prop_assert!(*rejections && left_ns > 0);
+                                prop_assert!(rejections && left_ns > 0);
                                 prop_assert!(limit.is_none_or(|l| verdict::is_limit_name(&l.name)));
                             }
                             Probe::Renew { .. } => {
-                                prop_assert!(*lease && renew.is_some(), "a renewal not asked for");
+                                prop_assert!(lease && renew.is_some(), "a renewal not asked for");
                                 let after = table.get(id);
                                 prop_assert_eq!(
                                     after.as_ref().map(|e| e.lease.tokens),
