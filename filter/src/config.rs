@@ -62,8 +62,8 @@ fn default_domain() -> String {
     ratelimit_wire::DEFAULT_DOMAIN.to_string()
 }
 
-/// What the gateway may decide or batch locally without changing any verdict (see
-/// `crate::fastpath`, and the host adapter's coalescing, for why each is exact).
+/// What the gateway may decide or batch locally without changing any verdict (docs/fast-paths.md
+/// says why each is exact).
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct FastPaths {

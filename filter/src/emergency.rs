@@ -25,27 +25,25 @@
 //! once, at start.
 
 use crate::config::Emergency;
+use crate::shared::{compare_and_swap, SharedStore, Write};
 
 /// The shared-data key of a rule's emergency bucket.
 pub fn shared_key(rule: &str) -> String {
     format!("ratelimit.emergency.{rule}")
 }
 
-/// How often a compare-and-swap is retried before the request is denied.
-pub const MAX_CAS_ATTEMPTS: usize = 32;
-
 /// A token bucket's size and speed.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Bucket {
+pub struct EmergencyBucket {
     /// Tokens a full bucket holds.
     pub capacity: f64,
     /// Tokens added per second.
     pub refill_per_sec: f64,
 }
 
-impl From<&Emergency> for Bucket {
+impl From<&Emergency> for EmergencyBucket {
     fn from(e: &Emergency) -> Self {
-        Bucket {
+        EmergencyBucket {
             capacity: e.capacity as f64,
             refill_per_sec: e.refill_per_sec,
         }
@@ -62,7 +60,7 @@ pub struct State {
 
 impl State {
     /// A full bucket at `now_ns`.
-    pub fn full(bucket: &Bucket, now_ns: u64) -> State {
+    pub fn full(bucket: &EmergencyBucket, now_ns: u64) -> State {
         State {
             tokens: bucket.capacity,
             updated_ns: now_ns,
@@ -86,7 +84,7 @@ impl State {
     }
 }
 
-/// The result of one [`Bucket::take`].
+/// The result of one [`EmergencyBucket::take`].
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Take {
     /// The state to store.
@@ -100,7 +98,7 @@ pub struct Take {
     pub reset_ms: u64,
 }
 
-impl Bucket {
+impl EmergencyBucket {
     /// Takes `cost` tokens at `now_ns` from the bucket whose stored state is `state` (absent or
     /// malformed: a full bucket). Pure: the caller stores `Take::state`.
     pub fn take(&self, state: Option<&[u8]>, now_ns: u64, cost: f64) -> Take {
@@ -133,58 +131,36 @@ impl Bucket {
     }
 }
 
-/// Why a store refused a write.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum StoreError {
-    /// Someone else wrote since our read.
-    CasMismatch,
-    /// Anything else the host said.
-    Failed,
-}
-
-/// Shared data with compare-and-swap, as proxy-wasm offers it.
-pub trait SharedStore {
-    /// The value under `key` and its version (`None` when the key is absent).
-    fn get(&self, key: &str) -> (Option<Vec<u8>>, Option<u32>);
-    /// Writes `value` if the version is still `cas` (`None`: unconditionally).
-    fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError>;
-}
-
 /// The bucket could not be updated: too much contention, or the host refused the write. The
 /// request is denied (never admitted uncounted).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Contention;
 
-/// Takes `cost` from the shared bucket `key` with compare-and-swap, retrying up to
-/// [`MAX_CAS_ATTEMPTS`] times.
+/// Takes `cost` from the shared bucket `key` with [`compare_and_swap`].
 pub fn take_shared(
     store: &dyn SharedStore,
     key: &str,
-    bucket: &Bucket,
+    bucket: &EmergencyBucket,
     now_ns: u64,
     cost: f64,
 ) -> Result<Take, Contention> {
-    for _ in 0..MAX_CAS_ATTEMPTS {
-        let (bytes, cas) = store.get(key);
-        let take = bucket.take(bytes.as_deref(), now_ns, cost);
-        if !take.allowed {
+    compare_and_swap(store, key, |bytes| {
+        let take = bucket.take(bytes, now_ns, cost);
+        if take.allowed {
+            Write::Store(take.state.encode().to_vec(), take)
+        } else {
             // Nothing to store: see the module doc.
-            return Ok(take);
+            Write::Keep(take)
         }
-        match store.set(key, &take.state.encode(), cas) {
-            Ok(()) => return Ok(take),
-            Err(StoreError::CasMismatch) => continue,
-            Err(StoreError::Failed) => return Err(Contention),
-        }
-    }
-    Err(Contention)
+    })
+    .map_err(|_| Contention)
 }
 
 /// What [`take_shared`] would answer now, without writing.
 pub fn peek_shared(
     store: &dyn SharedStore,
     key: &str,
-    bucket: &Bucket,
+    bucket: &EmergencyBucket,
     now_ns: u64,
     cost: f64,
 ) -> Take {
@@ -194,31 +170,26 @@ pub fn peek_shared(
 /// Gives `cost` tokens back to the shared bucket `key` (an earlier take of a request that ended
 /// up rejected), capped at `capacity`, with compare-and-swap. `false` when it could not be
 /// written (the tokens are then lost, as they would have been without the give-back).
-pub fn give_back(store: &dyn SharedStore, key: &str, bucket: &Bucket, cost: f64) -> bool {
-    for _ in 0..MAX_CAS_ATTEMPTS {
-        let (bytes, cas) = store.get(key);
-        let Some(state) = bytes.as_deref().and_then(State::decode) else {
-            // Absent or malformed reads as a full bucket already.
-            return true;
-        };
-        let state = State {
-            tokens: (state.tokens + cost).min(bucket.capacity),
-            ..state
-        };
-        match store.set(key, &state.encode(), cas) {
-            Ok(()) => return true,
-            Err(StoreError::CasMismatch) => continue,
-            Err(StoreError::Failed) => return false,
+pub fn give_back(store: &dyn SharedStore, key: &str, bucket: &EmergencyBucket, cost: f64) -> bool {
+    compare_and_swap(store, key, |bytes| match bytes.and_then(State::decode) {
+        // Absent or malformed reads as a full bucket already.
+        None => Write::Keep(()),
+        Some(state) => {
+            let state = State {
+                tokens: (state.tokens + cost).min(bucket.capacity),
+                ..state
+            };
+            Write::Store(state.encode().to_vec(), ())
         }
-    }
-    false
+    })
+    .is_ok()
 }
 
 /// One bucket a request charges: its shared-data key, size and cost.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Charge {
+pub struct EmergencyCharge {
     pub key: String,
-    pub bucket: Bucket,
+    pub bucket: EmergencyBucket,
     pub cost: f64,
 }
 
@@ -230,7 +201,7 @@ pub struct Charge {
 /// back ([`give_back`]) and the results end at the failed one.
 pub fn take_all(
     store: &dyn SharedStore,
-    charges: &[Charge],
+    charges: &[EmergencyCharge],
     now_ns: u64,
 ) -> Vec<Result<Take, Contention>> {
     let peeks: Vec<Take> = charges
@@ -261,7 +232,12 @@ pub fn take_all(
 /// The check and the write are not atomic (proxy-wasm has no create-if-absent): a worker that
 /// configures after another worker's first takes may overwrite them with a full bucket. The
 /// over-admission is bounded by one `capacity` per bucket, at start only.
-pub fn ensure_initialized(store: &dyn SharedStore, key: &str, bucket: &Bucket, now_ns: u64) {
+pub fn ensure_initialized(
+    store: &dyn SharedStore,
+    key: &str,
+    bucket: &EmergencyBucket,
+    now_ns: u64,
+) {
     let (bytes, _) = store.get(key);
     if bytes.as_deref().and_then(State::decode).is_none() {
         let _ = store.set(key, &State::full(bucket, now_ns).encode(), None);
@@ -271,16 +247,16 @@ pub fn ensure_initialized(store: &dyn SharedStore, key: &str, bucket: &Bucket, n
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::cell::{Cell, RefCell};
-    use std::collections::HashMap;
+    use crate::shared::fake::Memory;
+    use crate::shared::MAX_CAS_ATTEMPTS;
     #[cfg(target_arch = "wasm32")]
     use wasm_bindgen_test::wasm_bindgen_test as test;
 
     const S: u64 = 1_000_000_000;
     const T0: u64 = 1_700_000_000 * S;
 
-    fn bucket() -> Bucket {
-        Bucket {
+    fn bucket() -> EmergencyBucket {
+        EmergencyBucket {
             capacity: 10.0,
             refill_per_sec: 1.0,
         }
@@ -396,63 +372,28 @@ mod tests {
         assert_eq!(t.reset_ms, 9500);
     }
 
-    /// A store that fails the first `conflicts` writes with a CAS mismatch, and can let another
-    /// worker empty one key just before our next write to it (`drain_before_set`).
-    #[derive(Default)]
-    struct FakeStore {
-        data: RefCell<HashMap<String, (Vec<u8>, u32)>>,
-        conflicts: Cell<usize>,
-        writes: Cell<usize>,
-        drain_before_set: RefCell<Option<String>>,
+    /// The tokens the bucket under `key` holds.
+    fn tokens(store: &Memory, key: &str) -> f64 {
+        State::decode(&store.get(key).0.unwrap()).unwrap().tokens
     }
 
-    impl FakeStore {
-        fn tokens(&self, key: &str) -> f64 {
-            State::decode(&self.get(key).0.unwrap()).unwrap().tokens
-        }
-        fn put(&self, key: &str, tokens: f64) {
-            let version = self.get(key).1.unwrap_or(0) + 1;
-            let state = State {
-                tokens,
-                updated_ns: T0,
-            };
-            self.data
-                .borrow_mut()
-                .insert(key.to_string(), (state.encode().to_vec(), version));
-        }
+    /// Another worker stores a bucket of `tokens` under `key`.
+    fn put(store: &Memory, key: &str, tokens: f64) {
+        store.put(key, &state(tokens));
     }
 
-    impl SharedStore for FakeStore {
-        fn get(&self, key: &str) -> (Option<Vec<u8>>, Option<u32>) {
-            match self.data.borrow().get(key) {
-                Some((v, cas)) => (Some(v.clone()), Some(*cas)),
-                None => (None, None),
-            }
+    fn state(tokens: f64) -> Vec<u8> {
+        State {
+            tokens,
+            updated_ns: T0,
         }
-        fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
-            self.writes.set(self.writes.get() + 1);
-            if self.drain_before_set.borrow().as_deref() == Some(key) {
-                self.drain_before_set.replace(None);
-                self.put(key, 0.0);
-            }
-            if self.conflicts.get() > 0 {
-                self.conflicts.set(self.conflicts.get() - 1);
-                return Err(StoreError::CasMismatch);
-            }
-            let mut data = self.data.borrow_mut();
-            let current = data.get(key).map(|(_, c)| *c);
-            if cas.is_some() && cas != current {
-                return Err(StoreError::CasMismatch);
-            }
-            let next = current.unwrap_or(0) + 1;
-            data.insert(key.to_string(), (value.to_vec(), next));
-            Ok(())
-        }
+        .encode()
+        .to_vec()
     }
 
     #[test]
     fn shared_takes_retry_on_cas_mismatch() {
-        let store = FakeStore::default();
+        let store = Memory::default();
         let key = shared_key("per-app");
         assert_eq!(key, "ratelimit.emergency.per-app");
         ensure_initialized(&store, &key, &bucket(), T0);
@@ -466,7 +407,7 @@ mod tests {
 
     #[test]
     fn endless_contention_denies() {
-        let store = FakeStore::default();
+        let store = Memory::default();
         store.conflicts.set(usize::MAX);
         assert_eq!(
             take_shared(&store, "k", &bucket(), T0, 1.0),
@@ -477,7 +418,7 @@ mod tests {
 
     #[test]
     fn initialization_keeps_an_existing_bucket() {
-        let store = FakeStore::default();
+        let store = Memory::default();
         let key = shared_key("r");
         ensure_initialized(&store, &key, &bucket(), T0);
         take_shared(&store, &key, &bucket(), T0, 4.0).unwrap();
@@ -488,8 +429,8 @@ mod tests {
 
     #[test]
     fn a_rejected_take_writes_nothing_and_cannot_be_contended() {
-        let store = FakeStore::default();
-        store.put("k", 0.0);
+        let store = Memory::default();
+        put(&store, "k", 0.0);
         let t = take_shared(&store, "k", &bucket(), T0, 1.0).unwrap();
         assert!(!t.allowed);
         assert_eq!(store.writes.get(), 0);
@@ -501,8 +442,8 @@ mod tests {
         assert_eq!(store.writes.get(), 0);
     }
 
-    fn charge(key: &str) -> Charge {
-        Charge {
+    fn charge(key: &str) -> EmergencyCharge {
+        EmergencyCharge {
             key: key.into(),
             bucket: bucket(),
             cost: 1.0,
@@ -511,47 +452,47 @@ mod tests {
 
     #[test]
     fn take_all_charges_nothing_when_one_bucket_rejects() {
-        let store = FakeStore::default();
-        store.put("a", 5.0);
-        store.put("b", 0.0);
+        let store = Memory::default();
+        put(&store, "a", 5.0);
+        put(&store, "b", 0.0);
         let results = take_all(&store, &[charge("a"), charge("b")], T0);
         assert_eq!(results.len(), 2);
         assert!(results[0].unwrap().allowed);
         assert!(!results[1].unwrap().allowed);
         assert_eq!(store.writes.get(), 0);
-        assert_eq!(store.tokens("a"), 5.0);
+        assert_eq!(tokens(&store, "a"), 5.0);
     }
 
     #[test]
     fn take_all_charges_every_bucket_when_all_admit() {
-        let store = FakeStore::default();
-        store.put("a", 5.0);
-        store.put("b", 2.0);
+        let store = Memory::default();
+        put(&store, "a", 5.0);
+        put(&store, "b", 2.0);
         let results = take_all(&store, &[charge("a"), charge("b")], T0);
         assert!(results.iter().all(|r| r.unwrap().allowed));
-        assert_eq!((store.tokens("a"), store.tokens("b")), (4.0, 1.0));
+        assert_eq!((tokens(&store, "a"), tokens(&store, "b")), (4.0, 1.0));
     }
 
     #[test]
     fn take_all_gives_back_earlier_takes_when_a_later_one_loses_a_race() {
-        let store = FakeStore::default();
-        store.put("a", 5.0);
-        store.put("b", 1.0);
+        let store = Memory::default();
+        put(&store, "a", 5.0);
+        put(&store, "b", 1.0);
         // Between our check and our take, another worker empties `b`.
-        store.drain_before_set.replace(Some("b".into()));
+        store.interleave.replace(Some(("b".into(), state(0.0))));
         let results = take_all(&store, &[charge("a"), charge("b")], T0);
         assert_eq!(results.len(), 2);
         assert!(!results[1].unwrap().allowed);
-        assert_eq!(store.tokens("a"), 5.0);
-        assert_eq!(store.tokens("b"), 0.0);
+        assert_eq!(tokens(&store, "a"), 5.0);
+        assert_eq!(tokens(&store, "b"), 0.0);
     }
 
     #[test]
     fn give_back_is_capped_at_capacity() {
-        let store = FakeStore::default();
-        store.put("a", 9.5);
+        let store = Memory::default();
+        put(&store, "a", 9.5);
         assert!(give_back(&store, "a", &bucket(), 3.0));
-        assert_eq!(store.tokens("a"), 10.0);
+        assert_eq!(tokens(&store, "a"), 10.0);
         assert!(give_back(&store, "absent", &bucket(), 1.0));
         assert!(store.get("absent").0.is_none());
     }

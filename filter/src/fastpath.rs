@@ -1,51 +1,13 @@
-//! What a gateway knows about a bucket without asking: known rejections and leases, kept in
-//! proxy-wasm shared data so every worker VM of one Envoy sees them. Never admits what the bucket
-//! would not (over-admission 0); it may only reject early, within stated bounds.
-//!
-//! # Known rejections
-//! The sidecar rejected `cost` tokens of a bucket with `retry_after_ms` at the earliest: the bucket
-//! held less than `cost` and refills at a known rate, so it cannot admit `cost` (or more) before
-//! that wait has passed. The entry keeps `(cost, until)`, `until` counted from when the callout was
-//! DISPATCHED (before Redis decided, so it ends no later than the true wait), and requests of that
-//! bucket costing at least `cost` are answered 429 locally until then, with `Retry-After` the time
-//! left. A rejection can only end earlier than its `retry_after` if tokens come back another way
-//! (a refund, a returned lease, a raised limit): until then the entry may reject what the bucket
-//! would admit (under-admission, bounded by the entry's remaining time); an admission seen meanwhile
-//! clears it.
-//!
-//! # Leases
-//! A bucket this gateway uses often (see [`Hotness`]) is served from a lease: its decision asks
-//! the sidecar for `want` tokens beyond its cost, deducted in Redis at once and held for `ttl_ms`
-//! (Redis lowers the bucket's ceiling by the lease while it lasts, so tokens in Redis plus tokens
-//! held by gateways never exceed the capacity). The gateway then admits locally from the lease,
-//! with compare-and-swap across its workers, and stops using it `ttl_ms` after it DISPATCHED the
-//! ask (before Redis granted it, hence before Redis's own expiry). Tokens are never created
-//! locally: over-admission stays 0.
-//!
-//! Sizing: `want = clamp(ceil(rate * ttl * 1.25), cost, max_tokens)`, where `rate` is the rate at
-//! which the previous lease was used (the first time: this worker's observed rate); the sidecar
-//! grants at most `--lease-max-share` of the capacity and at most what the bucket holds after the
-//! cost. Renewal: the request that would leave the lease below a quarter of its grant, or that
-//! comes in the last tenth of its time, asks for the next one instead of paying from it; the
-//! next lease waits in the entry and takes over when the one in use cannot pay, so a busy
-//! bucket's callers do not wait for renewals. Recovery: when neither lease can pay, the next ask
-//! of that bucket gives both leftovers back (`returns` in the same callout); a lease nobody renews
-//! expires with its leftover, lost until then. Deviation: at any moment a gateway withholds at
-//! most two leases per bucket from the other gateways (the one in use and the next); that is also
-//! what a gateway that went quiet loses per bucket. One ask per bucket is in flight per Envoy at a
-//! time (the entry's `renewing` mark).
-//!
-//! # Memory
-//! A bucket's entry lives in one of `slots` shared-data keys (`ratelimit.fp.<n>`, `n` from a hash
-//! of the bucket's id). Another bucket hashing to the same slot takes it only once the entry there
-//! is no longer live (see [`Table::update`]). So an Envoy holds at most `slots` entries, each a
-//! few hundred bytes.
+//! What a gateway knows about a bucket without asking: known rejections and leases, one
+//! [`Entry`] per bucket in a [`Table`] of `slots` shared-data keys (`ratelimit.fp.<n>`), so every
+//! worker VM of one Envoy sees them; how busy each bucket is at this worker ([`Hotness`]); and
+//! the size of a lease ask ([`lease_size`]). It never admits what the bucket would not: a lease
+//! pays only tokens Redis deducted for this gateway, and both a known rejection and a lease end
+//! no later than Redis's own, their time counted from when the callout was dispatched. Each path,
+//! why it is exact and what it may cost: docs/fast-paths.md.
 
-use crate::emergency::{SharedStore, StoreError};
-
-/// How often a compare-and-swap is retried before giving up (the request then takes the remote
-/// path, or its give-back is lost: never an over-admission).
-pub const MAX_CAS_ATTEMPTS: usize = 16;
+use crate::config::FastPaths;
+use crate::shared::{compare_and_swap, SharedDataError, SharedStore, Write};
 
 /// How long a rejection for a blocked subject or a cost above the capacity (no wait to go by) is
 /// known, in nanoseconds.
@@ -53,9 +15,27 @@ pub const FIXED_REJECTION_NS: u64 = 1_000_000_000;
 
 const VERSION: u8 = 4;
 
+/// A lease asks for this many times what its bucket would spend over the lease's time at the
+/// rate measured (room for a rate that grows while it lasts).
+pub const LEASE_HEADROOM: f64 = 1.25;
+
+/// A lease is renewed once paying a request would leave it less than its grant divided by this
+/// (a quarter).
+pub const RENEW_TOKENS_DIVISOR: u64 = 4;
+
+/// A lease is renewed once less than its time divided by this is left (its last tenth).
+pub const RENEW_TIME_DIVISOR: u64 = 10;
+
 /// A lease is renewed once what it holds would last fewer than this many round trips of the
 /// last ask, at the rate it is being spent.
 pub const RENEW_ROUND_TRIPS: u64 = 3;
+
+/// The round trip of a bucket's lease asks, remembered as a decaying maximum: at each grant the
+/// one remembered is kept at `ASK_RTT_KEPT / ASK_RTT_DIVISOR` of itself if the new one is
+/// shorter (one slow answer is remembered for a few asks).
+pub const ASK_RTT_KEPT: u64 = 3;
+/// See [`ASK_RTT_KEPT`].
+pub const ASK_RTT_DIVISOR: u64 = 4;
 
 /// The shared-data key of the slot for a bucket id.
 pub fn slot_key(id: &str, slots: usize) -> String {
@@ -76,7 +56,7 @@ fn fnv1a(bytes: &[u8]) -> u64 {
 
 /// Why a bucket rejects (as the sidecar said), for a local reply of the same shape.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Why {
+pub enum RejectionCause {
     Insufficient,
     CostExceedsCapacity,
     Blocked,
@@ -101,7 +81,7 @@ pub struct Entry {
     pub reject_cost: u64,
     pub reject_until_ns: u64,
     pub reject_local_until_ns: u64,
-    pub reject_why: Why,
+    pub reject_cause: RejectionCause,
     /// The lease in use.
     pub lease: Lease,
     /// The next lease, granted while the one in use still paid (an early renewal). It takes over
@@ -186,7 +166,7 @@ impl Entry {
             reject_cost: 0,
             reject_until_ns: 0,
             reject_local_until_ns: 0,
-            reject_why: Why::Insufficient,
+            reject_cause: RejectionCause::Insufficient,
             lease: Lease::default(),
             next: Lease::default(),
             renewing_until_ns: 0,
@@ -215,10 +195,10 @@ impl Entry {
         ] {
             out.extend_from_slice(&v.to_le_bytes());
         }
-        out.push(match self.reject_why {
-            Why::Insufficient => 0,
-            Why::CostExceedsCapacity => 1,
-            Why::Blocked => 2,
+        out.push(match self.reject_cause {
+            RejectionCause::Insufficient => 0,
+            RejectionCause::CostExceedsCapacity => 1,
+            RejectionCause::Blocked => 2,
         });
         self.lease.put(&mut out);
         out.extend_from_slice(&self.renewing_until_ns.to_le_bytes());
@@ -255,10 +235,10 @@ impl Entry {
         e.reject_cost = r.u64()?;
         e.reject_until_ns = r.u64()?;
         e.reject_local_until_ns = r.u64()?;
-        e.reject_why = match r.u8()? {
-            0 => Why::Insufficient,
-            1 => Why::CostExceedsCapacity,
-            2 => Why::Blocked,
+        e.reject_cause = match r.u8()? {
+            0 => RejectionCause::Insufficient,
+            1 => RejectionCause::CostExceedsCapacity,
+            2 => RejectionCause::Blocked,
             _ => return None,
         };
         e.lease = Lease::read(&mut r)?;
@@ -269,13 +249,13 @@ impl Entry {
         r.0.is_empty().then_some(e)
     }
 
-    /// The rejection answered locally for `cost` at `now_ns`: (why, time left in ns until the
+    /// The rejection answered locally for `cost` at `now_ns`: (cause, time left in ns until the
     /// bucket may admit it, for `Retry-After`).
-    pub fn rejection(&self, cost: u64, now_ns: u64) -> Option<(Why, u64)> {
+    pub fn rejection(&self, cost: u64, now_ns: u64) -> Option<(RejectionCause, u64)> {
         (self.reject_local_until_ns > now_ns && cost >= self.reject_cost && self.reject_cost > 0)
             .then(|| {
                 (
-                    self.reject_why,
+                    self.reject_cause,
                     self.reject_until_ns.max(self.reject_local_until_ns) - now_ns,
                 )
             })
@@ -306,10 +286,10 @@ impl Entry {
     /// no ask in flight and no known rejection of `cost` (the bucket has nothing to lease: an ask
     /// would be rejected, and the lease's last tokens would never be spent): time to ask for the
     /// next one while this one still pays. Low: paying `cost` would leave less than a quarter of
-    /// its grant; or, at the rate it is being spent, what is left would last less than
+    /// its grant ([`RENEW_TOKENS_DIVISOR`]); or, at the rate it is being spent, what is left would last less than
     /// [`RENEW_ROUND_TRIPS`] round trips of the last ask (a lease capped by `max_tokens` on a
     /// bucket busy enough to spend a quarter of it within one ask's round trip); or less than a
-    /// tenth of its time is left (a lease used more slowly than it was sized for: its
+    /// tenth of its time is left ([`RENEW_TIME_DIVISOR`]) (a lease used more slowly than it was sized for: its
     /// successor, whose time starts when it is asked for, should not wait long unused).
     fn renewal_due(&self, cost: u64, now_ns: u64) -> bool {
         let l = &self.lease;
@@ -326,8 +306,8 @@ impl Entry {
         self.renewing_until_ns <= now_ns
             && !self.next.held(now_ns)
             && self.rejection(cost, now_ns).is_none()
-            && (left.saturating_mul(4) < l.granted
-                || (l.until_ns - now_ns).saturating_mul(10) < ttl_ns
+            && (left.saturating_mul(RENEW_TOKENS_DIVISOR) < l.granted
+                || (l.until_ns - now_ns).saturating_mul(RENEW_TIME_DIVISOR) < ttl_ns
                 || (self.ask_rtt_ns > 0 && soon()))
     }
 }
@@ -407,26 +387,24 @@ impl Table<'_> {
         mut change: impl FnMut(&mut Entry, bool) -> Option<T>,
     ) -> Option<T> {
         let key = slot_key(id, self.slots);
-        for _ in 0..MAX_CAS_ATTEMPTS {
-            let (bytes, cas) = self.store.get(&key);
-            let (mut entry, existed) = match bytes.as_deref().and_then(Entry::decode) {
+        compare_and_swap(self.store, &key, |bytes| {
+            let (mut entry, existed) = match bytes.and_then(Entry::decode) {
                 Some(e) if e.id == id => (e, true),
-                Some(other) if other.live(now_ns) => return None,
+                Some(other) if other.live(now_ns) => return Write::Keep(None),
                 _ => (Entry::new(id), false),
             };
-            let out = change(&mut entry, existed)?;
-            match self.store.set(&key, &entry.encode(), cas) {
-                Ok(()) => return Some(out),
-                Err(StoreError::CasMismatch) => continue,
-                Err(StoreError::Failed) => return None,
+            match change(&mut entry, existed) {
+                Some(out) => Write::Store(entry.encode(), Some(out)),
+                None => Write::Keep(None),
             }
-        }
-        None
+        })
+        .ok()
+        .flatten()
     }
 
     /// One look at the entry of `id` for a request costing `cost`: `cost` taken from a lease
-    /// that pays (when `lease`), else a known rejection that applies (when `rejections`), else
-    /// a miss. A single read unless a lease pays (then a compare-and-swap write).
+    /// that pays, else a known rejection that applies (as far as `paths` let them answer), else
+    /// [`Probe::Undecided`]. A single read unless a lease pays (then a compare-and-swap write).
     ///
     /// The lease goes first: its tokens were deducted in Redis for this gateway, so admitting
     /// from it is exact even while a rejection is known (one decided remotely while the lease
@@ -443,19 +421,24 @@ impl Table<'_> {
         id: &str,
         cost: u64,
         now_ns: u64,
-        rejections: bool,
-        lease: bool,
+        paths: ProbeFor,
         renew: Option<u64>,
     ) -> Probe {
+        let (rejections, lease) = (paths.known_rejections(), paths.leases());
         let key = slot_key(id, self.slots);
-        for _ in 0..MAX_CAS_ATTEMPTS {
-            let (bytes, cas) = self.store.get(&key);
-            let Some(mut entry) = bytes
-                .as_deref()
-                .and_then(Entry::decode)
-                .filter(|e| e.id == id)
-            else {
-                return Probe::Absent;
+        // What the probe answers if the host refuses its write: the lease paid nothing.
+        let mut unwritten = Probe::Undecided;
+        let found = compare_and_swap(self.store, &key, |bytes| {
+            let Some(mut entry) = bytes.and_then(Entry::decode).filter(|e| e.id == id) else {
+                return Write::Keep(Probe::NoEntry);
+            };
+            let known = |entry: &Entry| match entry.rejection(cost, now_ns) {
+                Some((cause, left_ns)) if rejections => Probe::Rejected {
+                    cause,
+                    left_ns,
+                    limit: entry.limit.clone(),
+                },
+                _ => Probe::Undecided,
             };
             // The next lease takes over when the one in use cannot pay (what is left of that
             // one, less than the cost or past its time, stays unused: Redis's record expires).
@@ -466,47 +449,38 @@ impl Table<'_> {
                     entry.retired = old;
                 }
             }
-            if lease && entry.lease_pays(cost, now_ns) {
-                if let Some(until) = renew.filter(|_| entry.renewal_due(cost, now_ns)) {
-                    let previous = entry.lease.previous();
-                    let give_back = entry.take_retired(now_ns);
-                    entry.renewing_until_ns = until;
-                    match self.store.set(&key, &entry.encode(), cas) {
-                        Ok(()) => {
-                            return Probe::Renew {
-                                previous,
-                                give_back,
-                            }
-                        }
-                        Err(StoreError::CasMismatch) => continue,
-                        Err(StoreError::Failed) => return Probe::Miss,
-                    }
-                }
-                entry.lease.tokens -= cost;
-                match self.store.set(&key, &entry.encode(), cas) {
-                    Ok(()) => {
-                        return Probe::Taken {
-                            lease_id: entry.lease.id,
-                            tokens_left: entry.lease.tokens,
-                            limit: entry.limit,
-                        }
-                    }
-                    Err(StoreError::CasMismatch) => continue,
-                    Err(StoreError::Failed) => {}
-                }
+            if !(lease && entry.lease_pays(cost, now_ns)) {
+                return Write::Keep(known(&entry));
             }
-            if rejections {
-                if let Some((why, left_ns)) = entry.rejection(cost, now_ns) {
-                    return Probe::Rejected {
-                        why,
-                        left_ns,
-                        limit: entry.limit,
-                    };
-                }
+            if let Some(until) = renew.filter(|_| entry.renewal_due(cost, now_ns)) {
+                let previous = entry.lease.previous();
+                let give_back = entry.take_retired(now_ns);
+                entry.renewing_until_ns = until;
+                unwritten = Probe::Undecided;
+                return Write::Store(
+                    entry.encode(),
+                    Probe::Renew {
+                        previous,
+                        give_back,
+                    },
+                );
             }
-            return Probe::Miss;
+            entry.lease.tokens -= cost;
+            unwritten = known(&entry);
+            Write::Store(
+                entry.encode(),
+                Probe::Taken {
+                    lease_id: entry.lease.id,
+                    tokens_left: entry.lease.tokens,
+                    limit: entry.limit,
+                },
+            )
+        });
+        match found {
+            Ok(probe) => probe,
+            Err(SharedDataError::Failed) => unwritten,
+            Err(SharedDataError::CasMismatch) => Probe::Undecided,
         }
-        Probe::Miss
     }
 
     /// Gives `cost` back to lease `lease_id` of `id` (a take for a request that was then
@@ -551,8 +525,8 @@ impl Table<'_> {
     /// renewal) waits as the next one. An admission of a bucket this Envoy holds nothing about
     /// writes nothing: only rejections and leases are worth a slot.
     pub fn learn(&self, id: &str, learned: &Learned, dispatched_ns: u64, now_ns: u64) {
-        let worth_a_slot =
-            matches!(learned.outcome, Outcome::Rejected { .. }) || learned.asked_lease.is_some();
+        let worth_a_slot = matches!(learned.outcome, DecisionOutcome::Rejected { .. })
+            || learned.asked_lease.is_some();
         self.update_found(id, now_ns, |e, existed| {
             if !existed && !worth_a_slot {
                 return None;
@@ -562,28 +536,28 @@ impl Table<'_> {
                 e.limit = Some(limit.clone());
             }
             match learned.outcome {
-                Outcome::Admitted => {
+                DecisionOutcome::Admitted => {
                     if e.reject_cost <= learned.cost {
                         e.reject_cost = 0;
                         e.reject_until_ns = 0;
                         e.reject_local_until_ns = 0;
                     }
                 }
-                Outcome::Rejected {
-                    why,
+                DecisionOutcome::Rejected {
+                    cause,
                     retry_after_ms,
                 } => {
                     e.reject_cost = learned.cost;
-                    e.reject_why = why;
-                    e.reject_until_ns = dispatched_ns.saturating_add(match why {
-                        Why::Insufficient => retry_after_ms.saturating_mul(1_000_000),
+                    e.reject_cause = cause;
+                    e.reject_until_ns = dispatched_ns.saturating_add(match cause {
+                        RejectionCause::Insufficient => retry_after_ms.saturating_mul(1_000_000),
                         _ => FIXED_REJECTION_NS,
                     });
                     e.reject_local_until_ns = e
                         .reject_until_ns
                         .min(dispatched_ns.saturating_add(self.max_rejection_ns));
                 }
-                Outcome::NotDecided => {}
+                DecisionOutcome::NotDecided => {}
             }
             if let Some((lease_id, ttl_ms)) = learned.asked_lease {
                 e.renewing_until_ns = 0;
@@ -596,10 +570,9 @@ impl Table<'_> {
                         granted_ns: dispatched_ns,
                         started_ns: 0,
                     };
-                    // A decaying maximum: one slow answer is remembered for a few asks.
                     e.ask_rtt_ns = now_ns
                         .saturating_sub(dispatched_ns)
-                        .max(e.ask_rtt_ns / 4 * 3);
+                        .max(e.ask_rtt_ns / ASK_RTT_DIVISOR * ASK_RTT_KEPT);
                     if e.lease.held(now_ns) {
                         e.next = granted;
                     } else {
@@ -613,12 +586,43 @@ impl Table<'_> {
     }
 }
 
+/// What a [`Table::probe`] may answer a request from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProbeFor {
+    /// A lease that pays, else a known rejection.
+    Both,
+    /// A lease that pays, and nothing else.
+    Leases,
+    /// A known rejection (leases are off).
+    KnownRejections,
+}
+
+impl ProbeFor {
+    /// What the fast paths configured answer from; `None`: neither is on (the table is not read).
+    pub fn configured(fp: &FastPaths) -> Option<ProbeFor> {
+        match (fp.leases.enabled, fp.known_rejections) {
+            (true, true) => Some(ProbeFor::Both),
+            (true, false) => Some(ProbeFor::Leases),
+            (false, true) => Some(ProbeFor::KnownRejections),
+            (false, false) => None,
+        }
+    }
+
+    pub fn leases(self) -> bool {
+        matches!(self, ProbeFor::Both | ProbeFor::Leases)
+    }
+
+    pub fn known_rejections(self) -> bool {
+        matches!(self, ProbeFor::Both | ProbeFor::KnownRejections)
+    }
+}
+
 /// What [`Table::probe`] found.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Probe {
     /// A known rejection applies for `left_ns` more.
     Rejected {
-        why: Why,
+        cause: RejectionCause,
         left_ns: u64,
         limit: Option<KnownLimit>,
     },
@@ -636,10 +640,10 @@ pub enum Probe {
         give_back: Option<(u64, u64)>,
     },
     /// Nothing local decides: the request goes to the sidecar.
-    Miss,
-    /// As `Miss`, and the table held no entry of this bucket (so an admission has nothing to
-    /// update there: [`Table::learn`] can be skipped).
-    Absent,
+    Undecided,
+    /// As `Undecided`, and the table holds no entry of this bucket (so an admission has nothing
+    /// to update there: [`Table::learn`] can be skipped).
+    NoEntry,
 }
 
 /// What starting a lease ask found.
@@ -658,7 +662,7 @@ pub struct PreviousLease {
     pub asked_ns: u64,
 }
 
-/// The size of a lease ask: `clamp(ceil(rate * ttl * 1.25), cost, max_tokens)`; `rate` from the
+/// The size of a lease ask: `clamp(ceil(rate * ttl * LEASE_HEADROOM), cost, max_tokens)`; `rate` from the
 /// previous lease's use when there was one (tokens used over the time since it was asked), else
 /// from `observed_per_sec`.
 pub fn lease_size(
@@ -676,7 +680,7 @@ pub fn lease_size(
         }
         _ => observed_per_sec,
     };
-    let want = (rate * ttl_ms as f64 / 1000.0 * 1.25).ceil();
+    let want = (rate * ttl_ms as f64 / 1000.0 * LEASE_HEADROOM).ceil();
     // `as` saturates: an absurd rate cannot overflow.
     (want as u64).clamp(cost, max_tokens.max(cost))
 }
@@ -686,7 +690,7 @@ pub fn lease_size(
 pub struct Learned {
     pub cost: u64,
     pub limit: Option<KnownLimit>,
-    pub outcome: Outcome,
+    pub outcome: DecisionOutcome,
     /// The decision asked for a lease: (lease id, ttl_ms).
     pub asked_lease: Option<(u64, u64)>,
     pub leased: u64,
@@ -694,10 +698,10 @@ pub struct Learned {
 
 /// The sidecar's verdict on one decision.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Outcome {
+pub enum DecisionOutcome {
     Admitted,
     Rejected {
-        why: Why,
+        cause: RejectionCause,
         retry_after_ms: u64,
     },
     /// No verdict for this bucket (an error, a shadow limit, another part rejected first).
@@ -748,34 +752,11 @@ impl Hotness {
 
 #[cfg(test)]
 mod tests {
-    use std::cell::RefCell;
-    use std::collections::HashMap;
-
     use super::*;
+    use crate::shared::fake::Memory;
     #[cfg(target_arch = "wasm32")]
     use wasm_bindgen_test::wasm_bindgen_test as test;
-
-    /// Shared data with compare-and-swap, in memory.
-    #[derive(Default)]
-    struct Memory(RefCell<HashMap<String, (Vec<u8>, u32)>>);
-
-    impl SharedStore for Memory {
-        fn get(&self, key: &str) -> (Option<Vec<u8>>, Option<u32>) {
-            match self.0.borrow().get(key) {
-                Some((v, cas)) => (Some(v.clone()), Some(*cas)),
-                None => (None, None),
-            }
-        }
-        fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
-            let mut m = self.0.borrow_mut();
-            let current = m.get(key).map(|(_, c)| *c);
-            if cas.is_some() && cas != current {
-                return Err(StoreError::CasMismatch);
-            }
-            m.insert(key.into(), (value.to_vec(), current.unwrap_or(0) + 1));
-            Ok(())
-        }
-    }
+    use ProbeFor::Both;
 
     const S: u64 = 1_000_000_000;
 
@@ -793,7 +774,7 @@ mod tests {
         e.limit = Some(limit());
         e.reject_cost = 3;
         e.reject_until_ns = 9;
-        e.reject_why = Why::Blocked;
+        e.reject_cause = RejectionCause::Blocked;
         e.lease.id = 7;
         e.lease.tokens = 5;
         assert_eq!(Entry::decode(&e.encode()), Some(e.clone()));
@@ -822,8 +803,14 @@ mod tests {
         t.learn("b", &learned, 10 * S, 10 * S);
         let e = t.get("b").unwrap();
         // Dispatched at 10 s, wait 1.5 s: known until 11.5 s, for costs of 2 or more.
-        assert_eq!(e.rejection(2, 11 * S), Some((Why::Insufficient, S / 2)));
-        assert_eq!(e.rejection(5, 11 * S), Some((Why::Insufficient, S / 2)));
+        assert_eq!(
+            e.rejection(2, 11 * S),
+            Some((RejectionCause::Insufficient, S / 2))
+        );
+        assert_eq!(
+            e.rejection(5, 11 * S),
+            Some((RejectionCause::Insufficient, S / 2))
+        );
         assert_eq!(e.rejection(1, 11 * S), None, "a smaller cost may pass");
         assert_eq!(
             e.rejection(2, 11 * S + S / 2),
@@ -834,7 +821,7 @@ mod tests {
         t.learn(
             "b",
             &Learned {
-                outcome: Outcome::Admitted,
+                outcome: DecisionOutcome::Admitted,
                 ..learned
             },
             11 * S,
@@ -888,13 +875,13 @@ mod tests {
         let grant = |id: u64, tokens: u64, at: u64, now: u64| grant(&t, id, tokens, at, now);
         grant(77, 8, 0, 0);
         // Without `renew` (a bucket not busy enough) the lease is simply spent.
-        assert_eq!(t.probe("h", 1, 1, true, true, None), t_taken(77, 7));
+        assert_eq!(t.probe("h", 1, 1, Both, None), t_taken(77, 7));
         // Paying down to 2 of 8 keeps at least a quarter; the request that would leave 1 asks.
         for left in (2..7).rev() {
-            assert_eq!(t.probe("h", 1, 1, true, true, Some(S)), t_taken(77, left));
+            assert_eq!(t.probe("h", 1, 1, Both, Some(S)), t_taken(77, left));
         }
         assert_eq!(
-            t.probe("h", 1, 1, true, true, Some(S)),
+            t.probe("h", 1, 1, Both, Some(S)),
             Probe::Renew {
                 previous: Some(PreviousLease {
                     granted: 8,
@@ -911,7 +898,7 @@ mod tests {
             "nothing taken, marked"
         );
         // One ask in flight: the others keep paying from the lease in use.
-        assert_eq!(t.probe("h", 1, 2, true, true, Some(S)), t_taken(77, 1));
+        assert_eq!(t.probe("h", 1, 2, Both, Some(S)), t_taken(77, 1));
         // The next lease arrives while the one in use still holds a token: it waits.
         grant(78, 10, 2, 3);
         let e = t.get("h").unwrap();
@@ -920,16 +907,16 @@ mod tests {
             (77, 1, 78, 10)
         );
         assert_eq!(e.renewing_until_ns, 0);
-        assert_eq!(t.probe("h", 1, 4, true, true, Some(S)), t_taken(77, 0));
+        assert_eq!(t.probe("h", 1, 4, Both, Some(S)), t_taken(77, 0));
         // The one in use is spent: the next one takes over, sized from its own grant.
-        assert_eq!(t.probe("h", 1, 5, true, true, Some(S)), t_taken(78, 9));
+        assert_eq!(t.probe("h", 1, 5, Both, Some(S)), t_taken(78, 9));
         let e = t.get("h").unwrap();
         assert_eq!((e.lease.granted, e.lease.granted_ns, e.next.id), (10, 2, 0));
         // A next lease never pays past its own end (1 s after its ask).
         grant(79, 4, 3, 6);
         assert_eq!(t.get("h").unwrap().next.id, 79);
         assert!(!matches!(
-            t.probe("h", 10, S + 3, true, true, None),
+            t.probe("h", 10, S + 3, Both, None),
             Probe::Taken { .. }
         ));
         // A lease granted when the one in use is spent is used at once.
@@ -940,9 +927,9 @@ mod tests {
         // In the first nine tenths of its time a full lease just pays; in the last tenth it asks
         // for the next one, however much it holds.
         let at = S + 4 + S * 85 / 100;
-        assert_eq!(t.probe("h", 1, at, true, true, Some(3 * S)), t_taken(80, 4));
+        assert_eq!(t.probe("h", 1, at, Both, Some(3 * S)), t_taken(80, 4));
         assert!(matches!(
-            t.probe("h", 1, S + 4 + S * 95 / 100, true, true, Some(3 * S)),
+            t.probe("h", 1, S + 4 + S * 95 / 100, Both, Some(3 * S)),
             Probe::Renew { .. }
         ));
     }
@@ -958,7 +945,7 @@ mod tests {
         assert_eq!(t.get("h").unwrap().ask_rtt_ns, 10 * MS);
         for i in 1..=70 {
             assert_eq!(
-                t.probe("h", 1, 10 * MS + i * MS, true, true, Some(S)),
+                t.probe("h", 1, 10 * MS + i * MS, Both, Some(S)),
                 t_taken(77, 100 - i),
                 "take {i}"
             );
@@ -966,7 +953,7 @@ mod tests {
         // 29 left would last 29 ms: under three round trips of the last ask (30 ms), although
         // above a quarter of the grant. Time to ask.
         assert!(matches!(
-            t.probe("h", 1, 81 * MS, true, true, Some(S)),
+            t.probe("h", 1, 81 * MS, Both, Some(S)),
             Probe::Renew { .. }
         ));
     }
@@ -978,10 +965,10 @@ mod tests {
         t.begin_lease("h", 0, S);
         grant(&t, 77, 4, 0, 0);
         for left in [3, 2, 1] {
-            assert_eq!(t.probe("h", 1, 1, true, true, Some(S)), t_taken(77, left));
+            assert_eq!(t.probe("h", 1, 1, Both, Some(S)), t_taken(77, left));
         }
         assert!(matches!(
-            t.probe("h", 1, 1, true, true, Some(S)),
+            t.probe("h", 1, 1, Both, Some(S)),
             Probe::Renew {
                 give_back: None,
                 ..
@@ -989,16 +976,16 @@ mod tests {
         ));
         // (Asked and answered at once here: no round trip to renew early for.)
         grant(&t, 78, 8, 2, 2);
-        assert_eq!(t.probe("h", 1, 3, true, true, Some(S)), t_taken(77, 0));
+        assert_eq!(t.probe("h", 1, 3, Both, Some(S)), t_taken(77, 0));
         // 77 is spent: 78 takes over, and 77 (whose record Redis keeps until its end) retires.
-        assert_eq!(t.probe("h", 1, 4, true, true, Some(S)), t_taken(78, 7));
+        assert_eq!(t.probe("h", 1, 4, Both, Some(S)), t_taken(78, 7));
         assert_eq!(t.get("h").unwrap().retired.id, 77);
         for left in (2..7).rev() {
-            assert_eq!(t.probe("h", 1, 5, true, true, Some(S)), t_taken(78, left));
+            assert_eq!(t.probe("h", 1, 5, Both, Some(S)), t_taken(78, left));
         }
         // The ask for 78's successor gives 77 back (0 tokens: its record goes).
         assert!(matches!(
-            t.probe("h", 1, 6, true, true, Some(S)),
+            t.probe("h", 1, 6, Both, Some(S)),
             Probe::Renew {
                 give_back: Some((77, 0)),
                 ..
@@ -1012,16 +999,16 @@ mod tests {
         let m = Memory::default();
         let t = table(&m);
         grant(&t, 77, 4, 0, 0);
-        assert_eq!(t.probe("h", 1, 1, true, true, None), t_taken(77, 3));
-        assert_eq!(t.probe("h", 1, 1, true, true, None), t_taken(77, 2));
+        assert_eq!(t.probe("h", 1, 1, Both, None), t_taken(77, 3));
+        assert_eq!(t.probe("h", 1, 1, Both, None), t_taken(77, 2));
         // Another request was rejected: the bucket is empty for 10 s.
         t.learn("h", &rejected(1, 10_000), 1, 1);
         // 2 of 4 left would ask for the next lease; the ask would be rejected, so the lease pays.
-        assert_eq!(t.probe("h", 1, 2, true, true, Some(S)), t_taken(77, 1));
-        assert_eq!(t.probe("h", 1, 2, true, true, Some(S)), t_taken(77, 0));
+        assert_eq!(t.probe("h", 1, 2, Both, Some(S)), t_taken(77, 1));
+        assert_eq!(t.probe("h", 1, 2, Both, Some(S)), t_taken(77, 0));
         // Spent: the known rejection answers.
         assert!(matches!(
-            t.probe("h", 1, 2, true, true, Some(S)),
+            t.probe("h", 1, 2, Both, Some(S)),
             Probe::Rejected { .. }
         ));
     }
@@ -1036,7 +1023,7 @@ mod tests {
         let e = t.get("h").unwrap();
         assert_eq!((e.lease.tokens, e.next.tokens), (4, 2));
         // A request costing 5: neither lease pays it; its ask hands both leftovers back.
-        assert_eq!(t.probe("h", 5, 1, true, true, Some(S)), Probe::Miss);
+        assert_eq!(t.probe("h", 5, 1, Both, Some(S)), Probe::Undecided);
         let start = t.begin_lease("h", 1, S).unwrap();
         assert_eq!(start.give_back, vec![(1, 4), (2, 2)]);
         let e = t.get("h").unwrap();
@@ -1067,7 +1054,7 @@ mod tests {
             &Learned {
                 cost: 1,
                 limit: Some(limit()),
-                outcome: Outcome::Admitted,
+                outcome: DecisionOutcome::Admitted,
                 asked_lease: Some((id, 1000)),
                 leased: tokens,
             },
@@ -1081,8 +1068,8 @@ mod tests {
         Learned {
             cost,
             limit: Some(limit()),
-            outcome: Outcome::Rejected {
-                why: Why::Insufficient,
+            outcome: DecisionOutcome::Rejected {
+                cause: RejectionCause::Insufficient,
                 retry_after_ms,
             },
             asked_lease: None,
@@ -1100,7 +1087,7 @@ mod tests {
 
     /// The lease id `probe` took `cost` from.
     fn take(t: &Table<'_>, id: &str, cost: u64, now_ns: u64) -> Option<u64> {
-        match t.probe(id, cost, now_ns, true, true, None) {
+        match t.probe(id, cost, now_ns, Both, None) {
             Probe::Taken { lease_id, .. } => Some(lease_id),
             _ => None,
         }
@@ -1113,24 +1100,24 @@ mod tests {
         // Redis said: an hour to wait. Locally answered for a second after the callout.
         t.learn("h", &rejected(1, 3_600_000), 0, 10);
         assert!(
-            matches!(t.probe("h", 1, S - 1, true, true, None), Probe::Rejected { left_ns, .. } if left_ns == 3600 * S - (S - 1)),
+            matches!(t.probe("h", 1, S - 1, Both, None), Probe::Rejected { left_ns, .. } if left_ns == 3600 * S - (S - 1)),
             "Retry-After says the whole wait"
         );
         assert_eq!(
-            t.probe("h", 1, S, true, true, None),
-            Probe::Miss,
+            t.probe("h", 1, S, Both, None),
+            Probe::Undecided,
             "after the cap the next request asks again (and sees a raised limit)"
         );
         assert!(!t.get("h").unwrap().live(S), "nor does it hold the slot");
         // A shorter wait than the cap is answered for the wait.
         t.learn("h", &rejected(1, 300), 2 * S, 2 * S);
         assert!(matches!(
-            t.probe("h", 1, 2 * S + 299_999_999, true, true, None),
+            t.probe("h", 1, 2 * S + 299_999_999, Both, None),
             Probe::Rejected { .. }
         ));
         assert_eq!(
-            t.probe("h", 1, 2 * S + 300_000_000, true, true, None),
-            Probe::Miss
+            t.probe("h", 1, 2 * S + 300_000_000, Both, None),
+            Probe::Undecided
         );
     }
 
@@ -1142,7 +1129,7 @@ mod tests {
         grant(&t, 7, 2, 0, 0);
         t.learn("h", &rejected(1, 500), 0, 0);
         assert_eq!(
-            t.probe("h", 1, 1, true, true, None),
+            t.probe("h", 1, 1, Both, None),
             Probe::Taken {
                 lease_id: 7,
                 tokens_left: 1,
@@ -1151,12 +1138,12 @@ mod tests {
         );
         assert_eq!(take(&t, "h", 1, 1), Some(7));
         assert!(
-            matches!(t.probe("h", 1, 1, true, true, None), Probe::Rejected { why: Why::Insufficient, left_ns, .. } if left_ns == 500_000_000 - 1),
+            matches!(t.probe("h", 1, 1, Both, None), Probe::Rejected { cause: RejectionCause::Insufficient, left_ns, .. } if left_ns == 500_000_000 - 1),
             "the lease is spent: the rejection answers"
         );
         assert_eq!(
-            t.probe("h", 1, 1, false, true, None),
-            Probe::Miss,
+            t.probe("h", 1, 1, ProbeFor::Leases, None),
+            Probe::Undecided,
             "rejections off"
         );
     }
@@ -1168,19 +1155,19 @@ mod tests {
         let admitted = Learned {
             cost: 1,
             limit: Some(limit()),
-            outcome: Outcome::Admitted,
+            outcome: DecisionOutcome::Admitted,
             asked_lease: None,
             leased: 0,
         };
         t.learn("quiet", &admitted, 0, 0);
         assert!(t.get("quiet").is_none());
-        assert_eq!(t.probe("quiet", 1, 0, true, true, None), Probe::Absent);
+        assert_eq!(t.probe("quiet", 1, 0, Both, None), Probe::NoEntry);
         // Once known (a rejection), an admission clears it.
         t.learn(
             "quiet",
             &Learned {
-                outcome: Outcome::Rejected {
-                    why: Why::Insufficient,
+                outcome: DecisionOutcome::Rejected {
+                    cause: RejectionCause::Insufficient,
                     retry_after_ms: 100,
                 },
                 ..admitted.clone()

@@ -5,19 +5,24 @@
 //! - [`config`]: the plugin configuration, its defaults and validation;
 //! - [`identity`]: the request's [`identity::Subject`] from trustworthy facts;
 //! - [`rules`]: which rules apply, and what each asks the sidecar (rule and subject);
+//! - [`flow`]: the life of a request (its start, the fast paths, the sidecar's answer or its
+//!   absence), the batcher that fills each callout, and the courier hand-over between workers;
 //! - [`fastpath`]: known rejections and leases in shared data (the exact local fast paths);
 //! - [`emergency`]: the local token bucket of the `local` failure policy;
+//! - [`shared`]: shared data, where both of those live, and its one compare-and-swap loop;
 //! - [`verdict`]: admit or reject from the sidecar's answer, local knowledge or the failure
-//!   policies.
+//!   policies, and what a rejection looks like on the wire.
 //!
-//! `host` (only in the `wasm32-wasip1` build) adapts the proxy-wasm ABI to them.
+//! `host` (only in the `wasm32-wasip1` build) adapts the proxy-wasm ABI to them: its contexts
+//! gather facts, call the flow and carry its verdicts out.
 
 pub mod config;
-pub mod courier;
 pub mod emergency;
 pub mod fastpath;
+pub mod flow;
 pub mod identity;
 pub mod rules;
+pub mod shared;
 pub mod verdict;
 
 #[cfg(all(target_arch = "wasm32", target_os = "wasi"))]

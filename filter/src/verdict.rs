@@ -11,14 +11,12 @@
 //! waiting cannot help.
 
 use ratelimit_wire::headers::{self as fields, limiting, HeaderLimit, Limiting};
-pub use ratelimit_wire::headers::{ceil_s, retry_after_s, sf_integer, MAX_SF_INTEGER};
-use ratelimit_wire::{
-    elide_middle, AppliedLimit, DecideResponse, ErrorCode, Reason, RequestAnswer,
-};
+use ratelimit_wire::headers::{ceil_s, retry_after_s};
+use ratelimit_wire::{elide_middle, DecideResponse, ErrorCode, Reason, RequestAnswer};
 
 use crate::config::{window_s, Config, Emergency, FailurePolicy, RateLimitHeaders};
-use crate::emergency::{self, Bucket, Charge, Contention, Take};
-use crate::fastpath::{KnownLimit, Why};
+use crate::emergency::{self, Contention, EmergencyBucket, EmergencyCharge, Take};
+use crate::fastpath::{KnownLimit, RejectionCause};
 use crate::rules::Planned;
 
 /// The most bytes of a sidecar answer that are read.
@@ -48,7 +46,7 @@ pub enum Verdict {
     Reject(LocalReply),
 }
 
-/// Why the sidecar's answer cannot be used.
+/// RejectionCause the sidecar's answer cannot be used.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, serde::Serialize, serde::Deserialize)]
 pub enum LimiterError {
     #[error("no answer (timeout, reset or unreachable cluster)")]
@@ -159,11 +157,6 @@ pub struct LeasedAdmit<'a> {
     pub lease_tokens: u64,
 }
 
-/// The headers figures of a limit the sidecar applied.
-fn applied<'a>(l: &'a AppliedLimit, remaining: u64, reset_s: u64) -> HeaderLimit<'a> {
-    HeaderLimit::applied(l, remaining, reset_s)
-}
-
 /// The verdict from a checked answer (see [`check_answer`]); `answer.results[i]` belongs to the
 /// i-th remote decision, whose rule is `rules[i]` (the gateway's rule names the rejection in the
 /// body and the response code details; the limit the sidecar applied names `RateLimit-Policy`);
@@ -179,13 +172,16 @@ pub fn from_answer(
     match limiting(results) {
         Some(Limiting::Never(i)) => {
             let r = &results[i];
-            let limit = r.limit.as_ref().map(|l| applied(l, 0, 0));
+            let limit = r.limit.as_ref().map(|l| HeaderLimit::applied(l, 0, 0));
             return Verdict::Reject(never(config, rule_of(i), limit.as_ref(), r.reason));
         }
         Some(Limiting::Wait(i)) => {
             let r = &results[i];
             let wait_s = retry_after_s(r.retry_after_ms);
-            let limit = r.limit.as_ref().map(|l| applied(l, r.remaining, wait_s));
+            let limit = r
+                .limit
+                .as_ref()
+                .map(|l| HeaderLimit::applied(l, r.remaining, wait_s));
             return Verdict::Reject(rate_limited(config, rule_of(i), limit.as_ref(), wait_s));
         }
         None => {}
@@ -196,7 +192,7 @@ pub fn from_answer(
         .filter_map(|r| {
             r.limit
                 .as_ref()
-                .map(|l| applied(l, r.remaining, ceil_s(r.reset_ms)))
+                .map(|l| HeaderLimit::applied(l, r.remaining, ceil_s(r.reset_ms)))
         })
         .collect();
     limits.extend(leased.iter().filter_map(|a| {
@@ -234,7 +230,7 @@ pub fn known_rejection(
     config: &Config,
     rule: &str,
     limit: Option<&KnownLimit>,
-    why: Why,
+    cause: RejectionCause,
     left_ns: u64,
 ) -> LocalReply {
     let wait_s = retry_after_s(left_ns.div_ceil(1_000_000));
@@ -245,12 +241,12 @@ pub fn known_rejection(
         remaining: 0,
         reset_s: wait_s,
     });
-    match why {
-        Why::Insufficient => rate_limited(config, rule, figures.as_ref(), wait_s),
-        Why::CostExceedsCapacity => {
+    match cause {
+        RejectionCause::Insufficient => rate_limited(config, rule, figures.as_ref(), wait_s),
+        RejectionCause::CostExceedsCapacity => {
             never(config, rule, figures.as_ref(), Reason::CostExceedsCapacity)
         }
-        Why::Blocked => never(config, rule, figures.as_ref(), Reason::Blocked),
+        RejectionCause::Blocked => never(config, rule, figures.as_ref(), Reason::Blocked),
     }
 }
 
@@ -300,14 +296,18 @@ pub fn fails_open(config: &Config, planned: &[Planned]) -> bool {
 
 /// The emergency buckets to charge for the entries of [`FailurePlan::Local`], in order (see
 /// [`emergency::take_all`]).
-pub fn charges(config: &Config, planned: &[Planned], local: &[(usize, &Emergency)]) -> Vec<Charge> {
+pub fn charges(
+    config: &Config,
+    planned: &[Planned],
+    local: &[(usize, &Emergency)],
+) -> Vec<EmergencyCharge> {
     local
         .iter()
         .map(|&(i, e)| {
             let rule = &config.rules[planned[i].rule];
-            Charge {
+            EmergencyCharge {
                 key: emergency::shared_key(&rule.name),
-                bucket: Bucket::from(e),
+                bucket: EmergencyBucket::from(e),
                 cost: rule.cost as f64,
             }
         })
@@ -489,7 +489,8 @@ mod tests {
     use super::*;
     use crate::config::tests::example;
     use crate::emergency::State;
-    use ratelimit_wire::{DecisionResult, RequestError, Subject as WireSubject};
+    use ratelimit_wire::headers::MAX_SF_INTEGER;
+    use ratelimit_wire::{AppliedLimit, DecisionResult, RequestError, Subject as WireSubject};
     #[cfg(target_arch = "wasm32")]
     use wasm_bindgen_test::wasm_bindgen_test as test;
 
@@ -1133,7 +1134,7 @@ mod tests {
                 &c,
                 "per-app",
                 Some(&known),
-                Why::Insufficient,
+                RejectionCause::Insufficient,
                 1_500_000_000
             ),
             reject(from_answer(
@@ -1143,29 +1144,38 @@ mod tests {
                 &[]
             ))
         );
-        for (why, reason) in [
-            (Why::CostExceedsCapacity, Reason::CostExceedsCapacity),
-            (Why::Blocked, Reason::Blocked),
+        for (cause, reason) in [
+            (
+                RejectionCause::CostExceedsCapacity,
+                Reason::CostExceedsCapacity,
+            ),
+            (RejectionCause::Blocked, Reason::Blocked),
         ] {
             let remote = DecisionResult {
                 reason,
                 ..rejected(0, 0, per_app())
             };
             assert_eq!(
-                known_rejection(&c, "per-app", Some(&known), why, 700_000_000),
+                known_rejection(&c, "per-app", Some(&known), cause, 700_000_000),
                 reject(from_answer(&c, &answer(vec![remote]), &RULES[..1], &[])),
-                "{why:?}"
+                "{cause:?}"
             );
         }
         // Without a known limit: the same reply without rate-limit headers.
-        let r = known_rejection(&c, "per-ip", None, Why::Insufficient, 1);
+        let r = known_rejection(&c, "per-ip", None, RejectionCause::Insufficient, 1);
         assert_eq!(
             r.headers,
             headers(&[("content-type", "application/json"), ("retry-after", "1")])
         );
         assert_eq!(r.details, "ratelimit_rejected:per-ip");
         // The time left is rounded up to whole milliseconds, then seconds.
-        let r = known_rejection(&c, "per-ip", None, Why::Insufficient, 1_000_000_001);
+        let r = known_rejection(
+            &c,
+            "per-ip",
+            None,
+            RejectionCause::Insufficient,
+            1_000_000_001,
+        );
         assert_eq!(header(&r, "retry-after"), Some("2"));
     }
 
@@ -1283,7 +1293,7 @@ mod tests {
         let c = always();
         let e = c.rules[0].emergency.clone().unwrap();
         let p = planned(&c, &[0]);
-        let take = Bucket::from(&e).take(None, 0, 1.0);
+        let take = EmergencyBucket::from(&e).take(None, 0, 1.0);
         let headers = admit(from_emergency(&c, &p, &[(0, &e)], &[Ok(take)]));
         assert_eq!(headers[1].1, "\"per-app\";r=9;t=1");
     }
@@ -1306,9 +1316,9 @@ mod tests {
         let p = planned(&c, &[1, 0]);
         assert_eq!(
             charges(&c, &p, &[(1, &e)]),
-            [Charge {
+            [EmergencyCharge {
                 key: "ratelimit.emergency.per-app".into(),
-                bucket: Bucket {
+                bucket: EmergencyBucket {
                     capacity: 10.0,
                     refill_per_sec: 1.0
                 },

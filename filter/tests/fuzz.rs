@@ -31,12 +31,14 @@ use ratelimit_filter::config::{
     self, ApiKey, Config, Dimension, Identity, Jwt, RateLimitHeaders, UnknownPolicy, MAX_CAPACITY,
     MAX_RULES, MAX_RULE_NAME_BYTES, MAX_SF_INTEGER,
 };
-use ratelimit_filter::emergency::{Bucket, SharedStore, State, StoreError};
+use ratelimit_filter::emergency::{EmergencyBucket, State};
 use ratelimit_filter::fastpath::{
-    self, Entry, KnownLimit, Learned, Lease, Outcome, Probe, Table, Why,
+    self, DecisionOutcome, Entry, KnownLimit, Learned, Lease, Probe, ProbeFor, RejectionCause,
+    Table,
 };
 use ratelimit_filter::identity::{self, Facts, Subject, MAX_IDENTITY_BYTES};
 use ratelimit_filter::rules::{self, RequestFacts, MAX_KEY_VALUE_BYTES};
+use ratelimit_filter::shared::{SharedDataError, SharedStore};
 use ratelimit_filter::verdict::{self, LeasedAdmit, LimiterError, Verdict};
 use ratelimit_wire::{
     DecideRequest, Decision, RequestDecisions, MAX_DECISIONS, MAX_NAME_BYTES, MAX_SUBJECT_ENTRIES,
@@ -1048,7 +1050,7 @@ fn empty_entry(id: &str) -> Vec<u8> {
         reject_cost: 0,
         reject_until_ns: 0,
         reject_local_until_ns: 0,
-        reject_why: Why::Insufficient,
+        reject_cause: RejectionCause::Insufficient,
         lease: Lease::default(),
         next: Lease::default(),
         renewing_until_ns: 0,
@@ -1136,11 +1138,11 @@ impl SharedStore for Memory {
         }
     }
 
-    fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
+    fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), SharedDataError> {
         let mut data = self.0.borrow_mut();
         let current = data.get(key).map(|(_, c)| *c);
         if cas.is_some() && cas != current {
-            return Err(StoreError::CasMismatch);
+            return Err(SharedDataError::CasMismatch);
         }
         data.insert(
             key.to_string(),
@@ -1164,7 +1166,7 @@ fn entry() -> impl Strategy<Value = Entry> {
                 id,
                 limit,
                 [reject_cost, reject_until_ns, reject_local_until_ns],
-                why,
+                cause,
                 leases,
                 [renewing_until_ns, ask_rtt_ns],
             )| {
@@ -1188,8 +1190,11 @@ fn entry() -> impl Strategy<Value = Entry> {
                     reject_cost,
                     reject_until_ns,
                     reject_local_until_ns,
-                    reject_why: [Why::Insufficient, Why::CostExceedsCapacity, Why::Blocked]
-                        [usize::from(why)],
+                    reject_cause: [
+                        RejectionCause::Insufficient,
+                        RejectionCause::CostExceedsCapacity,
+                        RejectionCause::Blocked,
+                    ][usize::from(cause)],
                     lease,
                     next,
                     renewing_until_ns,
@@ -1204,17 +1209,21 @@ fn entry() -> impl Strategy<Value = Entry> {
 #[derive(Debug, Clone)]
 enum TableOp {
     Learn(Learned, u64, u64),
-    Probe(u64, u64, bool, bool, Option<u64>),
+    Probe(u64, u64, ProbeFor, Option<u64>),
     GiveBack(u64, u64, u64),
     Begin(u64, u64),
 }
 
 fn table_op() -> impl Strategy<Value = TableOp> {
     let outcome = prop_oneof![
-        Just(Outcome::Admitted),
-        Just(Outcome::NotDecided),
-        (0u8..3, any::<u64>()).prop_map(|(w, retry_after_ms)| Outcome::Rejected {
-            why: [Why::Insufficient, Why::CostExceedsCapacity, Why::Blocked][usize::from(w)],
+        Just(DecisionOutcome::Admitted),
+        Just(DecisionOutcome::NotDecided),
+        (0u8..3, any::<u64>()).prop_map(|(w, retry_after_ms)| DecisionOutcome::Rejected {
+            cause: [
+                RejectionCause::Insufficient,
+                RejectionCause::CostExceedsCapacity,
+                RejectionCause::Blocked
+            ][usize::from(w)],
             retry_after_ms,
         }),
     ];
@@ -1245,8 +1254,15 @@ fn table_op() -> impl Strategy<Value = TableOp> {
                     now,
                 )
             }),
-        any::<(u64, u64, bool, bool, Option<u64>)>()
-            .prop_map(|(c, n, r, l, renew)| TableOp::Probe(c, n, r, l, renew)),
+        (
+            any::<(u64, u64, Option<u64>)>(),
+            prop_oneof![
+                Just(ProbeFor::Both),
+                Just(ProbeFor::Leases),
+                Just(ProbeFor::KnownRejections)
+            ]
+        )
+            .prop_map(|((c, n, renew), paths)| TableOp::Probe(c, n, paths, renew)),
         any::<(u64, u64, u64)>().prop_map(|(l, c, now)| TableOp::GiveBack(l, c, now)),
         any::<(u64, u64)>().prop_map(|(n, u)| TableOp::Begin(n, u)),
     ]
@@ -1301,7 +1317,7 @@ fn fuzz_fastpath() {
                     &always,
                     "per-app",
                     e.limit.as_ref(),
-                    e.reject_why,
+                    e.reject_cause,
                     now_ns,
                 );
                 check_verdict(&Verdict::Reject(reply), &["per-app"])?;
@@ -1337,7 +1353,8 @@ fn fuzz_fastpath() {
                     .filter(|b| Entry::decode(b).is_some_and(|e| e.id != id && e.live(op_now)));
                 match op {
                     TableOp::Learn(l, at, now) => table.learn(id, l, *at, *now),
-                    TableOp::Probe(cost, now, rejections, lease, renew) => {
+                    TableOp::Probe(cost, now, paths, renew) => {
+                        let (rejections, lease) = (paths.known_rejections(), paths.leases());
                         // The lease that pays: the one in use, else the next one taking over.
                         let held = table.get(id);
                         let before = held.as_ref().map_or(0, |e| {
@@ -1347,11 +1364,11 @@ fn fuzz_fastpath() {
                                 e.next.tokens
                             }
                         });
-                        match table.probe(id, *cost, *now, *rejections, *lease, *renew) {
+                        match table.probe(id, *cost, *now, *paths, *renew) {
                             Probe::Taken {
                                 tokens_left, limit, ..
                             } => {
-                                prop_assert!(*lease, "a lease taken when leases are off");
+                                prop_assert!(lease, "a lease taken when leases are off");
                                 prop_assert_eq!(
                                     tokens_left,
                                     before - cost,
@@ -1364,11 +1381,11 @@ fn fuzz_fastpath() {
                                 prop_assert!(limit.is_none_or(|l| verdict::is_limit_name(&l.name)));
                             }
                             Probe::Rejected { left_ns, limit, .. } => {
-                                prop_assert!(*rejections && left_ns > 0);
+                                prop_assert!(rejections && left_ns > 0);
                                 prop_assert!(limit.is_none_or(|l| verdict::is_limit_name(&l.name)));
                             }
                             Probe::Renew { .. } => {
-                                prop_assert!(*lease && renew.is_some(), "a renewal not asked for");
+                                prop_assert!(lease && renew.is_some(), "a renewal not asked for");
                                 let after = table.get(id);
                                 prop_assert_eq!(
                                     after.as_ref().map(|e| e.lease.tokens),
@@ -1381,7 +1398,7 @@ fn fuzz_fastpath() {
                                     "a renewal not marked"
                                 );
                             }
-                            Probe::Miss | Probe::Absent => {}
+                            Probe::Undecided | Probe::NoEntry => {}
                         }
                     }
                     TableOp::GiveBack(lease, cost, now) => table.give_back(id, *lease, *cost, *now),
@@ -1430,7 +1447,7 @@ fn fuzz_emergency() {
     let bucket = (1u64..=MAX_CAPACITY, 1e-6f64..1e9).prop_filter_map(
         "a full refill within a year",
         |(capacity, refill_per_sec)| {
-            (capacity as f64 / refill_per_sec <= config::MAX_REFILL_S).then_some(Bucket {
+            (capacity as f64 / refill_per_sec <= config::MAX_REFILL_S).then_some(EmergencyBucket {
                 capacity: capacity as f64,
                 refill_per_sec,
             })

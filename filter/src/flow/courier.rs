@@ -1,11 +1,15 @@
-//! Shared callouts (`fast_paths.share_callouts`): the workers of one Envoy post to each other's
-//! wake queues (`ratelimit.wake.<nonce>`, one per worker VM). A message is one kind byte and a
-//! JSON body; a bare wake-up is `w`.
+//! Shared callouts (`fast_paths.share_callouts`): who sends a worker's queued requests
+//! ([`sender`]), and the messages the workers of one Envoy post to each other's wake queues
+//! (`ratelimit.wake.<nonce>`, one per worker VM): one kind byte and a JSON body; a bare wake-up is
+//! `w`. How the courier is named and replaced: docs/fast-paths.md#coalesced-callouts.
 
 use ratelimit_wire::{LeaseReturn, RequestAnswer, RequestDecisions};
 use serde::{Deserialize, Serialize};
 
 use crate::verdict::LimiterError;
+
+/// A bare wake-up (of a worker's own root context, or of the courier).
+pub const WAKE: &[u8] = b"w";
 
 /// Kind byte: a worker's queued requests, for the courier to send.
 pub const FORWARD: u8 = b'F';
@@ -13,14 +17,14 @@ pub const FORWARD: u8 = b'F';
 pub const ANSWERS: u8 = b'A';
 
 /// Requests forwarded to the courier.
-#[derive(Serialize, Deserialize)]
+#[derive(Debug, Serialize, Deserialize)]
 pub struct Forward {
     /// The sending worker's nonce: where the answers go.
     pub origin: u64,
     pub requests: Vec<Forwarded>,
 }
 
-#[derive(Serialize, Deserialize)]
+#[derive(Debug, Serialize, Deserialize)]
 pub struct Forwarded {
     /// The request's context in its own worker.
     pub context: u32,
@@ -36,9 +40,35 @@ pub struct Forwarded {
 pub type Answer = (u32, Result<RequestAnswer, LimiterError>);
 
 /// Answers to forwarded requests, by context.
-#[derive(Serialize, Deserialize)]
+#[derive(Debug, Serialize, Deserialize)]
 pub struct Answers {
     pub answers: Vec<Answer>,
+}
+
+/// Who sends a worker's queued requests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sender {
+    /// This worker: it is the courier, or it carries other workers' requests.
+    ThisWorker,
+    /// This worker, which takes the courier's place: none is named.
+    TakeOver,
+    /// The courier with this nonce: the queue is forwarded to it.
+    Courier(u64),
+}
+
+/// Who sends the queued requests of the worker `this` (its nonce). A worker that carries other
+/// workers' requests sends them itself, even if another was named the courier since they came
+/// (they would otherwise wait for their deadline), and does not read the name; otherwise `named`
+/// reads the courier's nonce from shared data.
+pub fn sender(this: u64, carries_others: bool, named: impl FnOnce() -> Option<u64>) -> Sender {
+    if carries_others {
+        return Sender::ThisWorker;
+    }
+    match named() {
+        Some(c) if c != this => Sender::Courier(c),
+        Some(_) => Sender::ThisWorker,
+        None => Sender::TakeOver,
+    }
 }
 
 /// A message: its kind byte, then its JSON.
@@ -80,6 +110,18 @@ mod tests {
         assert_eq!(m[0], ANSWERS);
         let back: Answers = serde_json::from_slice(&m[1..]).unwrap();
         assert_eq!(back.answers, a.answers);
+    }
+
+    #[test]
+    fn the_named_courier_sends_unless_this_worker_carries_others_or_none_is_named() {
+        assert_eq!(sender(1, false, || Some(2)), Sender::Courier(2));
+        assert_eq!(sender(1, false, || Some(1)), Sender::ThisWorker);
+        assert_eq!(sender(1, false, || None), Sender::TakeOver);
+        // Holding other workers' requests, a worker sends them without reading the name.
+        assert_eq!(
+            sender(1, true, || unreachable!("the name is not read")),
+            Sender::ThisWorker
+        );
     }
 
     #[test]

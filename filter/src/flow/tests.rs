@@ -1,0 +1,816 @@
+//! The request flow and the batcher, with shared data, counters and the request in memory and
+//! time driven explicitly.
+
+use std::cell::RefCell;
+use std::collections::BTreeMap;
+
+use ratelimit_wire::{
+    AppliedLimit, DecideRequest, ErrorCode, RequestDecisions, RequestError, Subject as WireSubject,
+    MAX_CALL_DECISIONS, MAX_RETURNS,
+};
+use serde_json::{json, Value};
+
+use super::batch::Queue;
+use super::courier::{Forward, Forwarded};
+use super::*;
+use crate::shared::fake::Memory;
+#[cfg(target_arch = "wasm32")]
+use wasm_bindgen_test::wasm_bindgen_test as test;
+
+const S: u64 = 1_000_000_000;
+const MS: u64 = 1_000_000;
+const T0: u64 = 1_700_000_000 * S;
+
+/// The configuration of these tests: one rule `per-app` on `/api/`, by `app` (the API key
+/// `alpha-key` names `alpha`), `on_error: deny`, a 50 ms timeout; `edit` changes its JSON.
+fn config(edit: impl FnOnce(&mut Value)) -> Config {
+    let mut v = json!({
+        "domain": "test",
+        "sidecar": {"cluster": "sidecar", "timeout_ms": 50},
+        "identity": {
+            "api_key": {"header": "x-api-key", "keys": {
+                "677509799af78b2efa2f2af71d0f906e0a0c50c048efd3b515625f788e92b99a": "alpha"}},
+            "ip": true
+        },
+        "rules": [
+            {"name": "per-app", "match": {"path_prefix": "/api/"}, "subject": ["app"],
+             "on_error": "deny"}
+        ]
+    });
+    edit(&mut v);
+    Config::from_json(v.to_string().as_bytes()).unwrap_or_else(|e| panic!("{v} refused: {e}"))
+}
+
+/// Every bucket is busy enough for leases from its first request (5 a second counted).
+fn busy(v: &mut Value) {
+    v["fast_paths"] = json!({"leases": {"min_rate_per_sec": 1}});
+}
+
+/// A second rule, `per-ip` on `/api/`, by `ip`, `on_error: allow`.
+fn per_ip(v: &mut Value) {
+    v["rules"].as_array_mut().unwrap().push(json!(
+        {"name": "per-ip", "match": {"path_prefix": "/api/"}, "subject": ["ip"],
+         "on_error": "allow"}
+    ));
+}
+
+/// Counters in memory.
+#[derive(Default)]
+struct Counts(RefCell<BTreeMap<Stat, u64>>);
+
+impl Stats for Counts {
+    fn add(&self, stat: Stat, n: u64) {
+        *self.0.borrow_mut().entry(stat).or_default() += n;
+    }
+}
+
+/// A request's headers and properties (a property by its path joined with `.`).
+#[derive(Default)]
+struct FakeRequest {
+    headers: BTreeMap<String, Vec<u8>>,
+    properties: BTreeMap<String, Vec<u8>>,
+}
+
+impl RequestView for FakeRequest {
+    fn header(&self, name: &str) -> Option<Vec<u8>> {
+        self.headers.get(name).cloned()
+    }
+
+    fn property(&self, path: &[&str]) -> Option<Vec<u8>> {
+        self.properties.get(&path.join(".")).cloned()
+    }
+}
+
+/// A GET of `path` from 10.0.0.1 with the API key `api_key`, if any.
+fn request(path: &str, api_key: Option<&str>) -> FakeRequest {
+    let mut r = FakeRequest::default();
+    r.headers.insert(":path".into(), path.into());
+    r.headers.insert(":method".into(), b"GET".to_vec());
+    if let Some(k) = api_key {
+        r.headers.insert("x-api-key".into(), k.into());
+    }
+    r.properties
+        .insert("source.address".into(), b"10.0.0.1:5000".to_vec());
+    r
+}
+
+/// alpha's request.
+fn alpha() -> FakeRequest {
+    request("/api/orders", Some("alpha-key"))
+}
+
+/// One worker of one Envoy: the flow over shared data and counters in memory.
+struct Gateway {
+    config: Config,
+    reads: RequestReads,
+    store: Memory,
+    counts: Counts,
+    worker: Worker,
+}
+
+impl Gateway {
+    fn new(config: Config) -> Gateway {
+        Gateway {
+            reads: RequestReads::of(&config),
+            config,
+            store: Memory::default(),
+            counts: Counts::default(),
+            worker: Worker::new(42),
+        }
+    }
+
+    fn flow(&self) -> Flow<'_> {
+        Flow {
+            config: &self.config,
+            reads: &self.reads,
+            store: &self.store,
+            stats: &self.counts,
+        }
+    }
+
+    fn start(&mut self, request: &FakeRequest, now_ns: u64) -> Start {
+        let flow = Flow {
+            config: &self.config,
+            reads: &self.reads,
+            store: &self.store,
+            stats: &self.counts,
+        };
+        flow.start(request, now_ns, &mut self.worker)
+    }
+
+    /// What the sidecar answered at `now_ns` to a call sent at `dispatched_ns`.
+    fn settle(
+        &self,
+        w: &mut Waiting,
+        answer: Result<RequestAnswer, LimiterError>,
+        dispatched_ns: u64,
+        now_ns: u64,
+    ) -> Verdict {
+        self.flow().settle(w, answer, dispatched_ns, now_ns)
+    }
+
+    /// The counters that are not zero.
+    fn counted(&self) -> Vec<(Stat, u64)> {
+        self.counts.0.borrow().clone().into_iter().collect()
+    }
+
+    fn count(&self, stat: Stat) -> u64 {
+        self.counts.0.borrow().get(&stat).copied().unwrap_or(0)
+    }
+
+    /// The fast-path entry of alpha's `per-app` bucket.
+    fn entry(&self) -> Option<fastpath::Entry> {
+        self.flow().table().get("test/per-app|app=alpha")
+    }
+}
+
+fn waits(s: Start) -> Waiting {
+    match s {
+        Start::Wait(w) => w,
+        other => panic!("expected to wait for the sidecar, got {other:?}"),
+    }
+}
+
+fn decided(s: Start) -> Verdict {
+    match s {
+        Start::Decided(v) => v,
+        other => panic!("expected a local verdict, got {other:?}"),
+    }
+}
+
+fn reply(s: Start) -> LocalReply {
+    match s {
+        Start::Reply(r) => r,
+        other => panic!("expected a reply, got {other:?}"),
+    }
+}
+
+fn rejection(v: Verdict) -> LocalReply {
+    match v {
+        Verdict::Reject(r) => r,
+        other => panic!("expected a rejection, got {other:?}"),
+    }
+}
+
+fn admitted_with(v: Verdict) -> Vec<(String, String)> {
+    match v {
+        Verdict::Admit { headers } => headers,
+        other => panic!("expected an admission, got {other:?}"),
+    }
+}
+
+fn header<'a>(reply: &'a LocalReply, name: &str) -> Option<&'a str> {
+    reply
+        .headers
+        .iter()
+        .find(|(n, _)| n == name)
+        .map(|(_, v)| v.as_str())
+}
+
+fn limit() -> Option<AppliedLimit> {
+    Some(AppliedLimit {
+        name: "per-app".into(),
+        capacity: 100,
+        refill_per_sec: 10.0,
+    })
+}
+
+/// Admitted, with `leased` tokens granted under the decision's lease ask.
+fn admitted(leased: u64) -> DecisionResult {
+    DecisionResult {
+        allowed: true,
+        remaining: 50,
+        retry_after_ms: 0,
+        reset_ms: 5_000,
+        reason: Reason::Ok,
+        limit: limit(),
+        shadow: false,
+        leased,
+    }
+}
+
+/// Rejected for lack of tokens, with that wait.
+fn rejected(retry_after_ms: u64) -> DecisionResult {
+    DecisionResult {
+        allowed: false,
+        remaining: 0,
+        retry_after_ms,
+        reset_ms: 10_000,
+        reason: Reason::Insufficient,
+        ..admitted(0)
+    }
+}
+
+fn answer(results: Vec<DecisionResult>) -> Result<RequestAnswer, LimiterError> {
+    Ok(RequestAnswer {
+        allowed: results.iter().all(|r| r.allowed),
+        results,
+        error: None,
+    })
+}
+
+// The request-headers step.
+
+#[test]
+fn a_request_no_rule_matches_passes_untouched_and_uncounted() {
+    let mut g = Gateway::new(config(|_| {}));
+    assert!(matches!(
+        g.start(&request("/health", Some("alpha-key")), T0),
+        Start::Pass
+    ));
+    assert_eq!(g.counted(), []);
+}
+
+#[test]
+fn an_api_key_sent_twice_is_answered_400_before_any_limit() {
+    let mut g = Gateway::new(config(|_| {}));
+    let mut r = alpha();
+    r.properties.insert(
+        "request.headers.x-api-key".into(),
+        b"junk,alpha-key".to_vec(),
+    );
+    let reply = reply(g.start(&r, T0));
+    assert_eq!(
+        (reply.status, reply.details.as_str()),
+        (400, "ratelimit_repeated_identity")
+    );
+    assert_eq!(g.counted(), [(Stat::RepeatedIdentity, 1)]);
+}
+
+#[test]
+fn a_rule_that_rejects_clients_it_cannot_name_answers_with_its_status() {
+    let mut g = Gateway::new(config(|v| {
+        v["rules"][0]["on_unknown"] = json!("reject");
+    }));
+    let reply = reply(g.start(&request("/api/orders", None), T0));
+    assert_eq!(
+        (reply.status, reply.details.as_str()),
+        (401, "ratelimit_unknown_subject:per-app")
+    );
+    assert_eq!(
+        g.counted(),
+        [(Stat::SubjectUnknown, 1), (Stat::UnknownRejected, 1)]
+    );
+}
+
+#[test]
+fn a_quiet_bucket_asks_the_sidecar_without_a_lease_and_an_admission_writes_nothing() {
+    let mut g = Gateway::new(config(|_| {}));
+    let mut w = waits(g.start(&alpha(), T0));
+    assert_eq!(w.deadline_ns(), T0 + 50 * MS);
+    assert_eq!(
+        w.decisions(&g.config),
+        [Decision {
+            rule: "per-app".into(),
+            subject: WireSubject(vec![("app".into(), Some("alpha".into()))]),
+            cost: 1,
+            lease: None,
+        }]
+    );
+    let v = g.settle(&mut w, answer(vec![admitted(0)]), T0, T0 + MS);
+    g.flow().delivered(&v);
+    assert_eq!(admitted_with(v), []);
+    assert_eq!(
+        g.counted(),
+        [(Stat::Admitted, 1), (Stat::RuleAdmitted(0), 1)]
+    );
+    assert_eq!(
+        g.store.writes.get(),
+        0,
+        "no entry for a bucket it knows nothing of"
+    );
+}
+
+#[test]
+fn a_known_rejection_is_answered_429_locally_until_the_next_request_must_ask_again() {
+    let mut g = Gateway::new(config(|_| {}));
+    let mut w = waits(g.start(&alpha(), T0));
+    let v = g.settle(&mut w, answer(vec![rejected(1_500)]), T0, T0 + MS);
+    g.flow().delivered(&v);
+    let r = rejection(v);
+    assert_eq!((r.status, header(&r, "retry-after")), (429, Some("2")));
+    // Known for the wait, counted from the dispatch; answered locally for at most
+    // `max_rejection_ms` (1 s): then the next request asks again.
+    let v = decided(g.start(&alpha(), T0 + 600 * MS));
+    g.flow().delivered(&v);
+    let r = rejection(v);
+    assert_eq!(
+        (r.status, header(&r, "retry-after"), r.details.as_str()),
+        (429, Some("1"), "ratelimit_rejected:per-app")
+    );
+    assert_eq!(
+        g.counted(),
+        [
+            (Stat::Rejected, 2),
+            (Stat::KnownRejections, 1),
+            (Stat::RuleRejected(0), 2)
+        ]
+    );
+    waits(g.start(&alpha(), T0 + S));
+}
+
+/// A gateway whose bucket holds a lease of 7 tokens (asked at `T0` for 1 s, granted at once, so
+/// no round trip to renew early for), its first request admitted by the sidecar.
+fn leased() -> Gateway {
+    let mut g = Gateway::new(config(busy));
+    let mut w = waits(g.start(&alpha(), T0));
+    // 5 a second over a 1 s lease, with headroom: ceil(5 × 1.25) = 7.
+    let ask = w.decisions(&g.config)[0].lease.expect("a lease ask");
+    assert_eq!((ask.tokens, ask.ttl_ms), (7, 1000));
+    admitted_with(g.settle(&mut w, answer(vec![admitted(7)]), T0, T0));
+    assert_eq!(g.entry().unwrap().lease.tokens, 7);
+    g
+}
+
+#[test]
+fn a_busy_bucket_asks_for_a_lease_and_its_next_requests_are_admitted_from_it() {
+    let mut g = leased();
+    for i in 1..=5 {
+        let v = decided(g.start(&alpha(), T0 + i * MS));
+        g.flow().delivered(&v);
+        admitted_with(v);
+    }
+    assert_eq!(g.entry().unwrap().lease.tokens, 2);
+    assert_eq!(
+        g.counted(),
+        [
+            (Stat::Admitted, 5),
+            (Stat::LeaseAdmitted, 5),
+            (Stat::RuleAdmitted(0), 6)
+        ]
+    );
+}
+
+/// [`leased`], its lease spent down to 2 tokens, and the request that would leave it below a
+/// quarter of its grant, which asks for the next lease instead (an early renewal).
+fn renewing() -> (Gateway, Waiting) {
+    let mut g = leased();
+    for i in 1..=5 {
+        decided(g.start(&alpha(), T0 + i * MS));
+    }
+    let w = waits(g.start(&alpha(), T0 + 6 * MS));
+    assert!(w.remote[0].renewal && w.remote[0].ask.is_some());
+    assert_eq!(g.entry().unwrap().lease.tokens, 2, "nothing taken yet");
+    (g, w)
+}
+
+#[test]
+fn an_early_renewal_the_sidecar_rejects_is_paid_by_the_lease_in_use() {
+    let (g, mut w) = renewing();
+    let before = g.count(Stat::LeaseAdmitted);
+    admitted_with(g.settle(
+        &mut w,
+        answer(vec![rejected(100)]),
+        T0 + 6 * MS,
+        T0 + 7 * MS,
+    ));
+    assert_eq!(g.entry().unwrap().lease.tokens, 1);
+    assert_eq!(g.count(Stat::LeaseAdmitted), before + 1);
+    assert_eq!(g.count(Stat::RuleRejected(0)), 0);
+}
+
+#[test]
+fn an_early_renewal_the_sidecar_cannot_answer_is_paid_by_the_lease_in_use() {
+    let (g, mut w) = renewing();
+    let before = g.count(Stat::LeaseAdmitted);
+    let v = g.settle(
+        &mut w,
+        Err(LimiterError::NoAnswer),
+        T0 + 6 * MS,
+        T0 + 56 * MS,
+    );
+    admitted_with(v);
+    let e = g.entry().unwrap();
+    assert_eq!(e.lease.tokens, 1);
+    assert_eq!(
+        e.renewing_until_ns, 0,
+        "the ask is released: the next may ask"
+    );
+    assert_eq!(g.count(Stat::LeaseAdmitted), before + 1);
+    assert_eq!(g.count(Stat::LimiterError), 1);
+    assert_eq!(g.count(Stat::FailedClosed), 0, "on_error did not apply");
+}
+
+#[test]
+fn an_early_renewal_the_lease_can_no_longer_pay_gets_the_sidecars_429_or_its_on_error() {
+    for failed in [false, true] {
+        let (mut g, mut w) = renewing();
+        // While the ask is out, other requests spend the lease in use.
+        for i in 0..2 {
+            admitted_with(decided(g.start(&alpha(), T0 + (7 + i) * MS)));
+        }
+        assert_eq!(g.entry().unwrap().lease.tokens, 0);
+        let (answer, status) = if failed {
+            (Err(LimiterError::NoAnswer), 503)
+        } else {
+            (answer(vec![rejected(100)]), 429)
+        };
+        let r = rejection(g.settle(&mut w, answer, T0 + 6 * MS, T0 + 10 * MS));
+        assert_eq!(r.status, status);
+        assert_eq!(g.count(Stat::RuleRejected(0)), u64::from(!failed));
+        assert_eq!(g.count(Stat::FailedClosed), u64::from(failed));
+    }
+}
+
+#[test]
+fn per_rule_stats_count_each_rules_result_and_shadow_rejections() {
+    let mut g = Gateway::new(config(per_ip));
+    let shadow = DecisionResult {
+        shadow: true,
+        reason: Reason::Insufficient,
+        ..admitted(0)
+    };
+    let mut w = waits(g.start(&alpha(), T0));
+    admitted_with(g.settle(&mut w, answer(vec![admitted(0), shadow]), T0, T0));
+    assert_eq!(
+        g.counted(),
+        [
+            (Stat::RuleAdmitted(0), 1),
+            (Stat::RuleAdmitted(1), 1),
+            (Stat::RuleShadowRejected(1), 1)
+        ]
+    );
+    // A request its first rule rejects: its second rule's result (not charged) counts nothing.
+    let uncharged = DecisionResult {
+        allowed: true,
+        ..admitted(0)
+    };
+    let mut w = waits(g.start(&alpha(), T0 + MS));
+    let v = g.settle(&mut w, answer(vec![rejected(100), uncharged]), T0, T0);
+    assert_eq!(rejection(v).details, "ratelimit_rejected:per-app");
+    assert_eq!(
+        g.counted(),
+        [
+            (Stat::RuleAdmitted(0), 1),
+            (Stat::RuleAdmitted(1), 1),
+            (Stat::RuleRejected(0), 1),
+            (Stat::RuleShadowRejected(1), 1)
+        ]
+    );
+}
+
+#[test]
+fn a_request_rejected_by_one_rule_gives_the_others_lease_take_back() {
+    let mut g = Gateway::new(config(|v| {
+        busy(v);
+        per_ip(v);
+    }));
+    let mut w = waits(g.start(&alpha(), T0));
+    // per-app gets a lease of 5, per-ip none.
+    admitted_with(g.settle(&mut w, answer(vec![admitted(5), admitted(0)]), T0, T0));
+    let mut w = waits(g.start(&alpha(), T0 + MS));
+    assert_eq!(
+        g.entry().unwrap().lease.tokens,
+        4,
+        "per-app paid by its lease"
+    );
+    assert_eq!(w.remote_decisions(), 1, "per-ip asks the sidecar");
+    let v = g.settle(&mut w, answer(vec![rejected(100)]), T0 + MS, T0 + 2 * MS);
+    assert_eq!(rejection(v).details, "ratelimit_rejected:per-ip");
+    assert_eq!(g.entry().unwrap().lease.tokens, 5, "given back");
+    g.flow().give_back(&mut w, T0 + 2 * MS);
+    assert_eq!(g.entry().unwrap().lease.tokens, 5, "only once");
+    assert_eq!(g.count(Stat::RuleRejected(1)), 1);
+}
+
+// The failure policies.
+
+#[test]
+fn without_an_answer_deny_answers_503_and_allow_admits() {
+    let g_deny = Gateway::new(config(|_| {}));
+    let g_allow = Gateway::new(config(|v| v["rules"][0]["on_error"] = json!("allow")));
+    for (mut g, status) in [(g_deny, Some(503)), (g_allow, None)] {
+        let mut w = waits(g.start(&alpha(), T0));
+        let v = g.settle(&mut w, Err(LimiterError::NoAnswer), T0, T0 + 50 * MS);
+        g.flow().delivered(&v);
+        match status {
+            Some(503) => {
+                let r = rejection(v);
+                assert_eq!(
+                    (r.status, r.details.as_str()),
+                    (503, "ratelimit_unavailable")
+                );
+                assert_eq!(
+                    g.counted(),
+                    [(Stat::LimiterError, 1), (Stat::FailedClosed, 1)],
+                    "a 503 is not counted rejected"
+                );
+            }
+            _ => {
+                admitted_with(v);
+                assert_eq!(
+                    g.counted(),
+                    [
+                        (Stat::Admitted, 1),
+                        (Stat::LimiterError, 1),
+                        (Stat::FailedOpen, 1)
+                    ]
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn without_an_answer_local_takes_the_emergency_bucket_until_it_is_empty() {
+    let mut g = Gateway::new(config(|v| {
+        v["rules"][0]["on_error"] = json!("local");
+        v["rules"][0]["emergency"] = json!({"capacity": 2, "refill_per_sec": 1});
+    }));
+    let mut statuses = Vec::new();
+    for _ in 0..3 {
+        let mut w = waits(g.start(&alpha(), T0));
+        let v = g.settle(&mut w, Err(LimiterError::NoAnswer), T0, T0);
+        statuses.push(match v {
+            Verdict::Admit { .. } => 200,
+            Verdict::Reject(r) => r.status,
+        });
+    }
+    assert_eq!(statuses, [200, 200, 429]);
+    assert_eq!(
+        g.counted(),
+        [
+            (Stat::LimiterError, 3),
+            (Stat::EmergencyActivations, 3),
+            (Stat::EmergencyRejected, 1)
+        ]
+    );
+}
+
+#[test]
+fn a_rule_the_sidecar_does_not_know_is_a_configuration_error_with_the_rules_on_error() {
+    let mut g = Gateway::new(config(|_| {}));
+    let mut w = waits(g.start(&alpha(), T0));
+    let unknown = Ok(RequestAnswer {
+        allowed: false,
+        results: Vec::new(),
+        error: Some(RequestError {
+            code: ErrorCode::UnknownRule,
+            message: "no rule per-app in domain test".into(),
+        }),
+    });
+    assert_eq!(rejection(g.settle(&mut w, unknown, T0, T0)).status, 503);
+    assert_eq!(
+        g.counted(),
+        [(Stat::ConfigError, 1), (Stat::FailedClosed, 1)]
+    );
+}
+
+#[test]
+fn a_lease_ask_without_an_answer_is_released() {
+    let mut g = Gateway::new(config(busy));
+    let mut w = waits(g.start(&alpha(), T0));
+    assert!(
+        g.entry().unwrap().renewing_until_ns > T0,
+        "one ask in flight"
+    );
+    g.settle(&mut w, Err(LimiterError::NoAnswer), T0, T0 + 50 * MS);
+    assert_eq!(g.entry().unwrap().renewing_until_ns, 0);
+    let w = waits(g.start(&alpha(), T0 + 60 * MS));
+    assert!(w.remote[0].ask.is_some(), "the next request asks again");
+}
+
+// The batcher.
+
+/// A waiting request of `decisions` decisions (all of rule 0) and `returns` lease returns.
+fn waiting(decisions: usize, returns: usize, deadline_ns: u64) -> Waiting {
+    Waiting {
+        planned: vec![Planned {
+            rule: 0,
+            subject: WireSubject::new(),
+            cost: 1,
+            id: "test/per-app|app~".into(),
+        }],
+        remote: (0..decisions)
+            .map(|_| RemoteDecision {
+                planned: 0,
+                no_entry: true,
+                ask: None,
+                renewal: false,
+            })
+            .collect(),
+        taken: Vec::new(),
+        returns: (0..returns)
+            .map(|i| LeaseReturn {
+                rule: "per-app".into(),
+                subject: WireSubject::new(),
+                id: i as u64 + 1,
+                tokens: 1,
+            })
+            .collect(),
+        deadline_ns,
+    }
+}
+
+fn batching(max_batch: usize, max_in_flight: usize) -> Config {
+    config(|v| {
+        v["fast_paths"] = json!({"max_batch": max_batch, "max_in_flight": max_in_flight});
+    })
+}
+
+fn call(body: &[u8]) -> DecideRequest {
+    serde_json::from_slice(body).unwrap()
+}
+
+/// Another worker's request (its context `context`), with that deadline.
+fn forwarded(context: u32, deadline_ns: u64) -> Forwarded {
+    Forwarded {
+        context,
+        decisions: RequestDecisions {
+            decisions: waiting(1, 0, 0).decisions(&config(|_| {})),
+        },
+        returns: Vec::new(),
+        deadline_ns,
+    }
+}
+
+/// The requests the next callout carries: this worker's, the others' contexts.
+fn next(q: &mut Queue, c: &Config, now_ns: u64) -> Option<(Vec<u32>, Vec<u32>)> {
+    let b = q.next_batch(c, now_ns)?;
+    assert_eq!(call(&b.body).requests.len(), b.own.len() + b.carried.len());
+    let others = b.carried.iter().map(|(_, ctx)| *ctx).collect();
+    Some((b.own, others))
+}
+
+#[test]
+fn a_callout_carries_at_most_max_batch_requests_with_one_in_flight() {
+    let c = batching(2, 1);
+    let mut q = Queue::default();
+    let wakes: Vec<bool> = (1..=5)
+        .map(|ctx| q.enqueue(ctx, waiting(1, 0, T0 + 50 * MS), 1))
+        .collect();
+    assert_eq!(
+        wakes,
+        [true, false, false, false, false],
+        "one wake-up on its way"
+    );
+    q.woken();
+    let b = q.next_batch(&c, T0).unwrap();
+    assert_eq!((b.own.as_slice(), b.timeout_ms), (&[1, 2][..], 50));
+    q.dispatched(7, b, T0);
+    assert!(q.next_batch(&c, T0).is_none(), "one callout in flight");
+    assert_eq!(q.landed(7).unwrap().own, [1, 2]);
+    assert_eq!(next(&mut q, &c, T0), Some((vec![3, 4], vec![])));
+    assert_eq!(next(&mut q, &c, T0), Some((vec![5], vec![])));
+    assert_eq!(next(&mut q, &c, T0), None);
+}
+
+#[test]
+fn a_callout_stays_within_the_wires_bounds_on_decisions_and_returns() {
+    let c = batching(256, 64);
+    let mut q = Queue::default();
+    // 64 decisions a request: 16 of them make MAX_CALL_DECISIONS.
+    for ctx in 0..20 {
+        q.enqueue(ctx, waiting(64, 0, T0 + S), 64);
+    }
+    assert_eq!(
+        next(&mut q, &c, T0).unwrap().0.len(),
+        MAX_CALL_DECISIONS / 64
+    );
+    assert_eq!(next(&mut q, &c, T0).unwrap().0.len(), 4);
+    // 100 returns a request: a third would pass MAX_RETURNS (256).
+    for ctx in 20..23 {
+        q.enqueue(ctx, waiting(1, 100, T0 + S), 64);
+    }
+    assert_eq!(next(&mut q, &c, T0).unwrap().0, [20, 21]);
+    assert_eq!(next(&mut q, &c, T0).unwrap().0, [22]);
+    // A request alone always goes.
+    q.enqueue(23, waiting(1, MAX_RETURNS + 1, T0 + S), 64);
+    assert_eq!(next(&mut q, &c, T0).unwrap().0, [23]);
+}
+
+#[test]
+fn other_workers_requests_get_up_to_half_the_batch_first() {
+    let c = batching(8, 8);
+    let mut q = Queue::default();
+    for ctx in 0..10 {
+        q.enqueue(ctx, waiting(1, 0, T0 + S), 8);
+    }
+    q.carry(Forward {
+        origin: 9,
+        requests: (100..110).map(|ctx| forwarded(ctx, T0 + S)).collect(),
+    });
+    assert!(q.carries_others());
+    let b = q.next_batch(&c, T0).unwrap();
+    assert_eq!(b.own, [0, 1, 2, 3]);
+    assert_eq!(b.carried, [(9, 100), (9, 101), (9, 102), (9, 103)]);
+    assert_eq!(
+        next(&mut q, &c, T0),
+        Some((vec![4, 5, 6, 7], vec![104, 105, 106, 107]))
+    );
+    // Fewer of the others' than half: this worker's fill the rest.
+    assert_eq!(next(&mut q, &c, T0), Some((vec![8, 9], vec![108, 109])));
+    q.enqueue(10, waiting(1, 0, T0 + S), 8);
+    q.carry(Forward {
+        origin: 9,
+        requests: vec![forwarded(110, T0 + S)],
+    });
+    assert_eq!(next(&mut q, &c, T0), Some((vec![10], vec![110])));
+}
+
+#[test]
+fn requests_past_their_deadline_leave_the_queue_and_a_callouts_timeout_is_the_earliest() {
+    let c = batching(64, 1);
+    let mut q = Queue::default();
+    q.enqueue(1, waiting(1, 0, T0 + 10 * MS), 1);
+    q.enqueue(2, waiting(1, 0, T0 + 50 * MS), 1);
+    q.enqueue(3, waiting(1, 0, T0 + 40 * MS), 1);
+    q.enqueue(4, waiting(1, 0, T0 + 50 * MS), 1);
+    assert!(q.forget(4).is_some(), "its client went away");
+    assert_eq!(q.expired(T0 + 10 * MS - 1), [4]);
+    assert_eq!(q.expired(T0 + 10 * MS), [1]);
+    assert!(q.take(1).is_some(), "settled by its failure policy");
+    // Another worker's request past its deadline is dropped unsent.
+    q.carry(Forward {
+        origin: 9,
+        requests: vec![forwarded(100, T0 + 15 * MS), forwarded(101, T0 + 30 * MS)],
+    });
+    let b = q.next_batch(&c, T0 + 20 * MS).unwrap();
+    assert_eq!((b.own, b.carried), (vec![2, 3], vec![(9, 101)]));
+    assert_eq!(b.timeout_ms, 10, "the earliest deadline, 30 ms, from now");
+}
+
+#[test]
+fn a_worker_forwards_one_batch_at_a_time_and_gives_up_on_a_courier_past_the_deadline() {
+    let c = batching(64, 1);
+    let mut q = Queue::default();
+    q.enqueue(1, waiting(1, 0, T0 + 50 * MS), 1);
+    q.enqueue(2, waiting(1, 0, T0 + 60 * MS), 1);
+    q.woken();
+    let (contexts, forward) = q.next_forward(&c, 5).unwrap();
+    assert_eq!((contexts.as_slice(), forward.origin), (&[1, 2][..], 5));
+    assert_eq!(forward.requests[1].deadline_ns, T0 + 60 * MS);
+    q.forwarded(contexts, T0);
+    assert!(
+        !q.enqueue(3, waiting(1, 0, T0 + 70 * MS), 1),
+        "no wake-up while a forward is out"
+    );
+    assert!(q.next_forward(&c, 5).is_none(), "one forward out at a time");
+    assert_eq!(q.forward_answered(1), Some(T0));
+    // The courier does not answer 2 by its deadline: it is no longer awaited from it.
+    assert_eq!(q.overdue_forwards(T0 + 60 * MS - 1), [0u32; 0]);
+    assert_eq!(q.overdue_forwards(T0 + 60 * MS), [2]);
+    assert_eq!(q.forward_answered(2), None, "a late answer is dropped");
+    // A forward that cannot be posted leaves the queue as it was.
+    let (contexts, _) = q.next_forward(&c, 5).unwrap();
+    assert_eq!(contexts, [3]);
+    q.unforward(contexts);
+    assert_eq!(q.next_forward(&c, 5).unwrap().0, [3]);
+}
+
+#[test]
+fn without_coalescing_a_request_is_a_batch_of_one_built_like_any_batch() {
+    let c = batching(64, 1);
+    let mut alone = Queue::default();
+    let b = alone.alone(1, waiting(2, 1, T0 + 50 * MS), &c, T0);
+    assert_eq!((b.own.as_slice(), b.timeout_ms), (&[1][..], 50));
+    let mut coalesced = Queue::default();
+    coalesced.enqueue(1, waiting(2, 1, T0 + 50 * MS), 1);
+    assert_eq!(coalesced.next_batch(&c, T0).unwrap().body, b.body);
+    let call = call(&b.body);
+    assert_eq!(
+        (call.requests[0].decisions.len(), call.returns.len()),
+        (2, 1)
+    );
+    assert!(alone.take(1).is_some(), "it waits for its answer");
+}

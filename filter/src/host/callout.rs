@@ -1,0 +1,180 @@
+//! Callouts to the sidecar. With coalescing, the ROOT context sends the queue's batches
+//! ([`send_queued`]) while fewer than `max_in_flight` are out, and answers each request of a batch
+//! by switching Envoy's effective context to it (`proxy_set_effective_context`), then back. The
+//! root owns the callouts (Envoy does not cancel them when one client goes away); an HTTP context
+//! cannot make it send directly (the SDK ties a callout to the context it is dispatched from),
+//! so it wakes the root through the worker's own wake queue (`on_queue_ready` runs on the same
+//! worker, right after the current event). Without coalescing a request sends its own callout, a
+//! batch of one ([`send_alone`]). Either way the body comes from the one builder of
+//! [`crate::flow::batch`] and each answer is settled by [`super::settle`].
+
+use std::time::Duration;
+
+use log::error;
+use proxy_wasm::hostcalls;
+use proxy_wasm::types::{BufferType, MapType};
+use ratelimit_wire::DecideResponse;
+
+use super::{abi, courier, now_ns, settle, stats, Plugin, SharedVm};
+use crate::flow::courier::WAKE;
+use crate::flow::{Stat, Stats, Waiting};
+use crate::verdict::{self, LimiterError, MAX_ANSWER_BYTES};
+
+/// Queues a waiting request for the next coalesced callout, waking the root if it must send.
+pub fn enqueue(vm: &SharedVm, ctx: u32, w: Waiting) {
+    let wake = {
+        let mut v = vm.borrow_mut();
+        let max_in_flight = v.plugin.config.fast_paths.max_in_flight;
+        let wake = v.queue.enqueue(ctx, w, max_in_flight);
+        wake.then_some(v.wake_queue).flatten()
+    };
+    if let Some(q) = wake {
+        if let Err(status) = abi::enqueue_shared_queue(q, WAKE) {
+            error!("ratelimit filter: cannot wake the root: status {status}");
+            vm.borrow_mut().queue.woken();
+        }
+    }
+}
+
+/// Sends the queue as callouts while fewer than `max_in_flight` are out, from the root context
+/// (its callbacks), so the callouts are the root's. When callouts are shared and another worker
+/// is the courier, the queue goes to the courier instead.
+pub fn send_queued(vm: &SharedVm) {
+    if courier::forward_queue(vm) {
+        return;
+    }
+    loop {
+        let now = now_ns();
+        let (plugin, batch) = {
+            let mut v = vm.borrow_mut();
+            let plugin = v.plugin.clone();
+            let Some(batch) = v.queue.next_batch(&plugin.config, now) else {
+                return;
+            };
+            (plugin, batch)
+        };
+        let dispatched = dispatch(&plugin, &batch.body, batch.timeout_ms);
+        let carried = (batch.own.len() + batch.carried.len()) as u64;
+        plugin
+            .metrics
+            .record(plugin.metrics.batch_requests, carried);
+        match dispatched {
+            Ok(token) => {
+                plugin.metrics.count(Stat::Callouts);
+                vm.borrow_mut().queue.dispatched(token, batch, now_ns());
+            }
+            Err(e) => {
+                let now = now_ns();
+                for &ctx in &batch.own {
+                    settle(vm, ctx, Err(e.clone()), now, now, true);
+                }
+                courier::answer_carried(vm, &batch.carried, |_| Err(e.clone()));
+                let root = vm.borrow().root_id;
+                let _ = abi::set_effective_context(root);
+                return;
+            }
+        }
+    }
+}
+
+/// Sends a request's own callout (without coalescing) from its context, at `now`: when it was
+/// sent, or why it could not be (the request then waits in the queue, to be settled).
+pub fn send_alone(vm: &SharedVm, ctx: u32, w: Waiting, now: u64) -> Result<u64, LimiterError> {
+    let (plugin, batch) = {
+        let mut v = vm.borrow_mut();
+        let plugin = v.plugin.clone();
+        let batch = v.queue.alone(ctx, w, &plugin.config, now);
+        (plugin, batch)
+    };
+    dispatch(&plugin, &batch.body, batch.timeout_ms)?;
+    plugin.metrics.count(Stat::Callouts);
+    Ok(now_ns())
+}
+
+/// The answer to the root's callout `token`: settles the worker's requests it carried, posts
+/// the other workers' answers back to them, and sends what queued meanwhile.
+pub fn answered(vm: &SharedVm, token: u32, num_headers: usize, body_size: usize) {
+    let Some(flight) = vm.borrow_mut().queue.landed(token) else {
+        return;
+    };
+    let plugin = vm.borrow().plugin.clone();
+    let now = now_ns();
+    plugin.metrics.record(
+        plugin.metrics.decision_us,
+        now.saturating_sub(flight.dispatched_ns) / 1_000,
+    );
+    let own = flight.own.len();
+    let answers = read_answer(num_headers, body_size, own + flight.carried.len());
+    let answer = |i: usize| match &answers {
+        Ok(a) => Ok(a.answers[i].clone()),
+        Err(e) => Err(e.clone()),
+    };
+    stats::counting(|| {
+        for (i, &ctx) in flight.own.iter().enumerate() {
+            settle(vm, ctx, answer(i), flight.dispatched_ns, now, true);
+        }
+    });
+    courier::answer_carried(vm, &flight.carried, |j| answer(own + j));
+    let root = vm.borrow().root_id;
+    let _ = abi::set_effective_context(root);
+    send_queued(vm);
+}
+
+/// The answer to a request's own callout (sent at `sent_ns`), in its context.
+pub fn answered_alone(vm: &SharedVm, ctx: u32, sent_ns: u64, num_headers: usize, body_size: usize) {
+    let plugin = vm.borrow().plugin.clone();
+    let now = now_ns();
+    plugin.metrics.record(
+        plugin.metrics.decision_us,
+        now.saturating_sub(sent_ns) / 1_000,
+    );
+    let answer = read_answer(num_headers, body_size, 1).map(|mut a| a.answers.remove(0));
+    settle(vm, ctx, answer, sent_ns, now, false);
+}
+
+/// Sends a callout from the current context.
+fn dispatch(plugin: &Plugin, body: &[u8], timeout_ms: u64) -> Result<u32, LimiterError> {
+    let sidecar = &plugin.config.sidecar;
+    let mut headers = vec![
+        (":method", "POST"),
+        (":path", sidecar.path()),
+        (":authority", sidecar.authority()),
+        ("content-type", "application/json"),
+    ];
+    if let Some(a) = &plugin.authorization {
+        headers.push(("authorization", a.as_str()));
+    }
+    hostcalls::dispatch_http_call(
+        &sidecar.cluster,
+        headers,
+        Some(body),
+        vec![],
+        Duration::from_millis(timeout_ms),
+    )
+    .map_err(|status| {
+        LimiterError::Dispatch(format!(
+            "{status:?} (is cluster {:?} defined?)",
+            sidecar.cluster
+        ))
+    })
+}
+
+/// The sidecar's answer to a callout of `expected` requests, read from the host.
+fn read_answer(
+    num_headers: usize,
+    body_size: usize,
+    expected: usize,
+) -> Result<DecideResponse, LimiterError> {
+    // A failed callout (timeout, reset, no healthy host) comes with no headers at all.
+    let status = if num_headers == 0 {
+        None
+    } else {
+        abi::header_map_value(MapType::HttpCallResponseHeaders, ":status")
+    };
+    let body = if body_size == 0 || body_size > MAX_ANSWER_BYTES {
+        Vec::new()
+    } else {
+        abi::buffer(BufferType::HttpCallResponseBody, body_size).unwrap_or_default()
+    };
+    verdict::parse_answer(status.as_deref(), &body, expected)
+}

@@ -1,0 +1,439 @@
+//! The proxy-wasm host adapter. Its contexts gather what the request flow ([`crate::flow`])
+//! needs from Envoy (configuration, headers, properties, shared data, the sidecar's answers, the
+//! clock), call it, and carry its verdicts out (resume, local reply, response headers, stats):
+//! a request asks and pauses, then is resumed or answered. Each worker VM has one [`Vm`], shared
+//! by its root context and its HTTP contexts.
+//!
+//! - [`abi`]: host calls that never panic; [`stats`]: the filter's Envoy stats;
+//! - [`callout`]: the callouts to the sidecar, sent and answered by the root context;
+//! - [`courier`]: the shared queues between the workers of one Envoy (shared callouts).
+//!
+//! No `RefCell` borrow of the [`Vm`] is held across a host call that can call back into the VM
+//! (a local reply, a resume).
+
+mod abi;
+mod callout;
+mod courier;
+mod stats;
+
+use std::cell::RefCell;
+use std::collections::hash_map::RandomState;
+use std::collections::HashMap;
+use std::hash::BuildHasher;
+use std::rc::Rc;
+use std::time::Duration;
+
+use log::{debug, error, info};
+use proxy_wasm::hostcalls;
+use proxy_wasm::traits::{Context, HttpContext, RootContext};
+use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType};
+use ratelimit_wire::RequestAnswer;
+
+use crate::config::Config;
+use crate::emergency::{self, EmergencyBucket};
+use crate::flow::batch::Queue;
+use crate::flow::{Flow, RequestReads, RequestView, Start, Worker};
+use crate::shared::{SharedDataError, SharedStore};
+use crate::verdict::{self, LimiterError, LocalReply, Verdict};
+use stats::Metrics;
+
+proxy_wasm::main! {{
+    proxy_wasm::set_log_level(LogLevel::Trace);
+    proxy_wasm::set_root_context(|context_id| -> Box<dyn RootContext> {
+        Box::new(Root { id: context_id, vm: None })
+    });
+}}
+
+/// The validated configuration and what is derived from it once.
+struct Plugin {
+    config: Config,
+    reads: RequestReads,
+    metrics: Metrics,
+    /// `authorization` header value for the callouts, if a token is configured.
+    authorization: Option<String>,
+}
+
+impl Plugin {
+    fn flow(&self) -> Flow<'_> {
+        Flow {
+            config: &self.config,
+            reads: &self.reads,
+            store: &HostShared,
+            stats: &self.metrics,
+        }
+    }
+}
+
+/// A worker VM's shared state.
+struct Vm {
+    plugin: Rc<Plugin>,
+    root_id: u32,
+    /// This worker's random id: names its wake queue, and it as the courier.
+    nonce: u64,
+    /// This worker's wake queue (with coalescing).
+    wake_queue: Option<u32>,
+    /// The requests waiting for the sidecar.
+    queue: Queue,
+    worker: Worker,
+    /// Shared callouts, when on.
+    sharing: Option<courier::Sharing>,
+    /// Headers to add to the upstream's response, by context.
+    response_headers: HashMap<u32, Vec<(String, String)>>,
+}
+
+type SharedVm = Rc<RefCell<Vm>>;
+
+struct Root {
+    id: u32,
+    vm: Option<SharedVm>,
+}
+
+impl Context for Root {
+    fn on_http_call_response(
+        &mut self,
+        token_id: u32,
+        num_headers: usize,
+        body_size: usize,
+        _num_trailers: usize,
+    ) {
+        if let Some(vm) = self.vm.clone() {
+            callout::answered(&vm, token_id, num_headers, body_size);
+        }
+    }
+}
+
+impl RootContext for Root {
+    fn on_configure(&mut self, _plugin_configuration_size: usize) -> bool {
+        let bytes = abi::buffer(BufferType::PluginConfiguration, usize::MAX).unwrap_or_default();
+        let config = match Config::from_json(&bytes) {
+            Ok(config) => config,
+            Err(e) => {
+                error!("ratelimit filter: invalid configuration: {e}");
+                return false;
+            }
+        };
+        let authorization = match authorization(&config) {
+            Ok(a) => a,
+            Err(e) => {
+                error!("ratelimit filter: invalid configuration: {e}");
+                return false;
+            }
+        };
+        let metrics = match Metrics::define(&config) {
+            Ok(m) => m,
+            Err(status) => {
+                error!("ratelimit filter: cannot define stats: status {status}");
+                return false;
+            }
+        };
+        let now = now_ns();
+        for rule in &config.rules {
+            if let Some(e) = &rule.emergency {
+                let key = emergency::shared_key(&rule.name);
+                emergency::ensure_initialized(&HostShared, &key, &EmergencyBucket::from(e), now);
+            }
+        }
+        let nonce = RandomState::new().hash_one(now);
+        let mut wake_queue = None;
+        let mut sharing = None;
+        if config.fast_paths.coalesce {
+            match courier::register_wake_queue(nonce) {
+                Ok(id) => wake_queue = Some(id),
+                Err(status) => {
+                    error!("ratelimit filter: cannot register the wake-up queue: status {status}");
+                    return false;
+                }
+            }
+            if config.fast_paths.share_callouts {
+                sharing = courier::Sharing::start(&config, nonce);
+            }
+            let tick_ms = (config.sidecar.timeout_ms / 2).clamp(1, 50);
+            let _ = hostcalls::set_tick_period(Duration::from_millis(tick_ms));
+        }
+        info!(
+            "ratelimit filter: configured {} rules in domain {:?}, sidecar cluster {:?}, timeout {} ms, coalescing {}",
+            config.rules.len(),
+            config.domain,
+            config.sidecar.cluster,
+            config.sidecar.timeout_ms,
+            config.fast_paths.coalesce
+        );
+        let plugin = Rc::new(Plugin {
+            reads: RequestReads::of(&config),
+            config,
+            metrics,
+            authorization,
+        });
+        self.vm = Some(Rc::new(RefCell::new(Vm {
+            plugin,
+            root_id: self.id,
+            nonce,
+            wake_queue,
+            queue: Queue::default(),
+            worker: Worker::new(nonce),
+            sharing,
+            response_headers: HashMap::new(),
+        })));
+        true
+    }
+
+    fn on_queue_ready(&mut self, queue_id: u32) {
+        match self.vm.clone() {
+            Some(vm) => courier::receive(&vm, queue_id),
+            None => while let Ok(Some(_)) = abi::dequeue_shared_queue(queue_id) {},
+        }
+    }
+
+    fn on_tick(&mut self) {
+        let Some(vm) = self.vm.clone() else {
+            return;
+        };
+        // Requests whose deadline passed while they waited in the queue: their failure policy.
+        let now = now_ns();
+        let expired = vm.borrow_mut().queue.expired(now);
+        for ctx in expired {
+            settle(&vm, ctx, Err(LimiterError::NoAnswer), now, now, true);
+        }
+        // Requests forwarded to the courier and not answered by their deadline: their failure
+        // policy, and this worker takes the courier's place.
+        let overdue = vm.borrow_mut().queue.overdue_forwards(now);
+        if !overdue.is_empty() {
+            courier::take_over(&vm);
+            for ctx in overdue {
+                settle(&vm, ctx, Err(LimiterError::NoAnswer), now, now, true);
+            }
+            let _ = abi::set_effective_context(self.id);
+            callout::send_queued(&vm);
+        }
+        let _ = abi::set_effective_context(self.id);
+    }
+
+    fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
+        Some(Box::new(Request {
+            id: context_id,
+            vm: self.vm.clone(),
+            alone_since: None,
+        }))
+    }
+
+    fn get_type(&self) -> Option<ContextType> {
+        Some(ContextType::HttpContext)
+    }
+}
+
+/// The `authorization` header of the callouts: `sidecar.token`, or the environment variable
+/// `sidecar.token_env` names; an error says what is wrong.
+fn authorization(config: &Config) -> Result<Option<String>, String> {
+    match (&config.sidecar.token, &config.sidecar.token_env) {
+        (Some(t), _) => Ok(Some(format!("Bearer {t}"))),
+        (None, Some(var)) => match std::env::var(var) {
+            Ok(t) if !t.is_empty() && t.bytes().all(|b| b.is_ascii_graphic()) => {
+                Ok(Some(format!("Bearer {t}")))
+            }
+            _ => Err(format!(
+                "sidecar.token_env: the environment variable {var:?} is not set (or not printable ASCII) in the VM; expose it with vm_config.environment_variables"
+            )),
+        },
+        (None, None) => Ok(None),
+    }
+}
+
+/// One HTTP request going through the filter.
+struct Request {
+    id: u32,
+    /// `None` only if Envoy created a stream although the configuration was refused: such a
+    /// request is answered 503, never let through unlimited.
+    vm: Option<SharedVm>,
+    /// Without coalescing: when the request's own callout was sent.
+    alone_since: Option<u64>,
+}
+
+impl Context for Request {
+    fn on_http_call_response(
+        &mut self,
+        _token_id: u32,
+        num_headers: usize,
+        body_size: usize,
+        _num_trailers: usize,
+    ) {
+        if let (Some(vm), Some(sent_ns)) = (self.vm.clone(), self.alone_since.take()) {
+            callout::answered_alone(&vm, self.id, sent_ns, num_headers, body_size);
+        }
+    }
+}
+
+impl HttpContext for Request {
+    fn on_http_request_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+        let Some(vm) = self.vm.clone() else {
+            send(&verdict::unavailable());
+            return Action::Pause;
+        };
+        let plugin = vm.borrow().plugin.clone();
+        let flow = plugin.flow();
+        let now = now_ns();
+        let start = flow.start(&HostRequest, now, &mut vm.borrow_mut().worker);
+        let verdict = match start {
+            Start::Pass => return Action::Continue,
+            Start::Reply(reply) => {
+                send(&reply);
+                return Action::Pause;
+            }
+            Start::Decided(verdict) => verdict,
+            Start::Wait(w) if plugin.config.fast_paths.coalesce => {
+                callout::enqueue(&vm, self.id, w);
+                return Action::Pause;
+            }
+            Start::Wait(w) => match callout::send_alone(&vm, self.id, w, now) {
+                Ok(sent_ns) => {
+                    self.alone_since = Some(sent_ns);
+                    return Action::Pause;
+                }
+                Err(e) => {
+                    let Some(mut w) = vm.borrow_mut().queue.take(self.id) else {
+                        return Action::Pause;
+                    };
+                    flow.settle(&mut w, Err(e), now, now)
+                }
+            },
+        };
+        flow.delivered(&verdict);
+        match verdict {
+            Verdict::Admit { headers } => {
+                if !headers.is_empty() {
+                    vm.borrow_mut().response_headers.insert(self.id, headers);
+                }
+                Action::Continue
+            }
+            Verdict::Reject(reply) => {
+                send(&reply);
+                Action::Pause
+            }
+        }
+    }
+
+    fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+        let headers = self
+            .vm
+            .as_ref()
+            .and_then(|vm| vm.borrow_mut().response_headers.remove(&self.id))
+            .unwrap_or_default();
+        for (name, value) in headers {
+            if let Err(status) = abi::replace_header(MapType::HttpResponseHeaders, &name, &value) {
+                debug!("ratelimit filter: cannot set response header {name:?}: status {status}");
+            }
+        }
+        Action::Continue
+    }
+}
+
+impl Drop for Request {
+    fn drop(&mut self) {
+        // A request that goes away while it waits (its client hung up): forget it, and give its
+        // lease takes back (it never reached the upstream).
+        let Some(vm) = self.vm.take() else {
+            return;
+        };
+        let Ok(mut v) = vm.try_borrow_mut() else {
+            return;
+        };
+        v.response_headers.remove(&self.id);
+        let w = v.queue.forget(self.id);
+        let plugin = v.plugin.clone();
+        drop(v);
+        if let Some(mut w) = w {
+            plugin.flow().give_back(&mut w, now_ns());
+        }
+    }
+}
+
+/// Settles a paused request with the sidecar's answer (or why there is none: `answer` is the
+/// error) and carries the verdict out. `switch`: the root answers for the request, so its
+/// context is made the effective one first.
+fn settle(
+    vm: &SharedVm,
+    ctx: u32,
+    answer: Result<RequestAnswer, LimiterError>,
+    dispatched_ns: u64,
+    now_ns: u64,
+    switch: bool,
+) {
+    let Some(mut w) = vm.borrow_mut().queue.take(ctx) else {
+        return;
+    };
+    let plugin = vm.borrow().plugin.clone();
+    let flow = plugin.flow();
+    let verdict = flow.settle(&mut w, answer, dispatched_ns, now_ns);
+    if switch && abi::set_effective_context(ctx).is_err() {
+        // The request is gone (its client went away): nothing to answer; its leases back.
+        flow.give_back(&mut w, now_ns);
+        return;
+    }
+    flow.delivered(&verdict);
+    match verdict {
+        Verdict::Admit { headers } => {
+            if !headers.is_empty() {
+                vm.borrow_mut().response_headers.insert(ctx, headers);
+            }
+            if let Err(status) = abi::resume_http_request() {
+                error!("ratelimit filter: cannot resume the request: status {status}");
+            }
+        }
+        Verdict::Reject(reply) => send(&reply),
+    }
+}
+
+/// Answers the current request with `reply` (or resets it if Envoy refuses the reply).
+fn send(reply: &LocalReply) {
+    let headers: Vec<(&str, &str)> = reply
+        .headers
+        .iter()
+        .map(|(n, v)| (n.as_str(), v.as_str()))
+        .collect();
+    if let Err(status) = abi::send_http_response(
+        reply.status,
+        &reply.details,
+        &headers,
+        reply.body.as_bytes(),
+    ) {
+        error!(
+            "ratelimit filter: cannot send the {} reply: status {status}",
+            reply.status
+        );
+        let _ = abi::reset_http_request();
+    }
+}
+
+/// The host clock in Unix nanoseconds (0 if unreadable): the one place the filter reads it.
+fn now_ns() -> u64 {
+    abi::current_time_ns().unwrap_or(0)
+}
+
+/// The current request's headers and properties.
+struct HostRequest;
+
+impl RequestView for HostRequest {
+    fn header(&self, name: &str) -> Option<Vec<u8>> {
+        abi::header_map_value(MapType::HttpRequestHeaders, name)
+    }
+
+    fn property(&self, path: &[&str]) -> Option<Vec<u8>> {
+        abi::property(path)
+    }
+}
+
+/// proxy-wasm shared data (per `vm_id`, shared by all worker VMs of one Envoy process).
+struct HostShared;
+
+impl SharedStore for HostShared {
+    fn get(&self, key: &str) -> (Option<Vec<u8>>, Option<u32>) {
+        abi::get_shared_data(key)
+    }
+
+    fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), SharedDataError> {
+        match abi::set_shared_data(key, value, cas) {
+            Ok(()) => Ok(()),
+            Err(abi::CAS_MISMATCH) => Err(SharedDataError::CasMismatch),
+            Err(_) => Err(SharedDataError::Failed),
+        }
+    }
+}
