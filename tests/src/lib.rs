@@ -15,6 +15,7 @@ pub mod netns;
 pub mod procstat;
 pub mod redis;
 pub mod scenario;
+pub mod script_cost;
 pub mod sockets;
 pub mod tls;
 pub mod upstream;

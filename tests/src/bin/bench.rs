@@ -1132,7 +1132,7 @@ fn main() {
                     let bucket = |j: u64| format!("rl:{{bench|k={}}}", (i + j * 7919) % keys);
                     let mut c = redis::cmd("EVALSHA");
                     c.arg(&sha).arg(1).arg(bucket(0));
-                    // As lua/token_bucket.lua's header lays out ARGV: mode, record ttl, lease
+                    // As lua/bucket.lua's header lays out ARGV: mode, record ttl, lease
                     // share, cluster 0, share margin; the buckets; one limit with no regional
                     // share; one group without a record of n one-decision requests; no returns.
                     c.arg("apply").arg(10_000).arg(0.1).arg(0).arg(1000).arg(n);
@@ -1171,6 +1171,7 @@ fn main() {
         )
         .await;
         print(&script_batch, Some(&incr));
+        println!("{}", ratelimit_e2e::script_cost::before_and_after(args.batch, keys));
 
         let http = reqwest::Client::builder()
             .pool_max_idle_per_host(args.concurrency.max(args.loaded_concurrency))
@@ -1523,7 +1524,7 @@ fn main() {
 
 /// The bucket script, as the sidecar embeds it.
 fn ratelimit_sidecar_script() -> &'static str {
-    include_str!("../../../lua/token_bucket.lua")
+    ratelimit_e2e::script_cost::APPLY
 }
 
 /// Buckets written to measure memory.
