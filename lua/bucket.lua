@@ -193,7 +193,9 @@ local function finish()
       local keep = s.exp >= need and s.exp <= need + 2 * MARGIN_MS
       local exp = keep and s.exp or need + MARGIN_MS
       local value = spack('<ddd', s.tokens, s.ts, exp)
-      for _, l in ipairs(leases) do value = value .. spack('<ddd', l.id, l.amount, l.expiry) end
+      for i = 1, #leases do
+        value = value .. spack('<ddd', leases[i].id, leases[i].amount, leases[i].expiry)
+      end
       if keep then redis.call('SET', ARGV[6 + b], value, 'KEEPTTL')
       else redis.call('SET', ARGV[6 + b], value, 'PXAT', exp) end
     end
