@@ -2,15 +2,9 @@
 //! sidecar cannot decide. Its state lives in proxy-wasm shared data (one key per rule, shared by
 //! all worker VMs of the same `vm_id`) and is updated with compare-and-swap.
 //!
-//! The math, with time passed in explicitly (no clock in here):
-//!
-//! ```text
-//! elapsed_s = max(0, now_ns - updated_ns) / 1e9      (a clock that went backward adds nothing)
-//! tokens    = min(capacity, tokens + refill_per_sec * elapsed_s)
-//! admit if tokens >= cost: tokens -= cost
-//! else retry_after_ms = ceil((cost - tokens) / refill_per_sec * 1000)
-//! reset_ms  = ceil((capacity - tokens) / refill_per_sec * 1000)   (until the bucket is full)
-//! ```
+//! The math is the Redis bucket's, said once in `ratelimit_bucket` (refill, `retry_after_ms`,
+//! `reset_ms`), with time passed in explicitly (no clock in here) and no leases: the ceiling is
+//! the capacity. A clock that went backward adds nothing.
 //!
 //! Only an admitting take is written back: a rejection changes nothing worth storing (the refill
 //! is recomputed from `updated_ns` by the next take), and writing it would make the concurrent
@@ -23,6 +17,8 @@
 //! take that finds no key) writes a full bucket unconditionally. Two workers configuring at once
 //! may each write one over the other's takes; this admits at most one extra `capacity` per bucket,
 //! once, at start.
+
+use ratelimit_bucket::{refill, reset_ms, retry_after_ms, whole};
 
 use crate::config::Emergency;
 use crate::shared::{compare_and_swap, SharedStore, Write};
@@ -105,8 +101,13 @@ impl EmergencyBucket {
         let previous = state
             .and_then(State::decode)
             .unwrap_or_else(|| State::full(self, now_ns));
-        let elapsed_s = now_ns.saturating_sub(previous.updated_ns) as f64 / 1e9;
-        let tokens = (previous.tokens + self.refill_per_sec * elapsed_s).min(self.capacity);
+        let elapsed_us = now_ns.saturating_sub(previous.updated_ns) as f64 / 1e3;
+        let tokens = refill(
+            previous.tokens,
+            self.refill_per_sec,
+            elapsed_us,
+            self.capacity,
+        );
         // Never move `updated_ns` backward: the interval up to it has been counted already.
         let updated_ns = previous.updated_ns.max(now_ns);
         let allowed = tokens >= cost;
@@ -114,20 +115,14 @@ impl EmergencyBucket {
         Take {
             state: State { tokens, updated_ns },
             allowed,
-            remaining: tokens.floor() as u64,
+            remaining: whole(tokens),
             retry_after_ms: if allowed {
                 0
             } else {
-                self.ms_until(cost - tokens)
+                retry_after_ms(cost, tokens, self.refill_per_sec)
             },
-            reset_ms: self.ms_until(self.capacity - tokens),
+            reset_ms: reset_ms(self.capacity, tokens, self.refill_per_sec),
         }
-    }
-
-    /// Milliseconds the refill takes to add `tokens`, rounded up. `as` saturates: an absurdly
-    /// slow refill cannot overflow.
-    fn ms_until(&self, tokens: f64) -> u64 {
-        (tokens.max(0.0) / self.refill_per_sec * 1000.0).ceil() as u64
     }
 }
 

@@ -63,7 +63,7 @@ use crate::policy::reload::PolicyHandle;
 use crate::policy::{Limit, LimitKind, Policy, Resolution, MAX_CAPACITY};
 use crate::regional::RegionalShares;
 use crate::store::{
-    Bucket, BucketStore, Charge, Group, NodeId, Outcome, Readiness, RequestOutcome, Return,
+    BucketLimits, BucketStore, Charge, Group, NodeId, Outcome, Readiness, RequestOutcome, Return,
     StoreError, Work,
 };
 
@@ -671,7 +671,7 @@ impl<S: BucketStore> Decider<S> {
                     self.store.node_of(&key),
                     Return {
                         key,
-                        bucket: Bucket {
+                        bucket: BucketLimits {
                             capacity,
                             refill_per_sec,
                             share,
@@ -998,7 +998,7 @@ fn charge(limit: &Limit, key: Arc<str>, share: Option<Arc<ShareHistory>>, item: 
     };
     Charge {
         key,
-        bucket: Bucket {
+        bucket: BucketLimits {
             capacity,
             refill_per_sec,
             share,

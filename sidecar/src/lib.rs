@@ -1,7 +1,7 @@
 //! `ratelimit-sidecar`: the decision service of the rate limiter. It answers `POST /v1/decide`
 //! (the contract of `ratelimit-wire`) and Envoy's gRPC rate limit service
 //! (`envoy.service.ratelimit.v3.RateLimitService`) on one listener, by running the token bucket of
-//! `lua/token_bucket.lua` in Redis (one node, a primary found through Sentinel, or a Cluster), and
+//! `lua/bucket.lua` in Redis (one node, a primary found through Sentinel, or a Cluster), and
 //! serves `/healthz`, `/readyz` and `/metrics`.
 //!
 //! Pure core, thin edges: [`policy`] owns the limits, [`decide`] validates calls, resolves limits,

@@ -92,7 +92,7 @@ async fn cost_above_capacity_is_never_satisfiable() {
 async fn the_script_refuses_invalid_arguments_by_itself_and_writes_nothing() {
     let redis = Redis::start();
     let mut c = redis.connection();
-    let script = ratelimit_sidecar::store::SCRIPT;
+    let script = ratelimit_sidecar::store::Script::Apply.text();
     // Defense in depth: the sidecar never sends these; the script errors, never allows.
     for (capacity, refill, shares, needle) in [
         ("0", "1", &["0"][..], "invalid limit 1"),

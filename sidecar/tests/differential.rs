@@ -1,4 +1,4 @@
-//! The bucket exists twice: in Lua (`lua/token_bucket.lua`, in Redis) and in Rust
+//! The bucket exists twice: in Lua (`lua/bucket.lua` and its modes, in Redis) and in Rust
 //! (`store::memory`, the reference model). The same random work, given to a real redis-server and
 //! to the model, must get the same answers: verdicts, remaining tokens, reasons, lease grants,
 //! replays and refunds.
@@ -23,7 +23,7 @@ use ratelimit_sidecar::metrics::Metrics;
 use ratelimit_sidecar::store::memory::MemoryStore;
 use ratelimit_sidecar::store::redis_store::StoreOptions;
 use ratelimit_sidecar::store::{
-    Bucket, BucketStore, Charge, Group, NodeId, RedisStore, RequestOutcome, Return, Work,
+    BucketLimits, BucketStore, Charge, Group, NodeId, RedisStore, RequestOutcome, Return, Work,
 };
 use ratelimit_wire::LeaseAsk;
 
@@ -32,8 +32,8 @@ const REFILL: f64 = 0.001;
 const MAX_SHARE: f64 = 0.4;
 
 /// Each key has its own fixed limit, as a policy gives, and some a regional share history.
-fn bucket_of(key: usize, shares: &[Option<Arc<ShareHistory>>]) -> Bucket {
-    Bucket {
+fn bucket_of(key: usize, shares: &[Option<Arc<ShareHistory>>]) -> BucketLimits {
+    BucketLimits {
         capacity: [5, 3, 8, 1][key],
         refill_per_sec: REFILL,
         share: shares[key].clone(),

@@ -12,7 +12,9 @@ use ratelimit_regions::{Share, ShareHistory};
 use ratelimit_sidecar::metrics::Metrics;
 use ratelimit_sidecar::regional::record::{self, ShareWrite};
 use ratelimit_sidecar::store::redis_store::StoreOptions;
-use ratelimit_sidecar::store::{Bucket, BucketStore, Charge, Group, NodeId, RedisStore, Work};
+use ratelimit_sidecar::store::{
+    BucketLimits, BucketStore, Charge, Group, NodeId, RedisStore, Work,
+};
 use serde_json::{json, Value};
 use support::{decision, Sidecar};
 
@@ -46,7 +48,7 @@ async fn store(redis: &Redis) -> RedisStore {
 async fn take(store: &RedisStore, key: &str, history: &ShareHistory, n: usize) -> usize {
     let charge = Charge {
         key: Arc::from(key),
-        bucket: Bucket {
+        bucket: BucketLimits {
             capacity: 100,
             refill_per_sec: 0.001,
             share: Some(Arc::new(history.clone())),

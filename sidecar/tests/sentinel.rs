@@ -177,13 +177,13 @@ fn store_on(
 
 /// One decision's work, on the one node a Sentinel store has.
 fn call(key: &str) -> ratelimit_sidecar::store::Work {
-    use ratelimit_sidecar::store::{Bucket, Charge, Group, Work};
+    use ratelimit_sidecar::store::{BucketLimits, Charge, Group, Work};
     Work {
         groups: vec![Group {
             record: None,
             requests: vec![vec![Charge {
                 key: std::sync::Arc::from(bucket("b10", key)),
-                bucket: Bucket::new(10, 1.0),
+                bucket: BucketLimits::new(10, 1.0),
                 cost: 1,
                 shadow: false,
                 lease: None,

@@ -22,6 +22,7 @@ pub mod probe;
 pub mod redis;
 pub mod report;
 pub mod scenario;
+pub mod script_cost;
 pub mod sockets;
 pub mod tls;
 pub mod upstream;

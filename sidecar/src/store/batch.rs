@@ -167,7 +167,7 @@ mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::time::Duration;
 
-    use super::super::{Bucket, Charge, Group, Status};
+    use super::super::{BucketLimits, Charge, Group, Status};
     use super::*;
 
     fn work(key: &str) -> Work {
@@ -176,7 +176,7 @@ mod tests {
                 record: None,
                 requests: vec![vec![Charge {
                     key: Arc::from(key),
-                    bucket: Bucket::new(1, 1.0),
+                    bucket: BucketLimits::new(1, 1.0),
                     cost: 1,
                     shadow: false,
                     lease: None,

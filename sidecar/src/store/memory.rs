@@ -1,25 +1,27 @@
-//! The bucket of `lua/token_bucket.lua`, in Rust, in memory: the reference model the Lua script
-//! is tested against (the same work gives the same answers, see `sidecar/tests/differential.rs`),
+//! The bucket of `lua/bucket.lua`, in Rust, in memory: the reference model the Lua scripts are
+//! tested against (the same work gives the same answers, see `sidecar/tests/differential.rs`),
 //! and the store behind the decision logic's unit tests. Time is injected, so tests drive it.
 //!
-//! It follows the script step by step, in the same floating-point order; see the script's header
-//! for the math and the semantics of leases, returns and records.
+//! It mirrors the scripts function for function, in their order and their floating-point order:
+//! [`Call::ceiling`], [`Call::bucket`], [`Call::give`], [`Call::remove_lease`], [`Call::finish`],
+//! [`Call::unpack_record`] and the returns as `lua/bucket.lua` has them, then
+//! [`MemoryStore::run`] as `lua/apply.lua` and [`MemoryStore::refund_now`] as `lua/refund.lua`.
+//! The formulas themselves are `ratelimit_bucket`'s; what each rule is for: `docs/bucket.md`.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use ratelimit_regions::ShareHistory;
+use ratelimit_bucket::{lease_ceiling, refill, scaled, wait_ms, whole};
 use ratelimit_wire::Reason;
 
 use super::{
-    Bucket, BucketStore, Charge, Group, NodeId, Outcome, RequestOutcome, Return, Status,
-    StoreError, Work, SHARE_MARGIN_MS,
+    BucketLimits, BucketStore, Group, NodeId, Outcome, RequestOutcome, Status, StoreError, Work,
+    SHARE_MARGIN_MS,
 };
 
 /// Lease entries one bucket holds (as the script).
 pub const MAX_LEASES: usize = 64;
-const MAX_INT: f64 = 9_007_199_254_740_992.0;
 
 #[derive(Debug, Clone, PartialEq)]
 struct Lease {
@@ -28,14 +30,32 @@ struct Lease {
     expiry_us: f64,
 }
 
+/// A bucket as stored: its tokens at `ts_us`, and its leases.
+#[derive(Debug, Clone, PartialEq)]
+struct Stored {
+    tokens: f64,
+    ts_us: f64,
+    leases: Vec<Lease>,
+}
+
+/// A bucket's state in one call (the script's `states[b]`): decoded once, written at the end
+/// when dirty.
 #[derive(Debug, Clone, PartialEq)]
 struct State {
     tokens: f64,
     ts_us: f64,
+    /// The unexpired leases.
     leases: Vec<Lease>,
     /// The stored ts when the call began (`None`: the bucket was missing): where the look-back
     /// of a regional share starts.
     since_us: Option<f64>,
+    /// The stored ts was in the future: even a rejection re-anchors it.
+    future: bool,
+    dirty: bool,
+    /// What the decisions of request `avail_req` (numbered across the call from 1) decided so
+    /// far would leave.
+    avail: f64,
+    avail_req: usize,
 }
 
 /// One request as a record keeps it: status (0 rejected, 1 charged, 2 refunded) and per decision
@@ -48,7 +68,7 @@ struct Recorded {
 
 #[derive(Debug, Default)]
 struct Inner {
-    buckets: HashMap<Arc<str>, State>,
+    buckets: HashMap<Arc<str>, Stored>,
     records: HashMap<String, (Vec<Recorded>, u64)>,
     /// Hashes (regional share records, demand counters): key -> fields.
     hashes: HashMap<String, Vec<(String, String)>>,
@@ -62,6 +82,130 @@ pub struct MemoryStore {
     record_ttl_ms: u64,
     /// Fails every call with this error while set (outage tests).
     pub fail: Mutex<Option<StoreError>>,
+}
+
+/// One call of a script: the store, the server's clock, the bucket states.
+struct Call<'a> {
+    inner: &'a mut Inner,
+    now: f64,
+    states: HashMap<Arc<str>, State>,
+}
+
+impl Call<'_> {
+    /// The lease ceiling: the capacity less what the bucket's unexpired leases hold.
+    fn ceiling(s: &State, capacity: f64) -> f64 {
+        lease_ceiling(capacity, s.leases.iter().map(|l| l.amount))
+    }
+
+    /// The bucket function: the bucket's state, its tokens now (refilled, capped by the lease
+    /// ceiling), and the capacity and refill it is taken under: a regional limit's scaled by the
+    /// smallest share in force since the bucket's last decision, looking back at most its fill
+    /// time, widened by [`SHARE_MARGIN_MS`] (`docs/regions.md`).
+    fn bucket(&mut self, key: &Arc<str>, limit: &BucketLimits) -> (&mut State, f64, f64, f64) {
+        let now = self.now;
+        let stored = self.inner.buckets.get(key);
+        let s = self.states.entry(key.clone()).or_insert_with(|| {
+            let (tokens, ts_us, leases, since_us) = match stored {
+                Some(b) => (
+                    b.tokens,
+                    b.ts_us,
+                    b.leases
+                        .iter()
+                        .filter(|l| l.expiry_us > now)
+                        .cloned()
+                        .collect(),
+                    Some(b.ts_us),
+                ),
+                None => (limit.capacity as f64, now, Vec::new(), None),
+            };
+            State {
+                tokens: if tokens.is_nan() || tokens < 0.0 {
+                    0.0
+                } else {
+                    tokens
+                },
+                ts_us,
+                leases,
+                since_us,
+                future: ts_us > now,
+                dirty: false,
+                avail: 0.0,
+                avail_req: 0,
+            }
+        });
+        let (mut capacity, mut refill_per_sec) = (limit.capacity as f64, limit.refill_per_sec);
+        if let Some(history) = &limit.share {
+            let changes: Vec<(f64, u32)> = history
+                .changes()
+                .map(|(t, share)| (t as f64, share.ppm()))
+                .collect();
+            let horizon = now - horizon_us(limit);
+            let from_ms =
+                s.since_us.unwrap_or(horizon).max(horizon) / 1000.0 - SHARE_MARGIN_MS as f64;
+            let mut m = changes.last().map_or(0, |c| c.1);
+            for pair in changes.windows(2) {
+                if pair[1].0 > from_ms && pair[0].1 < m {
+                    m = pair[0].1;
+                }
+            }
+            (capacity, refill_per_sec) = (scaled(capacity, m), scaled(refill_per_sec, m));
+        }
+        let tokens = refill(
+            s.tokens,
+            refill_per_sec,
+            now - s.ts_us,
+            Self::ceiling(s, capacity),
+        );
+        (s, tokens, capacity, refill_per_sec)
+    }
+
+    /// Puts tokens back as of now, up to the lease ceiling; what the bucket then holds.
+    fn give(s: &mut State, tokens: f64, capacity: f64, now: f64) -> f64 {
+        s.tokens = tokens.min(Self::ceiling(s, capacity));
+        s.ts_us = now;
+        s.dirty = true;
+        s.tokens
+    }
+
+    /// Removes lease `id` from the bucket: the lease, or `None` when it holds none of that id.
+    fn remove_lease(s: &mut State, id: f64) -> Option<Lease> {
+        let i = s.leases.iter().position(|l| l.id == id)?;
+        s.dirty = true;
+        Some(s.leases.remove(i))
+    }
+
+    /// Writes each dirty bucket once (the script also sets its key's expiry: a missing bucket is
+    /// a full one, so the model keeps every bucket instead).
+    fn finish(self) {
+        for (key, s) in self.states.into_iter().filter(|(_, s)| s.dirty) {
+            let (tokens, ts_us, leases) = (s.tokens, s.ts_us, s.leases);
+            self.inner.buckets.insert(
+                key,
+                Stored {
+                    tokens,
+                    ts_us,
+                    leases,
+                },
+            );
+        }
+    }
+
+    /// The record of `group`; `None` for a record of another shape (an attempt id reused for
+    /// other requests): the group is then decided as new.
+    fn unpack_record(&self, group: &Group) -> Option<Vec<Recorded>> {
+        let (recorded, _) = self.inner.records.get(group.record.as_ref()?)?;
+        let same_shape = recorded.len() == group.requests.len()
+            && recorded
+                .iter()
+                .zip(&group.requests)
+                .all(|(r, q)| r.decisions.len() == q.len());
+        same_shape.then(|| recorded.clone())
+    }
+}
+
+/// The fill time of a limit, in microseconds: how far a regional share looks back.
+fn horizon_us(b: &BucketLimits) -> f64 {
+    b.capacity as f64 / b.refill_per_sec * 1_000_000.0
 }
 
 impl MemoryStore {
@@ -115,355 +259,185 @@ impl MemoryStore {
             .unwrap_or_default()
     }
 
-    /// Decides `work` at the store's clock.
+    /// Decides `work` at the store's clock, as `lua/apply.lua` (after the returns of
+    /// `lua/bucket.lua`).
     pub fn run(&self, work: &Work) -> Vec<Vec<RequestOutcome>> {
         let now = self.now_us.load(Ordering::SeqCst) as f64;
-        let mut inner = self.inner.lock().expect("not poisoned");
         let now_ms = (now / 1000.0).floor() as u64;
+        let mut inner = self.inner.lock().expect("not poisoned");
         inner.records.retain(|_, (_, exp)| *exp > now_ms);
-        let mut states: HashMap<Arc<str>, State> = HashMap::new();
-        let mut dirty: Vec<Arc<str>> = Vec::new();
+        let mut call = Call {
+            inner: &mut inner,
+            now,
+            states: HashMap::new(),
+        };
+        // Returns: the unused part of a lease goes back, the lease is removed.
         for r in &work.returns {
-            return_lease(&mut inner, &mut states, &mut dirty, now, r);
+            let (s, tokens, capacity, _) = call.bucket(&r.key, &r.bucket);
+            if let Some(lease) = Call::remove_lease(s, r.lease_id as f64) {
+                Call::give(
+                    s,
+                    tokens + (r.tokens as f64).min(lease.amount),
+                    capacity,
+                    now,
+                );
+            }
         }
         let mut out = Vec::with_capacity(work.groups.len());
+        let mut r = 0; // the request, numbered across the call
         for g in &work.groups {
-            // A record of another shape is not this call's (an attempt id reused for other
-            // requests): the call is decided as new, as the script does.
-            if let Some(recorded) = g
-                .record
-                .as_ref()
-                .and_then(|k| inner.records.get(k))
-                .filter(|(r, _)| same_shape(r, g))
-            {
-                out.push(replay(&recorded.0));
+            if let Some(recorded) = call.unpack_record(g) {
+                r += g.requests.len();
+                out.push(replay(&recorded));
                 continue;
             }
-            let mut recorded = Vec::with_capacity(g.requests.len());
             let mut answers = Vec::with_capacity(g.requests.len());
+            let mut flat = Vec::with_capacity(g.requests.len());
             for request in &g.requests {
-                let (r, rec) =
-                    self.apply_request(&mut inner, &mut states, &mut dirty, now, request);
-                answers.push(r);
-                recorded.push(rec);
+                r += 1;
+                // Pass 1: does every non-shadow decision admit? Decisions of one request on one
+                // bucket see what the ones before them would take.
+                let mut admit = true;
+                let mut res: Vec<[f64; 8]> = Vec::with_capacity(request.len());
+                for c in request {
+                    let (s, mut tokens, _, refill_per_sec) = call.bucket(&c.key, &c.bucket);
+                    if s.avail_req == r {
+                        tokens = s.avail;
+                    }
+                    let mut x = [0.0; 8]; // allowed, remaining, retry, reset, reason, ...
+                    let cost = c.cost as f64;
+                    if cost > capacity_now(&c.bucket) {
+                        x[4] = 2.0;
+                    } else if tokens < cost {
+                        x[4] = 1.0;
+                        x[2] = wait_ms(cost - tokens, refill_per_sec) as f64;
+                    } else {
+                        x[0] = 1.0;
+                        tokens -= cost;
+                    }
+                    (s.avail, s.avail_req) = (tokens, r);
+                    admit = admit && (x[0] == 1.0 || c.shadow);
+                    res.push(x);
+                }
+                // Pass 2: charge (and grant leases) only if the request is admitted.
+                for (c, x) in request.iter().zip(res.iter_mut()) {
+                    let (s, mut tokens, capacity, refill_per_sec) = call.bucket(&c.key, &c.bucket);
+                    let (mut grant, mut charged) = (0.0, 0.0);
+                    if admit && x[0] == 1.0 {
+                        tokens -= c.cost as f64;
+                        charged = c.cost as f64;
+                        if let Some(ask) = c.lease.filter(|a| a.tokens > 0) {
+                            if s.leases.len() < MAX_LEASES {
+                                let cap = (self.max_share * capacity).floor();
+                                grant = (ask.tokens as f64).min(cap).min(tokens.floor()).max(0.0);
+                            }
+                            if grant > 0.0 {
+                                // A new lease under an id already held replaces it.
+                                Call::remove_lease(s, ask.id as f64);
+                                s.leases.push(Lease {
+                                    id: ask.id as f64,
+                                    amount: grant,
+                                    expiry_us: now + ask.ttl_ms as f64 * 1000.0,
+                                });
+                                tokens -= grant;
+                                charged += grant;
+                            }
+                        }
+                    }
+                    // A rejection writes nothing, but re-anchors a ts in the future.
+                    if charged > 0.0 || s.future {
+                        (s.tokens, s.ts_us, s.dirty) = (tokens, now, true);
+                    }
+                    x[1] = whole(tokens) as f64;
+                    x[3] = wait_ms(capacity - tokens, refill_per_sec) as f64;
+                    x[5] = grant;
+                    x[6] = charged;
+                    x[7] = if charged > 0.0 {
+                        c.lease.map_or(0.0, |a| a.id as f64)
+                    } else {
+                        0.0
+                    };
+                }
+                let status = if admit {
+                    Status::Charged
+                } else {
+                    Status::Rejected
+                };
+                answers.push(RequestOutcome {
+                    status,
+                    decisions: res.iter().map(outcome).collect(),
+                });
+                flat.push(Recorded {
+                    status: if admit { 1.0 } else { 0.0 },
+                    decisions: res,
+                });
             }
             if let Some(k) = &g.record {
-                if recorded.iter().any(|r| r.status == 1.0) {
-                    inner
-                        .records
-                        .insert(k.clone(), (recorded, now_ms + self.record_ttl_ms));
+                if flat.iter().any(|r| r.status == 1.0) {
+                    let expires_ms = now_ms + self.record_ttl_ms;
+                    call.inner.records.insert(k.clone(), (flat, expires_ms));
                 }
             }
             out.push(answers);
         }
-        for key in dirty {
-            if let Some(s) = states.remove(&key) {
-                inner.buckets.insert(key, s);
-            }
-        }
+        call.finish();
         out
     }
 
-    fn apply_request(
-        &self,
-        inner: &mut Inner,
-        states: &mut HashMap<Arc<str>, State>,
-        dirty: &mut Vec<Arc<str>>,
-        now: f64,
-        request: &[Charge],
-    ) -> (RequestOutcome, Recorded) {
-        let mut admit = true;
-        let mut avail: HashMap<&str, f64> = HashMap::new();
-        let mut results: Vec<[f64; 8]> = Vec::with_capacity(request.len());
-        for c in request {
-            let s = state(inner, states, &c.key, c.bucket.capacity as f64, now);
-            let mut tokens = avail
-                .get(&*c.key)
-                .copied()
-                .unwrap_or_else(|| tokens_now(s, c, now));
-            let mut x = [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0];
-            let cost = c.cost as f64;
-            if cost > capacity_now(&c.bucket) {
-                x[4] = 2.0;
-            } else if tokens < cost {
-                x[4] = 1.0;
-                let (_, refill) = effective(s, &c.bucket, now);
-                x[2] = ms_ceil((cost - tokens) / refill * 1000.0);
-            } else {
-                x[0] = 1.0;
-                tokens -= cost;
-            }
-            avail.insert(&c.key, tokens);
-            if x[0] == 0.0 && !c.shadow {
-                admit = false;
-            }
-            results.push(x);
-        }
-        for (c, x) in request.iter().zip(results.iter_mut()) {
-            let s = state(inner, states, &c.key, c.bucket.capacity as f64, now);
-            let mut tokens = tokens_now(s, c, now);
-            if admit && x[0] == 1.0 {
-                tokens -= c.cost as f64;
-                let mut grant = 0.0;
-                if let Some(ask) = c.lease.filter(|a| a.tokens > 0) {
-                    if s.leases.len() < MAX_LEASES {
-                        let (capacity, _) = effective(s, &c.bucket, now);
-                        let cap = (self.max_share * capacity).floor();
-                        grant = (ask.tokens as f64).min(cap).min(tokens.floor()).max(0.0);
-                        if grant > 0.0 {
-                            s.leases.retain(|l| l.id != ask.id as f64);
-                            tokens -= grant;
-                            s.leases.push(Lease {
-                                id: ask.id as f64,
-                                amount: grant,
-                                expiry_us: now + ask.ttl_ms as f64 * 1000.0,
-                            });
-                        }
-                    }
-                }
-                s.tokens = tokens;
-                s.ts_us = now;
-                mark(dirty, &c.key);
-                x[5] = grant;
-                x[6] = c.cost as f64 + grant;
-                x[7] = c.lease.map_or(0.0, |a| a.id as f64);
-            } else if s.ts_us > now {
-                s.tokens = tokens;
-                s.ts_us = now;
-                mark(dirty, &c.key);
-            }
-            x[1] = int(tokens);
-            x[3] = reset_ms(s, &c.bucket, tokens, now);
-        }
-        let status = if admit {
-            Status::Charged
-        } else {
-            Status::Rejected
-        };
-        (
-            RequestOutcome {
-                status,
-                decisions: results.iter().map(outcome).collect(),
-            },
-            Recorded {
-                status: if admit { 1.0 } else { 0.0 },
-                decisions: results,
-            },
-        )
-    }
-
-    /// Refunds the listed requests of a recorded group, in the order of the group (as the script
-    /// does: the list is a set). The order matters in one case: two requests of the group that
+    /// Refunds the listed requests of a recorded group, as `lua/refund.lua`: in the order of the
+    /// group (the list is a set). The order matters in one case: two requests of the group that
     /// took a lease under one id on one bucket (the second replaced the first's), where only the
     /// lease still held comes back with the first request refunded.
     pub fn refund_now(&self, group: &Group, requests: &[usize]) -> bool {
-        let mut requests = requests.to_vec();
-        requests.sort_unstable();
-        requests.dedup();
         let now = self.now_us.load(Ordering::SeqCst) as f64;
         let mut inner = self.inner.lock().expect("not poisoned");
-        let Some(key) = &group.record else {
+        let mut call = Call {
+            inner: &mut inner,
+            now,
+            states: HashMap::new(),
+        };
+        let Some(mut flat) = call.unpack_record(group) else {
             return false;
         };
-        let Some((mut recorded, exp)) = inner
-            .records
-            .get(key)
-            .filter(|(r, _)| same_shape(r, group))
-            .cloned()
-        else {
-            return false;
-        };
-        let mut states: HashMap<Arc<str>, State> = HashMap::new();
-        let mut dirty = Vec::new();
         let mut changed = false;
-        for &r in &requests {
-            let (Some(rec), Some(request)) = (recorded.get_mut(r), group.requests.get(r)) else {
-                continue;
-            };
-            if rec.status != 1.0 {
+        for (r, (rec, request)) in flat.iter_mut().zip(&group.requests).enumerate() {
+            if !requests.contains(&r) || rec.status != 1.0 {
                 continue;
             }
             for (x, c) in rec.decisions.iter_mut().zip(request) {
                 let mut charged = x[6];
                 if charged > 0.0 {
-                    let s = state(&inner, &mut states, &c.key, c.bucket.capacity as f64, now);
-                    let tokens = tokens_now(s, c, now);
-                    if x[5] > 0.0 {
-                        let before = s.leases.len();
-                        s.leases.retain(|l| l.id != x[7]);
-                        if s.leases.len() == before {
-                            charged -= x[5];
-                        }
+                    let (s, tokens, capacity, refill_per_sec) = call.bucket(&c.key, &c.bucket);
+                    // A returned or expired lease gave its tokens back, or lost them, already.
+                    if x[5] > 0.0 && Call::remove_lease(s, x[7]).is_none() {
+                        charged -= x[5];
                     }
-                    let (capacity, _) = effective(s, &c.bucket, now);
-                    let tokens = (tokens + charged).min(capacity - leased(s));
-                    s.tokens = tokens;
-                    s.ts_us = now;
-                    mark(&mut dirty, &c.key);
-                    x[0] = 0.0;
-                    x[1] = int(tokens);
-                    x[3] = reset_ms(s, &c.bucket, tokens, now);
-                    x[5] = 0.0;
+                    let tokens = Call::give(s, tokens + charged, capacity, now);
+                    (x[0], x[1], x[5]) = (0.0, whole(tokens) as f64, 0.0);
+                    x[3] = wait_ms(capacity - tokens, refill_per_sec) as f64;
                 }
             }
             rec.status = 2.0;
             changed = true;
         }
         if changed {
-            inner.records.insert(key.clone(), (recorded, exp));
-        }
-        for key in dirty {
-            if let Some(s) = states.remove(&key) {
-                inner.buckets.insert(key, s);
+            let key = group.record.clone().expect("a record was read");
+            if let Some(entry) = call.inner.records.get_mut(&key) {
+                entry.0 = flat;
             }
         }
+        call.finish();
         changed
     }
 }
 
-fn mark(dirty: &mut Vec<Arc<str>>, key: &Arc<str>) {
-    if !dirty.contains(key) {
-        dirty.push(key.clone());
-    }
-}
-
-/// The bucket's state in this call: from the call's working set, else from storage (unexpired
-/// leases only), else a full bucket.
-fn state<'a>(
-    inner: &Inner,
-    states: &'a mut HashMap<Arc<str>, State>,
-    key: &Arc<str>,
-    capacity: f64,
-    now: f64,
-) -> &'a mut State {
-    states
-        .entry(key.clone())
-        .or_insert_with(|| match inner.buckets.get(key) {
-            Some(s) => State {
-                tokens: if s.tokens.is_nan() || s.tokens < 0.0 {
-                    0.0
-                } else {
-                    s.tokens
-                },
-                ts_us: s.ts_us,
-                leases: s
-                    .leases
-                    .iter()
-                    .filter(|l| l.expiry_us > now)
-                    .cloned()
-                    .collect(),
-                since_us: Some(s.ts_us),
-            },
-            None => State {
-                tokens: capacity,
-                ts_us: now,
-                leases: Vec::new(),
-                since_us: None,
-            },
-        })
-}
-
-fn leased(s: &State) -> f64 {
-    s.leases.iter().map(|l| l.amount).sum()
-}
-
-/// `x` scaled by `ppm` parts per million, rounded down to a millionth.
-fn scaled(x: f64, ppm: f64) -> f64 {
-    (x * ppm).floor() / 1_000_000.0
-}
-
-/// The fill time of a limit, in microseconds: how far a regional share looks back.
-fn horizon_us(b: &Bucket) -> f64 {
-    b.capacity as f64 / b.refill_per_sec * 1_000_000.0
-}
-
-/// The smallest share (ppm) of `history` in force at any instant since `since_us`, looking back
-/// at most the fill time, widened by [`SHARE_MARGIN_MS`].
-fn smallest_share(history: &ShareHistory, b: &Bucket, since_us: f64, now: f64) -> f64 {
-    let changes: Vec<(f64, f64)> = history
-        .changes()
-        .map(|(t, s)| (t as f64, f64::from(s.ppm())))
-        .collect();
-    let from_ms = since_us.max(now - horizon_us(b)) / 1000.0 - SHARE_MARGIN_MS as f64;
-    let mut m = changes.last().map_or(0.0, |c| c.1);
-    for pair in changes.windows(2) {
-        if pair[1].0 > from_ms && pair[0].1 < m {
-            m = pair[0].1;
-        }
-    }
-    m
-}
-
-/// The capacity and refill a bucket is taken under in this call (the script's `effective`).
-fn effective(s: &State, b: &Bucket, now: f64) -> (f64, f64) {
-    let capacity = b.capacity as f64;
-    match &b.share {
-        None => (capacity, b.refill_per_sec),
-        Some(history) => {
-            let since = s.since_us.unwrap_or(now - horizon_us(b));
-            let m = smallest_share(history, b, since, now);
-            (scaled(capacity, m), scaled(b.refill_per_sec, m))
-        }
-    }
-}
-
-/// The capacity under the share in force now.
-fn capacity_now(b: &Bucket) -> f64 {
+/// The capacity under the share in force now (the script's `capacity_now`).
+fn capacity_now(b: &BucketLimits) -> f64 {
     let capacity = b.capacity as f64;
     match b.share.as_ref().and_then(|h| h.changes().last()) {
         None => capacity,
-        Some((_, share)) => scaled(capacity, f64::from(share.ppm())),
+        Some((_, share)) => scaled(capacity, share.ppm()),
     }
-}
-
-fn reset_ms(s: &State, b: &Bucket, tokens: f64, now: f64) -> f64 {
-    let (capacity, refill) = effective(s, b, now);
-    ms_ceil((capacity - tokens) / refill * 1000.0)
-}
-
-fn tokens_now(s: &State, c: &Charge, now: f64) -> f64 {
-    tokens_at(s, &c.bucket, now)
-}
-
-fn tokens_at(s: &State, b: &Bucket, now: f64) -> f64 {
-    let (capacity, refill) = effective(s, b, now);
-    let elapsed = (now - s.ts_us).max(0.0);
-    let mut tokens = s.tokens + refill * elapsed / 1_000_000.0;
-    let ceiling = capacity - leased(s);
-    if tokens > ceiling {
-        tokens = ceiling;
-    }
-    if tokens < 0.0 {
-        tokens = 0.0;
-    }
-    tokens
-}
-
-fn return_lease(
-    inner: &mut Inner,
-    states: &mut HashMap<Arc<str>, State>,
-    dirty: &mut Vec<Arc<str>>,
-    now: f64,
-    r: &Return,
-) {
-    let s = state(inner, states, &r.key, r.bucket.capacity as f64, now);
-    let tokens = tokens_at(s, &r.bucket, now);
-    if let Some(i) = s.leases.iter().position(|l| l.id == r.lease_id as f64) {
-        let lease = s.leases.remove(i);
-        let back = (r.tokens as f64).min(lease.amount);
-        let (capacity, _) = effective(s, &r.bucket, now);
-        s.tokens = (tokens + back).min(capacity - leased(s));
-        s.ts_us = now;
-        mark(dirty, &r.key);
-    }
-}
-
-fn same_shape(recorded: &[Recorded], g: &Group) -> bool {
-    recorded.len() == g.requests.len()
-        && recorded
-            .iter()
-            .zip(&g.requests)
-            .all(|(r, q)| r.decisions.len() == q.len())
 }
 
 fn replay(recorded: &[Recorded]) -> Vec<RequestOutcome> {
@@ -491,20 +465,6 @@ fn outcome(x: &[f64; 8]) -> Outcome {
         },
         leased: x[5] as u64,
     }
-}
-
-fn int(x: f64) -> f64 {
-    if x.is_nan() || x <= 0.0 {
-        0.0
-    } else if x >= MAX_INT {
-        MAX_INT
-    } else {
-        x.floor()
-    }
-}
-
-fn ms_ceil(x: f64) -> f64 {
-    int((x - 1e-6).ceil())
 }
 
 impl BucketStore for MemoryStore {
@@ -564,7 +524,7 @@ impl BucketStore for MemoryStore {
 
 #[cfg(test)]
 mod tests {
-    use super::super::Bucket;
+    use super::super::{BucketLimits, Charge, Return};
     use super::*;
 
     const T0: u64 = 1_700_000_000_000_000;
@@ -572,7 +532,7 @@ mod tests {
     fn charge(key: &str, capacity: u64, refill: f64, cost: u64) -> Charge {
         Charge {
             key: Arc::from(key),
-            bucket: Bucket::new(capacity, refill),
+            bucket: BucketLimits::new(capacity, refill),
             cost,
             shadow: false,
             lease: None,
@@ -647,7 +607,7 @@ mod tests {
             groups: vec![],
             returns: vec![Return {
                 key: Arc::from("h"),
-                bucket: Bucket::new(100, 10.0),
+                bucket: BucketLimits::new(100, 10.0),
                 lease_id: 7,
                 tokens: 20,
             }],

@@ -1,12 +1,14 @@
 //! Where buckets live: the [`BucketStore`] trait the decision logic talks to, and its Redis
-//! implementation that runs `lua/token_bucket.lua`:
+//! implementation that runs the bucket scripts of `lua/` ([`Script`]):
 //! - [`connection`]: how Redis is reached (one node, the primary Sentinel names, a Cluster);
 //! - [`sentinel`]: the Sentinel lookup of the primary;
-//! - [`redis_store`]: the script calls and the readiness check over a connection.
+//! - [`redis_store`]: the script calls and the readiness check over a connection;
+//! - [`script`]: the scripts, their arguments and replies;
+//! - [`memory`]: the same bucket in Rust, the scripts' reference model.
 //!
-//! The script is embedded from `lua/` and called by EVALSHA; a NOSCRIPT answer (a restarted node,
-//! a failover, a new Cluster primary) is healed by an EVAL of the same call, which also caches the
-//! script on that node. No NOSCRIPT ever reaches a caller. Every call is bounded by
+//! The scripts are embedded from `lua/` and called by EVALSHA; a NOSCRIPT answer (a restarted
+//! node, a failover, a new Cluster primary) is healed by an EVAL of the same call, which also
+//! caches the script on that node. No NOSCRIPT ever reaches a caller. Every call is bounded by
 //! `--redis-timeout-ms`; a script call whose outcome is unknown (timeout) is never retried here.
 
 pub mod batch;
@@ -24,14 +26,7 @@ use ratelimit_wire::Reason;
 use redis::{ErrorKind, RedisError, ServerErrorKind};
 
 pub use redis_store::RedisStore;
-
-/// The bucket script, one source of truth in `lua/`.
-pub const SCRIPT: &str = include_str!("../../../lua/token_bucket.lua");
-
-/// SHA1 of [`SCRIPT`], as EVALSHA wants it.
-pub fn script_sha1() -> String {
-    sha1_smol::Sha1::from(SCRIPT).digest().to_string()
-}
+pub use script::Script;
 
 /// A Redis node, as calls are grouped: the primary's address on a Cluster (or `slot:<n>` while
 /// the slot map is unknown), `primary` otherwise.
@@ -47,12 +42,13 @@ impl NodeId {
 /// How far the script widens the look-back of a regional share, in milliseconds: the share history
 /// is stamped by the clock of the node that holds the share record, a bucket's time by the clock
 /// of its own node (another node of a Cluster, a new primary after a failover). Offsets below this
-/// cannot make a bucket miss a smaller share (`lua/token_bucket.lua`, regional shares).
+/// cannot make a bucket miss a smaller share (`docs/regions.md`).
 pub const SHARE_MARGIN_MS: u64 = 1_000;
 
-/// A bucket's numbers, as the script takes them.
+/// The numbers of one bucket, as the script takes them: its limit's capacity and refill, and a
+/// regional rule's share history.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Bucket {
+pub struct BucketLimits {
     pub capacity: u64,
     pub refill_per_sec: f64,
     /// A regional limit: this region's share history (stamped by its Redis's clock); the bucket
@@ -61,10 +57,10 @@ pub struct Bucket {
     pub share: Option<Arc<ShareHistory>>,
 }
 
-impl Bucket {
+impl BucketLimits {
     /// A bucket of the whole limit (no regional share).
-    pub fn new(capacity: u64, refill_per_sec: f64) -> Bucket {
-        Bucket {
+    pub fn new(capacity: u64, refill_per_sec: f64) -> BucketLimits {
+        BucketLimits {
             capacity,
             refill_per_sec,
             share: None,
@@ -77,7 +73,7 @@ impl Bucket {
 pub struct Charge {
     /// `<prefix>{<bucket id>}`
     pub key: Arc<str>,
-    pub bucket: Bucket,
+    pub bucket: BucketLimits,
     pub cost: u64,
     /// Shadow mode: a rejection does not reject the request.
     pub shadow: bool,
@@ -104,7 +100,7 @@ impl Group {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Return {
     pub key: Arc<str>,
-    pub bucket: Bucket,
+    pub bucket: BucketLimits,
     pub lease_id: u64,
     pub tokens: u64,
 }
@@ -328,12 +324,5 @@ mod tests {
         let w = eviction_warning(&["noeviction".into(), "allkeys-lru".into()]).unwrap();
         assert!(w.contains("allkeys-lru"), "{w}");
         assert!(eviction_warning(&["volatile-ttl".into()]).is_some());
-    }
-
-    #[test]
-    fn sha1_is_computed_from_the_embedded_script() {
-        let sha = script_sha1();
-        assert_eq!(sha.len(), 40);
-        assert!(SCRIPT.contains("redis.call('TIME')"));
     }
 }

@@ -20,10 +20,10 @@ use redis::{Cmd, ErrorKind, RedisError, ServerErrorKind, Value};
 
 use super::batch::Batcher;
 use super::connection::{stall_limit, Connection};
-use super::script::{parse_apply, ScriptArgs};
+use super::script::{parse_apply, Script, ScriptArgs};
 use super::{
-    eviction_warning, is_script_failure, script_sha1, BucketStore, Group, NodeId, Readiness,
-    RequestOutcome, StoreError, Work, SCRIPT,
+    eviction_warning, is_script_failure, BucketStore, Group, NodeId, Readiness, RequestOutcome,
+    StoreError, Work,
 };
 use crate::keys::cluster_slot;
 use crate::metrics::Metrics;
@@ -66,7 +66,6 @@ pub struct RedisStore {
 
 struct Inner {
     connection: Connection,
-    sha1: String,
     options: StoreOptions,
     metrics: Arc<Metrics>,
     batchers: Mutex<HashMap<NodeId, Batcher>>,
@@ -161,7 +160,6 @@ impl RedisStore {
         RedisStore {
             inner: Arc::new(Inner {
                 connection,
-                sha1: script_sha1(),
                 options,
                 metrics,
                 batchers: Mutex::new(HashMap::new()),
@@ -283,7 +281,7 @@ impl RedisStore {
     /// so a stalled Redis is sent at most `--redis-pipeline` calls (see [`super::batch`]).
     async fn call(&self, work: Work) -> Result<Vec<Vec<RequestOutcome>>, StoreError> {
         let args = ScriptArgs::build(
-            "apply",
+            Script::Apply,
             &self.inner.options,
             self.inner.connection.is_cluster(),
             &work,
@@ -301,13 +299,13 @@ impl RedisStore {
     /// EVALSHA, healed by EVAL on NOSCRIPT, bounded by `limit`.
     async fn run_script(&self, args: &ScriptArgs, limit: Duration) -> Result<Value, StoreError> {
         self.bounded_by(limit, async {
-            match self.query(args.cmd("EVALSHA", &self.inner.sha1)).await {
+            match self.query(args.cmd(false)).await {
                 Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
                     // The node lost its script cache (restart, failover): EVAL caches it again.
                     // Built only here: the hot path never copies the script.
                     self.inner.metrics.script_loads.inc();
                     tracing::info!("NOSCRIPT from redis, reloading the bucket script by EVAL");
-                    self.query(args.cmd("EVAL", SCRIPT)).await
+                    self.query(args.cmd(true)).await
                 }
                 other => other,
             }
@@ -315,11 +313,14 @@ impl RedisStore {
         .await
     }
 
-    /// Checks Redis, loads the script where it is missing, reads `maxmemory-policy`.
+    /// Checks Redis, loads the scripts where one is missing, reads `maxmemory-policy`.
     pub async fn check_readiness(&self) -> Readiness {
         let mut r = Readiness::default();
         let mut exists = redis::cmd("SCRIPT");
-        exists.arg("EXISTS").arg(&self.inner.sha1);
+        exists.arg("EXISTS");
+        for script in Script::ALL {
+            exists.arg(script.sha1());
+        }
         match self.bounded(self.query_all_primaries(exists, None)).await {
             Ok(v) => {
                 r.redis_ok = true;
@@ -332,18 +333,17 @@ impl RedisStore {
             }
         }
         if !r.script_loaded {
-            let mut load = redis::cmd("SCRIPT");
-            load.arg("LOAD").arg(SCRIPT);
-            match self
-                .bounded(self.query_all_primaries(load, Some(ResponsePolicy::AllSucceeded)))
-                .await
-            {
-                Ok(_) => {
-                    self.inner.metrics.script_loads.inc();
-                    r.script_loaded = true;
+            for script in Script::ALL {
+                let mut load = redis::cmd("SCRIPT");
+                load.arg("LOAD").arg(script.text());
+                let all = Some(ResponsePolicy::AllSucceeded);
+                if let Err(e) = self.bounded(self.query_all_primaries(load, all)).await {
+                    r.error = Some(format!("SCRIPT LOAD: {e}"));
+                    break;
                 }
-                Err(e) => r.error = Some(format!("SCRIPT LOAD: {e}")),
+                self.inner.metrics.script_loads.inc();
             }
+            r.script_loaded = r.error.is_none();
         }
         let mut config = redis::cmd("CONFIG");
         config.arg("GET").arg("maxmemory-policy");
@@ -451,7 +451,7 @@ impl BucketStore for RedisStore {
             returns: Vec::new(),
         };
         let args = ScriptArgs::build(
-            "refund",
+            Script::Refund,
             &self.inner.options,
             self.inner.connection.is_cluster(),
             &work,

@@ -1,18 +1,64 @@
-//! The bucket script's calling convention, on the Rust side: the arguments of one call built from
-//! the work of one node ([`ScriptArgs`]), and its reply read back as outcomes ([`parse_apply`]).
-//! The convention itself (ARGV layout, reply layout) is documented in `lua/token_bucket.lua`.
+//! The bucket scripts and their calling convention, on the Rust side: the two scripts
+//! ([`Script`]), the arguments of one call built from the work of one node ([`ScriptArgs`]), and
+//! an apply call's reply read back as outcomes ([`parse_apply`]). The convention itself (ARGV
+//! layout, reply layout) is documented in the headers of `lua/bucket.lua` and `lua/apply.lua`.
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock};
 
 use ratelimit_wire::Reason;
 use redis::{Cmd, Value};
 
 use super::redis_store::StoreOptions;
-use super::{Bucket, Outcome, RequestOutcome, Status, StoreError, Work, SHARE_MARGIN_MS};
+use super::{BucketLimits, Outcome, RequestOutcome, Status, StoreError, Work, SHARE_MARGIN_MS};
 
-/// The arguments of one script call (see the calling convention in `lua/token_bucket.lua`).
+/// A bucket script: `lua/bucket.lua` (the bucket function, the arguments, the reads and writes)
+/// followed by its mode's file, one source of truth in `lua/`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Script {
+    /// Decides groups of requests (`lua/apply.lua`).
+    Apply,
+    /// Gives back what recorded requests charged (`lua/refund.lua`).
+    Refund,
+}
+
+impl Script {
+    pub const ALL: [Script; 2] = [Script::Apply, Script::Refund];
+
+    /// The script's text, as `EVAL` and `SCRIPT LOAD` take it.
+    pub fn text(self) -> &'static str {
+        match self {
+            Script::Apply => concat!(
+                include_str!("../../../lua/bucket.lua"),
+                include_str!("../../../lua/apply.lua")
+            ),
+            Script::Refund => concat!(
+                include_str!("../../../lua/bucket.lua"),
+                include_str!("../../../lua/refund.lua")
+            ),
+        }
+    }
+
+    /// SHA1 of [`Script::text`], as `EVALSHA` wants it (computed once).
+    pub fn sha1(self) -> &'static str {
+        static SHA1: LazyLock<[String; 2]> = LazyLock::new(|| {
+            Script::ALL.map(|s| sha1_smol::Sha1::from(s.text()).digest().to_string())
+        });
+        &SHA1[self as usize]
+    }
+
+    /// The mode the script checks in `ARGV[1]`.
+    fn mode(self) -> &'static str {
+        match self {
+            Script::Apply => "apply",
+            Script::Refund => "refund",
+        }
+    }
+}
+
+/// The arguments of one script call (see the calling convention in `lua/bucket.lua`).
 pub(crate) struct ScriptArgs {
+    pub(crate) script: Script,
     pub(crate) routing_key: Arc<str>,
     pub(crate) argv: Vec<ArgValue>,
 }
@@ -26,7 +72,7 @@ pub(crate) enum ArgValue {
 
 impl ScriptArgs {
     pub(crate) fn build<'a>(
-        mode: &'static str,
+        script: Script,
         options: &StoreOptions,
         cluster: bool,
         work: &'a Work,
@@ -34,7 +80,7 @@ impl ScriptArgs {
     ) -> ScriptArgs {
         let mut keys: Vec<Arc<str>> = Vec::new();
         let mut key_index: HashMap<Arc<str>, usize> = HashMap::new();
-        let mut limits: Vec<&Bucket> = Vec::new();
+        let mut limits: Vec<&BucketLimits> = Vec::new();
         // A limit is the same when its numbers and its share history (one leased copy per rule,
         // shared by pointer) are.
         let mut limit_index: HashMap<(u64, u64, usize), usize> = HashMap::new();
@@ -44,7 +90,7 @@ impl ScriptArgs {
                 keys.len()
             })
         };
-        let mut limit_of = |bucket: &'a Bucket| -> usize {
+        let mut limit_of = |bucket: &'a BucketLimits| -> usize {
             let share = bucket.share.as_ref().map_or(0, |h| Arc::as_ptr(h) as usize);
             *limit_index
                 .entry((bucket.capacity, bucket.refill_per_sec.to_bits(), share))
@@ -88,7 +134,7 @@ impl ScriptArgs {
             }
         }
         let mut argv = Vec::with_capacity(6 + keys.len() + 2 * limits.len() + body.len());
-        argv.push(ArgValue::Str(mode.to_string()));
+        argv.push(ArgValue::Str(script.mode().to_string()));
         argv.push(ArgValue::Int(options.record_ttl_ms));
         argv.push(ArgValue::Float(options.lease_max_share));
         argv.push(ArgValue::Int(u64::from(cluster)));
@@ -112,11 +158,21 @@ impl ScriptArgs {
             }
         }
         argv.extend(body);
-        ScriptArgs { routing_key, argv }
+        ScriptArgs {
+            script,
+            routing_key,
+            argv,
+        }
     }
 
-    pub(crate) fn cmd(&self, command: &str, script: &str) -> Cmd {
-        let mut c = redis::cmd(command);
+    /// The `EVALSHA` of the call, or with `eval` its `EVAL` (which caches the script again).
+    pub(crate) fn cmd(&self, eval: bool) -> Cmd {
+        let mut c = redis::cmd(if eval { "EVAL" } else { "EVALSHA" });
+        let script = if eval {
+            self.script.text()
+        } else {
+            self.script.sha1()
+        };
         c.arg(script).arg(1).arg(&*self.routing_key);
         for a in &self.argv {
             match a {
@@ -139,8 +195,8 @@ fn format_float(f: f64) -> String {
 /// The largest integer a double holds exactly (2^53): the script clamps its figures to it.
 const MAX_EXACT: f64 = 9_007_199_254_740_992.0;
 
-/// The script's reply for `work` (one string of little-endian doubles, each an integer: see
-/// `lua/token_bucket.lua`) as outcomes per group and request.
+/// The apply script's reply for `work` (one string of little-endian doubles, each an integer: see
+/// `lua/apply.lua`) as outcomes per group and request.
 pub(crate) fn parse_apply(
     reply: Value,
     work: &Work,
@@ -227,7 +283,7 @@ mod tests {
     fn replies_parse_by_the_shape_of_the_work_and_odd_ones_are_errors() {
         let charge = |k: &str| Charge {
             key: Arc::from(k),
-            bucket: Bucket::new(10, 1.0),
+            bucket: BucketLimits::new(10, 1.0),
             cost: 1,
             shadow: false,
             lease: None,
@@ -284,7 +340,7 @@ mod tests {
     fn arguments_name_each_bucket_and_limit_once() {
         let charge = |k: &str, capacity: u64| Charge {
             key: Arc::from(k),
-            bucket: Bucket::new(capacity, 0.5),
+            bucket: BucketLimits::new(capacity, 0.5),
             cost: 2,
             shadow: true,
             lease: None,
@@ -299,7 +355,7 @@ mod tests {
             }],
             returns: vec![],
         };
-        let args = ScriptArgs::build("apply", &StoreOptions::default(), false, &work, None);
+        let args = ScriptArgs::build(Script::Apply, &StoreOptions::default(), false, &work, None);
         let text: Vec<String> = args
             .argv
             .iter()
@@ -315,5 +371,19 @@ mod tests {
             "apply 10000 0.1 0 1000 2 a b 2 10 0.5 0 20 0.5 0 1 rec 2 2 1 1 2 1 0 0 0 2 1 2 1 0 0 0 1 1 2 2 1 0 0 0 0"
         );
         assert_eq!(&*args.routing_key, "a");
+    }
+
+    #[test]
+    fn each_script_is_the_bucket_followed_by_its_mode_and_its_sha1_is_computed() {
+        for script in Script::ALL {
+            assert!(script
+                .text()
+                .starts_with("#!lua flags=allow-cross-slot-keys\n"));
+            assert!(script.text().contains("redis.call('TIME')"));
+            let sha = sha1_smol::Sha1::from(script.text()).digest().to_string();
+            assert_eq!(script.sha1(), sha);
+        }
+        assert_ne!(Script::Apply.sha1(), Script::Refund.sha1());
+        assert!(Script::Refund.text().contains("mode ~= 'refund'"));
     }
 }

@@ -31,6 +31,7 @@ use ratelimit_e2e::load::{self, figures, Callers, ClosedLoop, Load, Measured, Op
 use ratelimit_e2e::plugin::{max_lease_tokens, rule, Plugin};
 use ratelimit_e2e::probe::{self, Watched};
 use ratelimit_e2e::report::{median, Table};
+use ratelimit_e2e::script_cost;
 use ratelimit_e2e::{Envoy, EnvoyConfig, Redis, Sidecar, Upstream};
 use serde_json::json;
 
@@ -111,7 +112,7 @@ fn main() {
 }
 
 /// The bucket script, as the sidecar embeds it.
-const SCRIPT: &str = include_str!("../../../lua/token_bucket.lua");
+const SCRIPT: &str = script_cost::APPLY;
 
 /// The longest one operation may take: one that hangs (a lost response) is an error, and the
 /// stage still ends on time.
@@ -496,6 +497,7 @@ async fn components(b: &Bench, script: &str) -> Components {
     let (script_one, script_batch) = script_stages(b, &conn, "bucket script", script).await;
     print(&script_one, Some(&incr));
     print(&script_batch, Some(&incr));
+    println!("{}", script_cost::before_and_after(b.args.batch, keys));
 
     let decide_url = format!("{}/v1/decide", b.sidecar.base_url());
     let decide_stage = |n: usize| {
@@ -573,7 +575,7 @@ async fn script_stages(
         let (conn, sha) = (conn.clone(), sha.clone());
         load::op(move |call| {
             let mut conn = conn.clone();
-            let cmd = apply_call(&sha, call.random() >> 16, n, keys);
+            let cmd = script_cost::apply_call(&sha, n, call.random() >> 16, keys);
             async move {
                 cmd.query_async::<redis::Value>(&mut conn)
                     .await
@@ -588,37 +590,6 @@ async fn script_stages(
     let many = format!("{label}, {batch} decisions per call");
     let many = b.stage(&many, c, redis_only, batch, script_op(batch)).await;
     (one, many)
-}
-
-/// `EVALSHA` of the bucket script applying `n` one-token decisions, on buckets drawn from `i`
-/// among `keys`, as `lua/token_bucket.lua`'s header lays out ARGV: mode, record ttl, lease
-/// share, cluster 0, share margin; the buckets; one limit with no regional share; one group
-/// without a record of `n` one-decision requests; no returns.
-fn apply_call(sha: &str, i: u64, n: usize, keys: u64) -> redis::Cmd {
-    let bucket = |j: u64| format!("rl:{{bench|k={}}}", (i + j * 7919) % keys);
-    let mut c = redis::cmd("EVALSHA");
-    c.arg(sha).arg(1).arg(bucket(0));
-    c.arg("apply").arg(10_000).arg(0.1).arg(0).arg(1000).arg(n);
-    for j in 0..n as u64 {
-        c.arg(bucket(j));
-    }
-    c.arg(1)
-        .arg(999_999_999_999u64)
-        .arg(1_000_000_000u64)
-        .arg(0);
-    c.arg(1).arg("").arg(n);
-    for j in 0..n {
-        c.arg(1)
-            .arg(j + 1)
-            .arg(1)
-            .arg(1)
-            .arg(0)
-            .arg(0)
-            .arg(0)
-            .arg(0);
-    }
-    c.arg(0);
-    c
 }
 
 /// Buckets written to measure memory.

@@ -1,0 +1,82 @@
+-- apply.lua, after bucket.lua: decides the groups in order, each request all-or-nothing and seeing
+-- what the requests before it left; a group whose record exists is a repeat: replayed, not charged.
+-- Reply: one string of little-endian doubles (integers), per request: status (0 rejected,
+-- 1 charged, 10 + the recorded status when replayed), then per decision: allowed, remaining,
+-- retry_after_ms, reset_ms, reason (0 ok, 1 insufficient, 2 cost_exceeds_capacity), leased.
+if mode ~= 'apply' then fail('usage: mode must be apply for this script') end
+local written, n = any_record and {}, 0 -- written: this call's records (a repeat in it sees them)
+-- The reply, sized at once (a constructor sizes its array for all unpack gives; all is replaced).
+local reply = nreq + 6 * ndec <= 4000 and { unpack(ARGV, 1, nreq + 6 * ndec) } or {}
+for g = 1, ngroups do
+  local record, r1, r2 = gs[3 * g - 2], gs[3 * g - 1], gs[3 * g]
+  local recorded = record ~= '' and unpack_record(written[record] or records[g], r1, r2)
+  -- flat: the record to write, i: a request's place in it; charged: whether the group charged
+  local flat, i, charged = not recorded and record ~= '' and {}, 1, false
+  for r = r1, r2 do
+    local d1, d2, at = rq[2 * r - 1], rq[2 * r], n + 1 -- at: the request's status in the reply
+    n = at + 6 * (d2 - d1 + 1)
+    if recorded then
+      reply[at] = 10 + recorded[i]
+      for d = 0, d2 - d1 do
+        for k = 1, 6 do reply[at + 6 * d + k] = recorded[i + 1 + 8 * d + k] end
+      end
+    else
+      -- Pass 1: does every non-shadow decision admit? (allowed, retry and reason go into the
+      -- reply.) Decisions of one request on one bucket see what the ones before them would take.
+      local admit = true
+      for d = d1, d2 do
+        local x, o = decs[d], at + 6 * (d - d1) -- reply[o + k]: the decision's k-th figure
+        local s, tokens, _, refill = bucket(x[1], x[2])
+        if s.avail_req == r then tokens = s.avail end
+        reply[o + 1], reply[o + 3], reply[o + 5] = 0, 0, OK
+        if x[3] > x[2].capacity_now then
+          reply[o + 5] = COST_EXCEEDS_CAPACITY
+        elseif tokens < x[3] then
+          reply[o + 3], reply[o + 5] = wait_ms(x[3] - tokens, refill), INSUFFICIENT
+        else
+          reply[o + 1], tokens = 1, tokens - x[3]
+        end
+        s.avail, s.avail_req, admit = tokens, r, admit and (reply[o + 1] == 1 or x[4] == 1)
+      end
+      reply[at], charged = admit and 1 or 0, charged or admit
+      if flat then flat[i], flat[i + 1] = reply[at], d2 - d1 + 1 end
+      -- Pass 2: charge (and grant leases) only if the request is admitted.
+      for d = d1, d2 do
+        local x, o, grant, paid = decs[d], at + 6 * (d - d1), 0, 0
+        local s, tokens, capacity, refill = bucket(x[1], x[2])
+        if admit and reply[o + 1] == 1 then
+          tokens, paid = tokens - x[3], x[3]
+          if x[6] > 0 and #(s.leases or NONE) < MAX_LEASES then
+            grant = math.max(0, min(x[6], floor(max_share * capacity), floor(tokens)))
+          end
+          if grant > 0 then
+            remove_lease(s, x[5]) -- a new lease under an id already held replaces it
+            s.leases = s.leases or {}
+            s.leases[#s.leases + 1] = { id = x[5], amount = grant, expiry = now + x[7] * 1000 }
+            tokens, paid = tokens - grant, paid + grant
+          end
+        end
+        -- A rejection writes nothing, but re-anchors a ts in the future.
+        if paid > 0 or s.future then s.tokens, s.ts, s.dirty = tokens, now, true end
+        reply[o + 2], reply[o + 4], reply[o + 6] = int(tokens), wait_ms(capacity - tokens, refill), grant
+        if flat then -- the record keeps the reply's six figures, the tokens paid and the lease id
+          local f = i + 8 * (d - d1) + 1
+          for k = 1, 6 do flat[f + k] = reply[o + k] end
+          flat[f + 7], flat[f + 8] = paid, paid > 0 and x[5] or 0
+        end
+      end
+    end
+    i = i + 2 + 8 * (d2 - d1 + 1)
+  end
+  if flat and charged then
+    written[record] = spack('<' .. srep('d', #flat), unpack(flat))
+    redis.call('SET', record, written[record], 'PX', record_ttl_ms)
+  end
+end
+finish()
+local packed = {} -- in runs of at most 1000 values (unpack puts a run on Lua's stack)
+for k = 1, n, 1000 do
+  local last = min(k + 999, n)
+  packed[#packed + 1] = spack('<' .. srep('d', last - k + 1), unpack(reply, k, last))
+end
+return table.concat(packed)
