@@ -37,8 +37,8 @@ use crate::metrics::Metrics;
 use crate::policy::reload::PolicyHandle;
 use crate::policy::{Bounds, PolicyError, RegionScope};
 use crate::regional::RegionalShares;
-use crate::store::connection::Connection;
-use crate::store::redis_store::StoreOptions;
+use crate::store::redis::connection::Connection;
+use crate::store::redis::StoreOptions;
 use crate::store::{RedisStore, StoreError};
 
 /// Why the sidecar could not serve.

@@ -165,7 +165,7 @@ fn store_on(
         ratelimit_sidecar::store::RedisStore::sentinel(
             &[sentinel_url.to_string()],
             MASTER,
-            ratelimit_sidecar::store::redis_store::StoreOptions {
+            ratelimit_sidecar::store::redis::StoreOptions {
                 timeout_ms,
                 ..Default::default()
             },

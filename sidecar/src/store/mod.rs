@@ -1,29 +1,25 @@
-//! Where buckets live: the [`BucketStore`] trait the decision logic talks to, and its Redis
-//! implementation that runs `lua/token_bucket.lua`:
-//! - [`connection`]: how Redis is reached (one node, the primary Sentinel names, a Cluster);
-//! - [`sentinel`]: the Sentinel lookup of the primary;
-//! - [`redis_store`]: the script calls and the readiness check over a connection.
-//!
-//! The script is embedded from `lua/` and called by EVALSHA; a NOSCRIPT answer (a restarted node,
-//! a failover, a new Cluster primary) is healed by an EVAL of the same call, which also caches the
-//! script on that node. No NOSCRIPT ever reaches a caller. Every call is bounded by
-//! `--redis-timeout-ms`; a script call whose outcome is unknown (timeout) is never retried here.
+//! Where buckets live: the [`BucketStore`] trait the decision logic talks to, and its
+//! implementations, one per folder or file:
+//! - [`redis`]: the bucket script `lua/token_bucket.lua` in Redis (one node, the primary Sentinel
+//!   names, a Cluster);
+//! - [`memory`]: the same bucket in Rust, in memory: the script's reference model, and the store
+//!   of unit tests.
 
-pub mod batch;
-pub mod connection;
 pub mod memory;
-pub mod redis_store;
+pub mod redis;
 pub mod script;
-pub mod sentinel;
+
+/// The old path of [`redis`], which [`script`] still names.
+pub(crate) use self::redis as redis_store;
 
 use std::future::Future;
 use std::sync::Arc;
 
+use ::redis::{ErrorKind, RedisError, ServerErrorKind};
 use ratelimit_regions::ShareHistory;
 use ratelimit_wire::Reason;
-use redis::{ErrorKind, RedisError, ServerErrorKind};
 
-pub use redis_store::RedisStore;
+pub use self::redis::RedisStore;
 
 /// The bucket script, one source of truth in `lua/`.
 pub const SCRIPT: &str = include_str!("../../../lua/token_bucket.lua");
@@ -296,7 +292,7 @@ mod tests {
     #[test]
     fn script_failures_are_told_from_outages() {
         let ext = |code: &str, detail: &str| {
-            redis::make_extension_error(code.to_string(), Some(detail.to_string()))
+            ::redis::make_extension_error(code.to_string(), Some(detail.to_string()))
         };
         assert!(is_script_failure(&ext(
             "WRONGTYPE",

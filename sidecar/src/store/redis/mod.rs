@@ -1,5 +1,13 @@
 //! The Redis store: the bucket script's calls over a [`Connection`], batched per node
-//! ([`super::batch`]), and the readiness check.
+//! ([`batch`]), and the readiness check.
+//! - [`connection`]: how Redis is reached (one node, the primary Sentinel names, a Cluster);
+//! - [`sentinel`]: the Sentinel lookup of the primary;
+//! - [`batch`]: the per-node batching of script calls.
+//!
+//! The script is embedded from `lua/` and called by EVALSHA; a NOSCRIPT answer (a restarted node,
+//! a failover, a new Cluster primary) is healed by an EVAL of the same call, which also caches the
+//! script on that node. No NOSCRIPT ever reaches a caller. Every call is bounded by
+//! `--redis-timeout-ms`; a script call whose outcome is unknown (timeout) is never retried here.
 //!
 //! On a Cluster the work is grouped by the node that serves each bucket's slot (from `CLUSTER
 //! SLOTS`, refreshed every few seconds and after a MOVED): one script call per node decides keys
@@ -7,6 +15,10 @@
 //! fails before writing anything (`MOVED`, or the script's read of a key this node does not
 //! serve), the map is refreshed, and the caller may regroup and retry. Until the map is known,
 //! work is grouped by slot.
+
+pub mod batch;
+pub mod connection;
+pub mod sentinel;
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -18,8 +30,8 @@ use arc_swap::ArcSwap;
 use redis::cluster_routing::ResponsePolicy;
 use redis::{Cmd, ErrorKind, RedisError, ServerErrorKind, Value};
 
-use super::batch::Batcher;
-use super::connection::{stall_limit, Connection};
+use self::batch::Batcher;
+use self::connection::{stall_limit, Connection};
 use super::script::{parse_apply, ScriptArgs};
 use super::{
     eviction_warning, is_script_failure, script_sha1, BucketStore, Group, NodeId, Readiness,
@@ -280,7 +292,7 @@ impl RedisStore {
     /// One script call in "apply" mode for `work`, as the node's batcher makes it. Bounded by
     /// [`stall_limit`], not by `--redis-timeout-ms`: the callers are answered at their deadline
     /// by [`BucketStore::apply`], while the call keeps its pipeline slot until Redis answers it,
-    /// so a stalled Redis is sent at most `--redis-pipeline` calls (see [`super::batch`]).
+    /// so a stalled Redis is sent at most `--redis-pipeline` calls (see [`batch`]).
     async fn call(&self, work: Work) -> Result<Vec<Vec<RequestOutcome>>, StoreError> {
         let args = ScriptArgs::build(
             "apply",
