@@ -13,9 +13,10 @@ use ratelimit_regions::ShareHistory;
 use ratelimit_wire::Reason;
 
 use super::{
-    Bucket, BucketStore, Charge, Group, NodeId, Outcome, RequestOutcome, Return, Status,
-    StoreError, Work, SHARE_MARGIN_MS,
+    Bucket, BucketStore, Charge, Group, NodeId, Outcome, RequestOutcome, Return, ShareStore,
+    Status, StoreError, Work, SHARE_MARGIN_MS,
 };
+use crate::regional::record;
 
 /// Lease entries one bucket holds (as the script).
 pub const MAX_LEASES: usize = 64;
@@ -534,25 +535,28 @@ impl BucketStore for MemoryStore {
         }
         Ok(self.refund_now(&group, &requests))
     }
+}
 
-    async fn read_hash(&self, key: String) -> Result<Vec<(String, String)>, StoreError> {
+impl ShareStore for MemoryStore {
+    async fn read_share_record(&self, key: String) -> Result<Vec<(String, String)>, StoreError> {
         if let Some(e) = self.fail.lock().expect("not poisoned").clone() {
             return Err(e);
         }
         Ok(self.hash(&key))
     }
 
-    async fn add_to_hash(
+    async fn add_demand(
         &self,
         key: String,
-        counters: Vec<(&'static str, u64)>,
+        admitted: u64,
+        rejected: u64,
     ) -> Result<(), StoreError> {
         if let Some(e) = self.fail.lock().expect("not poisoned").clone() {
             return Err(e);
         }
         let mut inner = self.inner.lock().expect("not poisoned");
         let fields = inner.hashes.entry(key).or_default();
-        for (name, n) in counters {
+        for (name, n) in [(record::ADMITTED, admitted), (record::REJECTED, rejected)] {
             match fields.iter_mut().find(|(k, _)| k == name) {
                 Some((_, v)) => *v = (v.parse::<u64>().unwrap_or(0) + n).to_string(),
                 None => fields.push((name.to_string(), n.to_string())),

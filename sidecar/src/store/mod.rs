@@ -220,26 +220,6 @@ pub trait BucketStore: Send + Sync + 'static {
         async {}
     }
 
-    /// The fields of a hash (a regional rule's share record, `crate::regional`), empty when
-    /// the key is missing; bounded like every call.
-    fn read_hash(
-        &self,
-        key: String,
-    ) -> impl Future<Output = Result<Vec<(String, String)>, StoreError>> + Send {
-        let _ = key;
-        async { Ok(Vec::new()) }
-    }
-
-    /// Adds to counters of a hash (a regional rule's demand counters).
-    fn add_to_hash(
-        &self,
-        key: String,
-        counters: Vec<(&'static str, u64)>,
-    ) -> impl Future<Output = Result<(), StoreError>> + Send {
-        let _ = (key, counters);
-        async { Ok(()) }
-    }
-
     /// Whether the store can decide (for `/readyz`).
     fn readiness(&self) -> impl Future<Output = Readiness> + Send {
         async {
@@ -250,6 +230,25 @@ pub trait BucketStore: Send + Sync + 'static {
             }
         }
     }
+}
+
+/// Where this region's shares of the regional rules live ([`crate::regional`]): each rule's share
+/// record, read under a lease, and its demand counters, added to.
+pub trait ShareStore: Send + Sync + 'static {
+    /// The fields of the share record at `key` ([`crate::regional::record`]), none when the key
+    /// is missing; bounded like every call.
+    fn read_share_record(
+        &self,
+        key: String,
+    ) -> impl Future<Output = Result<Vec<(String, String)>, StoreError>> + Send;
+
+    /// Adds `admitted` and `rejected` tokens to the demand counters at `key`.
+    fn add_demand(
+        &self,
+        key: String,
+        admitted: u64,
+        rejected: u64,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
 }
 
 /// What `/readyz` reports.

@@ -35,10 +35,11 @@ use self::connection::{stall_limit, Connection};
 use super::script::{parse_apply, ScriptArgs};
 use super::{
     eviction_warning, is_script_failure, script_sha1, BucketStore, Group, NodeId, Readiness,
-    RequestOutcome, StoreError, Work, SCRIPT,
+    RequestOutcome, ShareStore, StoreError, Work, SCRIPT,
 };
 use crate::keys::cluster_slot;
 use crate::metrics::Metrics;
+use crate::regional::record;
 
 /// How the store calls Redis.
 #[derive(Debug, Clone, Copy)]
@@ -430,28 +431,6 @@ impl BucketStore for RedisStore {
         }
     }
 
-    async fn read_hash(&self, key: String) -> Result<Vec<(String, String)>, StoreError> {
-        let mut cmd = redis::cmd("HGETALL");
-        cmd.arg(&key);
-        let v = self.bounded(self.query(cmd)).await?;
-        redis::from_redis_value::<std::collections::BTreeMap<String, String>>(v)
-            .map(|m| m.into_iter().collect())
-            .map_err(|e| StoreError::Reply(format!("HGETALL {key}: {e}")))
-    }
-
-    async fn add_to_hash(
-        &self,
-        key: String,
-        counters: Vec<(&'static str, u64)>,
-    ) -> Result<(), StoreError> {
-        for (field, n) in counters.into_iter().filter(|(_, n)| *n > 0) {
-            let mut cmd = redis::cmd("HINCRBY");
-            cmd.arg(&key).arg(field).arg(n);
-            self.bounded(self.query(cmd)).await?;
-        }
-        Ok(())
-    }
-
     async fn refund(
         &self,
         _node: NodeId,
@@ -474,6 +453,32 @@ impl BucketStore for RedisStore {
             Value::Array(v) if v.len() == 1 => Ok(matches!(v[0], Value::Int(1))),
             other => Err(StoreError::Reply(format!("refund reply {other:?}"))),
         }
+    }
+}
+
+impl ShareStore for RedisStore {
+    async fn read_share_record(&self, key: String) -> Result<Vec<(String, String)>, StoreError> {
+        let mut cmd = redis::cmd("HGETALL");
+        cmd.arg(&key);
+        let v = self.bounded(self.query(cmd)).await?;
+        redis::from_redis_value::<std::collections::BTreeMap<String, String>>(v)
+            .map(|m| m.into_iter().collect())
+            .map_err(|e| StoreError::Reply(format!("HGETALL {key}: {e}")))
+    }
+
+    async fn add_demand(
+        &self,
+        key: String,
+        admitted: u64,
+        rejected: u64,
+    ) -> Result<(), StoreError> {
+        let counters = [(record::ADMITTED, admitted), (record::REJECTED, rejected)];
+        for (field, n) in counters.into_iter().filter(|(_, n)| *n > 0) {
+            let mut cmd = redis::cmd("HINCRBY");
+            cmd.arg(&key).arg(field).arg(n);
+            self.bounded(self.query(cmd)).await?;
+        }
+        Ok(())
     }
 }
 
