@@ -21,10 +21,8 @@ use ratelimit_e2e::Redis;
 use ratelimit_regions::{Share, ShareHistory};
 use ratelimit_sidecar::metrics::Metrics;
 use ratelimit_sidecar::store::memory::MemoryStore;
-use ratelimit_sidecar::store::redis::StoreOptions;
-use ratelimit_sidecar::store::{
-    Bucket, BucketStore, Charge, Group, NodeId, RedisStore, RequestOutcome, Return, Work,
-};
+use ratelimit_sidecar::store::redis::{NodeId, Nodes, StoreOptions};
+use ratelimit_sidecar::store::{Bucket, Charge, Group, RedisStore, RequestOutcome, Return, Work};
 use ratelimit_wire::LeaseAsk;
 
 const KEYS: [&str; 4] = ["rl:{a}", "rl:{b}", "rl:{c}", "rl:{d}"];

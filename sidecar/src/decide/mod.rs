@@ -1,41 +1,18 @@
-//! The decision: validate a call, resolve each decision's limit in the policy, build its bucket
-//! key, send the work to the Redis node(s) that hold the buckets, and answer each request.
+//! The decision: validate a call ([`validate`]), resolve each decision's limit in the policy,
+//! hand the store ([`BucketStore`]) the requests with something to charge, and answer each
+//! request from the store's outcomes. The decider never learns where a bucket is kept: placing
+//! requests on Redis nodes, and keeping a request all-or-nothing across them, is the store's
+//! (`crate::store::redis`).
 //!
 //! A call carries many requests (the filter coalesces them); each is all-or-nothing on its own.
-//! Its decisions resolve to a limit (or to "unlimited" / "blocked", answered without Redis, or to
-//! an unknown rule: a configuration error answered for that request, which the gateway handles
-//! with its failure policy). The rest become charges, grouped by the node that holds their bucket.
-//!
-//! # All-or-nothing across nodes (compensation)
-//!
-//! One script call is atomic, but only on one node. On a single Redis (or the primary Sentinel
-//! names) every request goes into one call. On a Cluster a request whose buckets live on several
-//! nodes is decided by one call per node, concurrently; if every part admits, the request is
-//! admitted. If some part rejects, the request is rejected and the parts that charged are
-//! refunded through their group's record (idempotent). For that, a group holding such a request
-//! always has a record: when the caller gave no attempt id, one is generated for the call.
-//!
-//! Refunds run in the background: the answer does not wait for them. The price is a short window
-//! (a round trip or two) in which a charged part holds tokens for a rejected request: concurrent
-//! requests on that bucket may then be rejected although tokens were about to come back. The
-//! window can only over-REJECT, never over-admit. The figures answered for a refunded decision
-//! (`remaining`, `reset_ms`) are as they will be once the refund lands. If the refund itself fails,
-//! the tokens stay deducted until they refill.
-//!
-//! When a part fails (timeout, connection) and another part rejected, the request is still
-//! rejected (never "unavailable", which a gateway's `on_error` might admit). The failed part's
-//! decisions are answered `allowed: false`, `reason: ok`, with no figures: their buckets refused
-//! nothing, they gave no answer. The failed part is refunded too, in case its script ran.
-//!
-//! When a part fails and none rejected, the request is answered "unavailable". Parts with
-//! generated attempt ids are refunded (the failed ones included: no one can replay them); parts
-//! with the caller's attempt id stay charged (a repeat of the call would replay them).
-//!
-//! A Cluster node that no longer serves a key answers before writing anything; the slot map is
-//! then read again and that node's work is regrouped and sent once more.
+//! Its decisions resolve to a limit (or to "unlimited" / "blocked", answered without the store,
+//! or to an unknown rule: a configuration error answered for that request, which the gateway
+//! handles with its failure policy). The rest become charges. A request the store could not
+//! decide is answered with the store's error (unavailable, or the script failed); a decision
+//! whose bucket answered nothing is answered `allowed: false`, `reason: ok`, with no figures.
 //!
 //! The whole decision runs in a task of its own (see [`crate::http`]), so a caller that hangs up
-//! cancels neither the calls in flight nor the refunds that follow them.
+//! cancels neither the store's calls in flight nor the refunds that follow them.
 //!
 //! # Regional rules
 //!
@@ -47,7 +24,7 @@
 
 mod validate;
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 
 use ratelimit_wire::{
@@ -57,15 +34,14 @@ use ratelimit_wire::{
 
 use ratelimit_regions::ShareHistory;
 
-use crate::keys::{bucket_key, record_key};
+use crate::keys::bucket_key;
 use crate::metrics::{Metrics, Verdict};
 use crate::policy::own_format::RULE_KEY;
 use crate::policy::reload::PolicyHandle;
 use crate::policy::{Limit, LimitKind, Policy, Resolution};
 use crate::regional::RegionalShares;
 use crate::store::{
-    Bucket, BucketStore, Charge, Group, NodeId, Outcome, Readiness, RequestOutcome, Return,
-    StoreError, Work,
+    Bucket, BucketStore, Call, Charge, Decided, Outcome, Readiness, Return, StoreError,
 };
 
 pub use validate::{parse_request, validate, DecideError, MAX_ERROR_BYTES, MAX_LEASE_TTL_MS};
@@ -99,34 +75,16 @@ pub enum Caller {
 
 /// A resolved decision.
 enum Plan {
-    /// Counted in Redis (under this region's share history, for a regional limit).
+    /// Charged in the store (under this region's share history, for a regional limit).
     Charge {
         limit: Arc<Limit>,
         key: Arc<str>,
-        share: Option<Arc<ShareHistory>>,
+        bucket: Bucket,
     },
     /// Answered here: unlimited (or not limited at all, for Envoy's API).
     Unlimited { limit: Option<Arc<Limit>> },
     /// Answered here: never admitted.
     Blocked { limit: Arc<Limit> },
-}
-
-/// Where one decision of a request went: its node group and position there.
-#[derive(Clone, Copy)]
-struct Placement {
-    group: usize,
-    request: usize,
-    decision: usize,
-}
-
-/// One node's share of the call.
-struct NodeGroup {
-    node: NodeId,
-    group: Group,
-    /// Which call request each of the group's requests is.
-    requests: Vec<usize>,
-    /// The record's attempt was generated here (no caller can replay it).
-    generated: bool,
 }
 
 /// Runs decisions against a [`BucketStore`] under the policy in force.
@@ -252,137 +210,61 @@ impl<S: BucketStore> Decider<S> {
                 }
             }
         }
-        let return_work = self.plan_returns(&policy, domain, &returns);
+        let returns = self.plan_returns(&policy, domain, &returns);
         drop(policy);
 
-        // Requests a blocked limit rejects are answered here; the others go to Redis.
-        let mut node_groups: Vec<NodeGroup> = Vec::new();
-        let mut by_node: BTreeMap<NodeId, usize> = BTreeMap::new();
-        let mut placements: Vec<Vec<Option<Placement>>> = Vec::with_capacity(requests.len());
-        let mut generated: Option<String> = None;
+        // The store decides the requests with something to charge; those a blocked limit
+        // rejects, and those with nothing to charge, are answered here.
+        let mut sent: Vec<usize> = Vec::new();
+        let mut charges: Vec<Vec<Charge>> = Vec::new();
         for (r, plan) in plans.iter().enumerate() {
-            let mut placed = vec![None; plan.len()];
             if answers[r].is_some() || blocked(plan) {
-                placements.push(placed);
                 continue;
             }
-            let mut nodes = plan.iter().filter_map(|p| match p {
-                Plan::Charge { key, .. } => Some(self.store.node_of(key)),
-                _ => None,
-            });
-            let first = nodes.next();
-            let cross_node = nodes.any(|n| Some(n) != first);
-            for (d, p) in plan.iter().enumerate() {
-                let Plan::Charge { limit, key, share } = p else {
-                    continue;
-                };
-                let node = self.store.node_of(key);
-                let g = *by_node.entry(node.clone()).or_insert_with(|| {
-                    node_groups.push(NodeGroup {
-                        node,
-                        group: Group {
-                            record: None,
-                            requests: Vec::new(),
-                        },
-                        requests: Vec::new(),
-                        generated: false,
-                    });
-                    node_groups.len() - 1
-                });
-                let ng = &mut node_groups[g];
-                if ng.requests.last() != Some(&r) {
-                    ng.requests.push(r);
-                    ng.group.requests.push(Vec::new());
-                }
-                let request = ng.group.requests.len() - 1;
-                let charges = &mut ng.group.requests[request];
-                charges.push(charge(limit, key.clone(), share.clone(), &requests[r][d]));
-                placed[d] = Some(Placement {
-                    group: g,
-                    request,
-                    decision: charges.len() - 1,
-                });
-                if (cross_node || attempt.is_some()) && ng.group.record.is_none() {
-                    let (id, gen) = match attempt {
-                        Some(a) => (a.to_string(), false),
-                        None => (
-                            generated.get_or_insert_with(generated_attempt).clone(),
-                            true,
-                        ),
-                    };
-                    ng.group.record = Some(record_key(key, &id));
-                    ng.generated = gen;
-                }
+            let request: Vec<Charge> = plan
+                .iter()
+                .zip(&requests[r])
+                .filter_map(|(p, item)| charge(p, item))
+                .collect();
+            if !request.is_empty() {
+                sent.push(r);
+                charges.push(request);
             }
-            placements.push(placed);
+        }
+        let mut decided: Vec<Option<Result<Decided, StoreError>>> =
+            (0..requests.len()).map(|_| None).collect();
+        if !charges.is_empty() || !returns.is_empty() {
+            let call = Call {
+                attempt: attempt.map(str::to_string),
+                requests: charges,
+                returns,
+            };
+            for (r, d) in sent.into_iter().zip(self.store.decide(call).await) {
+                decided[r] = Some(d);
+            }
         }
 
-        let outcomes = self.send(node_groups, return_work).await;
-        let (node_groups, results) = outcomes;
-
-        // Merge the parts of each request.
-        let mut refunds: HashMap<usize, Vec<usize>> = HashMap::new();
         let mut tally = Tally::default();
         for (r, plan) in plans.iter().enumerate() {
             if answers[r].is_some() {
                 continue;
             }
-            // The groups this request was sent to, and its index in each (its placements say).
-            let parts: Vec<(usize, usize)> = {
-                let mut g: Vec<(usize, usize)> = placements[r]
-                    .iter()
-                    .flatten()
-                    .map(|p| (p.group, p.request))
-                    .collect();
-                g.sort_unstable();
-                g.dedup();
-                g
-            };
-            let part = |(g, index): (usize, usize)| -> Result<&RequestOutcome, &StoreError> {
-                results[g].as_ref().map(|v| &v[index])
-            };
-            let failure = parts.iter().find_map(|&g| part(g).err()).cloned();
-            let rejected =
-                blocked(plan) || parts.iter().any(|&g| part(g).is_ok_and(|o| !o.charged()));
-            if let (Some(e), false) = (&failure, rejected) {
-                // No verdict. Refund what no caller can replay.
-                for &(g, index) in &parts {
-                    if node_groups[g].generated {
-                        refunds.entry(g).or_default().push(index);
-                    }
-                }
-                answers[r] = Some(error_answer(from_store(e)));
-                continue;
-            }
-            let allowed = !rejected;
-            if !allowed {
-                for &(g, index) in &parts {
-                    if part((g, index)).map_or(true, RequestOutcome::charged) {
-                        refunds.entry(g).or_default().push(index);
-                    }
-                }
-            }
-            let results_r: Vec<DecisionResult> = plan
-                .iter()
-                .zip(&placements[r])
-                .zip(&requests[r])
-                .map(|((p, placed), item)| {
-                    let sent = placed.and_then(|pl| {
-                        let part = results[pl.group].as_ref().ok()?;
-                        let request = &part[pl.request];
-                        Some((request.decisions[pl.decision], request.charged()))
-                    });
-                    self.result(&mut tally, p, sent, allowed, item.cost)
-                })
-                .collect();
-            answers[r] = Some(RequestAnswer {
-                allowed,
-                results: results_r,
-                error: None,
+            answers[r] = Some(match decided[r].take() {
+                Some(Err(e)) => error_answer(from_store(&e)),
+                Some(Ok(d)) => self.answer(&mut tally, plan, &requests[r], d),
+                // Rejected by a blocked limit, or nothing to charge.
+                None => self.answer(
+                    &mut tally,
+                    plan,
+                    &requests[r],
+                    Decided {
+                        admitted: !blocked(plan),
+                        decisions: Vec::new(),
+                    },
+                ),
             });
         }
         tally.add_to(&self.metrics);
-        self.refund_in_background(node_groups, refunds);
         answers
             .into_iter()
             .map(|a| a.expect("every request answered"))
@@ -408,9 +290,16 @@ impl<S: BucketStore> Decider<S> {
                 Resolution::Limit(limit) => {
                     let limit = limit.clone();
                     match limit.kind {
-                        LimitKind::Bucket { .. } => Plan::Charge {
+                        LimitKind::Bucket {
+                            capacity,
+                            refill_per_sec,
+                        } => Plan::Charge {
                             key: Arc::from(bucket_key(&self.key_prefix, domain, &entries)),
-                            share: self.share_for(&limit)?,
+                            bucket: Bucket {
+                                capacity,
+                                refill_per_sec,
+                                share: self.share_for(&limit)?,
+                            },
                             limit,
                         },
                         LimitKind::Unlimited => Plan::Unlimited { limit: Some(limit) },
@@ -489,12 +378,7 @@ impl<S: BucketStore> Decider<S> {
         }
     }
 
-    fn plan_returns(
-        &self,
-        policy: &Policy,
-        domain: &str,
-        returns: &[ReturnItem],
-    ) -> Vec<(NodeId, Return)> {
+    fn plan_returns(&self, policy: &Policy, domain: &str, returns: &[ReturnItem]) -> Vec<Return> {
         returns
             .iter()
             .filter_map(|r| {
@@ -515,149 +399,54 @@ impl<S: BucketStore> Decider<S> {
                 };
                 // Without a share under lease the tokens are not given back (under-admission).
                 let share = self.share_for(limit).ok()?;
-                let key: Arc<str> = Arc::from(bucket_key(&self.key_prefix, domain, &entries));
-                Some((
-                    self.store.node_of(&key),
-                    Return {
-                        key,
-                        bucket: Bucket {
-                            capacity,
-                            refill_per_sec,
-                            share,
-                        },
-                        lease_id: r.lease_id,
-                        tokens: r.tokens,
+                Some(Return {
+                    key: Arc::from(bucket_key(&self.key_prefix, domain, &entries)),
+                    bucket: Bucket {
+                        capacity,
+                        refill_per_sec,
+                        share,
                     },
-                ))
+                    lease_id: r.lease_id,
+                    tokens: r.tokens,
+                })
             })
             .collect()
     }
 
-    /// Sends each node its work (concurrently); retries once, regrouped, what a moved slot
-    /// refused. Returns the groups as finally sent and one result per group.
-    async fn send(
+    /// A request's answer from what the store answered: `decided.decisions` holds one outcome per
+    /// charge of `plan`, in order (none when nothing was sent).
+    fn answer<'p>(
         &self,
-        groups: Vec<NodeGroup>,
-        returns: Vec<(NodeId, Return)>,
-    ) -> (Vec<NodeGroup>, Vec<Result<Vec<RequestOutcome>, StoreError>>) {
-        let mut returns_by_node: BTreeMap<NodeId, Vec<Return>> = BTreeMap::new();
-        for (node, r) in returns {
-            returns_by_node.entry(node).or_default().push(r);
-        }
-        let mut calls = Vec::new();
-        for ng in &groups {
-            calls.push((
-                ng.node.clone(),
-                Work {
-                    groups: vec![ng.group.clone()],
-                    returns: returns_by_node.remove(&ng.node).unwrap_or_default(),
-                },
-            ));
-        }
-        for (node, rs) in returns_by_node {
-            calls.push((
-                node,
-                Work {
-                    groups: Vec::new(),
-                    returns: rs,
-                },
-            ));
-        }
-        let answers = futures::future::join_all(
-            calls
-                .into_iter()
-                .map(|(node, work)| self.store.apply(node, work)),
-        )
-        .await;
-        let mut results: Vec<Result<Vec<RequestOutcome>, StoreError>> = answers
-            .into_iter()
-            .take(groups.len())
-            .map(|a| {
-                a.map(|mut g| {
-                    if g.is_empty() {
-                        Vec::new()
-                    } else {
-                        g.remove(0)
-                    }
-                })
+        tally: &mut Tally<'p>,
+        plan: &'p [Plan],
+        items: &[Item],
+        decided: Decided,
+    ) -> RequestAnswer {
+        let mut outcomes = decided.decisions.into_iter();
+        let results = plan
+            .iter()
+            .zip(items)
+            .map(|(p, item)| {
+                let outcome = match p {
+                    Plan::Charge { .. } => outcomes.next().flatten(),
+                    _ => None,
+                };
+                self.result(tally, p, outcome, decided.admitted, item.cost)
             })
             .collect();
-        // A moved slot: nothing was written on that node. Read the slot map again and resend
-        // that group's work to where its keys live now (once).
-        let moved: Vec<usize> = results
-            .iter()
-            .enumerate()
-            .filter(|(_, r)| matches!(r, Err(StoreError::Moved(_))))
-            .map(|(i, _)| i)
-            .collect();
-        if moved.is_empty() {
-            return (groups, results);
+        RequestAnswer {
+            allowed: decided.admitted,
+            results,
+            error: None,
         }
-        self.store.refresh_topology().await;
-        let mut groups = groups;
-        for g in moved {
-            let regrouped = self.regroup(&groups[g]);
-            if regrouped.len() != 1 {
-                // The group's keys now live on several nodes: answer it as unavailable this time
-                // (nothing was charged); the next call is grouped by the new map.
-                continue;
-            }
-            let (node, group) = regrouped.into_iter().next().expect("one group");
-            let answer = self
-                .store
-                .apply(
-                    node.clone(),
-                    Work {
-                        groups: vec![group.clone()],
-                        returns: Vec::new(),
-                    },
-                )
-                .await;
-            groups[g].node = node;
-            groups[g].group = group;
-            results[g] = answer.map(|mut v| {
-                if v.is_empty() {
-                    Vec::new()
-                } else {
-                    v.remove(0)
-                }
-            });
-        }
-        (groups, results)
     }
 
-    /// A group's requests by the node that serves their keys now.
-    fn regroup(&self, ng: &NodeGroup) -> Vec<(NodeId, Group)> {
-        let mut by: BTreeMap<NodeId, Group> = BTreeMap::new();
-        for request in &ng.group.requests {
-            let Some(first) = request.first() else {
-                continue;
-            };
-            let node = self.store.node_of(&first.key);
-            if request.iter().any(|c| self.store.node_of(&c.key) != node) {
-                return Vec::new();
-            }
-            by.entry(node)
-                .or_insert_with(|| Group {
-                    record: ng.group.record.as_ref().map(|rec| {
-                        let attempt = rec.rsplit_once(":a:").map_or("", |(_, a)| a);
-                        record_key(&first.key, attempt)
-                    }),
-                    requests: Vec::new(),
-                })
-                .requests
-                .push(request.clone());
-        }
-        by.into_iter().collect()
-    }
-
-    /// The wire result of one decision: `sent` is its bucket's outcome and whether its part
-    /// charged, when it has one.
+    /// The wire result of one decision: `outcome` is its bucket's answer, when it has one.
     fn result<'p>(
         &self,
         tally: &mut Tally<'p>,
         plan: &'p Plan,
-        sent: Option<(Outcome, bool)>,
+        outcome: Option<Outcome>,
         request_allowed: bool,
         cost: u64,
     ) -> DecisionResult {
@@ -701,34 +490,18 @@ impl<S: BucketStore> Decider<S> {
                     leased: 0,
                 }
             }
-            Plan::Charge { limit, share, .. } => {
-                let LimitKind::Bucket {
-                    capacity,
-                    refill_per_sec,
-                } = limit.kind
-                else {
-                    unreachable!("a charge has a bucket limit")
-                };
+            Plan::Charge { limit, bucket, .. } => {
                 // A regional limit applies the region's part: the numbers under the share in
-                // force, rounded down as the script does.
-                let (capacity, refill_per_sec) = match share.as_ref().map(|h| h.current()) {
-                    None => (capacity, refill_per_sec),
-                    Some(s) => {
-                        let ppm = f64::from(s.ppm());
-                        (
-                            (capacity as f64 * ppm / 1_000_000.0).floor() as u64,
-                            (refill_per_sec * ppm).floor() / 1_000_000.0,
-                        )
-                    }
-                };
+                // force.
+                let (capacity, refill_per_sec) = bucket.in_force();
                 let applied = Some(AppliedLimit {
                     name: limit.name.clone(),
                     capacity,
                     refill_per_sec,
                 });
-                let Some((mut o, part_charged)) = sent else {
-                    // Its part failed while another rejected, or the request was rejected
-                    // before it was sent: no figures.
+                let Some(o) = outcome else {
+                    // Its bucket answered nothing (its node failed while another rejected), or
+                    // the request was rejected before it was sent: no figures.
                     return DecisionResult {
                         allowed: false,
                         remaining: 0,
@@ -755,15 +528,6 @@ impl<S: BucketStore> Decider<S> {
                         _ => {}
                     }
                 }
-                if !request_allowed && part_charged && o.allowed {
-                    // Another node rejected: as it will be once the refund has given the cost
-                    // and the lease back.
-                    let back = cost + o.leased;
-                    o.remaining = o.remaining.saturating_add(back).min(capacity);
-                    o.reset_ms = o
-                        .reset_ms
-                        .saturating_sub((back as f64 / refill_per_sec * 1000.0) as u64);
-                }
                 DecisionResult {
                     allowed: o.allowed || limit.shadow,
                     remaining: o.remaining,
@@ -777,59 +541,9 @@ impl<S: BucketStore> Decider<S> {
             }
         }
     }
-
-    /// Refunds the listed requests of each group in a task of its own, so neither the answer nor
-    /// a caller that gives up waits for it or cancels it. Counts a compensation per group once
-    /// its refund completed.
-    fn refund_in_background(&self, groups: Vec<NodeGroup>, refunds: HashMap<usize, Vec<usize>>) {
-        if refunds.is_empty() {
-            return;
-        }
-        let work: Vec<(NodeId, Group, Vec<usize>)> = groups
-            .into_iter()
-            .enumerate()
-            .filter_map(|(g, ng)| {
-                let list = refunds.get(&g)?.clone();
-                ng.group
-                    .record
-                    .is_some()
-                    .then_some((ng.node, ng.group, list))
-            })
-            .collect();
-        if work.is_empty() {
-            return;
-        }
-        let store = self.store.clone();
-        let metrics = self.metrics.clone();
-        tokio::spawn(async move {
-            let done = futures::future::join_all(
-                work.into_iter()
-                    .map(|(node, group, list)| store.refund(node, group, list)),
-            )
-            .await;
-            for r in done {
-                match r {
-                    Ok(_) => {
-                        metrics.compensations.inc();
-                    }
-                    Err(e) => tracing::warn!(
-                        "refund did not complete, tokens stay deducted until they refill: {e}"
-                    ),
-                }
-            }
-        });
-    }
 }
 
 /// The entries of a filter decision: `rule=<name>`, then the subject.
-/// The attempt id the sidecar gives a call that names none but must be recorded (its requests
-/// span Cluster nodes, so a failed node's partners can be refunded): 128 bits from the thread's
-/// CSPRNG (seeded by the OS), so two calls never share one whatever the clock does, and no
-/// recorded answer is replayed to another call.
-fn generated_attempt() -> String {
-    format!("gen-{:032x}", rand::random::<u128>())
-}
-
 fn rule_entries(rule: String, subject: ratelimit_wire::Subject) -> Entries {
     let mut entries = Vec::with_capacity(1 + subject.0.len());
     entries.push((RULE_KEY.to_string(), Some(rule)));
@@ -837,25 +551,18 @@ fn rule_entries(rule: String, subject: ratelimit_wire::Subject) -> Entries {
     entries
 }
 
-fn charge(limit: &Limit, key: Arc<str>, share: Option<Arc<ShareHistory>>, item: &Item) -> Charge {
-    let LimitKind::Bucket {
-        capacity,
-        refill_per_sec,
-    } = limit.kind
-    else {
-        unreachable!("only bucket limits are charged")
+/// What the store charges for a planned decision, if anything.
+fn charge(plan: &Plan, item: &Item) -> Option<Charge> {
+    let Plan::Charge { limit, key, bucket } = plan else {
+        return None;
     };
-    Charge {
-        key,
-        bucket: Bucket {
-            capacity,
-            refill_per_sec,
-            share,
-        },
+    Some(Charge {
+        key: key.clone(),
+        bucket: bucket.clone(),
         cost: item.cost,
         shadow: limit.shadow,
         lease: item.lease.filter(|l| l.tokens > 0),
-    }
+    })
 }
 
 /// A call's decisions counted per limit and verdict, added to the metrics once each (a label
@@ -916,7 +623,7 @@ fn from_store(e: &StoreError) -> RequestError {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Mutex as StdMutex;
+    use std::sync::atomic::{AtomicUsize, Ordering};
 
     use ratelimit_wire::{Decision, RequestDecisions, Subject};
 
@@ -924,16 +631,6 @@ mod tests {
     use crate::policy::Bounds;
     use crate::regional::RegionalShares;
     use crate::store::memory::MemoryStore;
-
-    #[test]
-    fn generated_attempt_ids_are_distinct() {
-        let ids: std::collections::HashSet<String> =
-            (0..100_000).map(|_| generated_attempt()).collect();
-        assert_eq!(ids.len(), 100_000);
-        assert!(ids
-            .iter()
-            .all(|id| id.len() == 36 && id.starts_with("gen-")));
-    }
 
     const T0: u64 = 1_700_000_000_000_000;
 
@@ -1106,140 +803,137 @@ rules:
         );
     }
 
-    /// Two in-memory nodes: keys containing "=n2" live on node 2. Records the refunds.
-    struct TwoNodes {
-        n1: MemoryStore,
-        n2: MemoryStore,
-        fail_n2: bool,
-        refunds: StdMutex<Vec<(NodeId, Vec<usize>)>>,
+    /// A store that answers each call with the answers it was given, in order, and counts its
+    /// calls.
+    struct Answering {
+        answers: Vec<Result<Decided, StoreError>>,
+        calls: AtomicUsize,
     }
 
-    impl TwoNodes {
-        fn new(fail_n2: bool) -> Self {
-            TwoNodes {
-                n1: MemoryStore::new(T0, 0.1, 10_000),
-                n2: MemoryStore::new(T0, 0.1, 10_000),
-                fail_n2,
-                refunds: StdMutex::new(Vec::new()),
+    impl Answering {
+        fn new(answers: Vec<Result<Decided, StoreError>>) -> Self {
+            Answering {
+                answers,
+                calls: AtomicUsize::new(0),
             }
-        }
-        fn node(&self, n: &NodeId) -> &MemoryStore {
-            if &*n.0 == "n2" {
-                &self.n2
-            } else {
-                &self.n1
-            }
-        }
-        async fn refunds(&self, n: usize) -> Vec<(NodeId, Vec<usize>)> {
-            for _ in 0..200 {
-                if self.refunds.lock().unwrap().len() >= n {
-                    break;
-                }
-                tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-            }
-            self.refunds.lock().unwrap().clone()
         }
     }
 
-    impl BucketStore for TwoNodes {
-        fn node_of(&self, key: &str) -> NodeId {
-            NodeId(Arc::from(if key.contains("=n2") { "n2" } else { "n1" }))
+    impl BucketStore for Answering {
+        async fn decide(&self, call: Call) -> Vec<Result<Decided, StoreError>> {
+            self.calls.fetch_add(1, Ordering::SeqCst);
+            self.answers
+                .iter()
+                .take(call.requests.len())
+                .cloned()
+                .collect()
         }
-        async fn apply(
-            &self,
-            node: NodeId,
-            work: Work,
-        ) -> Result<Vec<Vec<RequestOutcome>>, StoreError> {
-            if self.fail_n2 && &*node.0 == "n2" {
-                return Err(StoreError::Timeout { timeout_ms: 5 });
-            }
-            Ok(self.node(&node).run(&work))
+
+        async fn readiness(&self) -> Readiness {
+            Readiness::default()
         }
-        async fn refund(
-            &self,
-            node: NodeId,
-            group: Group,
-            requests: Vec<usize>,
-        ) -> Result<bool, StoreError> {
-            self.refunds
-                .lock()
-                .unwrap()
-                .push((node.clone(), requests.clone()));
-            Ok(self.node(&node).refund_now(&group, &requests))
+    }
+
+    fn outcome(allowed: bool, remaining: u64, reason: Reason) -> Outcome {
+        Outcome {
+            allowed,
+            remaining,
+            retry_after_ms: if allowed { 0 } else { 1000 },
+            reset_ms: 1000,
+            reason,
+            leased: 0,
         }
     }
 
     #[tokio::test]
-    async fn a_rejection_on_one_node_refunds_what_another_node_charged() {
-        let store = Arc::new(TwoNodes::new(false));
+    async fn a_store_error_answers_its_request_alone_and_a_bucket_that_answered_nothing_has_no_figures(
+    ) {
+        let store = Arc::new(Answering::new(vec![
+            Err(StoreError::Timeout { timeout_ms: 5 }),
+            Err(StoreError::Script("WRONGTYPE".into())),
+            Ok(Decided {
+                admitted: false,
+                decisions: vec![Some(outcome(false, 0, Reason::Insufficient)), None],
+            }),
+        ]));
         let (d, metrics) = decider(store.clone());
-        let req = || {
+        let both = || {
             vec![
-                decision("per-app", &[("app", Some("n1"))]),
-                decision("per-ip", &[("ip", Some("n2"))]),
+                decision("per-app", &[("app", Some("a"))]),
+                decision("per-ip", &[("ip", Some("1.2.3.4"))]),
             ]
         };
-        // per-ip (on n2) holds 2: the third request is rejected there, and its per-app charge on
-        // n1 is given back.
-        let a = d.decide(call(vec![req(), req(), req()])).await;
-        let allowed: Vec<bool> = a.answers.iter().map(|a| a.allowed).collect();
-        assert_eq!(allowed, [true, true, false]);
+        let a = d.decide(call(vec![both(), both(), both()])).await;
         assert_eq!(
-            a.answers[2].results[0].remaining, 3,
-            "as it will be after the refund"
+            store.calls.load(Ordering::SeqCst),
+            1,
+            "one call for the call"
         );
-        let refunds = store.refunds(1).await;
-        assert_eq!(refunds, vec![(NodeId(Arc::from("n1")), vec![2])]);
+        let code = |i: usize| a.answers[i].error.as_ref().map(|e| e.code);
+        assert_eq!(code(0), Some(ErrorCode::Unavailable));
+        assert_eq!(code(1), Some(ErrorCode::ScriptFailed));
+        assert_eq!(code(2), None, "rejected, not failed");
+        let rejected = &a.answers[2];
+        assert!(!rejected.allowed);
+        assert_eq!(rejected.results[0].reason, Reason::Insufficient);
+        assert_eq!(rejected.results[0].retry_after_ms, 1000);
+        // The per-ip bucket answered nothing: not allowed, no figures, the limit named.
         assert_eq!(
-            store.n1.stored_tokens("rl:{ratelimit|rule=per-app|app=n1}"),
-            Some(3.0)
-        );
-        for _ in 0..100 {
-            if metrics.encode().contains("ratelimit_compensations_total 1") {
-                return;
+            rejected.results[1],
+            DecisionResult {
+                allowed: false,
+                remaining: 0,
+                retry_after_ms: 0,
+                reset_ms: 0,
+                reason: Reason::Ok,
+                limit: Some(AppliedLimit {
+                    name: "per-ip".into(),
+                    capacity: 2,
+                    refill_per_sec: 1.0
+                }),
+                shadow: false,
+                leased: 0,
             }
-            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-        }
-        panic!("the completed refund was never counted");
+        );
+        // Counted: the decision the bucket rejected, not the one that answered nothing.
+        let text = metrics.encode();
+        assert!(
+            text.contains("ratelimit_decisions_total{limit=\"per-app\",verdict=\"rejected\"} 1"),
+            "{text}"
+        );
+        assert!(!text.contains("limit=\"per-ip\""), "{text}");
     }
 
     #[tokio::test]
-    async fn a_failed_node_makes_a_request_unavailable_unless_another_rejected() {
-        let store = Arc::new(TwoNodes::new(true));
+    async fn requests_with_nothing_to_charge_are_answered_without_the_store() {
+        // A store that fails everything it is asked.
+        let store = Arc::new(Answering::new(vec![
+            Err(StoreError::Redis("down".into()));
+            4
+        ]));
         let (d, _) = decider(store.clone());
         let a = d
             .decide(call(vec![
+                // A blocked limit rejects the request before anything is sent: its other
+                // decision is not charged, and the failing store does not make it an error.
                 vec![
-                    decision("per-app", &[("app", Some("n1"))]),
-                    decision("per-ip", &[("ip", Some("n2"))]),
+                    decision("per-app", &[("app", Some("banned"))]),
+                    decision("per-ip", &[("ip", Some("1.2.3.4"))]),
                 ],
-                vec![decision("per-app", &[("app", Some("n1"))])],
+                vec![decision("per-app", &[("app", Some("vip"))])],
+                vec![decision("nope", &[])],
             ]))
             .await;
+        assert_eq!(store.calls.load(Ordering::SeqCst), 0, "nothing to charge");
+        assert!(!a.answers[0].allowed);
+        assert!(a.answers[0].error.is_none());
+        assert_eq!(a.answers[0].results[0].reason, Reason::Blocked);
+        assert_eq!(a.answers[0].results[1].reason, Reason::Ok, "no figures");
+        assert!(a.answers[1].allowed, "unlimited");
         assert_eq!(
-            a.answers[0].error.as_ref().map(|e| e.code),
-            Some(ErrorCode::Unavailable)
+            a.answers[2].error.as_ref().map(|e| e.code),
+            Some(ErrorCode::UnknownRule)
         );
-        assert!(
-            a.answers[1].allowed,
-            "a request on the healthy node is decided"
-        );
-        // The generated record lets the charged part on n1 be refunded.
-        assert_eq!(store.refunds(2).await.len(), 2);
-        assert_eq!(
-            store.n1.stored_tokens("rl:{ratelimit|rule=per-app|app=n1}"),
-            Some(4.0),
-            "only the second request's charge stays"
-        );
-        // With a rejecting part on n1, the failed part does not turn the rejection into an error.
-        let banned = d
-            .decide(call(vec![vec![
-                decision("per-app", &[("app", Some("banned"))]),
-                decision("per-ip", &[("ip", Some("n2"))]),
-            ]]))
-            .await;
-        assert!(!banned.answers[0].allowed);
-        assert!(banned.answers[0].error.is_none());
     }
 
     #[tokio::test]

@@ -13,9 +13,10 @@ use ratelimit_regions::ShareHistory;
 use ratelimit_wire::Reason;
 
 use super::{
-    Bucket, BucketStore, Charge, Group, NodeId, Outcome, RequestOutcome, Return, ShareStore,
-    Status, StoreError, Work, SHARE_MARGIN_MS,
+    Bucket, BucketStore, Call, Charge, Decided, Group, Outcome, Readiness, RequestOutcome, Return,
+    ShareStore, Status, StoreError, Work, SHARE_MARGIN_MS,
 };
+use crate::keys::record_key;
 use crate::regional::record;
 
 /// Lease entries one bucket holds (as the script).
@@ -508,32 +509,46 @@ fn ms_ceil(x: f64) -> f64 {
     int((x - 1e-6).ceil())
 }
 
+/// One node: a call is one group, recorded under the caller's attempt id (keyed by its first
+/// bucket, as on Redis), decided at once.
 impl BucketStore for MemoryStore {
-    fn node_of(&self, _key: &str) -> NodeId {
-        NodeId::primary()
+    async fn decide(&self, call: Call) -> Vec<Result<Decided, StoreError>> {
+        if let Some(e) = self.fail.lock().expect("not poisoned").clone() {
+            return vec![Err(e); call.requests.len()];
+        }
+        let first = call.requests.first().and_then(|r| r.first());
+        let record = call
+            .attempt
+            .as_deref()
+            .zip(first)
+            .map(|(attempt, c)| record_key(&c.key, attempt));
+        let groups = if call.requests.is_empty() {
+            Vec::new()
+        } else {
+            vec![Group {
+                record,
+                requests: call.requests,
+            }]
+        };
+        let work = Work {
+            groups,
+            returns: call.returns,
+        };
+        let mut answers = self.run(&work);
+        answers
+            .pop()
+            .unwrap_or_default()
+            .into_iter()
+            .map(|r| Ok(Decided::from(r)))
+            .collect()
     }
 
-    async fn apply(
-        &self,
-        _node: NodeId,
-        work: Work,
-    ) -> Result<Vec<Vec<RequestOutcome>>, StoreError> {
-        if let Some(e) = self.fail.lock().expect("not poisoned").clone() {
-            return Err(e);
+    async fn readiness(&self) -> Readiness {
+        Readiness {
+            redis_ok: true,
+            script_loaded: true,
+            ..Readiness::default()
         }
-        Ok(self.run(&work))
-    }
-
-    async fn refund(
-        &self,
-        _node: NodeId,
-        group: Group,
-        requests: Vec<usize>,
-    ) -> Result<bool, StoreError> {
-        if let Some(e) = self.fail.lock().expect("not poisoned").clone() {
-            return Err(e);
-        }
-        Ok(self.refund_now(&group, &requests))
     }
 }
 

@@ -1,9 +1,15 @@
-//! Where buckets live: the [`BucketStore`] trait the decision logic talks to, and its
-//! implementations, one per folder or file:
+//! Where buckets live. The decider hands a [`BucketStore`] one call's requests, each its charges
+//! (all-or-nothing), and lease returns, and gets one answer per request; it never learns where a
+//! bucket is kept. The regional shares are read, and their demand counted, through a
+//! [`ShareStore`]. One implementation per folder or file:
 //! - [`redis`]: the bucket script `lua/token_bucket.lua` in Redis (one node, the primary Sentinel
-//!   names, a Cluster);
-//! - [`memory`]: the same bucket in Rust, in memory: the script's reference model, and the store
-//!   of unit tests.
+//!   names, a Cluster), with the placement of requests on Cluster nodes and the compensation
+//!   across them;
+//! - [`memory`]: the same bucket in Rust, in memory, as one node: the script's reference model,
+//!   and the store of unit tests.
+//!
+//! The script's own types ([`Work`], [`Group`], [`Charge`], [`Bucket`], [`Return`],
+//! [`RequestOutcome`]) are its calling convention ([`script`]), which both implementations follow.
 
 pub mod memory;
 pub mod redis;
@@ -27,17 +33,6 @@ pub const SCRIPT: &str = include_str!("../../../lua/token_bucket.lua");
 /// SHA1 of [`SCRIPT`], as EVALSHA wants it.
 pub fn script_sha1() -> String {
     sha1_smol::Sha1::from(SCRIPT).digest().to_string()
-}
-
-/// A Redis node, as calls are grouped: the primary's address on a Cluster (or `slot:<n>` while
-/// the slot map is unknown), `primary` otherwise.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct NodeId(pub Arc<str>);
-
-impl NodeId {
-    pub fn primary() -> NodeId {
-        NodeId(Arc::from("primary"))
-    }
 }
 
 /// How far the script widens the look-back of a regional share, in milliseconds: the share history
@@ -64,6 +59,21 @@ impl Bucket {
             capacity,
             refill_per_sec,
             share: None,
+        }
+    }
+
+    /// The capacity and refill in force now: the whole limit, or for a regional limit this
+    /// region's part under the share in force, rounded down as the script does.
+    pub fn in_force(&self) -> (u64, f64) {
+        match self.share.as_ref().map(|h| h.current()) {
+            None => (self.capacity, self.refill_per_sec),
+            Some(s) => {
+                let ppm = f64::from(s.ppm());
+                (
+                    (self.capacity as f64 * ppm / 1_000_000.0).floor() as u64,
+                    (self.refill_per_sec * ppm).floor() / 1_000_000.0,
+                )
+            }
         }
     }
 }
@@ -194,42 +204,49 @@ pub(crate) fn is_script_failure(e: &RedisError) -> bool {
                 .any(|m| detail.contains(m)))
 }
 
-/// Where buckets live.
-pub trait BucketStore: Send + Sync + 'static {
-    /// The node a bucket key lives on: work is sent per node.
-    fn node_of(&self, key: &str) -> NodeId;
+/// One caller's call as a store takes it.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Call {
+    /// The caller's attempt id: a repeat of the call within `--attempt-ttl-ms` is answered as the
+    /// first one was and charges nothing.
+    pub attempt: Option<String>,
+    /// The requests, each its charges (at least one), each all-or-nothing.
+    pub requests: Vec<Vec<Charge>>,
+    /// Unused lease tokens given back.
+    pub returns: Vec<Return>,
+}
 
-    /// Decides `work` (all of it on `node`): one outcome per group, in order.
-    fn apply(
-        &self,
-        node: NodeId,
-        work: Work,
-    ) -> impl Future<Output = Result<Vec<Vec<RequestOutcome>>, StoreError>> + Send;
+/// One request's answer from a store.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Decided {
+    /// Every charge that may reject (not a shadow one) found its tokens, and the request holds
+    /// them: charged now, or by the first call of its attempt and not given back since.
+    pub admitted: bool,
+    /// One per charge, in order: what its bucket answered, or `None` when it answered nothing (on
+    /// a Cluster, its node failed while another node rejected the request).
+    pub decisions: Vec<Option<Outcome>>,
+}
 
-    /// Gives back what the listed requests (indices into `group.requests`) of a group applied
-    /// before charged, by its record (idempotent). `group` is the group as it was applied.
-    fn refund(
-        &self,
-        node: NodeId,
-        group: Group,
-        requests: Vec<usize>,
-    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
-
-    /// Reads the topology again now (a Cluster's slot map), after a node refused a key.
-    fn refresh_topology(&self) -> impl Future<Output = ()> + Send {
-        async {}
-    }
-
-    /// Whether the store can decide (for `/readyz`).
-    fn readiness(&self) -> impl Future<Output = Readiness> + Send {
-        async {
-            Readiness {
-                redis_ok: true,
-                script_loaded: true,
-                ..Readiness::default()
-            }
+impl From<RequestOutcome> for Decided {
+    /// A request decided in one script call.
+    fn from(r: RequestOutcome) -> Decided {
+        Decided {
+            admitted: r.charged(),
+            decisions: r.decisions.into_iter().map(Some).collect(),
         }
     }
+}
+
+/// Where buckets live.
+pub trait BucketStore: Send + Sync + 'static {
+    /// Decides every request of `call`, each all-or-nothing, and gives its lease returns back:
+    /// one answer per request, in order. An error is that request's own: the others may still be
+    /// decided. A rejected request keeps no tokens, and its figures (`remaining`, `reset_ms`) are
+    /// its buckets' without it.
+    fn decide(&self, call: Call) -> impl Future<Output = Vec<Result<Decided, StoreError>>> + Send;
+
+    /// Whether the store can decide (for `/readyz`).
+    fn readiness(&self) -> impl Future<Output = Readiness> + Send;
 }
 
 /// Where this region's shares of the regional rules live ([`crate::regional`]): each rule's share

@@ -1,8 +1,12 @@
-//! The Redis store: the bucket script's calls over a [`Connection`], batched per node
-//! ([`batch`]), and the readiness check.
-//! - [`connection`]: how Redis is reached (one node, the primary Sentinel names, a Cluster);
-//! - [`sentinel`]: the Sentinel lookup of the primary;
-//! - [`batch`]: the per-node batching of script calls.
+//! The Redis store: the bucket script run in Redis, over a [`Connection`] to one node, the
+//! primary Sentinel names, or a Cluster ([`sentinel`]: how the primary is found). A call's way
+//! through it (`decide_on`):
+//! - [`placement`]: each request's charges grouped by the node that holds their buckets, a
+//!   record key for each group that needs one, and the retry of what a moved slot refused;
+//! - [`batch`]: the work ready for one node merged into one script call, a few in flight per node;
+//! - the script call (its arguments and reply: `super::script`), EVALSHA healed by EVAL;
+//! - [`compensation`]: each request's parts merged into its answer, and what a rejected request
+//!   charged on other nodes refunded.
 //!
 //! The script is embedded from `lua/` and called by EVALSHA; a NOSCRIPT answer (a restarted node,
 //! a failover, a new Cluster primary) is healed by an EVAL of the same call, which also caches the
@@ -13,12 +17,16 @@
 //! SLOTS`, refreshed every few seconds and after a MOVED): one script call per node decides keys
 //! of many slots (the script is flagged `allow-cross-slot-keys`). If the map is stale the call
 //! fails before writing anything (`MOVED`, or the script's read of a key this node does not
-//! serve), the map is refreshed, and the caller may regroup and retry. Until the map is known,
-//! work is grouped by slot.
+//! serve), the map is refreshed, and the work is regrouped and sent once more. Until the map is
+//! known, work is grouped by slot.
 
 pub mod batch;
+mod compensation;
 pub mod connection;
+mod placement;
 pub mod sentinel;
+#[cfg(test)]
+mod two_nodes;
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -34,12 +42,62 @@ use self::batch::Batcher;
 use self::connection::{stall_limit, Connection};
 use super::script::{parse_apply, ScriptArgs};
 use super::{
-    eviction_warning, is_script_failure, script_sha1, BucketStore, Group, NodeId, Readiness,
+    eviction_warning, is_script_failure, script_sha1, BucketStore, Call, Decided, Group, Readiness,
     RequestOutcome, ShareStore, StoreError, Work, SCRIPT,
 };
 use crate::keys::cluster_slot;
 use crate::metrics::Metrics;
 use crate::regional::record;
+
+/// A Redis node, as calls are grouped: the primary's address on a Cluster (or `slot:<n>` while
+/// the slot map is unknown), `primary` otherwise.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct NodeId(pub Arc<str>);
+
+impl NodeId {
+    pub fn primary() -> NodeId {
+        NodeId(Arc::from("primary"))
+    }
+}
+
+/// The nodes a call is placed on, as [`placement`] and [`compensation`] use them: which node
+/// holds a key, and the bucket script's calls on one node. [`RedisStore`] is one (the tests'
+/// two-node fake another).
+pub trait Nodes: Send + Sync + 'static {
+    /// The node a bucket key lives on: work is sent per node.
+    fn node_of(&self, key: &str) -> NodeId;
+
+    /// Decides `work` (all of it on `node`): one outcome per group, in order.
+    fn apply(
+        &self,
+        node: NodeId,
+        work: Work,
+    ) -> impl Future<Output = Result<Vec<Vec<RequestOutcome>>, StoreError>> + Send;
+
+    /// Gives back what the listed requests (indices into `group.requests`) of a group applied
+    /// before charged, by its record (idempotent). `group` is the group as it was applied.
+    fn refund(
+        &self,
+        node: NodeId,
+        group: Group,
+        requests: Vec<usize>,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+
+    /// Reads the topology again now (a Cluster's slot map), after a node refused a key.
+    fn refresh_topology(&self) -> impl Future<Output = ()> + Send;
+}
+
+/// Decides `call` on the nodes that hold its buckets: placed, sent (what a moved slot refused
+/// once more), and each request's parts merged into its answer.
+async fn decide_on<N: Nodes + Clone>(
+    nodes: &N,
+    metrics: &Arc<Metrics>,
+    call: Call,
+) -> Vec<Result<Decided, StoreError>> {
+    let placed = placement::place(nodes, call);
+    let (groups, results) = placement::send(nodes, placed.groups, placed.returns).await;
+    compensation::answer(nodes, metrics, groups, &placed.placements, results)
+}
 
 /// How the store calls Redis.
 #[derive(Debug, Clone, Copy)]
@@ -292,7 +350,7 @@ impl RedisStore {
 
     /// One script call in "apply" mode for `work`, as the node's batcher makes it. Bounded by
     /// [`stall_limit`], not by `--redis-timeout-ms`: the callers are answered at their deadline
-    /// by [`BucketStore::apply`], while the call keeps its pipeline slot until Redis answers it,
+    /// by [`Nodes::apply`], while the call keeps its pipeline slot until Redis answers it,
     /// so a stalled Redis is sent at most `--redis-pipeline` calls (see [`batch`]).
     async fn call(&self, work: Work) -> Result<Vec<Vec<RequestOutcome>>, StoreError> {
         let args = ScriptArgs::build(
@@ -390,6 +448,16 @@ impl RedisStore {
 }
 
 impl BucketStore for RedisStore {
+    async fn decide(&self, call: Call) -> Vec<Result<Decided, StoreError>> {
+        decide_on(self, &self.inner.metrics, call).await
+    }
+
+    async fn readiness(&self) -> Readiness {
+        self.check_readiness().await
+    }
+}
+
+impl Nodes for RedisStore {
     fn node_of(&self, key: &str) -> NodeId {
         if !self.inner.connection.is_cluster() {
             return NodeId::primary();
@@ -419,10 +487,6 @@ impl BucketStore for RedisStore {
                 Err(StoreError::Timeout { timeout_ms })
             }
         }
-    }
-
-    async fn readiness(&self) -> Readiness {
-        self.check_readiness().await
     }
 
     async fn refresh_topology(&self) {
