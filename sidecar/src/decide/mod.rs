@@ -1,48 +1,33 @@
-//! The decision: validate a call ([`validate`]), resolve each decision's limit in the policy,
-//! hand the store ([`BucketStore`]) the requests with something to charge, and answer each
-//! request from the store's outcomes. The decider never learns where a bucket is kept: placing
-//! requests on Redis nodes, and keeping a request all-or-nothing across them, is the store's
-//! (`crate::store::redis`).
+//! The decision: validate a call ([`validate`]), resolve each decision's limit in the policy
+//! ([`plan`]), hand the store ([`BucketStore`]) the requests with something to charge, and answer
+//! each request from the store's outcomes ([`answer`]). The decider never learns where a bucket
+//! is kept: placing requests on Redis nodes, and keeping a request all-or-nothing across them, is
+//! the store's (`crate::store::redis`).
 //!
 //! A call carries many requests (the filter coalesces them); each is all-or-nothing on its own.
-//! Its decisions resolve to a limit (or to "unlimited" / "blocked", answered without the store,
-//! or to an unknown rule: a configuration error answered for that request, which the gateway
-//! handles with its failure policy). The rest become charges. A request the store could not
-//! decide is answered with the store's error (unavailable, or the script failed); a decision
-//! whose bucket answered nothing is answered `allowed: false`, `reason: ok`, with no figures.
+//! A request the store could not decide is answered with the store's error (unavailable, or the
+//! script failed); a decision whose bucket answered nothing is answered `allowed: false`,
+//! `reason: ok`, with no figures.
 //!
 //! The whole decision runs in a task of its own (see [`crate::http`]), so a caller that hangs up
 //! cancels neither the store's calls in flight nor the refunds that follow them.
-//!
-//! # Regional rules
-//!
-//! A decision of a regional rule (`docs/regions.md`) is charged under this region's share: its
-//! bucket carries the share history this sidecar holds under a lease ([`RegionalShares`]), and
-//! the script takes the bucket under the smallest share since its last decision. Without a valid
-//! lease the request is answered "unavailable" (the gateway's `on_error` decides). The answer's
-//! applied limit is the region's: the rule's numbers scaled by the share in force.
 
+mod answer;
+mod plan;
 mod validate;
 
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 
-use ratelimit_wire::{
-    AppliedLimit, DecideRequest, DecideResponse, DecisionResult, ErrorCode, LeaseAsk, Reason,
-    RequestAnswer, RequestError,
-};
+use ratelimit_wire::{DecideRequest, DecideResponse, LeaseAsk, RequestAnswer};
 
-use ratelimit_regions::ShareHistory;
-
-use crate::keys::bucket_key;
-use crate::metrics::{Metrics, Verdict};
+use self::answer::{error_answer, from_store, Tally};
+use self::plan::{blocked, charge, Plan};
+use crate::metrics::Metrics;
 use crate::policy::own_format::RULE_KEY;
 use crate::policy::reload::PolicyHandle;
-use crate::policy::{Limit, LimitKind, Policy, Resolution};
 use crate::regional::RegionalShares;
-use crate::store::{
-    Bucket, BucketStore, Call, Charge, Decided, Outcome, Readiness, Return, StoreError,
-};
+use crate::store::{BucketStore, Call, Charge, Decided, Readiness, StoreError};
 
 pub use validate::{parse_request, validate, DecideError, MAX_ERROR_BYTES, MAX_LEASE_TTL_MS};
 
@@ -71,20 +56,6 @@ pub struct ReturnItem {
 pub enum Caller {
     Filter,
     RateLimitService,
-}
-
-/// A resolved decision.
-enum Plan {
-    /// Charged in the store (under this region's share history, for a regional limit).
-    Charge {
-        limit: Arc<Limit>,
-        key: Arc<str>,
-        bucket: Bucket,
-    },
-    /// Answered here: unlimited (or not limited at all, for Envoy's API).
-    Unlimited { limit: Option<Arc<Limit>> },
-    /// Answered here: never admitted.
-    Blocked { limit: Arc<Limit> },
 }
 
 /// Runs decisions against a [`BucketStore`] under the policy in force.
@@ -270,277 +241,6 @@ impl<S: BucketStore> Decider<S> {
             .map(|a| a.expect("every request answered"))
             .collect()
     }
-
-    /// Resolves a request's items; an unknown rule (filter) fails the request.
-    fn plan(
-        &self,
-        policy: &Policy,
-        domain: &str,
-        items: &[Item],
-        caller: Caller,
-    ) -> Result<Vec<Plan>, RequestError> {
-        let mut plans = Vec::with_capacity(items.len());
-        for item in items {
-            let entries: Vec<(&str, Option<&str>)> = item
-                .entries
-                .iter()
-                .map(|(k, v)| (k.as_str(), v.as_deref()))
-                .collect();
-            let plan = match policy.resolve(domain, &entries) {
-                Resolution::Limit(limit) => {
-                    let limit = limit.clone();
-                    match limit.kind {
-                        LimitKind::Bucket {
-                            capacity,
-                            refill_per_sec,
-                        } => Plan::Charge {
-                            key: Arc::from(bucket_key(&self.key_prefix, domain, &entries)),
-                            bucket: Bucket {
-                                capacity,
-                                refill_per_sec,
-                                share: self.share_for(&limit)?,
-                            },
-                            limit,
-                        },
-                        LimitKind::Unlimited => Plan::Unlimited { limit: Some(limit) },
-                        LimitKind::Blocked => Plan::Blocked { limit },
-                    }
-                }
-                Resolution::NoLimit if caller == Caller::RateLimitService => {
-                    Plan::Unlimited { limit: None }
-                }
-                Resolution::NoLimit | Resolution::UnknownDomain => {
-                    let rule = entries
-                        .first()
-                        .filter(|(k, _)| *k == RULE_KEY)
-                        .and_then(|(_, v)| *v)
-                        .unwrap_or("");
-                    self.metrics.unknown_rule();
-                    let first = self
-                        .logged_unknown
-                        .lock()
-                        .map(|mut seen| {
-                            seen.len() < 1000 && seen.insert((domain.into(), rule.into()))
-                        })
-                        .unwrap_or(false);
-                    let message = if matches!(
-                        policy.resolve(domain, &[]),
-                        Resolution::UnknownDomain
-                    ) {
-                        format!("unknown domain {domain:?}: no policy file defines it")
-                    } else {
-                        format!("unknown rule {rule:?} in domain {domain:?} (or no limit matches its subject)")
-                    };
-                    if first {
-                        tracing::error!("configuration error: {message}");
-                    }
-                    return Err(RequestError {
-                        code: ErrorCode::UnknownRule,
-                        message,
-                    });
-                }
-            };
-            plans.push(plan);
-        }
-        // envoyproxy/ratelimit's `replaces`: a limit named by another applicable limit's
-        // `replaces` does not apply to this request.
-        let replaced: HashSet<String> = plans
-            .iter()
-            .filter_map(plan_limit)
-            .flat_map(|l| l.replaces.iter().cloned())
-            .collect();
-        if !replaced.is_empty() {
-            for p in &mut plans {
-                if plan_limit(p).is_some_and(|l| replaced.contains(&l.name)) {
-                    *p = Plan::Unlimited { limit: None };
-                }
-            }
-        }
-        Ok(plans)
-    }
-
-    /// The share history a regional limit is charged under; none for other limits. A regional
-    /// limit without a share under lease fails the request as "unavailable".
-    fn share_for(&self, limit: &Limit) -> Result<Option<Arc<ShareHistory>>, RequestError> {
-        let Some(rule) = &limit.regional else {
-            return Ok(None);
-        };
-        let unavailable = |message: String| RequestError {
-            code: ErrorCode::Unavailable,
-            message,
-        };
-        match &self.regional {
-            None => Err(unavailable(format!(
-                "rule {:?} is regional and this sidecar has no region (--region)",
-                rule.rule
-            ))),
-            Some(shares) => shares.share_for(rule).map(Some).map_err(unavailable),
-        }
-    }
-
-    fn plan_returns(&self, policy: &Policy, domain: &str, returns: &[ReturnItem]) -> Vec<Return> {
-        returns
-            .iter()
-            .filter_map(|r| {
-                let entries: Vec<(&str, Option<&str>)> = r
-                    .entries
-                    .iter()
-                    .map(|(k, v)| (k.as_str(), v.as_deref()))
-                    .collect();
-                let Resolution::Limit(limit) = policy.resolve(domain, &entries) else {
-                    return None;
-                };
-                let LimitKind::Bucket {
-                    capacity,
-                    refill_per_sec,
-                } = limit.kind
-                else {
-                    return None;
-                };
-                // Without a share under lease the tokens are not given back (under-admission).
-                let share = self.share_for(limit).ok()?;
-                Some(Return {
-                    key: Arc::from(bucket_key(&self.key_prefix, domain, &entries)),
-                    bucket: Bucket {
-                        capacity,
-                        refill_per_sec,
-                        share,
-                    },
-                    lease_id: r.lease_id,
-                    tokens: r.tokens,
-                })
-            })
-            .collect()
-    }
-
-    /// A request's answer from what the store answered: `decided.decisions` holds one outcome per
-    /// charge of `plan`, in order (none when nothing was sent).
-    fn answer<'p>(
-        &self,
-        tally: &mut Tally<'p>,
-        plan: &'p [Plan],
-        items: &[Item],
-        decided: Decided,
-    ) -> RequestAnswer {
-        let mut outcomes = decided.decisions.into_iter();
-        let results = plan
-            .iter()
-            .zip(items)
-            .map(|(p, item)| {
-                let outcome = match p {
-                    Plan::Charge { .. } => outcomes.next().flatten(),
-                    _ => None,
-                };
-                self.result(tally, p, outcome, decided.admitted, item.cost)
-            })
-            .collect();
-        RequestAnswer {
-            allowed: decided.admitted,
-            results,
-            error: None,
-        }
-    }
-
-    /// The wire result of one decision: `outcome` is its bucket's answer, when it has one.
-    fn result<'p>(
-        &self,
-        tally: &mut Tally<'p>,
-        plan: &'p Plan,
-        outcome: Option<Outcome>,
-        request_allowed: bool,
-        cost: u64,
-    ) -> DecisionResult {
-        match plan {
-            Plan::Unlimited { limit } => {
-                if let Some(l) = limit {
-                    tally.add(&l.name, Verdict::Unlimited);
-                }
-                DecisionResult {
-                    allowed: true,
-                    remaining: 0,
-                    retry_after_ms: 0,
-                    reset_ms: 0,
-                    reason: Reason::Unlimited,
-                    limit: None,
-                    shadow: false,
-                    leased: 0,
-                }
-            }
-            Plan::Blocked { limit } => {
-                tally.add(
-                    &limit.name,
-                    if limit.shadow {
-                        Verdict::ShadowRejected
-                    } else {
-                        Verdict::Blocked
-                    },
-                );
-                DecisionResult {
-                    allowed: limit.shadow,
-                    remaining: 0,
-                    retry_after_ms: 0,
-                    reset_ms: 0,
-                    reason: Reason::Blocked,
-                    limit: Some(AppliedLimit {
-                        name: limit.name.clone(),
-                        capacity: 0,
-                        refill_per_sec: 0.0,
-                    }),
-                    shadow: limit.shadow,
-                    leased: 0,
-                }
-            }
-            Plan::Charge { limit, bucket, .. } => {
-                // A regional limit applies the region's part: the numbers under the share in
-                // force.
-                let (capacity, refill_per_sec) = bucket.in_force();
-                let applied = Some(AppliedLimit {
-                    name: limit.name.clone(),
-                    capacity,
-                    refill_per_sec,
-                });
-                let Some(o) = outcome else {
-                    // Its bucket answered nothing (its node failed while another rejected), or
-                    // the request was rejected before it was sent: no figures.
-                    return DecisionResult {
-                        allowed: false,
-                        remaining: 0,
-                        retry_after_ms: 0,
-                        reset_ms: 0,
-                        reason: Reason::Ok,
-                        limit: applied,
-                        shadow: limit.shadow,
-                        leased: 0,
-                    };
-                };
-                let verdict = match (o.allowed, limit.shadow) {
-                    (true, _) if request_allowed => Verdict::Allowed,
-                    (true, _) => Verdict::NotCharged,
-                    (false, true) => Verdict::ShadowRejected,
-                    (false, false) => Verdict::Rejected,
-                };
-                tally.add(&limit.name, verdict);
-                if let (Some(rule), Some(shares)) = (&limit.regional, &self.regional) {
-                    // The demand the rebalancer reads, in tokens: taken (cost and lease) or refused.
-                    match verdict {
-                        Verdict::Allowed => shares.count(rule, cost + o.leased, 0),
-                        Verdict::Rejected | Verdict::ShadowRejected => shares.count(rule, 0, cost),
-                        _ => {}
-                    }
-                }
-                DecisionResult {
-                    allowed: o.allowed || limit.shadow,
-                    remaining: o.remaining,
-                    retry_after_ms: o.retry_after_ms,
-                    reset_ms: o.reset_ms,
-                    reason: o.reason,
-                    limit: applied,
-                    shadow: limit.shadow,
-                    leased: if request_allowed { o.leased } else { 0 },
-                }
-            }
-        }
-    }
 }
 
 /// The entries of a filter decision: `rule=<name>`, then the subject.
@@ -551,86 +251,18 @@ fn rule_entries(rule: String, subject: ratelimit_wire::Subject) -> Entries {
     entries
 }
 
-/// What the store charges for a planned decision, if anything.
-fn charge(plan: &Plan, item: &Item) -> Option<Charge> {
-    let Plan::Charge { limit, key, bucket } = plan else {
-        return None;
-    };
-    Some(Charge {
-        key: key.clone(),
-        bucket: bucket.clone(),
-        cost: item.cost,
-        shadow: limit.shadow,
-        lease: item.lease.filter(|l| l.tokens > 0),
-    })
-}
-
-/// A call's decisions counted per limit and verdict, added to the metrics once each (a label
-/// lookup per limit and call, not per decision).
-#[derive(Default)]
-struct Tally<'a>(Vec<(&'a str, Verdict, u64)>);
-
-impl<'a> Tally<'a> {
-    fn add(&mut self, limit: &'a str, verdict: Verdict) {
-        match self
-            .0
-            .iter_mut()
-            .find(|(l, v, _)| *v == verdict && *l == limit)
-        {
-            Some((_, _, n)) => *n += 1,
-            None => self.0.push((limit, verdict, 1)),
-        }
-    }
-
-    fn add_to(self, metrics: &Metrics) {
-        for (limit, verdict, n) in self.0 {
-            metrics.decisions_of(limit, verdict, n);
-        }
-    }
-}
-
-fn plan_limit(p: &Plan) -> Option<&Limit> {
-    match p {
-        Plan::Charge { limit, .. } | Plan::Blocked { limit } => Some(limit),
-        Plan::Unlimited { limit } => limit.as_deref(),
-    }
-}
-
-/// A non-shadow blocked limit rejects the request before anything is sent.
-fn blocked(plan: &[Plan]) -> bool {
-    plan.iter()
-        .any(|p| matches!(p, Plan::Blocked { limit } if !limit.shadow))
-}
-
-fn error_answer(e: RequestError) -> RequestAnswer {
-    RequestAnswer {
-        allowed: false,
-        results: Vec::new(),
-        error: Some(e),
-    }
-}
-
-fn from_store(e: &StoreError) -> RequestError {
-    RequestError {
-        code: if e.is_deterministic() {
-            ErrorCode::ScriptFailed
-        } else {
-            ErrorCode::Unavailable
-        },
-        message: e.to_string(),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering};
 
-    use ratelimit_wire::{Decision, RequestDecisions, Subject};
+    use ratelimit_wire::{
+        AppliedLimit, Decision, DecisionResult, ErrorCode, Reason, RequestDecisions, Subject,
+    };
 
     use super::*;
-    use crate::policy::Bounds;
-    use crate::regional::RegionalShares;
+    use crate::policy::{Bounds, Policy};
     use crate::store::memory::MemoryStore;
+    use crate::store::Outcome;
 
     const T0: u64 = 1_700_000_000_000_000;
 
