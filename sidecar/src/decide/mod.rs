@@ -94,10 +94,6 @@ impl<S: BucketStore> Decider<S> {
         self
     }
 
-    pub fn regional(&self) -> Option<&Arc<RegionalShares>> {
-        self.regional.as_ref()
-    }
-
     /// What `/readyz` reports: the store's readiness, and with regional rules the shares this
     /// region applies (not ready until each was read once).
     pub async fn readiness(&self) -> Readiness {
@@ -113,14 +109,6 @@ impl<S: BucketStore> Decider<S> {
             r.regional_shares = Some(shares.status(&policy));
         }
         r
-    }
-
-    pub fn store(&self) -> &Arc<S> {
-        &self.store
-    }
-
-    pub fn policy(&self) -> &Arc<PolicyHandle> {
-        &self.policy
     }
 
     /// Decides a call that [`validate`] accepted ([`parse_request`] validates).

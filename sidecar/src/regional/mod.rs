@@ -113,10 +113,6 @@ impl RegionalShares {
         })
     }
 
-    pub fn region(&self) -> &str {
-        &self.region
-    }
-
     /// The share history to charge `rule`'s buckets under, or why there is none (a lease that
     /// ran out, a rule never read): the request is then answered "unavailable".
     pub fn share_for(&self, rule: &Regional) -> Result<Arc<ShareHistory>, String> {
