@@ -7,8 +7,8 @@ use ratelimit_wire::{
 
 use super::plan::Plan;
 use super::{Decider, Item};
-use crate::metrics::{Metrics, Verdict};
-use crate::store::{Decided, Outcome, StoreError};
+use crate::metrics::{CountedAs, Metrics};
+use crate::store::{BucketOutcome, Decided, StoreError};
 
 impl<S> Decider<S> {
     /// A request's answer from what the store answered: `decided.decisions` holds one outcome per
@@ -44,14 +44,14 @@ impl<S> Decider<S> {
         &self,
         tally: &mut Tally<'p>,
         plan: &'p Plan,
-        outcome: Option<Outcome>,
+        outcome: Option<BucketOutcome>,
         request_allowed: bool,
         cost: u64,
     ) -> DecisionResult {
         match plan {
             Plan::Unlimited { limit } => {
                 if let Some(l) = limit {
-                    tally.add(&l.name, Verdict::Unlimited);
+                    tally.add(&l.name, CountedAs::Unlimited);
                 }
                 DecisionResult {
                     allowed: true,
@@ -68,9 +68,9 @@ impl<S> Decider<S> {
                 tally.add(
                     &limit.name,
                     if limit.shadow {
-                        Verdict::ShadowRejected
+                        CountedAs::ShadowRejected
                     } else {
-                        Verdict::Blocked
+                        CountedAs::Blocked
                     },
                 );
                 DecisionResult {
@@ -111,18 +111,20 @@ impl<S> Decider<S> {
                         leased: 0,
                     };
                 };
-                let verdict = match (o.allowed, limit.shadow) {
-                    (true, _) if request_allowed => Verdict::Allowed,
-                    (true, _) => Verdict::NotCharged,
-                    (false, true) => Verdict::ShadowRejected,
-                    (false, false) => Verdict::Rejected,
+                let counted = match (o.allowed, limit.shadow) {
+                    (true, _) if request_allowed => CountedAs::Allowed,
+                    (true, _) => CountedAs::NotCharged,
+                    (false, true) => CountedAs::ShadowRejected,
+                    (false, false) => CountedAs::Rejected,
                 };
-                tally.add(&limit.name, verdict);
+                tally.add(&limit.name, counted);
                 if let (Some(rule), Some(shares)) = (&limit.regional, &self.regional) {
                     // The demand the rebalancer reads, in tokens: taken (cost and lease) or refused.
-                    match verdict {
-                        Verdict::Allowed => shares.count(rule, cost + o.leased, 0),
-                        Verdict::Rejected | Verdict::ShadowRejected => shares.count(rule, 0, cost),
+                    match counted {
+                        CountedAs::Allowed => shares.count(rule, cost + o.leased, 0),
+                        CountedAs::Rejected | CountedAs::ShadowRejected => {
+                            shares.count(rule, 0, cost)
+                        }
                         _ => {}
                     }
                 }
@@ -144,10 +146,10 @@ impl<S> Decider<S> {
 /// A call's decisions counted per limit and verdict, added to the metrics once each (a label
 /// lookup per limit and call, not per decision).
 #[derive(Default)]
-pub(super) struct Tally<'a>(Vec<(&'a str, Verdict, u64)>);
+pub(super) struct Tally<'a>(Vec<(&'a str, CountedAs, u64)>);
 
 impl<'a> Tally<'a> {
-    fn add(&mut self, limit: &'a str, verdict: Verdict) {
+    fn add(&mut self, limit: &'a str, verdict: CountedAs) {
         match self
             .0
             .iter_mut()

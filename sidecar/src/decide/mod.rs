@@ -250,7 +250,7 @@ mod tests {
     use super::*;
     use crate::policy::{Bounds, Policy};
     use crate::store::memory::MemoryStore;
-    use crate::store::Outcome;
+    use crate::store::BucketOutcome;
 
     const T0: u64 = 1_700_000_000_000_000;
 
@@ -454,8 +454,8 @@ rules:
         }
     }
 
-    fn outcome(allowed: bool, remaining: u64, reason: Reason) -> Outcome {
-        Outcome {
+    fn outcome(allowed: bool, remaining: u64, reason: Reason) -> BucketOutcome {
+        BucketOutcome {
             allowed,
             remaining,
             retry_after_ms: if allowed { 0 } else { 1000 },

@@ -15,8 +15,10 @@ pub mod memory;
 pub mod redis;
 pub mod script;
 
-/// The old path of [`redis`], which [`script`] still names.
+/// The old path of [`redis`], and the old name of [`BucketOutcome`], which [`script`] and the
+/// bucket functions of [`memory`] still use.
 pub(crate) use self::redis as redis_store;
+pub(crate) type Outcome = BucketOutcome;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -124,7 +126,7 @@ pub struct Work {
 
 /// One decision's answer from the bucket.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Outcome {
+pub struct BucketOutcome {
     /// The bucket held `cost` tokens (it may still be uncharged: all-or-nothing).
     pub allowed: bool,
     pub remaining: u64,
@@ -151,7 +153,7 @@ pub enum Status {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RequestOutcome {
     pub status: Status,
-    pub decisions: Vec<Outcome>,
+    pub decisions: Vec<BucketOutcome>,
 }
 
 impl RequestOutcome {
@@ -224,7 +226,7 @@ pub struct Decided {
     pub admitted: bool,
     /// One per charge, in order: what its bucket answered, or `None` when it answered nothing (on
     /// a Cluster, its node failed while another node rejected the request).
-    pub decisions: Vec<Option<Outcome>>,
+    pub decisions: Vec<Option<BucketOutcome>>,
 }
 
 impl From<RequestOutcome> for Decided {

@@ -168,7 +168,7 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
-    use crate::store::{Bucket, Charge, Group, Outcome, Status};
+    use crate::store::{Bucket, BucketOutcome, Charge, Group, Status};
 
     fn work(key: &str) -> Work {
         Work {
@@ -208,7 +208,7 @@ mod tests {
                             .map(|g| {
                                 vec![RequestOutcome {
                                     status: Status::Charged,
-                                    decisions: vec![Outcome {
+                                    decisions: vec![BucketOutcome {
                                         allowed: true,
                                         remaining: g.requests[0][0].key.len() as u64,
                                         retry_after_ms: 0,
