@@ -1,6 +1,6 @@
 //! The decision: validate a call ([`validate`]), resolve each decision's limit in the policy
-//! ([`plan`]), hand the store ([`BucketStore`]) the requests with something to charge, and answer
-//! each request from the store's outcomes ([`answer`]). The decider never learns where a bucket
+//! (`plan.rs`), hand the store ([`BucketStore`]) the requests with something to charge, and answer
+//! each request from the store's outcomes (`answer.rs`). The decider never learns where a bucket
 //! is kept: placing requests on Redis nodes, and keeping a request all-or-nothing across them, is
 //! the store's (`crate::store::redis`).
 //!

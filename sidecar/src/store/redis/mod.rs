@@ -1,11 +1,12 @@
 //! The Redis store: the bucket script run in Redis, over a [`Connection`] to one node, the
 //! primary Sentinel names, or a Cluster ([`sentinel`]: how the primary is found). A call's way
 //! through it (`decide_on`):
-//! - [`placement`]: each request's charges grouped by the node that holds their buckets, a
+//! - `placement`: each request's charges grouped by the node that holds their buckets, a
 //!   record key for each group that needs one, and the retry of what a moved slot refused;
-//! - [`batch`]: the work ready for one node merged into one script call, a few in flight per node;
+//! - [`batch`]: the work ready for one node merged into one script call, `--redis-pipeline` in
+//!   flight per node at most;
 //! - the script call (its arguments and reply: `super::script`), EVALSHA healed by EVAL;
-//! - [`compensation`]: each request's parts merged into its answer, and what a rejected request
+//! - `compensation`: each request's parts merged into its answer, and what a rejected request
 //!   charged on other nodes refunded.
 //!
 //! The script is embedded from `lua/` and called by EVALSHA; a NOSCRIPT answer (a restarted node,
@@ -60,7 +61,7 @@ impl NodeId {
     }
 }
 
-/// The nodes a call is placed on, as [`placement`] and [`compensation`] use them: which node
+/// The nodes a call is placed on, as `placement` and `compensation` use them: which node
 /// holds a key, and the bucket script's calls on one node. [`RedisStore`] is one (the tests'
 /// two-node fake another).
 pub trait Nodes: Send + Sync + 'static {
