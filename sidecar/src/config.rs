@@ -267,7 +267,7 @@ fn share(s: &str) -> Result<f64, String> {
 }
 
 /// The TLS material for `rediss://` Redis URLs, as flags; shared by `ratelimit-sidecar` and
-/// `ratelimit-rebalancer` (read by [`crate::store::connection::redis_tls_files`]).
+/// `ratelimit-rebalancer` (read by [`crate::store::redis::connection::redis_tls_files`]).
 #[derive(clap::Args, Debug, Clone, Default)]
 pub struct RedisTlsArgs {
     /// PEM CA certificate(s) that sign the Redis servers' certificates (`rediss://` URLs);

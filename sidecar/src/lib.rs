@@ -4,10 +4,11 @@
 //! `lua/bucket.lua` in Redis (one node, a primary found through Sentinel, or a Cluster), and
 //! serves `/healthz`, `/readyz` and `/metrics`.
 //!
-//! Pure core, thin edges: [`policy`] owns the limits, [`decide`] validates calls, resolves limits,
-//! splits the work by Redis node and merges answers, behind the [`store::BucketStore`] trait;
-//! [`http`], [`grpc`] and `main` only adapt. [`auth`] decides who may ask, [`listener`] accepts
-//! connections (TLS, HTTP/1.1 and HTTP/2).
+//! Pure core, thin edges: [`policy`] owns the limits, [`decide`] validates calls, resolves limits
+//! and answers from what the store ([`store::BucketStore`]) decided; the Redis store places the
+//! requests on its nodes and keeps each all-or-nothing across them; [`regional`] reads this
+//! region's shares through [`store::ShareStore`]. [`http`], [`grpc`] and `main` only adapt.
+//! [`auth`] decides who may ask, [`listener`] accepts connections (TLS, HTTP/1.1 and HTTP/2).
 
 pub mod auth;
 pub mod config;
@@ -37,8 +38,8 @@ use crate::metrics::Metrics;
 use crate::policy::reload::PolicyHandle;
 use crate::policy::{Bounds, PolicyError, RegionScope};
 use crate::regional::RegionalShares;
-use crate::store::connection::Connection;
-use crate::store::redis_store::StoreOptions;
+use crate::store::redis::connection::Connection;
+use crate::store::redis::StoreOptions;
 use crate::store::{RedisStore, StoreError};
 
 /// Why the sidecar could not serve.

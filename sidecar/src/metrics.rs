@@ -52,7 +52,7 @@ impl LimitLog {
 pub struct DecisionLabels {
     /// The limit's (rule's or override's) name.
     pub limit: String,
-    /// See [`Verdict`].
+    /// See [`CountedAs`].
     pub verdict: &'static str,
 }
 
@@ -74,9 +74,9 @@ pub struct ResultLabels {
     pub result: &'static str,
 }
 
-/// What one decision came to: the `verdict` label of `ratelimit_decisions_total`.
+/// What a decision was counted as: the `verdict` label of `ratelimit_decisions_total`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Verdict {
+pub enum CountedAs {
     /// Admitted and charged.
     Allowed,
     /// The bucket refused.
@@ -91,15 +91,15 @@ pub enum Verdict {
     Blocked,
 }
 
-impl Verdict {
+impl CountedAs {
     fn label(self) -> &'static str {
         match self {
-            Verdict::Allowed => "allowed",
-            Verdict::Rejected => "rejected",
-            Verdict::ShadowRejected => "shadow_rejected",
-            Verdict::NotCharged => "not_charged",
-            Verdict::Unlimited => "unlimited",
-            Verdict::Blocked => "blocked",
+            CountedAs::Allowed => "allowed",
+            CountedAs::Rejected => "rejected",
+            CountedAs::ShadowRejected => "shadow_rejected",
+            CountedAs::NotCharged => "not_charged",
+            CountedAs::Unlimited => "unlimited",
+            CountedAs::Blocked => "blocked",
         }
     }
 }
@@ -327,7 +327,7 @@ impl Metrics {
     /// Counts `n` decisions of one limit with one verdict (a call's decisions, tallied: one
     /// label lookup instead of one per decision). A refusal (rejected, shadow-rejected, blocked)
     /// may also write the "limit reached" line.
-    pub fn decisions_of(&self, limit: &str, verdict: Verdict, n: u64) {
+    pub fn decisions_of(&self, limit: &str, verdict: CountedAs, n: u64) {
         if n == 0 {
             return;
         }
@@ -339,7 +339,7 @@ impl Metrics {
             .inc_by(n);
         if matches!(
             verdict,
-            Verdict::Rejected | Verdict::ShadowRejected | Verdict::Blocked
+            CountedAs::Rejected | CountedAs::ShadowRejected | CountedAs::Blocked
         ) {
             if let Some(refusals) = self.limit_log.refused(limit, Instant::now(), n) {
                 tracing::info!(
@@ -468,7 +468,7 @@ mod tests {
     #[test]
     fn names_are_the_documented_ones() {
         let m = Metrics::new();
-        m.decisions_of("per-app", Verdict::Allowed, 1);
+        m.decisions_of("per-app", CountedAs::Allowed, 1);
         m.call("http", CallOutcome::BadRequest);
         m.request(RequestOutcome::UnknownRule);
         let text = m.encode();

@@ -21,9 +21,9 @@ use ratelimit_e2e::Redis;
 use ratelimit_regions::{Share, ShareHistory};
 use ratelimit_sidecar::metrics::Metrics;
 use ratelimit_sidecar::store::memory::MemoryStore;
-use ratelimit_sidecar::store::redis_store::StoreOptions;
+use ratelimit_sidecar::store::redis::{NodeId, Nodes, StoreOptions};
 use ratelimit_sidecar::store::{
-    BucketLimits, BucketStore, Charge, Group, NodeId, RedisStore, RequestOutcome, Return, Work,
+    BucketLimits, Charge, Group, RedisStore, RequestOutcome, Return, Work,
 };
 use ratelimit_wire::LeaseAsk;
 

@@ -51,9 +51,7 @@ use ratelimit_sidecar::metrics::Metrics;
 use ratelimit_sidecar::policy::reload::PolicyHandle;
 use ratelimit_sidecar::policy::{Bounds, LimitKind, Policy, Resolution, MAX_CAPACITY};
 use ratelimit_sidecar::store::memory::MemoryStore;
-use ratelimit_sidecar::store::{
-    BucketStore, Group, NodeId, RequestOutcome, Status, StoreError, Work,
-};
+use ratelimit_sidecar::store::{BucketStore, Call, Decided, Readiness, StoreError};
 use ratelimit_wire::{
     DecideRequest, DecideResponse, ErrorBody, MAX_CALL_DECISIONS, MAX_DECISIONS, MAX_LEASE_ID,
     MAX_NAME_BYTES, MAX_REQUESTS, MAX_RETURNS, MAX_SUBJECT_ENTRIES, MAX_VALUE_BYTES,
@@ -364,7 +362,8 @@ fn fuzz_grpc_check() {
     });
 }
 
-/// A [`MemoryStore`] that counts the calls it gets and the requests it charges.
+/// A [`MemoryStore`] that counts the calls it gets and the requests it charges (answers
+/// admitted: each holds its charges).
 struct Counting {
     inner: MemoryStore,
     applied: AtomicU64,
@@ -372,35 +371,19 @@ struct Counting {
 }
 
 impl BucketStore for Counting {
-    fn node_of(&self, key: &str) -> NodeId {
-        self.inner.node_of(key)
-    }
-
-    async fn apply(
-        &self,
-        node: NodeId,
-        work: Work,
-    ) -> Result<Vec<Vec<RequestOutcome>>, StoreError> {
+    async fn decide(&self, call: Call) -> Vec<Result<Decided, StoreError>> {
         self.applied.fetch_add(1, Ordering::SeqCst);
-        let answer = self.inner.apply(node, work).await;
-        if let Ok(groups) = &answer {
-            let charged = groups
-                .iter()
-                .flatten()
-                .filter(|r| r.status == Status::Charged)
-                .count();
-            self.charged.fetch_add(charged as u64, Ordering::SeqCst);
-        }
-        answer
+        let answers = self.inner.decide(call).await;
+        let charged = answers
+            .iter()
+            .filter(|a| a.as_ref().is_ok_and(|d| d.admitted))
+            .count();
+        self.charged.fetch_add(charged as u64, Ordering::SeqCst);
+        answers
     }
 
-    async fn refund(
-        &self,
-        node: NodeId,
-        group: Group,
-        requests: Vec<usize>,
-    ) -> Result<bool, StoreError> {
-        self.inner.refund(node, group, requests).await
+    async fn readiness(&self) -> Readiness {
+        self.inner.readiness().await
     }
 }
 

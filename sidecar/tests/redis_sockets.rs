@@ -8,7 +8,7 @@ use std::path::Path;
 
 use ratelimit_e2e::sockets::{tcp_options_to, TcpOptions};
 use ratelimit_e2e::{decide_body, free_port, http, Redis, RedisCluster, Sentinel, Sidecar};
-use ratelimit_sidecar::store::connection::REDIS_KEEPALIVE;
+use ratelimit_sidecar::store::redis::connection::REDIS_KEEPALIVE;
 
 fn sidecar(args: &[&str]) -> Sidecar {
     let mut s = Sidecar::spawn(

@@ -11,10 +11,8 @@ use ratelimit_e2e::Redis;
 use ratelimit_regions::{Share, ShareHistory};
 use ratelimit_sidecar::metrics::Metrics;
 use ratelimit_sidecar::regional::record::{self, ShareWrite};
-use ratelimit_sidecar::store::redis_store::StoreOptions;
-use ratelimit_sidecar::store::{
-    BucketLimits, BucketStore, Charge, Group, NodeId, RedisStore, Work,
-};
+use ratelimit_sidecar::store::redis::{NodeId, Nodes, StoreOptions};
+use ratelimit_sidecar::store::{BucketLimits, Charge, Group, RedisStore, Work};
 use serde_json::{json, Value};
 use support::{decision, Sidecar};
 

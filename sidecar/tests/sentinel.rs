@@ -165,7 +165,7 @@ fn store_on(
         ratelimit_sidecar::store::RedisStore::sentinel(
             &[sentinel_url.to_string()],
             MASTER,
-            ratelimit_sidecar::store::redis_store::StoreOptions {
+            ratelimit_sidecar::store::redis::StoreOptions {
                 timeout_ms,
                 ..Default::default()
             },
@@ -193,13 +193,13 @@ fn call(key: &str) -> ratelimit_sidecar::store::Work {
     }
 }
 
-fn the_node() -> ratelimit_sidecar::store::NodeId {
-    ratelimit_sidecar::store::NodeId::primary()
+fn the_node() -> ratelimit_sidecar::store::redis::NodeId {
+    ratelimit_sidecar::store::redis::NodeId::primary()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn callers_without_a_primary_share_one_lookup_and_a_failed_one_backs_off() {
-    use ratelimit_sidecar::store::BucketStore;
+    use ratelimit_sidecar::store::redis::Nodes;
     use std::sync::atomic::Ordering;
     // A hung Sentinel: 50 concurrent callers give up after 50 ms; one lookup (1 s) runs, no
     // queue of 50 lookups behind it.
@@ -234,7 +234,7 @@ async fn callers_without_a_primary_share_one_lookup_and_a_failed_one_backs_off()
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_caller_that_gives_up_does_not_make_the_store_forget_the_primary() {
-    use ratelimit_sidecar::store::BucketStore;
+    use ratelimit_sidecar::store::redis::Nodes;
     let primary = Redis::start();
     let sentinel = Sentinel::start(MASTER, primary.port, 1);
     let store = store_on(&sentinel.url(), 2000);

@@ -30,7 +30,7 @@ use ratelimit_regions::{Share, ShareHistory};
 use crate::keys::{demand_key, share_key};
 use crate::policy::reload::PolicyHandle;
 use crate::policy::{Policy, Regional};
-use crate::store::BucketStore;
+use crate::store::ShareStore;
 
 /// How often the demand counted in memory is added to the region's counters.
 pub const DEMAND_FLUSH: Duration = Duration::from_secs(1);
@@ -113,10 +113,6 @@ impl RegionalShares {
         })
     }
 
-    pub fn region(&self) -> &str {
-        &self.region
-    }
-
     /// The share history to charge `rule`'s buckets under, or why there is none (a lease that
     /// ran out, a rule never read): the request is then answered "unavailable".
     pub fn share_for(&self, rule: &Regional) -> Result<Arc<ShareHistory>, String> {
@@ -160,7 +156,7 @@ impl RegionalShares {
     }
 
     /// Reads the share record of every regional rule of `policy` once (concurrently).
-    pub async fn refresh<S: BucketStore>(&self, store: &S, policy: &Policy) {
+    pub async fn refresh<S: ShareStore>(&self, store: &S, policy: &Policy) {
         let rules = policy.regional_rules();
         futures::future::join_all(rules.iter().map(|r| self.refresh_rule(store, r))).await;
         let current: Vec<RuleId> = rules
@@ -173,10 +169,10 @@ impl RegionalShares {
             .retain(|id, _| current.contains(id));
     }
 
-    async fn refresh_rule<S: BucketStore>(&self, store: &S, rule: &Regional) {
+    async fn refresh_rule<S: ShareStore>(&self, store: &S, rule: &Regional) {
         let key = share_key(&self.key_prefix, &rule.domain, &rule.rule);
         let sent = Instant::now();
-        let read = match store.read_hash(key.clone()).await {
+        let read = match store.read_share_record(key.clone()).await {
             Ok(fields) => record::parse(&fields),
             Err(e) => Err(e.to_string()),
         };
@@ -251,17 +247,12 @@ impl RegionalShares {
 
     /// Adds the demand counted since the last flush to the region's counters; what cannot be
     /// added is kept for the next flush.
-    pub async fn flush_demand<S: BucketStore>(&self, store: &S) {
+    pub async fn flush_demand<S: ShareStore>(&self, store: &S) {
         let counts: Vec<(RuleId, (u64, u64))> =
             self.demand.lock().expect("not poisoned").drain().collect();
         for ((domain, rule), (admitted, rejected)) in counts {
             let key = demand_key(&self.key_prefix, &domain, &rule);
-            let added = store
-                .add_to_hash(
-                    key,
-                    vec![(record::ADMITTED, admitted), (record::REJECTED, rejected)],
-                )
-                .await;
+            let added = store.add_demand(key, admitted, rejected).await;
             if let Err(e) = added {
                 tracing::debug!(%rule, "demand counters not updated, kept for the next flush: {e}");
                 let mut demand = self.demand.lock().expect("not poisoned");
@@ -320,7 +311,7 @@ impl RegionalShares {
 
     /// Starts reading the shares and flushing the demand in the background, for as long as the
     /// returned tasks live.
-    pub fn start<S: BucketStore>(
+    pub fn start<S: ShareStore>(
         self: &Arc<Self>,
         store: Arc<S>,
         policy: Arc<PolicyHandle>,

@@ -16,9 +16,11 @@ use ratelimit_bucket::{lease_ceiling, refill, scaled, wait_ms, whole};
 use ratelimit_wire::Reason;
 
 use super::{
-    BucketLimits, BucketStore, Group, NodeId, Outcome, RequestOutcome, Status, StoreError, Work,
-    SHARE_MARGIN_MS,
+    BucketLimits, BucketOutcome, BucketStore, Decided, Group, Readiness, RequestOutcome,
+    ShareStore, Status, StoreError, Work, SHARE_MARGIN_MS,
 };
+use crate::keys::record_key;
+use crate::regional::record;
 
 /// Lease entries one bucket holds (as the script).
 pub const MAX_LEASES: usize = 64;
@@ -452,8 +454,8 @@ fn replay(recorded: &[Recorded]) -> Vec<RequestOutcome> {
         .collect()
 }
 
-fn outcome(x: &[f64; 8]) -> Outcome {
-    Outcome {
+fn outcome(x: &[f64; 8]) -> BucketOutcome {
+    BucketOutcome {
         allowed: x[0] == 1.0,
         remaining: x[1] as u64,
         retry_after_ms: x[2] as u64,
@@ -467,52 +469,69 @@ fn outcome(x: &[f64; 8]) -> Outcome {
     }
 }
 
+/// One node: a call is one group, recorded under the caller's attempt id (keyed by its first
+/// bucket, as on Redis), decided at once.
 impl BucketStore for MemoryStore {
-    fn node_of(&self, _key: &str) -> NodeId {
-        NodeId::primary()
-    }
-
-    async fn apply(
-        &self,
-        _node: NodeId,
-        work: Work,
-    ) -> Result<Vec<Vec<RequestOutcome>>, StoreError> {
+    async fn decide(&self, call: super::Call) -> Vec<Result<Decided, StoreError>> {
         if let Some(e) = self.fail.lock().expect("not poisoned").clone() {
-            return Err(e);
+            return vec![Err(e); call.requests.len()];
         }
-        Ok(self.run(&work))
+        let first = call.requests.first().and_then(|r| r.first());
+        let record = call
+            .attempt
+            .as_deref()
+            .zip(first)
+            .map(|(attempt, c)| record_key(&c.key, attempt));
+        let groups = if call.requests.is_empty() {
+            Vec::new()
+        } else {
+            vec![Group {
+                record,
+                requests: call.requests,
+            }]
+        };
+        let work = Work {
+            groups,
+            returns: call.returns,
+        };
+        let mut answers = self.run(&work);
+        answers
+            .pop()
+            .unwrap_or_default()
+            .into_iter()
+            .map(|r| Ok(Decided::from(r)))
+            .collect()
     }
 
-    async fn refund(
-        &self,
-        _node: NodeId,
-        group: Group,
-        requests: Vec<usize>,
-    ) -> Result<bool, StoreError> {
-        if let Some(e) = self.fail.lock().expect("not poisoned").clone() {
-            return Err(e);
+    async fn readiness(&self) -> Readiness {
+        Readiness {
+            redis_ok: true,
+            script_loaded: true,
+            ..Readiness::default()
         }
-        Ok(self.refund_now(&group, &requests))
     }
+}
 
-    async fn read_hash(&self, key: String) -> Result<Vec<(String, String)>, StoreError> {
+impl ShareStore for MemoryStore {
+    async fn read_share_record(&self, key: String) -> Result<Vec<(String, String)>, StoreError> {
         if let Some(e) = self.fail.lock().expect("not poisoned").clone() {
             return Err(e);
         }
         Ok(self.hash(&key))
     }
 
-    async fn add_to_hash(
+    async fn add_demand(
         &self,
         key: String,
-        counters: Vec<(&'static str, u64)>,
+        admitted: u64,
+        rejected: u64,
     ) -> Result<(), StoreError> {
         if let Some(e) = self.fail.lock().expect("not poisoned").clone() {
             return Err(e);
         }
         let mut inner = self.inner.lock().expect("not poisoned");
         let fields = inner.hashes.entry(key).or_default();
-        for (name, n) in counters {
+        for (name, n) in [(record::ADMITTED, admitted), (record::REJECTED, rejected)] {
             match fields.iter_mut().find(|(k, _)| k == name) {
                 Some((_, v)) => *v = (v.parse::<u64>().unwrap_or(0) + n).to_string(),
                 None => fields.push((name.to_string(), n.to_string())),

@@ -1,43 +1,29 @@
-//! Where buckets live: the [`BucketStore`] trait the decision logic talks to, and its Redis
-//! implementation that runs the bucket scripts of `lua/` ([`Script`]):
-//! - [`connection`]: how Redis is reached (one node, the primary Sentinel names, a Cluster);
-//! - [`sentinel`]: the Sentinel lookup of the primary;
-//! - [`redis_store`]: the script calls and the readiness check over a connection;
-//! - [`script`]: the scripts, their arguments and replies;
-//! - [`memory`]: the same bucket in Rust, the scripts' reference model.
+//! Where buckets live. The decider hands a [`BucketStore`] one call's requests, each its charges
+//! (all-or-nothing), and lease returns, and gets one answer per request; it never learns where a
+//! bucket is kept. The regional shares are read, and their demand counted, through a
+//! [`ShareStore`]. One implementation per folder or file:
+//! - [`redis`]: the bucket scripts of `lua/` ([`Script`]) in Redis (one node, the primary Sentinel
+//!   names, a Cluster), with the placement of requests on Cluster nodes and the compensation
+//!   across them;
+//! - [`memory`]: the same bucket in Rust, in memory, as one node: the script's reference model,
+//!   and the store of unit tests.
 //!
-//! The scripts are embedded from `lua/` and called by EVALSHA; a NOSCRIPT answer (a restarted
-//! node, a failover, a new Cluster primary) is healed by an EVAL of the same call, which also
-//! caches the script on that node. No NOSCRIPT ever reaches a caller. Every call is bounded by
-//! `--redis-timeout-ms`; a script call whose outcome is unknown (timeout) is never retried here.
+//! The script's own types ([`Work`], [`Group`], [`Charge`], [`BucketLimits`], [`Return`],
+//! [`RequestOutcome`]) are its calling convention ([`script`]), which both implementations follow.
 
-pub mod batch;
-pub mod connection;
 pub mod memory;
-pub mod redis_store;
+pub mod redis;
 pub mod script;
-pub mod sentinel;
 
 use std::future::Future;
 use std::sync::Arc;
 
+use ::redis::{ErrorKind, RedisError, ServerErrorKind};
 use ratelimit_regions::ShareHistory;
 use ratelimit_wire::Reason;
-use redis::{ErrorKind, RedisError, ServerErrorKind};
 
-pub use redis_store::RedisStore;
+pub use self::redis::RedisStore;
 pub use script::Script;
-
-/// A Redis node, as calls are grouped: the primary's address on a Cluster (or `slot:<n>` while
-/// the slot map is unknown), `primary` otherwise.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct NodeId(pub Arc<str>);
-
-impl NodeId {
-    pub fn primary() -> NodeId {
-        NodeId(Arc::from("primary"))
-    }
-}
 
 /// How far the script widens the look-back of a regional share, in milliseconds: the share history
 /// is stamped by the clock of the node that holds the share record, a bucket's time by the clock
@@ -64,6 +50,21 @@ impl BucketLimits {
             capacity,
             refill_per_sec,
             share: None,
+        }
+    }
+
+    /// The capacity and refill in force now: the whole limit, or for a regional limit this
+    /// region's part under the share in force, rounded down as the script does.
+    pub fn in_force(&self) -> (u64, f64) {
+        match self.share.as_ref().map(|h| h.current()) {
+            None => (self.capacity, self.refill_per_sec),
+            Some(s) => {
+                let ppm = f64::from(s.ppm());
+                (
+                    (self.capacity as f64 * ppm / 1_000_000.0).floor() as u64,
+                    (self.refill_per_sec * ppm).floor() / 1_000_000.0,
+                )
+            }
         }
     }
 }
@@ -114,7 +115,7 @@ pub struct Work {
 
 /// One decision's answer from the bucket.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Outcome {
+pub struct BucketOutcome {
     /// The bucket held `cost` tokens (it may still be uncharged: all-or-nothing).
     pub allowed: bool,
     pub remaining: u64,
@@ -141,7 +142,7 @@ pub enum Status {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RequestOutcome {
     pub status: Status,
-    pub decisions: Vec<Outcome>,
+    pub decisions: Vec<BucketOutcome>,
 }
 
 impl RequestOutcome {
@@ -194,62 +195,68 @@ pub(crate) fn is_script_failure(e: &RedisError) -> bool {
                 .any(|m| detail.contains(m)))
 }
 
-/// Where buckets live.
-pub trait BucketStore: Send + Sync + 'static {
-    /// The node a bucket key lives on: work is sent per node.
-    fn node_of(&self, key: &str) -> NodeId;
+/// One caller's call as a store takes it.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Call {
+    /// The caller's attempt id: a repeat of the call within `--attempt-ttl-ms` is answered as the
+    /// first one was and charges nothing.
+    pub attempt: Option<String>,
+    /// The requests, each its charges (at least one), each all-or-nothing.
+    pub requests: Vec<Vec<Charge>>,
+    /// Unused lease tokens given back.
+    pub returns: Vec<Return>,
+}
 
-    /// Decides `work` (all of it on `node`): one outcome per group, in order.
-    fn apply(
-        &self,
-        node: NodeId,
-        work: Work,
-    ) -> impl Future<Output = Result<Vec<Vec<RequestOutcome>>, StoreError>> + Send;
+/// One request's answer from a store.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Decided {
+    /// Every charge that may reject (not a shadow one) found its tokens, and the request holds
+    /// them: charged now, or by the first call of its attempt and not given back since.
+    pub admitted: bool,
+    /// One per charge, in order: what its bucket answered, or `None` when it answered nothing (on
+    /// a Cluster, its node failed while another node rejected the request).
+    pub decisions: Vec<Option<BucketOutcome>>,
+}
 
-    /// Gives back what the listed requests (indices into `group.requests`) of a group applied
-    /// before charged, by its record (idempotent). `group` is the group as it was applied.
-    fn refund(
-        &self,
-        node: NodeId,
-        group: Group,
-        requests: Vec<usize>,
-    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
-
-    /// Reads the topology again now (a Cluster's slot map), after a node refused a key.
-    fn refresh_topology(&self) -> impl Future<Output = ()> + Send {
-        async {}
-    }
-
-    /// The fields of a hash (a regional rule's share record, `crate::regional`), empty when
-    /// the key is missing; bounded like every call.
-    fn read_hash(
-        &self,
-        key: String,
-    ) -> impl Future<Output = Result<Vec<(String, String)>, StoreError>> + Send {
-        let _ = key;
-        async { Ok(Vec::new()) }
-    }
-
-    /// Adds to counters of a hash (a regional rule's demand counters).
-    fn add_to_hash(
-        &self,
-        key: String,
-        counters: Vec<(&'static str, u64)>,
-    ) -> impl Future<Output = Result<(), StoreError>> + Send {
-        let _ = (key, counters);
-        async { Ok(()) }
-    }
-
-    /// Whether the store can decide (for `/readyz`).
-    fn readiness(&self) -> impl Future<Output = Readiness> + Send {
-        async {
-            Readiness {
-                redis_ok: true,
-                script_loaded: true,
-                ..Readiness::default()
-            }
+impl From<RequestOutcome> for Decided {
+    /// A request decided in one script call.
+    fn from(r: RequestOutcome) -> Decided {
+        Decided {
+            admitted: r.charged(),
+            decisions: r.decisions.into_iter().map(Some).collect(),
         }
     }
+}
+
+/// Where buckets live.
+pub trait BucketStore: Send + Sync + 'static {
+    /// Decides every request of `call`, each all-or-nothing, and gives its lease returns back:
+    /// one answer per request, in order. An error is that request's own: the others may still be
+    /// decided. A rejected request keeps no tokens, and its figures (`remaining`, `reset_ms`) are
+    /// its buckets' without it.
+    fn decide(&self, call: Call) -> impl Future<Output = Vec<Result<Decided, StoreError>>> + Send;
+
+    /// Whether the store can decide (for `/readyz`).
+    fn readiness(&self) -> impl Future<Output = Readiness> + Send;
+}
+
+/// Where this region's shares of the regional rules live ([`crate::regional`]): each rule's share
+/// record, read under a lease, and its demand counters, added to.
+pub trait ShareStore: Send + Sync + 'static {
+    /// The fields of the share record at `key` ([`crate::regional::record`]), none when the key
+    /// is missing; bounded like every call.
+    fn read_share_record(
+        &self,
+        key: String,
+    ) -> impl Future<Output = Result<Vec<(String, String)>, StoreError>> + Send;
+
+    /// Adds `admitted` and `rejected` tokens to the demand counters at `key`.
+    fn add_demand(
+        &self,
+        key: String,
+        admitted: u64,
+        rejected: u64,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
 }
 
 /// What `/readyz` reports.
@@ -292,7 +299,7 @@ mod tests {
     #[test]
     fn script_failures_are_told_from_outages() {
         let ext = |code: &str, detail: &str| {
-            redis::make_extension_error(code.to_string(), Some(detail.to_string()))
+            ::redis::make_extension_error(code.to_string(), Some(detail.to_string()))
         };
         assert!(is_script_failure(&ext(
             "WRONGTYPE",

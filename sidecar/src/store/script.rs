@@ -9,8 +9,10 @@ use std::sync::{Arc, LazyLock};
 use ratelimit_wire::Reason;
 use redis::{Cmd, Value};
 
-use super::redis_store::StoreOptions;
-use super::{BucketLimits, Outcome, RequestOutcome, Status, StoreError, Work, SHARE_MARGIN_MS};
+use super::redis::StoreOptions;
+use super::{
+    BucketLimits, BucketOutcome, RequestOutcome, Status, StoreError, Work, SHARE_MARGIN_MS,
+};
 
 /// A bucket script: `lua/bucket.lua` (the bucket function, the arguments, the reads and writes)
 /// followed by its mode's file, one source of truth in `lua/`.
@@ -258,7 +260,7 @@ pub(crate) fn parse_apply(
                     other => return Err(bad(format!("reason code {other}"))),
                 };
                 let leased = next()?;
-                decisions.push(Outcome {
+                decisions.push(BucketOutcome {
                     allowed,
                     remaining,
                     retry_after_ms,

@@ -22,7 +22,7 @@ use std::time::Instant;
 
 use tokio::sync::{mpsc, oneshot, Semaphore};
 
-use super::{RequestOutcome, StoreError, Work};
+use crate::store::{RequestOutcome, StoreError, Work};
 
 /// The answer to one piece of work: one outcome list per group.
 pub type Answer = Result<Vec<Vec<RequestOutcome>>, StoreError>;
@@ -167,8 +167,8 @@ mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::time::Duration;
 
-    use super::super::{BucketLimits, Charge, Group, Status};
     use super::*;
+    use crate::store::{BucketLimits, BucketOutcome, Charge, Group, Status};
 
     fn work(key: &str) -> Work {
         Work {
@@ -208,7 +208,7 @@ mod tests {
                             .map(|g| {
                                 vec![RequestOutcome {
                                     status: Status::Charged,
-                                    decisions: vec![super::super::Outcome {
+                                    decisions: vec![BucketOutcome {
                                         allowed: true,
                                         remaining: g.requests[0][0].key.len() as u64,
                                         retry_after_ms: 0,

@@ -1,12 +1,33 @@
-//! The Redis store: the bucket script's calls over a [`Connection`], batched per node
-//! ([`super::batch`]), and the readiness check.
+//! The Redis store: the bucket script run in Redis, over a [`Connection`] to one node, the
+//! primary Sentinel names, or a Cluster ([`sentinel`]: how the primary is found). A call's way
+//! through it (`decide_on`):
+//! - `placement`: each request's charges grouped by the node that holds their buckets, a
+//!   record key for each group that needs one, and the retry of what a moved slot refused;
+//! - [`batch`]: the work ready for one node merged into one script call, `--redis-pipeline` in
+//!   flight per node at most;
+//! - the script call (its arguments and reply: `super::script`), EVALSHA healed by EVAL;
+//! - `compensation`: each request's parts merged into its answer, and what a rejected request
+//!   charged on other nodes refunded.
+//!
+//! The script is embedded from `lua/` and called by EVALSHA; a NOSCRIPT answer (a restarted node,
+//! a failover, a new Cluster primary) is healed by an EVAL of the same call, which also caches the
+//! script on that node. No NOSCRIPT ever reaches a caller. Every call is bounded by
+//! `--redis-timeout-ms`; a script call whose outcome is unknown (timeout) is never retried here.
 //!
 //! On a Cluster the work is grouped by the node that serves each bucket's slot (from `CLUSTER
 //! SLOTS`, refreshed every few seconds and after a MOVED): one script call per node decides keys
 //! of many slots (the script is flagged `allow-cross-slot-keys`). If the map is stale the call
 //! fails before writing anything (`MOVED`, or the script's read of a key this node does not
-//! serve), the map is refreshed, and the caller may regroup and retry. Until the map is known,
-//! work is grouped by slot.
+//! serve), the map is refreshed, and the work is regrouped and sent once more. Until the map is
+//! known, work is grouped by slot.
+
+pub mod batch;
+mod compensation;
+pub mod connection;
+mod placement;
+pub mod sentinel;
+#[cfg(test)]
+mod two_nodes;
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -18,15 +39,66 @@ use arc_swap::ArcSwap;
 use redis::cluster_routing::ResponsePolicy;
 use redis::{Cmd, ErrorKind, RedisError, ServerErrorKind, Value};
 
-use super::batch::Batcher;
-use super::connection::{stall_limit, Connection};
+use self::batch::Batcher;
+use self::connection::{stall_limit, Connection};
 use super::script::{parse_apply, Script, ScriptArgs};
 use super::{
-    eviction_warning, is_script_failure, BucketStore, Group, NodeId, Readiness, RequestOutcome,
-    StoreError, Work,
+    eviction_warning, is_script_failure, BucketStore, Call, Decided, Group, Readiness,
+    RequestOutcome, ShareStore, StoreError, Work,
 };
 use crate::keys::cluster_slot;
 use crate::metrics::Metrics;
+use crate::regional::record;
+
+/// A Redis node, as calls are grouped: the primary's address on a Cluster (or `slot:<n>` while
+/// the slot map is unknown), `primary` otherwise.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct NodeId(pub Arc<str>);
+
+impl NodeId {
+    pub fn primary() -> NodeId {
+        NodeId(Arc::from("primary"))
+    }
+}
+
+/// The nodes a call is placed on, as `placement` and `compensation` use them: which node
+/// holds a key, and the bucket script's calls on one node. [`RedisStore`] is one (the tests'
+/// two-node fake another).
+pub trait Nodes: Send + Sync + 'static {
+    /// The node a bucket key lives on: work is sent per node.
+    fn node_of(&self, key: &str) -> NodeId;
+
+    /// Decides `work` (all of it on `node`): one outcome per group, in order.
+    fn apply(
+        &self,
+        node: NodeId,
+        work: Work,
+    ) -> impl Future<Output = Result<Vec<Vec<RequestOutcome>>, StoreError>> + Send;
+
+    /// Gives back what the listed requests (indices into `group.requests`) of a group applied
+    /// before charged, by its record (idempotent). `group` is the group as it was applied.
+    fn refund(
+        &self,
+        node: NodeId,
+        group: Group,
+        requests: Vec<usize>,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+
+    /// Reads the topology again now (a Cluster's slot map), after a node refused a key.
+    fn refresh_topology(&self) -> impl Future<Output = ()> + Send;
+}
+
+/// Decides `call` on the nodes that hold its buckets: placed, sent (what a moved slot refused
+/// once more), and each request's parts merged into its answer.
+async fn decide_on<N: Nodes + Clone>(
+    nodes: &N,
+    metrics: &Arc<Metrics>,
+    call: Call,
+) -> Vec<Result<Decided, StoreError>> {
+    let placed = placement::place(nodes, call);
+    let (groups, results) = placement::send(nodes, placed.groups, placed.returns).await;
+    compensation::answer(nodes, metrics, groups, &placed.placements, results)
+}
 
 /// How the store calls Redis.
 #[derive(Debug, Clone, Copy)]
@@ -277,8 +349,8 @@ impl RedisStore {
 
     /// One script call in "apply" mode for `work`, as the node's batcher makes it. Bounded by
     /// [`stall_limit`], not by `--redis-timeout-ms`: the callers are answered at their deadline
-    /// by [`BucketStore::apply`], while the call keeps its pipeline slot until Redis answers it,
-    /// so a stalled Redis is sent at most `--redis-pipeline` calls (see [`super::batch`]).
+    /// by [`Nodes::apply`], while the call keeps its pipeline slot until Redis answers it,
+    /// so a stalled Redis is sent at most `--redis-pipeline` calls (see [`batch`]).
     async fn call(&self, work: Work) -> Result<Vec<Vec<RequestOutcome>>, StoreError> {
         let args = ScriptArgs::build(
             Script::Apply,
@@ -377,6 +449,16 @@ impl RedisStore {
 }
 
 impl BucketStore for RedisStore {
+    async fn decide(&self, call: Call) -> Vec<Result<Decided, StoreError>> {
+        decide_on(self, &self.inner.metrics, call).await
+    }
+
+    async fn readiness(&self) -> Readiness {
+        self.check_readiness().await
+    }
+}
+
+impl Nodes for RedisStore {
     fn node_of(&self, key: &str) -> NodeId {
         if !self.inner.connection.is_cluster() {
             return NodeId::primary();
@@ -408,36 +490,10 @@ impl BucketStore for RedisStore {
         }
     }
 
-    async fn readiness(&self) -> Readiness {
-        self.check_readiness().await
-    }
-
     async fn refresh_topology(&self) {
         if self.inner.connection.is_cluster() {
             self.load_slot_map().await;
         }
-    }
-
-    async fn read_hash(&self, key: String) -> Result<Vec<(String, String)>, StoreError> {
-        let mut cmd = redis::cmd("HGETALL");
-        cmd.arg(&key);
-        let v = self.bounded(self.query(cmd)).await?;
-        redis::from_redis_value::<std::collections::BTreeMap<String, String>>(v)
-            .map(|m| m.into_iter().collect())
-            .map_err(|e| StoreError::Reply(format!("HGETALL {key}: {e}")))
-    }
-
-    async fn add_to_hash(
-        &self,
-        key: String,
-        counters: Vec<(&'static str, u64)>,
-    ) -> Result<(), StoreError> {
-        for (field, n) in counters.into_iter().filter(|(_, n)| *n > 0) {
-            let mut cmd = redis::cmd("HINCRBY");
-            cmd.arg(&key).arg(field).arg(n);
-            self.bounded(self.query(cmd)).await?;
-        }
-        Ok(())
     }
 
     async fn refund(
@@ -462,6 +518,32 @@ impl BucketStore for RedisStore {
             Value::Array(v) if v.len() == 1 => Ok(matches!(v[0], Value::Int(1))),
             other => Err(StoreError::Reply(format!("refund reply {other:?}"))),
         }
+    }
+}
+
+impl ShareStore for RedisStore {
+    async fn read_share_record(&self, key: String) -> Result<Vec<(String, String)>, StoreError> {
+        let mut cmd = redis::cmd("HGETALL");
+        cmd.arg(&key);
+        let v = self.bounded(self.query(cmd)).await?;
+        redis::from_redis_value::<std::collections::BTreeMap<String, String>>(v)
+            .map(|m| m.into_iter().collect())
+            .map_err(|e| StoreError::Reply(format!("HGETALL {key}: {e}")))
+    }
+
+    async fn add_demand(
+        &self,
+        key: String,
+        admitted: u64,
+        rejected: u64,
+    ) -> Result<(), StoreError> {
+        let counters = [(record::ADMITTED, admitted), (record::REJECTED, rejected)];
+        for (field, n) in counters.into_iter().filter(|(_, n)| *n > 0) {
+            let mut cmd = redis::cmd("HINCRBY");
+            cmd.arg(&key).arg(field).arg(n);
+            self.bounded(self.query(cmd)).await?;
+        }
+        Ok(())
     }
 }
 

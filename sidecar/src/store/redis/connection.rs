@@ -22,9 +22,9 @@ use redis::{
 };
 
 use super::sentinel::{LookupState, SentinelPrimary};
-use super::StoreError;
 use crate::config::{Args, Secret};
 use crate::listener::{read_certificates, read_private_key, TlsConfigError};
+use crate::store::StoreError;
 
 /// How long the sidecar waits on Redis past a caller's deadline before it gives a connection up
 /// for dead: to make a connection (Redis accepts, TLS, `AUTH`, `CLIENT SETINFO`), and, on one

@@ -1,0 +1,704 @@
+//! The decision: validate a call ([`validate`]), resolve each decision's limit in the policy
+//! (`plan.rs`), hand the store ([`BucketStore`]) the requests with something to charge, and answer
+//! each request from the store's outcomes (`answer.rs`). The decider never learns where a bucket
+//! is kept: placing requests on Redis nodes, and keeping a request all-or-nothing across them, is
+//! the store's (`crate::store::redis`).
+//!
+//! A call carries many requests (the filter coalesces them); each is all-or-nothing on its own.
+//! A request the store could not decide is answered with the store's error (unavailable, or the
+//! script failed); a decision whose bucket answered nothing is answered `allowed: false`,
+//! `reason: ok`, with no figures.
+//!
+//! The whole decision runs in a task of its own (see [`crate::http`]), so a caller that hangs up
+//! cancels neither the store's calls in flight nor the refunds that follow them.
+
+mod answer;
+mod plan;
+mod validate;
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+
+use ratelimit_wire::{DecideRequest, DecideResponse, LeaseAsk, RequestAnswer};
+
+use self::answer::{error_answer, from_store, Tally};
+use self::plan::{blocked, charge, Plan};
+use crate::metrics::Metrics;
+use crate::policy::own_format::RULE_KEY;
+use crate::policy::reload::PolicyHandle;
+use crate::regional::RegionalShares;
+use crate::store::{BucketStore, Call, Charge, Decided, Readiness, StoreError};
+
+pub use validate::{parse_request, validate, DecideError, MAX_ERROR_BYTES, MAX_LEASE_TTL_MS};
+
+/// Descriptor entries: (key, value), a `None` value being an unknown subject.
+pub type Entries = Vec<(String, Option<String>)>;
+
+/// One decision in the generic form both APIs share: descriptor entries, a cost, a lease ask.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Item {
+    pub entries: Entries,
+    pub cost: u64,
+    pub lease: Option<LeaseAsk>,
+}
+
+/// Unused lease tokens given back, in the generic form.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReturnItem {
+    pub entries: Entries,
+    pub lease_id: u64,
+    pub tokens: u64,
+}
+
+/// Who asks: the wasm filter names rules (a rule the policy lacks is a configuration error), Envoy's
+/// rate limit API sends descriptors (one that matches no limit is simply not limited).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Caller {
+    Filter,
+    RateLimitService,
+}
+
+/// Runs decisions against a [`BucketStore`] under the policy in force.
+pub struct Decider<S> {
+    store: Arc<S>,
+    policy: Arc<PolicyHandle>,
+    key_prefix: String,
+    metrics: Arc<Metrics>,
+    /// Unknown (domain, rule) pairs already logged, so a misconfigured gateway does not flood the
+    /// log (bounded; every occurrence is still counted).
+    logged_unknown: Mutex<HashSet<(String, String)>>,
+    /// This region's shares of the regional rules (with `--region`).
+    regional: Option<Arc<RegionalShares>>,
+}
+
+impl<S: BucketStore> Decider<S> {
+    pub fn new(
+        store: Arc<S>,
+        policy: Arc<PolicyHandle>,
+        key_prefix: impl Into<String>,
+        metrics: Arc<Metrics>,
+    ) -> Self {
+        Self {
+            store,
+            policy,
+            key_prefix: key_prefix.into(),
+            metrics,
+            logged_unknown: Mutex::new(HashSet::new()),
+            regional: None,
+        }
+    }
+
+    /// Decides regional rules under `shares` (this sidecar's region).
+    pub fn with_regional(mut self, shares: Arc<RegionalShares>) -> Self {
+        self.regional = Some(shares);
+        self
+    }
+
+    /// What `/readyz` reports: the store's readiness, and with regional rules the shares this
+    /// region applies (not ready until each was read once).
+    pub async fn readiness(&self) -> Readiness {
+        let mut r = self.store.readiness().await;
+        if let Some(shares) = &self.regional {
+            let policy = self.policy.current();
+            if !shares.all_read(&policy) {
+                r.error.get_or_insert_with(|| {
+                    "the regional shares have not all been read yet".to_string()
+                });
+                r.redis_ok = false;
+            }
+            r.regional_shares = Some(shares.status(&policy));
+        }
+        r
+    }
+
+    /// Decides a call that [`validate`] accepted ([`parse_request`] validates).
+    pub async fn decide(&self, call: DecideRequest) -> DecideResponse {
+        let requests: Vec<Vec<Item>> = call
+            .requests
+            .into_iter()
+            .map(|r| {
+                r.decisions
+                    .into_iter()
+                    .map(|d| Item {
+                        entries: rule_entries(d.rule, d.subject),
+                        cost: d.cost,
+                        lease: d.lease,
+                    })
+                    .collect()
+            })
+            .collect();
+        let returns: Vec<ReturnItem> = call
+            .returns
+            .into_iter()
+            .map(|r| ReturnItem {
+                entries: rule_entries(r.rule, r.subject),
+                lease_id: r.id,
+                tokens: r.tokens,
+            })
+            .collect();
+        let answers = self
+            .run(
+                &call.domain,
+                call.attempt.as_deref(),
+                requests,
+                returns,
+                Caller::Filter,
+            )
+            .await;
+        DecideResponse { answers }
+    }
+
+    /// Decides requests of generic items (both APIs end here).
+    pub async fn run(
+        &self,
+        domain: &str,
+        attempt: Option<&str>,
+        requests: Vec<Vec<Item>>,
+        returns: Vec<ReturnItem>,
+        caller: Caller,
+    ) -> Vec<RequestAnswer> {
+        let policy = self.policy.current().clone();
+        let mut answers: Vec<Option<RequestAnswer>> = vec![None; requests.len()];
+        let mut plans: Vec<Vec<Plan>> = Vec::with_capacity(requests.len());
+        for (r, items) in requests.iter().enumerate() {
+            match self.plan(&policy, domain, items, caller) {
+                Ok(p) => plans.push(p),
+                Err(e) => {
+                    answers[r] = Some(error_answer(e));
+                    plans.push(Vec::new());
+                }
+            }
+        }
+        let returns = self.plan_returns(&policy, domain, &returns);
+        drop(policy);
+
+        // The store decides the requests with something to charge; those a blocked limit
+        // rejects, and those with nothing to charge, are answered here.
+        let mut sent: Vec<usize> = Vec::new();
+        let mut charges: Vec<Vec<Charge>> = Vec::new();
+        for (r, plan) in plans.iter().enumerate() {
+            if answers[r].is_some() || blocked(plan) {
+                continue;
+            }
+            let request: Vec<Charge> = plan
+                .iter()
+                .zip(&requests[r])
+                .filter_map(|(p, item)| charge(p, item))
+                .collect();
+            if !request.is_empty() {
+                sent.push(r);
+                charges.push(request);
+            }
+        }
+        let mut decided: Vec<Option<Result<Decided, StoreError>>> =
+            (0..requests.len()).map(|_| None).collect();
+        if !charges.is_empty() || !returns.is_empty() {
+            let call = Call {
+                attempt: attempt.map(str::to_string),
+                requests: charges,
+                returns,
+            };
+            for (r, d) in sent.into_iter().zip(self.store.decide(call).await) {
+                decided[r] = Some(d);
+            }
+        }
+
+        let mut tally = Tally::default();
+        for (r, plan) in plans.iter().enumerate() {
+            if answers[r].is_some() {
+                continue;
+            }
+            answers[r] = Some(match decided[r].take() {
+                Some(Err(e)) => error_answer(from_store(&e)),
+                Some(Ok(d)) => self.answer(&mut tally, plan, &requests[r], d),
+                // Rejected by a blocked limit, or nothing to charge.
+                None => self.answer(
+                    &mut tally,
+                    plan,
+                    &requests[r],
+                    Decided {
+                        admitted: !blocked(plan),
+                        decisions: Vec::new(),
+                    },
+                ),
+            });
+        }
+        tally.add_to(&self.metrics);
+        answers
+            .into_iter()
+            .map(|a| a.expect("every request answered"))
+            .collect()
+    }
+}
+
+/// The entries of a filter decision: `rule=<name>`, then the subject.
+fn rule_entries(rule: String, subject: ratelimit_wire::Subject) -> Entries {
+    let mut entries = Vec::with_capacity(1 + subject.0.len());
+    entries.push((RULE_KEY.to_string(), Some(rule)));
+    entries.extend(subject.0);
+    entries
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use ratelimit_wire::{
+        AppliedLimit, Decision, DecisionResult, ErrorCode, Reason, RequestDecisions, Subject,
+    };
+
+    use super::*;
+    use crate::policy::{Bounds, Policy};
+    use crate::store::memory::MemoryStore;
+    use crate::store::BucketOutcome;
+
+    const T0: u64 = 1_700_000_000_000_000;
+
+    const POLICY: &str = r#"
+rules:
+  per-app:
+    capacity: 5
+    refill_per_sec: 1
+    overrides:
+      - when: {app: vip}
+        unlimited: true
+      - when: {app: banned}
+        blocked: true
+  per-ip: {capacity: 2, refill_per_sec: 1}
+  trial: {capacity: 1, refill_per_sec: 1, shadow_mode: true}
+"#;
+
+    fn policy(metrics: &Arc<Metrics>) -> Arc<PolicyHandle> {
+        let p = Policy::from_sources(&[("limits.yaml".into(), POLICY.into())], &Bounds::default())
+            .unwrap();
+        PolicyHandle::fixed(p, metrics.clone())
+    }
+
+    fn decision(rule: &str, dims: &[(&str, Option<&str>)]) -> Decision {
+        let mut subject = Subject::new();
+        for (k, v) in dims {
+            subject.push(*k, v.map(String::from));
+        }
+        Decision {
+            rule: rule.into(),
+            subject,
+            cost: 1,
+            lease: None,
+        }
+    }
+
+    fn call(requests: Vec<Vec<Decision>>) -> DecideRequest {
+        DecideRequest {
+            domain: "ratelimit".into(),
+            attempt: None,
+            requests: requests
+                .into_iter()
+                .map(|decisions| RequestDecisions { decisions })
+                .collect(),
+            returns: Vec::new(),
+        }
+    }
+
+    fn decider<S: BucketStore>(store: Arc<S>) -> (Decider<S>, Arc<Metrics>) {
+        let metrics = Arc::new(Metrics::new());
+        (
+            Decider::new(store, policy(&metrics), "rl:", metrics.clone()),
+            metrics,
+        )
+    }
+
+    #[tokio::test]
+    async fn a_bucket_admits_its_capacity_and_answers_with_the_limit_it_applied() {
+        let store = Arc::new(MemoryStore::new(T0, 0.1, 10_000));
+        let (d, _) = decider(store);
+        for i in 0..5 {
+            let a = d
+                .decide(call(vec![vec![decision("per-app", &[("app", Some("a"))])]]))
+                .await;
+            assert!(a.answers[0].allowed, "request {i}");
+            let r = &a.answers[0].results[0];
+            assert_eq!(r.remaining, 4 - i);
+            assert_eq!(
+                r.limit,
+                Some(AppliedLimit {
+                    name: "per-app".into(),
+                    capacity: 5,
+                    refill_per_sec: 1.0
+                })
+            );
+        }
+        let a = d
+            .decide(call(vec![vec![decision("per-app", &[("app", Some("a"))])]]))
+            .await;
+        assert!(!a.answers[0].allowed);
+        assert_eq!(a.answers[0].results[0].reason, Reason::Insufficient);
+        assert_eq!(a.answers[0].results[0].retry_after_ms, 1000);
+    }
+
+    #[tokio::test]
+    async fn requests_of_one_call_are_decided_in_order_each_all_or_nothing() {
+        let store = Arc::new(MemoryStore::new(T0, 0.1, 10_000));
+        let (d, metrics) = decider(store.clone());
+        let both = || {
+            vec![
+                decision("per-app", &[("app", Some("a"))]),
+                decision("per-ip", &[("ip", Some("1.2.3.4"))]),
+            ]
+        };
+        let a = d.decide(call(vec![both(), both(), both()])).await;
+        let allowed: Vec<bool> = a.answers.iter().map(|a| a.allowed).collect();
+        assert_eq!(allowed, [true, true, false], "per-ip holds 2");
+        // The third request's per-app decision could pay but was not charged.
+        assert!(a.answers[2].results[0].allowed);
+        // Counted per limit and verdict once per call, each decision in its count.
+        let text = metrics.encode();
+        for line in [
+            "ratelimit_decisions_total{limit=\"per-app\",verdict=\"allowed\"} 2",
+            "ratelimit_decisions_total{limit=\"per-app\",verdict=\"not_charged\"} 1",
+            "ratelimit_decisions_total{limit=\"per-ip\",verdict=\"allowed\"} 2",
+            "ratelimit_decisions_total{limit=\"per-ip\",verdict=\"rejected\"} 1",
+        ] {
+            assert!(text.contains(line), "{line} not in\n{text}");
+        }
+        assert_eq!(
+            store.stored_tokens("rl:{ratelimit|rule=per-app|app=a}"),
+            Some(3.0)
+        );
+    }
+
+    #[tokio::test]
+    async fn overrides_unknown_rules_and_shadow_mode() {
+        let store = Arc::new(MemoryStore::new(T0, 0.1, 10_000));
+        let (d, metrics) = decider(store.clone());
+        let a = d
+            .decide(call(vec![
+                vec![decision("per-app", &[("app", Some("vip"))])],
+                vec![decision("per-app", &[("app", Some("banned"))])],
+                vec![decision("nope", &[])],
+                vec![decision("trial", &[]), decision("trial", &[])],
+            ]))
+            .await;
+        assert!(a.answers[0].allowed);
+        assert_eq!(a.answers[0].results[0].reason, Reason::Unlimited);
+        assert!(!a.answers[1].allowed);
+        assert_eq!(a.answers[1].results[0].reason, Reason::Blocked);
+        let e = a.answers[2].error.as_ref().expect("unknown rule");
+        assert_eq!(e.code, ErrorCode::UnknownRule);
+        assert!(e.message.contains("\"nope\""), "{}", e.message);
+        // Shadow mode: the second decision finds the bucket empty but does not reject.
+        assert!(a.answers[3].allowed);
+        assert!(a.answers[3].results[1].shadow);
+        assert_eq!(a.answers[3].results[1].reason, Reason::Insufficient);
+        assert_eq!(
+            store.stored_tokens("rl:{ratelimit|rule=per-app|app=vip}"),
+            None
+        );
+        let text = metrics.encode();
+        assert!(text.contains("ratelimit_unknown_rule_total 1"), "{text}");
+        assert!(
+            text.contains(
+                "ratelimit_decisions_total{limit=\"trial\",verdict=\"shadow_rejected\"} 1"
+            ),
+            "{text}"
+        );
+    }
+
+    #[tokio::test]
+    async fn unknown_subjects_share_one_bucket() {
+        let store = Arc::new(MemoryStore::new(T0, 0.1, 10_000));
+        let (d, _) = decider(store.clone());
+        for _ in 0..2 {
+            let a = d
+                .decide(call(vec![vec![decision("per-ip", &[("ip", None)])]]))
+                .await;
+            assert!(a.answers[0].allowed);
+        }
+        let a = d
+            .decide(call(vec![vec![decision("per-ip", &[("ip", None)])]]))
+            .await;
+        assert!(!a.answers[0].allowed);
+        assert_eq!(
+            store.stored_tokens("rl:{ratelimit|rule=per-ip|ip~}"),
+            Some(0.0)
+        );
+    }
+
+    /// A store that answers each call with the answers it was given, in order, and counts its
+    /// calls.
+    struct Answering {
+        answers: Vec<Result<Decided, StoreError>>,
+        calls: AtomicUsize,
+    }
+
+    impl Answering {
+        fn new(answers: Vec<Result<Decided, StoreError>>) -> Self {
+            Answering {
+                answers,
+                calls: AtomicUsize::new(0),
+            }
+        }
+    }
+
+    impl BucketStore for Answering {
+        async fn decide(&self, call: Call) -> Vec<Result<Decided, StoreError>> {
+            self.calls.fetch_add(1, Ordering::SeqCst);
+            self.answers
+                .iter()
+                .take(call.requests.len())
+                .cloned()
+                .collect()
+        }
+
+        async fn readiness(&self) -> Readiness {
+            Readiness::default()
+        }
+    }
+
+    fn outcome(allowed: bool, remaining: u64, reason: Reason) -> BucketOutcome {
+        BucketOutcome {
+            allowed,
+            remaining,
+            retry_after_ms: if allowed { 0 } else { 1000 },
+            reset_ms: 1000,
+            reason,
+            leased: 0,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_store_error_answers_its_request_alone_and_a_bucket_that_answered_nothing_has_no_figures(
+    ) {
+        let store = Arc::new(Answering::new(vec![
+            Err(StoreError::Timeout { timeout_ms: 5 }),
+            Err(StoreError::Script("WRONGTYPE".into())),
+            Ok(Decided {
+                admitted: false,
+                decisions: vec![Some(outcome(false, 0, Reason::Insufficient)), None],
+            }),
+        ]));
+        let (d, metrics) = decider(store.clone());
+        let both = || {
+            vec![
+                decision("per-app", &[("app", Some("a"))]),
+                decision("per-ip", &[("ip", Some("1.2.3.4"))]),
+            ]
+        };
+        let a = d.decide(call(vec![both(), both(), both()])).await;
+        assert_eq!(
+            store.calls.load(Ordering::SeqCst),
+            1,
+            "one call for the call"
+        );
+        let code = |i: usize| a.answers[i].error.as_ref().map(|e| e.code);
+        assert_eq!(code(0), Some(ErrorCode::Unavailable));
+        assert_eq!(code(1), Some(ErrorCode::ScriptFailed));
+        assert_eq!(code(2), None, "rejected, not failed");
+        let rejected = &a.answers[2];
+        assert!(!rejected.allowed);
+        assert_eq!(rejected.results[0].reason, Reason::Insufficient);
+        assert_eq!(rejected.results[0].retry_after_ms, 1000);
+        // The per-ip bucket answered nothing: not allowed, no figures, the limit named.
+        assert_eq!(
+            rejected.results[1],
+            DecisionResult {
+                allowed: false,
+                remaining: 0,
+                retry_after_ms: 0,
+                reset_ms: 0,
+                reason: Reason::Ok,
+                limit: Some(AppliedLimit {
+                    name: "per-ip".into(),
+                    capacity: 2,
+                    refill_per_sec: 1.0
+                }),
+                shadow: false,
+                leased: 0,
+            }
+        );
+        // Counted: the decision the bucket rejected, not the one that answered nothing.
+        let text = metrics.encode();
+        assert!(
+            text.contains("ratelimit_decisions_total{limit=\"per-app\",verdict=\"rejected\"} 1"),
+            "{text}"
+        );
+        assert!(!text.contains("limit=\"per-ip\""), "{text}");
+    }
+
+    #[tokio::test]
+    async fn requests_with_nothing_to_charge_are_answered_without_the_store() {
+        // A store that fails everything it is asked.
+        let store = Arc::new(Answering::new(vec![
+            Err(StoreError::Redis("down".into()));
+            4
+        ]));
+        let (d, _) = decider(store.clone());
+        let a = d
+            .decide(call(vec![
+                // A blocked limit rejects the request before anything is sent: its other
+                // decision is not charged, and the failing store does not make it an error.
+                vec![
+                    decision("per-app", &[("app", Some("banned"))]),
+                    decision("per-ip", &[("ip", Some("1.2.3.4"))]),
+                ],
+                vec![decision("per-app", &[("app", Some("vip"))])],
+                vec![decision("nope", &[])],
+            ]))
+            .await;
+        assert_eq!(store.calls.load(Ordering::SeqCst), 0, "nothing to charge");
+        assert!(!a.answers[0].allowed);
+        assert!(a.answers[0].error.is_none());
+        assert_eq!(a.answers[0].results[0].reason, Reason::Blocked);
+        assert_eq!(a.answers[0].results[1].reason, Reason::Ok, "no figures");
+        assert!(a.answers[1].allowed, "unlimited");
+        assert_eq!(
+            a.answers[2].error.as_ref().map(|e| e.code),
+            Some(ErrorCode::UnknownRule)
+        );
+    }
+
+    #[tokio::test]
+    async fn a_repeated_attempt_is_charged_once() {
+        let store = Arc::new(MemoryStore::new(T0, 0.1, 10_000));
+        let (d, _) = decider(store.clone());
+        let mut c = call(vec![vec![decision("per-app", &[("app", Some("a"))])]]);
+        c.attempt = Some("c-1".into());
+        let first = d.decide(c.clone()).await;
+        let again = d.decide(c).await;
+        assert_eq!(first, again);
+        assert_eq!(
+            store.stored_tokens("rl:{ratelimit|rule=per-app|app=a}"),
+            Some(4.0)
+        );
+    }
+
+    #[tokio::test]
+    async fn a_lease_is_granted_and_given_back() {
+        let store = Arc::new(MemoryStore::new(T0, 0.5, 10_000));
+        let (d, _) = decider(store.clone());
+        let mut ask = decision("per-app", &[("app", Some("a"))]);
+        ask.lease = Some(LeaseAsk {
+            id: 9,
+            tokens: 10,
+            ttl_ms: 1000,
+        });
+        let a = d.decide(call(vec![vec![ask]])).await;
+        assert_eq!(a.answers[0].results[0].leased, 2, "half of 5, rounded down");
+        assert_eq!(
+            store.stored_tokens("rl:{ratelimit|rule=per-app|app=a}"),
+            Some(2.0)
+        );
+        let mut give = call(vec![]);
+        give.returns.push(ratelimit_wire::LeaseReturn {
+            rule: "per-app".into(),
+            subject: decision("per-app", &[("app", Some("a"))]).subject,
+            id: 9,
+            tokens: 2,
+        });
+        d.decide(give).await;
+        assert_eq!(
+            store.stored_tokens("rl:{ratelimit|rule=per-app|app=a}"),
+            Some(4.0)
+        );
+    }
+
+    const REGIONAL: &str = r#"
+rules:
+  global:
+    capacity: 100
+    refill_per_sec: 10
+    regions: {eu: 0.3, us: 0.7}
+    overrides:
+      - when: {app: big}
+        capacity: 1000
+        refill_per_sec: 100
+"#;
+
+    /// A decider for region eu of [`REGIONAL`], whose share of `global` is read from `store`.
+    async fn regional_decider(
+        store: Arc<MemoryStore>,
+    ) -> (Decider<MemoryStore>, Arc<RegionalShares>) {
+        let metrics = Arc::new(Metrics::new());
+        let bounds = Bounds {
+            region: crate::policy::RegionScope::Sidecar(Some("eu".into())),
+            ..Bounds::default()
+        };
+        let p = Policy::from_sources(&[("limits.yaml".into(), REGIONAL.into())], &bounds).unwrap();
+        let shares = RegionalShares::new("eu", "rl:", std::time::Duration::ZERO);
+        shares.refresh(&*store, &p).await;
+        let d = Decider::new(
+            store,
+            PolicyHandle::fixed(p, metrics.clone()),
+            "rl:",
+            metrics,
+        )
+        .with_regional(shares.clone());
+        (d, shares)
+    }
+
+    #[tokio::test]
+    async fn a_regional_rule_is_charged_under_this_regions_share() {
+        let store = Arc::new(MemoryStore::new(T0, 0.1, 10_000));
+        let (d, _) = regional_decider(store.clone()).await;
+        let burst = |app: &'static str, n: usize| {
+            call(vec![vec![decision("global", &[("app", Some(app))])]; n])
+        };
+        // No record yet: the policy's initial share, 0.3 of 100.
+        let a = d.decide(burst("a", 40)).await;
+        assert_eq!(a.answers.iter().filter(|a| a.allowed).count(), 30);
+        assert_eq!(
+            a.answers[0].results[0].limit,
+            Some(AppliedLimit {
+                name: "global".into(),
+                capacity: 30,
+                refill_per_sec: 3.0
+            }),
+            "the answer names the region's part"
+        );
+        // An override is scaled alike: 0.3 of 1000.
+        let a = d.decide(burst("big", 400)).await;
+        assert_eq!(a.answers.iter().filter(|a| a.allowed).count(), 300);
+    }
+
+    #[tokio::test]
+    async fn a_share_without_a_lease_answers_unavailable_and_demand_is_counted() {
+        let store = Arc::new(MemoryStore::new(T0, 0.1, 10_000));
+        store.set_hash(
+            "rl:share:{ratelimit|global}",
+            &[
+                ("version", "4"),
+                ("share_ppm", "500000"),
+                ("lease_ms", "30"),
+                ("history", "0:500000"),
+            ],
+        );
+        let (d, shares) = regional_decider(store.clone()).await;
+        let a = d
+            .decide(call(vec![
+                vec![decision("global", &[("app", Some("a"))])];
+                60
+            ]))
+            .await;
+        assert_eq!(
+            a.answers.iter().filter(|a| a.allowed).count(),
+            50,
+            "the record's 0.5"
+        );
+        shares.flush_demand(&*store).await;
+        assert_eq!(
+            crate::regional::record::parse_demand(&store.hash("rl:demand:{ratelimit|global}"))
+                .unwrap(),
+            (50, 10)
+        );
+        std::thread::sleep(std::time::Duration::from_millis(40));
+        let a = d
+            .decide(call(vec![vec![decision("global", &[("app", Some("a"))])]]))
+            .await;
+        let e = a.answers[0].error.as_ref().expect("unavailable");
+        assert_eq!(e.code, ErrorCode::Unavailable);
+        assert!(
+            e.message.contains("past its lease of 30 ms"),
+            "{}",
+            e.message
+        );
+    }
+}

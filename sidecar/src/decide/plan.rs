@@ -1,0 +1,282 @@
+//! Planning: each decision's limit resolved in the policy in force. A decision becomes a bucket
+//! to charge, answered by the store; an unlimited or a blocked limit, answered without the store;
+//! or an unknown rule, a configuration error that fails its request (for the wasm filter; a
+//! descriptor of Envoy's rate limit API that matches no limit is simply not limited). A limit
+//! that another applicable limit `replaces` (envoyproxy/ratelimit's format) does not apply.
+//!
+//! # Regional rules
+//!
+//! A decision of a regional rule (`docs/regions.md`) is charged under this region's share: its
+//! bucket carries the share history this sidecar holds under a lease ([`crate::regional::RegionalShares`]), and
+//! the script takes the bucket under the smallest share since its last decision. Without a valid
+//! lease the request is answered "unavailable" (the gateway's `on_error` decides). The answer's
+//! applied limit is the region's: the rule's numbers scaled by the share in force.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+
+use ratelimit_regions::ShareHistory;
+use ratelimit_wire::{ErrorCode, RequestError};
+
+use super::{Caller, Decider, Item, ReturnItem};
+use crate::keys::bucket_key;
+use crate::policy::own_format::RULE_KEY;
+use crate::policy::{Limit, LimitKind, Policy, Resolution};
+use crate::store::{BucketLimits, Charge, Return};
+
+/// A resolved decision.
+pub(super) enum Plan {
+    /// Charged in the store (under this region's share history, for a regional limit).
+    Charge {
+        limit: Arc<Limit>,
+        key: Arc<str>,
+        bucket: BucketLimits,
+    },
+    /// Answered here: unlimited (or not limited at all, for Envoy's API).
+    Unlimited { limit: Option<Arc<Limit>> },
+    /// Answered here: never admitted.
+    Blocked { limit: Arc<Limit> },
+}
+
+impl<S> Decider<S> {
+    /// Resolves a request's items; an unknown rule (filter) fails the request.
+    pub(super) fn plan(
+        &self,
+        policy: &Policy,
+        domain: &str,
+        items: &[Item],
+        caller: Caller,
+    ) -> Result<Vec<Plan>, RequestError> {
+        let mut plans = Vec::with_capacity(items.len());
+        for item in items {
+            let entries: Vec<(&str, Option<&str>)> = item
+                .entries
+                .iter()
+                .map(|(k, v)| (k.as_str(), v.as_deref()))
+                .collect();
+            let plan = match policy.resolve(domain, &entries) {
+                Resolution::Limit(limit) => {
+                    let limit = limit.clone();
+                    match limit.kind {
+                        LimitKind::Bucket {
+                            capacity,
+                            refill_per_sec,
+                        } => Plan::Charge {
+                            key: Arc::from(bucket_key(&self.key_prefix, domain, &entries)),
+                            bucket: BucketLimits {
+                                capacity,
+                                refill_per_sec,
+                                share: self.share_for(&limit)?,
+                            },
+                            limit,
+                        },
+                        LimitKind::Unlimited => Plan::Unlimited { limit: Some(limit) },
+                        LimitKind::Blocked => Plan::Blocked { limit },
+                    }
+                }
+                Resolution::NoLimit if caller == Caller::RateLimitService => {
+                    Plan::Unlimited { limit: None }
+                }
+                Resolution::NoLimit | Resolution::UnknownDomain => {
+                    let rule = entries
+                        .first()
+                        .filter(|(k, _)| *k == RULE_KEY)
+                        .and_then(|(_, v)| *v)
+                        .unwrap_or("");
+                    self.metrics.unknown_rule();
+                    let first = self
+                        .logged_unknown
+                        .lock()
+                        .map(|mut seen| {
+                            seen.len() < 1000 && seen.insert((domain.into(), rule.into()))
+                        })
+                        .unwrap_or(false);
+                    let message = if matches!(
+                        policy.resolve(domain, &[]),
+                        Resolution::UnknownDomain
+                    ) {
+                        format!("unknown domain {domain:?}: no policy file defines it")
+                    } else {
+                        format!("unknown rule {rule:?} in domain {domain:?} (or no limit matches its subject)")
+                    };
+                    if first {
+                        tracing::error!("configuration error: {message}");
+                    }
+                    return Err(RequestError {
+                        code: ErrorCode::UnknownRule,
+                        message,
+                    });
+                }
+            };
+            plans.push(plan);
+        }
+        // envoyproxy/ratelimit's `replaces`: a limit named by another applicable limit's
+        // `replaces` does not apply to this request.
+        let replaced: HashSet<String> = plans
+            .iter()
+            .filter_map(plan_limit)
+            .flat_map(|l| l.replaces.iter().cloned())
+            .collect();
+        if !replaced.is_empty() {
+            for p in &mut plans {
+                if plan_limit(p).is_some_and(|l| replaced.contains(&l.name)) {
+                    *p = Plan::Unlimited { limit: None };
+                }
+            }
+        }
+        Ok(plans)
+    }
+
+    /// The share history a regional limit is charged under; none for other limits. A regional
+    /// limit without a share under lease fails the request as "unavailable".
+    fn share_for(&self, limit: &Limit) -> Result<Option<Arc<ShareHistory>>, RequestError> {
+        let Some(rule) = &limit.regional else {
+            return Ok(None);
+        };
+        let unavailable = |message: String| RequestError {
+            code: ErrorCode::Unavailable,
+            message,
+        };
+        match &self.regional {
+            None => Err(unavailable(format!(
+                "rule {:?} is regional and this sidecar has no region (--region)",
+                rule.rule
+            ))),
+            Some(shares) => shares.share_for(rule).map(Some).map_err(unavailable),
+        }
+    }
+
+    pub(super) fn plan_returns(
+        &self,
+        policy: &Policy,
+        domain: &str,
+        returns: &[ReturnItem],
+    ) -> Vec<Return> {
+        returns
+            .iter()
+            .filter_map(|r| {
+                let entries: Vec<(&str, Option<&str>)> = r
+                    .entries
+                    .iter()
+                    .map(|(k, v)| (k.as_str(), v.as_deref()))
+                    .collect();
+                let Resolution::Limit(limit) = policy.resolve(domain, &entries) else {
+                    return None;
+                };
+                let LimitKind::Bucket {
+                    capacity,
+                    refill_per_sec,
+                } = limit.kind
+                else {
+                    return None;
+                };
+                // Without a share under lease the tokens are not given back (under-admission).
+                let share = self.share_for(limit).ok()?;
+                Some(Return {
+                    key: Arc::from(bucket_key(&self.key_prefix, domain, &entries)),
+                    bucket: BucketLimits {
+                        capacity,
+                        refill_per_sec,
+                        share,
+                    },
+                    lease_id: r.lease_id,
+                    tokens: r.tokens,
+                })
+            })
+            .collect()
+    }
+}
+
+/// What the store charges for a planned decision, if anything.
+pub(super) fn charge(plan: &Plan, item: &Item) -> Option<Charge> {
+    let Plan::Charge { limit, key, bucket } = plan else {
+        return None;
+    };
+    Some(Charge {
+        key: key.clone(),
+        bucket: bucket.clone(),
+        cost: item.cost,
+        shadow: limit.shadow,
+        lease: item.lease.filter(|l| l.tokens > 0),
+    })
+}
+
+fn plan_limit(p: &Plan) -> Option<&Limit> {
+    match p {
+        Plan::Charge { limit, .. } | Plan::Blocked { limit } => Some(limit),
+        Plan::Unlimited { limit } => limit.as_deref(),
+    }
+}
+
+/// A non-shadow blocked limit rejects the request before anything is sent.
+pub(super) fn blocked(plan: &[Plan]) -> bool {
+    plan.iter()
+        .any(|p| matches!(p, Plan::Blocked { limit } if !limit.shadow))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::metrics::Metrics;
+    use crate::policy::reload::PolicyHandle;
+    use crate::policy::{Bounds, RegionScope};
+    use crate::store::memory::MemoryStore;
+
+    const POLICY: &str = "rules:
+  global: {capacity: 100, refill_per_sec: 10, regions: {eu: 0.3, us: 0.7}}
+  local: {capacity: 10, refill_per_sec: 1}
+";
+
+    fn entries(rule: &str) -> Vec<(String, Option<String>)> {
+        vec![(RULE_KEY.to_string(), Some(rule.to_string()))]
+    }
+
+    #[test]
+    fn a_regional_rule_without_a_share_fails_its_request_and_its_returns_are_kept() {
+        let bounds = Bounds {
+            region: RegionScope::Sidecar(Some("eu".into())),
+            ..Bounds::default()
+        };
+        let p = Policy::from_sources(&[("limits.yaml".into(), POLICY.into())], &bounds).unwrap();
+        let metrics = Arc::new(Metrics::new());
+        // A decider without this region's shares (no `with_regional`).
+        let d = Decider::new(
+            Arc::new(MemoryStore::new(0, 0.1, 10_000)),
+            PolicyHandle::fixed(p, metrics.clone()),
+            "rl:",
+            metrics,
+        );
+        let policy = d.policy.current().clone();
+        let item = |rule: &str| Item {
+            entries: entries(rule),
+            cost: 1,
+            lease: None,
+        };
+        let plan = |items: &[Item]| d.plan(&policy, "ratelimit", items, Caller::Filter);
+        let e = plan(&[item("local"), item("global")])
+            .err()
+            .expect("unavailable");
+        assert_eq!(e.code, ErrorCode::Unavailable);
+        assert!(e.message.contains("no region (--region)"), "{}", e.message);
+        let local = plan(&[item("local")]).unwrap();
+        let [Plan::Charge { key, bucket, .. }] = &local[..] else {
+            panic!("one charge");
+        };
+        assert_eq!(&**key, "rl:{ratelimit|rule=local}");
+        assert_eq!((bucket.capacity, bucket.share.is_none()), (10, true));
+        // Tokens of a regional rule without a share are not given back (under-admission), nor
+        // those of a rule the policy lacks.
+        let ret = |rule: &str| ReturnItem {
+            entries: entries(rule),
+            lease_id: 1,
+            tokens: 3,
+        };
+        let returns = d.plan_returns(
+            &policy,
+            "ratelimit",
+            &[ret("global"), ret("local"), ret("nope")],
+        );
+        assert_eq!(returns.len(), 1);
+        assert_eq!(&*returns[0].key, "rl:{ratelimit|rule=local}");
+    }
+}
