@@ -194,7 +194,7 @@ impl<S: BucketStore> Decider<S> {
             (0..requests.len()).map(|_| None).collect();
         if !charges.is_empty() || !returns.is_empty() {
             let call = Call {
-                attempt: attempt.map(str::to_string),
+                attempt: attempt.map(|a| Call::record_id(a, &charges)),
                 requests: charges,
                 returns,
             };
@@ -567,6 +567,50 @@ rules:
         assert_eq!(first, again);
         assert_eq!(
             store.stored_tokens("rl:{ratelimit|rule=per-app|app=a}"),
+            Some(4.0)
+        );
+    }
+
+    /// Issue 20, case 3: a used attempt id with other requests (or other costs) is decided
+    /// afresh, never replayed.
+    #[tokio::test]
+    async fn a_used_attempt_id_replays_only_the_same_call() {
+        let store = Arc::new(MemoryStore::new(T0, 0.1, 10_000));
+        let (d, _) = decider(store.clone());
+        let app = |a: &str| decision("per-app", &[("app", Some(a))]);
+        let mut y = call(vec![vec![app("alice")], vec![app("bob")]]);
+        y.attempt = Some("y".into());
+        let first = d.decide(y).await;
+        assert!(first.answers.iter().all(|a| a.allowed));
+        for _ in 0..5 {
+            assert!(d.decide(call(vec![vec![app("mallory")]])).await.answers[0].allowed);
+        }
+        let mut other = call(vec![vec![app("alice")], vec![app("mallory")]]);
+        other.attempt = Some("y".into());
+        for _ in 0..10 {
+            let a = d.decide(other.clone()).await;
+            assert!(
+                !a.answers[1].allowed,
+                "mallory's empty bucket admits nothing"
+            );
+        }
+        assert_eq!(
+            store.stored_tokens("rl:{ratelimit|rule=per-app|app=mallory}"),
+            Some(0.0)
+        );
+
+        let mut z = call(vec![vec![app("carol")]]);
+        z.attempt = Some("z".into());
+        assert!(d.decide(z.clone()).await.answers[0].allowed);
+        z.requests[0].decisions[0].cost = 5;
+        for _ in 0..10 {
+            assert!(
+                !d.decide(z.clone()).await.answers[0].allowed,
+                "4 tokens, cost 5"
+            );
+        }
+        assert_eq!(
+            store.stored_tokens("rl:{ratelimit|rule=per-app|app=carol}"),
             Some(4.0)
         );
     }

@@ -86,7 +86,7 @@ pub struct Charge {
 /// its charged requests can be refunded.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Group {
-    /// `<bucket key of the first decision>:a:<attempt>`
+    /// `<bucket key of the first decision>:a:<attempt>~<digest of the call>` ([`Call::record_id`])
     pub record: Option<String>,
     pub requests: Vec<Vec<Charge>>,
 }
@@ -205,6 +205,36 @@ pub struct Call {
     pub requests: Vec<Vec<Charge>>,
     /// Unused lease tokens given back.
     pub returns: Vec<Return>,
+}
+
+impl Call {
+    /// The call's attempt id as its records name it: the caller's id followed by a digest of
+    /// what the call charges (each request's bucket keys, costs and shadow flags, in order), so
+    /// that only a repeat of the same call finds the first call's records and is replayed; a
+    /// different call under a used attempt id is decided afresh. SHA-256 (truncated to 128 bits):
+    /// a caller chooses the call's content, so the digest must not be open to a crafted collision.
+    pub fn record_id(attempt: &str, requests: &[Vec<Charge>]) -> String {
+        use sha2::{Digest, Sha256};
+        use std::fmt::Write as _;
+        let mut h = Sha256::new();
+        for request in requests {
+            h.update((request.len() as u64).to_le_bytes());
+            for c in request {
+                h.update((c.key.len() as u64).to_le_bytes());
+                h.update(c.key.as_bytes());
+                h.update(c.cost.to_le_bytes());
+                h.update([u8::from(c.shadow)]);
+            }
+        }
+        let digest = h.finalize();
+        let mut id = String::with_capacity(attempt.len() + 33);
+        id.push_str(attempt);
+        id.push('~');
+        for b in &digest[..16] {
+            let _ = write!(id, "{b:02x}");
+        }
+        id
+    }
 }
 
 /// One request's answer from a store.
