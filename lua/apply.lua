@@ -27,7 +27,7 @@ for g = 1, ngroups do
       for d = d1, d2 do
         local x, o = decs[d], at + 6 * (d - d1) -- reply[o + k]: the decision's k-th figure
         local s, tokens, _, refill = bucket(x[1], x[2])
-        if s.avail_req == r then tokens = s.avail end
+        tokens = s.avail or tokens
         reply[o + 1], reply[o + 3], reply[o + 5] = 0, 0, OK
         if x[3] > x[2].capacity_now then
           reply[o + 5] = COST_EXCEEDS_CAPACITY
@@ -36,7 +36,7 @@ for g = 1, ngroups do
         else
           reply[o + 1], tokens = 1, tokens - x[3]
         end
-        s.avail, s.avail_req, admit = tokens, r, admit and (reply[o + 1] == 1 or x[4] == 1)
+        s.avail, admit = tokens, admit and (reply[o + 1] == 1 or x[4] == 1)
       end
       reply[at], charged = admit and 1 or 0, charged or admit
       if flat then flat[i], flat[i + 1] = reply[at], d2 - d1 + 1 end
@@ -44,9 +44,10 @@ for g = 1, ngroups do
       for d = d1, d2 do
         local x, o, grant, paid = decs[d], at + 6 * (d - d1), 0, 0
         local s, tokens, capacity, refill = bucket(x[1], x[2])
+        s.avail = nil
         if admit and reply[o + 1] == 1 then
           tokens, paid = tokens - x[3], x[3]
-          if x[6] > 0 and #(s.leases or NONE) < MAX_LEASES then
+          if x[6] > 0 and (s.leases and #s.leases or 0) < MAX_LEASES then
             grant = math.max(0, min(x[6], floor(max_share * capacity), floor(tokens)))
           end
           if grant > 0 then
@@ -57,7 +58,7 @@ for g = 1, ngroups do
           end
         end
         -- A rejection writes nothing, but re-anchors a ts in the future.
-        if paid > 0 or s.future then s.tokens, s.ts, s.dirty = tokens, now, true end
+        if paid > 0 or s.ts > now then s.tokens, s.ts, s.dirty = tokens, now, true end
         reply[o + 2], reply[o + 4], reply[o + 6] = int(tokens), wait_ms(capacity - tokens, refill), grant
         if flat then -- the record keeps the reply's six figures, the tokens paid and the lease id
           local f = i + 8 * (d - d1) + 1
@@ -74,9 +75,8 @@ for g = 1, ngroups do
   end
 end
 finish()
-local packed = {} -- in runs of at most 1000 values (unpack puts a run on Lua's stack)
+local packed = '' -- in runs of at most 1000 values (unpack puts a run on Lua's stack)
 for k = 1, n, 1000 do
-  local last = min(k + 999, n)
-  packed[#packed + 1] = spack('<' .. srep('d', last - k + 1), unpack(reply, k, last))
+  packed = packed .. spack('<' .. srep('d', min(1000, n - k + 1)), unpack(reply, k, min(k + 999, n)))
 end
-return table.concat(packed)
+return packed

@@ -25,17 +25,16 @@ local MAX_INT = 9007199254740992 -- 2^53: the reply's doubles hold integers up t
 local MAX_LEASES = 64            -- leases one bucket holds; more asks get no grant
 local MARGIN_MS = 1000           -- a key outlives the time its bucket is full again by 1 to 3 s
 local ARGV, tonumber, floor, ceil, min = ARGV, tonumber, math.floor, math.ceil, math.min
-local spack, sunpack, srep, NONE = struct.pack, struct.unpack, string.rep, {}
+local spack, sunpack, srep = struct.pack, struct.unpack, string.rep
 local function fail(text) error({ err = 'ERR ' .. text }) end
 
--- The next argument, a finite number (v - v is 0 only then); "0" and "1" (most decision fields)
--- by a string compare, far cheaper than tonumber.
+-- The next argument, a finite number (v - v is 0 only then); "0" and "1" by a string compare,
+-- far cheaper than tonumber (docs/bucket.md, the script's cost).
 local p = 1
 local function num()
   p = p + 1
   local v = ARGV[p]
-  if v == '0' then return 0 elseif v == '1' then return 1 end
-  v = tonumber(v)
+  v = v == '0' and 0 or v == '1' and 1 or tonumber(v)
   if not v or v - v ~= 0 then fail('usage: argument ' .. p .. ' must be a finite number') end
   return v
 end
@@ -48,21 +47,22 @@ if record_ttl_ms < 1 or max_share < 0 or max_share > 1 or share_margin_ms < 0 th
 end
 local nkeys = nb >= 1 and floor(nb) or 0 -- bucket b's key is ARGV[6 + b]
 p = 6 + nkeys
+-- limits[i]: capacity, refill, capacity_now (under the share in force now); with a share history
+-- also shares (shares[j]: from_ms, ppm) and horizon, the fill time (us): how far a share looks back.
 local limits = {}
 for i = 1, num() do
   local capacity, refill, shares, last = num(), num(), nil, -1
   if capacity <= 0 or refill <= 0 then fail('invalid limit ' .. i .. ': capacity and refill_per_sec must be > 0') end
+  limits[i] = { capacity = capacity, refill = refill, capacity_now = capacity }
   for j = 1, num() do
     shares = shares or {}
-    shares[j] = { num(), num() } -- from_ms, ppm
+    shares[j] = { num(), num() }
     if shares[j][1] < last or shares[j][2] < 0 or shares[j][2] > 1000000 then
       fail('invalid limit ' .. i .. ': share changes must be in time order, each 0 to 1000000 ppm')
     end
-    last = shares[j][1]
+    last, limits[i].shares, limits[i].horizon = shares[j][1], shares, capacity / refill * 1000000
+    limits[i].capacity_now = floor(capacity * shares[j][2]) / 1000000
   end
-  local now_ppm = shares and shares[#shares][2] -- capacity_now: under the share in force now
-  limits[i] = { capacity = capacity, refill = refill, shares = shares, horizon = capacity / refill
-    * 1000000, capacity_now = now_ppm and floor(capacity * now_ppm) / 1000000 or capacity }
 end
 -- gs[3g-2 .. 3g]: group g's record key, first and last request; rq[2r-1 .. 2r]: request r's first
 -- and last decision (numbered across groups); decs[d]: decision d's fields, its limit's table.
@@ -73,24 +73,26 @@ for g = 1, num() do
   for _ = 1, num() do
     nreq = nreq + 1
     rq[2 * nreq - 1] = ndec + 1
-    for _ = 1, num() do
-      local x = { ARGV[p + 1], ARGV[p + 2], ARGV[p + 3], ARGV[p + 4], ARGV[p + 5], ARGV[p + 6],
-                  ARGV[p + 7] }
-      for j = 1, 7 do -- as num() does, without a call per field
-        local v = x[j]
-        if v == '0' then x[j] = 0 elseif v == '1' then x[j] = 1 else
-          v = tonumber(v)
-          if not v or v - v ~= 0 then fail('usage: argument ' .. (p + j) .. ' must be a finite number') end
-          x[j] = v
-        end
+    for _ = 1, num() do -- as num() does, inline (a table or a call per field costs more)
+      local b, l, cost, shadow, id, want, ttl = unpack(ARGV, p + 1, p + 7)
+      if b == '1' then b = 1 else b = tonumber(b) end
+      if l == '1' then l = 1 else l = tonumber(l) end
+      if cost == '1' then cost = 1 else cost = tonumber(cost) end
+      if shadow == '0' then shadow = 0 elseif shadow == '1' then shadow = 1 else shadow = tonumber(shadow) end
+      if id == '0' then id = 0 else id = tonumber(id) end
+      if want == '0' then want = 0 else want = tonumber(want) end
+      if ttl == '0' then ttl = 0 else ttl = tonumber(ttl) end
+      if not (b and l and cost and shadow and id and want and ttl)
+          or (b + l + cost + shadow + id + want + ttl) * 0 ~= 0 then
+        for _ = 1, 7 do num() end -- fails at the first that is not finite (else the sum overflowed)
+        p = p - 7
       end
       p = p + 7
-      local b, l = x[1], x[2]
-      if b < 1 or b > nkeys or b % 1 ~= 0 or not ARGV[6 + b] or not limits[l] or x[3] < 1 then
+      if b < 1 or b > nkeys or b % 1 ~= 0 or not ARGV[6 + b] or not limits[l] or cost < 1 then
         fail('usage: bad bucket, limit or cost in group ' .. g)
       end
-      ndec, x[2], any_want = ndec + 1, limits[l], any_want or x[6] > 0
-      decs[ndec] = x
+      ndec, any_want = ndec + 1, any_want or want > 0
+      decs[ndec] = { b, limits[l], cost, shadow, id, want, ttl }
     end
     rq[2 * nreq] = ndec
   end
@@ -108,23 +110,23 @@ end
 if nkeys == 0 then return {} end
 -- Every read before any write (docs/bucket.md, Cluster): MGET reads another type as missing.
 local t = redis.call('TIME')
-local now, raw, records = tonumber(t[1]) * 1000000 + tonumber(t[2]), {}, any_record and {}
-local now_ms = floor(now / 1000)
-if cluster == 1 then -- a command stays in one slot
-  for i = 1, nkeys do raw[i] = redis.call('MGET', ARGV[6 + i])[1] end
-else
-  raw = redis.call('MGET', unpack(ARGV, 7, 6 + nkeys))
+local now, records = tonumber(t[1]) * 1000000 + tonumber(t[2]), any_record and {}
+local now_ms, raw = floor(now / 1000), cluster ~= 1 and redis.call('MGET', unpack(ARGV, 7, 6 + nkeys))
+for i = 1, raw and 0 or nkeys do -- on a Cluster, a command stays in one slot
+  raw = raw or {}
+  raw[i] = redis.call('MGET', ARGV[6 + i])[1]
 end
 for g = 1, any_record and ngroups or 0 do
   if gs[3 * g - 2] ~= '' then records[g] = redis.call('MGET', gs[3 * g - 2])[1] end
 end
--- Bucket states, decoded once, written at the end when dirty. leases: nil or the unexpired ones;
--- avail, avail_req: what the decisions of request avail_req decided so far would leave.
+-- Bucket states, decoded once, written at the end when dirty: limit, tokens, ts, exp, since (the
+-- stored ts, nil for a new bucket), leases (nil or the unexpired ones), dirty, and avail: what the
+-- decisions of the request being decided would leave (apply.lua's pass 1; pass 2 clears it).
 local states = {}
 -- The lease ceiling: the capacity less what the bucket's unexpired leases hold.
 local function ceiling(s, capacity)
-  local leased, leases = 0, s.leases or NONE
-  for i = 1, #leases do leased = leased + leases[i].amount end
+  local leased, leases = 0, s.leases
+  for i = 1, leases and #leases or 0 do leased = leased + leases[i].amount end
   return capacity - leased
 end
 
@@ -148,8 +150,9 @@ local function bucket(b, limit)
       end
     end
     if tokens ~= tokens or tokens < 0 then tokens = 0 end
-    s = { limit = limit, tokens = tokens, ts = ts, exp = exp, leases = leases, dirty = false,
-          since = n >= 3 and ts or nil, future = ts > now, avail = 0, avail_req = 0 }
+    -- five fields, room for the three set later (leases, dirty, avail): never resized
+    s = { limit = limit, tokens = tokens, ts = ts, exp = exp, since = n >= 3 and ts or nil }
+    s.leases = leases
     states[b] = s
   end
   local capacity, refill, h = limit.capacity, limit.refill, limit.shares
@@ -161,9 +164,8 @@ local function bucket(b, limit)
     end
     capacity, refill = floor(capacity * m) / 1000000, floor(refill * m) / 1000000
   end
-  local elapsed = now - s.ts
-  if elapsed < 0 then elapsed = 0 end
-  local tokens, top = s.tokens + refill * elapsed / 1000000, s.leases and ceiling(s, capacity) or capacity
+  local tokens = s.tokens + refill * (now > s.ts and now - s.ts or 0) / 1000000
+  local top = s.leases and ceiling(s, capacity) or capacity
   if tokens > top then tokens = top end
   if tokens < 0 then tokens = 0 end
   return s, tokens, capacity, refill
@@ -181,28 +183,25 @@ end
 local function finish()
   for b, s in pairs(states) do
     if s.dirty then
-      local limit, leases, last = s.limit, s.leases or NONE, now -- last: the last lease's expiry
+      local limit, leases, last, tail = s.limit, s.leases, now, '' -- last: the last lease's expiry
       local capacity, refill = limit.capacity, limit.refill
       if limit.shares then capacity, refill = select(3, bucket(b, limit)) end
-      for i = 1, #leases do
-        if leases[i].expiry > last then last = leases[i].expiry end
+      for i = 1, leases and #leases or 0 do
+        local l = leases[i]
+        last, tail = l.expiry > last and l.expiry or last, tail .. spack('<ddd', l.id, l.amount, l.expiry)
       end
       -- A refill rounded down to 0 (a tiny share) never fills: expire after the fill time.
       local full_us = refill > 0 and (capacity - s.tokens) / refill * 1000000 or limit.horizon
       local need = now_ms + ceil((full_us + (last - now)) / 1000) + MARGIN_MS
       local keep = s.exp >= need and s.exp <= need + 2 * MARGIN_MS
       local exp = keep and s.exp or need + MARGIN_MS
-      local value = spack('<ddd', s.tokens, s.ts, exp)
-      for i = 1, #leases do
-        value = value .. spack('<ddd', leases[i].id, leases[i].amount, leases[i].expiry)
-      end
+      local value = spack('<ddd', s.tokens, s.ts, exp) .. tail
       if keep then redis.call('SET', ARGV[6 + b], value, 'KEEPTTL')
       else redis.call('SET', ARGV[6 + b], value, 'PXAT', exp) end
     end
   end
 end
--- What only calls with leases, returns or records use, built only for them (a script builds each
--- function it defines on every run).
+-- What only calls with leases, returns or records use, built only for them (docs/bucket.md).
 local give, remove_lease, unpack_record
 if any_want or nreturns > 0 or any_record or mode == 'refund' then
   -- Puts tokens back as of now, up to the lease ceiling; what the bucket then holds.
@@ -212,17 +211,15 @@ if any_want or nreturns > 0 or any_record or mode == 'refund' then
   end
   -- Removes lease `id` from bucket state s: the lease, or nil when it holds none of that id.
   function remove_lease(s, id)
-    for i, l in ipairs(s.leases or NONE) do
-      if l.id == id then
+    for i = 1, s.leases and #s.leases or 0 do
+      if s.leases[i].id == id then
         s.dirty = true
         return table.remove(s.leases, i)
       end
     end
   end
-  -- The doubles of the record of group requests r1 .. r2: per request status (0 rejected, 1 charged,
-  -- 2 refunded) and decision count, then per decision allowed, remaining, retry_after_ms, reset_ms,
-  -- reason, leased, charged tokens, lease_id. nil for a record of another shape (an attempt id
-  -- reused for other requests): the group is then decided as new.
+  -- The doubles of the record of group requests r1 .. r2 (docs/bucket.md, records), or nil for a
+  -- record of another shape (an attempt id reused for other requests): the group is then new.
   function unpack_record(v, r1, r2)
     local n = 0
     for r = r1, r2 do n = n + 2 + 8 * (rq[2 * r] - rq[2 * r - 1] + 1) end

@@ -51,11 +51,13 @@ struct State {
     /// The stored ts when the call began (`None`: the bucket was missing): where the look-back
     /// of a regional share starts.
     since_us: Option<f64>,
-    /// The stored ts was in the future: even a rejection re-anchors it.
+    /// The stored ts was in the future: even a rejection re-anchors it (the script asks
+    /// `s.ts > now`, which is the same while the ts is not re-anchored).
     future: bool,
     dirty: bool,
     /// What the decisions of request `avail_req` (numbered across the call from 1) decided so
-    /// far would leave.
+    /// far would leave (the script keeps `avail` alone and clears it in pass 2, which every
+    /// bucket of pass 1 reaches: the same answers).
     avail: f64,
     avail_req: usize,
 }
