@@ -7,7 +7,9 @@
 --   retry_after_ms = ceil((cost - tokens) / refill_per_sec * 1000)
 --   reset_ms       = ceil((capacity - tokens) / refill_per_sec * 1000)
 --   under a regional share m (ppm): capacity, refill_per_sec = floor(x * m) / 1e6
--- now: this server's TIME (us); leased: the unexpired leases' tokens; a missing bucket is full.
+-- now: this server's TIME (us); leased: the unexpired leases' tokens; a missing bucket is full,
+-- or with a marker (ARGV's last) empty at the store's epoch (docs/bucket.md, a store that lost
+-- its state).
 --
 -- ARGV, decimal strings ("n x (...)": a count n, then n times the bracket's fields):
 --   1 mode "apply" | "refund"   2 record_ttl_ms >= 1   3 max_share 0..1 (lease cap, of capacity)
@@ -18,6 +20,7 @@
 --                                                lease_want, lease_ttl_ms)))
 --   returns:   N x (bucket, limit, lease_id, tokens)
 --   refund.lua only, per group: K x (request)        bucket, limit, request: 1-based indices
+--   last: the epoch marker's key, or "" (--store-reset full)
 -- Stored bucket: little-endian doubles tokens, ts_us, exp_ms, then per lease id, amount, expiry_us.
 
 local OK, INSUFFICIENT, COST_EXCEEDS_CAPACITY = 0, 1, 2
@@ -119,6 +122,11 @@ end
 for g = 1, any_record and ngroups or 0 do
   if gs[3 * g - 2] ~= '' then records[g] = redis.call('MGET', gs[3 * g - 2])[1] end
 end
+-- The epoch: when the marker was made ("<s><us>", as lua/epoch.lua); made now when missing.
+local marker, epoch = ARGV[#ARGV], nil
+if marker ~= '' then epoch = tonumber(redis.call('MGET', marker)[1] or '') end
+local new_epoch = marker ~= '' and not epoch
+if new_epoch then epoch = now end
 -- Bucket states, decoded once, written at the end when dirty: limit, tokens, ts, exp, since (the
 -- stored ts, nil for a new bucket), leases (nil or the unexpired ones), dirty, and avail: what the
 -- decisions of the request being decided would leave (apply.lua's pass 1; pass 2 clears it).
@@ -138,7 +146,7 @@ local function bucket(b, limit)
   if not s then
     local v, leases = raw[b], nil
     local n = v and #v % 24 == 0 and #v / 8 or 0 -- doubles; another value reads as missing
-    local tokens, ts, exp = limit.capacity, now, 0
+    local tokens, ts, exp = epoch and 0 or limit.capacity, epoch or now, 0
     if n >= 3 then tokens, ts, exp = sunpack('<ddd', v) end
     if n > 3 then
       local all = { sunpack('<' .. srep('d', n), v) }
@@ -181,6 +189,7 @@ end
 -- Writes each dirty bucket once. Its key expires once it is full again and every lease expired,
 -- plus the margin; the expiry is rewritten (PXAT) only when that passes the one it carries.
 local function finish()
+  if new_epoch then redis.call('SET', marker, t[1] .. srep('0', 6 - #t[2]) .. t[2]) end
   for b, s in pairs(states) do
     if s.dirty then
       local limit, leases, last, tail = s.limit, s.leases, now, '' -- last: the last lease's expiry

@@ -6,6 +6,8 @@ use std::path::PathBuf;
 
 use clap::Parser;
 
+use crate::store::StoreReset;
+
 /// `ratelimit-sidecar`: answers `POST /v1/decide` by running the token bucket in Redis.
 #[derive(Debug, Clone, Parser)]
 #[command(name = "ratelimit-sidecar", version, about)]
@@ -90,6 +92,15 @@ pub struct Args {
     /// cross-node request can be refunded), in milliseconds.
     #[arg(long, env = "RATELIMIT_ATTEMPT_TTL_MS", default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(1..))]
     pub attempt_ttl_ms: u64,
+
+    /// What a bucket Redis no longer holds starts with after Redis lost its state (restarted
+    /// empty, flushed): `full` (every missing bucket is full, as for a client never seen) or
+    /// `empty` (a bucket missing since the loss starts empty at the time of the loss and refills
+    /// from there, so for one fill time nothing is admitted that the lost state would not have
+    /// admitted). The loss is seen through the marker key `<prefix>epoch` either way (logged,
+    /// `ratelimit_store_resets_total`).
+    #[arg(long, env = "RATELIMIT_STORE_RESET", value_enum, default_value_t = StoreReset::Full)]
+    pub store_reset: StoreReset,
 
     /// Largest accepted request body, in bytes: a larger `POST /v1/decide` body is answered 413,
     /// a larger gRPC request message OUT_OF_RANGE.

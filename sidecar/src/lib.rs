@@ -157,6 +157,8 @@ pub async fn serve(
         lease_max_share: args.lease_max_share,
         max_in_flight: args.redis_pipeline as usize,
         max_call_decisions: ratelimit_wire::MAX_CALL_DECISIONS,
+        store_reset: args.store_reset,
+        key_prefix: args.key_prefix.clone(),
     };
     let connection = Connection::from_args(&args)?;
     let admin = match args.admin_listen {

@@ -201,6 +201,9 @@ pub struct Metrics {
     pub script_loads: Counter,
     /// `ratelimit_compensations_total`: cross-node refunds that completed.
     pub compensations: Counter,
+    /// `ratelimit_store_resets_total`: times a Redis node was seen to have lost its state (its
+    /// epoch marker gone or recreated, `--store-reset`).
+    pub store_resets: Counter,
     /// `ratelimit_unknown_rule_total`: decisions naming a rule or domain the policy lacks.
     pub unknown_rules: Counter,
     /// `ratelimit_policy_reloads_total{result}`: `ok` or `invalid` (the old policy stayed).
@@ -232,6 +235,7 @@ impl Metrics {
         let redis_errors = Counter::default();
         let script_loads = Counter::default();
         let compensations = Counter::default();
+        let store_resets = Counter::default();
         let unknown_rules = Counter::default();
         let policy_reloads = Family::<ResultLabels, Counter>::default();
         let policy_limits = Gauge::default();
@@ -278,6 +282,11 @@ impl Metrics {
             compensations.clone(),
         );
         registry.register(
+            "ratelimit_store_resets",
+            "Times a Redis node was seen to have lost its state (its epoch marker gone or recreated)",
+            store_resets.clone(),
+        );
+        registry.register(
             "ratelimit_unknown_rule",
             "Decisions naming a rule or domain the policy does not define (a configuration error)",
             unknown_rules.clone(),
@@ -315,6 +324,7 @@ impl Metrics {
             redis_errors,
             script_loads,
             compensations,
+            store_resets,
             unknown_rules,
             policy_reloads,
             policy_limits,
@@ -481,6 +491,7 @@ mod tests {
             "ratelimit_redis_errors_total",
             "ratelimit_script_loads_total",
             "ratelimit_compensations_total",
+            "ratelimit_store_resets_total",
             "ratelimit_unknown_rule_total",
             "ratelimit_policy_reloads_total{result=\"invalid\"} 0",
             "ratelimit_policy_limits",

@@ -299,6 +299,15 @@ async fn a_flood_of_rejections_writes_nothing_unless_the_clock_went_back() {
     let (_, a) = sidecar.decide(one.clone()).await;
     assert_eq!(a["allowed"], true, "{a}");
     let mut c = redis.connection();
+    // The sidecar makes the store's epoch marker (one write) once, within a second of starting.
+    let started = std::time::Instant::now();
+    while redis.cli(&["EXISTS", "rl:epoch"]) != "1" {
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(10),
+            "no epoch marker"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
     let before = stored(&mut c, &key).unwrap();
     let ttl_before: i64 = c.pttl(&key).unwrap();
     let writes_before = writes(&redis);
@@ -318,7 +327,10 @@ async fn a_flood_of_rejections_writes_nothing_unless_the_clock_went_back() {
         "0 writes per rejected request"
     );
     let keys: u64 = redis.cli(&["DBSIZE"]).parse().unwrap();
-    assert_eq!(keys, 1, "no attempt records for rejected calls");
+    assert_eq!(
+        keys, 2,
+        "the bucket, the epoch marker, no attempt records for rejected calls"
+    );
     assert_eq!(
         stored(&mut c, &key).unwrap(),
         before,

@@ -23,7 +23,7 @@ use ratelimit_sidecar::metrics::Metrics;
 use ratelimit_sidecar::store::memory::MemoryStore;
 use ratelimit_sidecar::store::redis::{NodeId, Nodes, StoreOptions};
 use ratelimit_sidecar::store::{
-    BucketLimits, Charge, Group, RedisStore, RequestOutcome, Return, Work,
+    BucketLimits, Charge, Group, RedisStore, RequestOutcome, Return, StoreReset, Work,
 };
 use ratelimit_wire::LeaseAsk;
 
@@ -85,6 +85,8 @@ enum Step {
     Refund { group: usize, requests: Vec<usize> },
     /// A key's regional share changes (stamped half a second ago: in every bucket's look-back).
     Share { key: usize, ppm: usize },
+    /// The store loses its state (Redis flushed; the model forgets everything).
+    Lose,
 }
 
 fn decision() -> impl Strategy<Value = Gen> {
@@ -112,6 +114,7 @@ fn step() -> impl Strategy<Value = Step> {
         1 => (0..4usize, prop::collection::vec(0..4usize, 1..3))
             .prop_map(|(group, requests)| Step::Refund { group, requests }),
         2 => (0..KEYS.len(), 0..PPM.len()).prop_map(|(key, ppm)| Step::Share { key, ppm }),
+        1 => Just(Step::Lose),
     ]
 }
 
@@ -202,6 +205,17 @@ fn now_us() -> u64 {
 
 #[test]
 fn the_lua_bucket_and_the_rust_model_answer_alike() {
+    differential(StoreReset::Full);
+}
+
+/// The same under `--store-reset empty`: each case starts on a flushed Redis, so every bucket
+/// starts empty at the epoch the first call makes, and again after each loss of state.
+#[test]
+fn the_lua_bucket_and_the_rust_model_answer_alike_under_store_reset_empty() {
+    differential(StoreReset::Empty);
+}
+
+fn differential(reset: StoreReset) {
     let redis = Redis::start();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -216,6 +230,7 @@ fn the_lua_bucket_and_the_rust_model_answer_alike() {
                 timeout_ms: 5_000,
                 record_ttl_ms: 600_000,
                 lease_max_share: MAX_SHARE,
+                store_reset: reset,
                 ..StoreOptions::default()
             },
             Arc::new(Metrics::new()),
@@ -245,7 +260,7 @@ fn the_lua_bucket_and_the_rust_model_answer_alike() {
                 let _: () = redis::cmd("FLUSHALL")
                     .query(&mut redis.connection())
                     .unwrap();
-                let model = MemoryStore::new(now_us(), MAX_SHARE, 600_000);
+                let model = MemoryStore::new(now_us(), MAX_SHARE, 600_000).with_store_reset(reset);
                 let started = Instant::now();
                 let start_ms = now_us() / 1000;
                 let mut shares: Vec<Option<Arc<ShareHistory>>> =
@@ -254,6 +269,12 @@ fn the_lua_bucket_and_the_rust_model_answer_alike() {
                 for step in &steps {
                     model.set_now_us(now_us());
                     match step {
+                        Step::Lose => {
+                            let _: () = redis::cmd("FLUSHALL")
+                                .query(&mut redis.connection())
+                                .unwrap();
+                            model.lose_state();
+                        }
                         Step::Share { key, ppm } => {
                             if let Some(h) = &shares[*key] {
                                 let mut h = (**h).clone();

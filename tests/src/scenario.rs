@@ -141,3 +141,68 @@ pub fn p99(answers: &[Answer]) -> Duration {
     t.sort();
     t[(t.len() * 99 / 100).min(t.len() - 1)]
 }
+
+/// What [`spend_across_a_loss`] saw.
+#[derive(Debug, Clone, Copy)]
+pub struct LossRun {
+    /// Decisions admitted over the whole run, the loss included.
+    pub admitted: u64,
+    /// The run's duration, in seconds.
+    pub seconds: f64,
+    /// `ratelimit_store_resets_total` at the end.
+    pub resets: f64,
+    /// Decisions without a verdict (503) while Redis came back.
+    pub unanswered: u64,
+}
+
+/// Issue 20, case 5, through the real sidecar binary: one client spends its bucket (`policy`'s
+/// rule `r`, 150 decisions of cost 1 straight to `/v1/decide`), Redis restarts empty, the client
+/// spends again for `after`; the sidecar runs with `--store-reset <reset>`. Waits (bounded) for
+/// the sidecar to count the loss.
+pub fn spend_across_a_loss(policy: &str, reset: &str, after: Duration) -> LossRun {
+    let mut redis = Redis::start();
+    let sidecar = Sidecar::with_policy(
+        &redis.url(),
+        policy,
+        &["--store-reset", reset, "--redis-timeout-ms", "1000"],
+    );
+    let client = reqwest::blocking::Client::new();
+    let decide = || -> Option<bool> {
+        let body = serde_json::json!({"requests": [{"decisions": [{"rule": "r", "subject": {"id": "client"}}]}]});
+        let r = client
+            .post(format!("{}/v1/decide", sidecar.base_url()))
+            .json(&body)
+            .send()
+            .ok()?;
+        if r.status() != 200 {
+            return None;
+        }
+        let v: Value = r.json().ok()?;
+        v["answers"][0]["allowed"].as_bool()
+    };
+    let started = Instant::now();
+    let (mut admitted, mut unanswered) = (0u64, 0u64);
+    let mut count = |answer: Option<bool>| match answer {
+        Some(true) => admitted += 1,
+        Some(false) => {}
+        None => unanswered += 1,
+    };
+    for _ in 0..150 {
+        count(decide());
+    }
+    redis.restart();
+    let back = Instant::now();
+    while back.elapsed() < after {
+        count(decide());
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    crate::wait_until("the loss counted", Duration::from_secs(10), || {
+        sidecar.metric("ratelimit_store_resets_total") >= 1.0
+    });
+    LossRun {
+        admitted,
+        seconds,
+        resets: sidecar.metric("ratelimit_store_resets_total"),
+        unanswered,
+    }
+}

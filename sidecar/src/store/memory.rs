@@ -17,7 +17,7 @@ use ratelimit_wire::Reason;
 
 use super::{
     BucketLimits, BucketOutcome, BucketStore, Decided, Group, Readiness, RequestOutcome,
-    ShareStore, Status, StoreError, Work, SHARE_MARGIN_MS,
+    ShareStore, Status, StoreError, StoreReset, Work, SHARE_MARGIN_MS,
 };
 use crate::keys::record_key;
 use crate::regional::record;
@@ -76,6 +76,8 @@ struct Inner {
     records: HashMap<String, (Vec<Recorded>, u64)>,
     /// Hashes (regional share records, demand counters): key -> fields.
     hashes: HashMap<String, Vec<(String, String)>>,
+    /// The store's epoch marker (`--store-reset empty`).
+    epoch_us: Option<f64>,
 }
 
 /// The in-memory store. The clock is Unix microseconds, settable by tests.
@@ -86,6 +88,8 @@ pub struct MemoryStore {
     record_ttl_ms: u64,
     /// Fails every call with this error while set (outage tests).
     pub fail: Mutex<Option<StoreError>>,
+    /// What a bucket missing after a loss of state starts with (`--store-reset`).
+    store_reset: StoreReset,
 }
 
 /// One call of a script: the store, the server's clock, the bucket states.
@@ -93,6 +97,9 @@ struct Call<'a> {
     inner: &'a mut Inner,
     now: f64,
     states: HashMap<Arc<str>, State>,
+    /// `--store-reset empty`: the store's epoch (the marker's time, made now when missing); a
+    /// missing bucket was empty then.
+    epoch: Option<f64>,
 }
 
 impl Call<'_> {
@@ -120,7 +127,10 @@ impl Call<'_> {
                         .collect(),
                     Some(b.ts_us),
                 ),
-                None => (limit.capacity as f64, now, Vec::new(), None),
+                None => match self.epoch {
+                    Some(epoch) => (0.0, epoch, Vec::new(), None),
+                    None => (limit.capacity as f64, now, Vec::new(), None),
+                },
             };
             State {
                 tokens: if tokens.is_nan() || tokens < 0.0 {
@@ -220,7 +230,25 @@ impl MemoryStore {
             max_share,
             record_ttl_ms,
             fail: Mutex::new(None),
+            store_reset: StoreReset::Full,
         }
+    }
+
+    /// The same store under `--store-reset` `reset`.
+    pub fn with_store_reset(mut self, reset: StoreReset) -> Self {
+        self.store_reset = reset;
+        self
+    }
+
+    /// Forgets everything, as a Redis restarted without its data (the epoch marker included).
+    pub fn lose_state(&self) {
+        *self.inner.lock().expect("not poisoned") = Inner::default();
+    }
+
+    /// A call's epoch under `--store-reset empty`: the marker's time, made `now` when missing
+    /// (as `lua/bucket.lua` reads and writes it).
+    fn epoch(&self, inner: &mut Inner, now: f64) -> Option<f64> {
+        (self.store_reset == StoreReset::Empty).then(|| *inner.epoch_us.get_or_insert(now))
     }
 
     pub fn set_now_us(&self, now_us: u64) {
@@ -270,10 +298,12 @@ impl MemoryStore {
         let now_ms = (now / 1000.0).floor() as u64;
         let mut inner = self.inner.lock().expect("not poisoned");
         inner.records.retain(|_, (_, exp)| *exp > now_ms);
+        let epoch = self.epoch(&mut inner, now);
         let mut call = Call {
             inner: &mut inner,
             now,
             states: HashMap::new(),
+            epoch,
         };
         // Returns: the unused part of a lease goes back, the lease is removed.
         for r in &work.returns {
@@ -395,10 +425,12 @@ impl MemoryStore {
     pub fn refund_now(&self, group: &Group, requests: &[usize]) -> bool {
         let now = self.now_us.load(Ordering::SeqCst) as f64;
         let mut inner = self.inner.lock().expect("not poisoned");
+        let epoch = self.epoch(&mut inner, now);
         let mut call = Call {
             inner: &mut inner,
             now,
             states: HashMap::new(),
+            epoch,
         };
         let Some(mut flat) = call.unpack_record(group) else {
             return false;

@@ -11,7 +11,8 @@ use redis::{Cmd, Value};
 
 use super::redis::StoreOptions;
 use super::{
-    BucketLimits, BucketOutcome, RequestOutcome, Status, StoreError, Work, SHARE_MARGIN_MS,
+    epoch_marker, BucketLimits, BucketOutcome, RequestOutcome, Status, StoreError, StoreReset,
+    Work, SHARE_MARGIN_MS,
 };
 
 /// A bucket script: `lua/bucket.lua` (the bucket function, the arguments, the reads and writes)
@@ -160,6 +161,11 @@ impl ScriptArgs {
             }
         }
         argv.extend(body);
+        // Last, wherever the body ends: the epoch marker's key, or "" (missing buckets are full).
+        argv.push(ArgValue::Str(match options.store_reset {
+            StoreReset::Full => String::new(),
+            StoreReset::Empty => epoch_marker(&options.key_prefix, cluster, &routing_key),
+        }));
         ScriptArgs {
             script,
             routing_key,
@@ -368,9 +374,20 @@ mod tests {
                 ArgValue::Float(f) => format_float(*f),
             })
             .collect();
+        // The last argument: no epoch marker (--store-reset full).
+        assert_eq!(text.last().map(String::as_str), Some(""));
         assert_eq!(
-            text.join(" "),
+            text[..text.len() - 1].join(" "),
             "apply 10000 0.1 0 1000 2 a b 2 10 0.5 0 20 0.5 0 1 rec 2 2 1 1 2 1 0 0 0 2 1 2 1 0 0 0 1 1 2 2 1 0 0 0 0"
+        );
+        let empty = StoreOptions {
+            store_reset: StoreReset::Empty,
+            ..StoreOptions::default()
+        };
+        let on_cluster = ScriptArgs::build(Script::Apply, &empty, true, &work, None);
+        assert!(
+            matches!(on_cluster.argv.last(), Some(ArgValue::Str(m)) if m == "rl:epoch"),
+            "a key without a hash tag: the one marker"
         );
         assert_eq!(&*args.routing_key, "a");
     }

@@ -27,6 +27,7 @@ use ratelimit_e2e::probe::{
     self, dbsize, filter_decision_us, script_calls, used_memory, write_calls,
 };
 use ratelimit_e2e::report::{markdown, ms, quantile};
+use ratelimit_e2e::scenario;
 use ratelimit_e2e::{
     http, Envoy, EnvoyConfig, FaultProxy, Redis, RedisCluster, Sentinel, Sidecar, Upstream,
 };
@@ -1307,10 +1308,51 @@ fn many_clients(a: &Args) -> Vec<Row> {
 }
 
 // ---------------------------------------------------------------------------------------------
+// 9. Redis restarted without its data, under each --store-reset.
+
+fn store_lost(_: &Args) -> Vec<Row> {
+    let (c, r) = (100.0, 10.0);
+    let policy = "rules:\n  r: {capacity: 100, refill_per_sec: 10}\n";
+    ["full", "empty"]
+        .into_iter()
+        .map(|reset| {
+            log(&format!("9: store lost its state, --store-reset {reset}"));
+            let run = scenario::spend_across_a_loss(policy, reset, Duration::from_millis(800));
+            let bound = c + r * run.seconds;
+            let over = (run.admitted as f64 - bound).max(0.0);
+            let held = match reset {
+                "empty" => run.admitted as f64 <= bound + 1.0,
+                _ => over <= c + 1.0,
+            };
+            Row {
+                scenario: format!("9 store lost its state, --store-reset {reset}"),
+                load: "1 client, 150 decisions straight to the sidecar, then 0.8 s more".into(),
+                fault: "Redis restarted without its data".into(),
+                admitted: run.admitted.to_string(),
+                rejected: String::new(),
+                over: format!(
+                    "{over:.0} (C + r·T = {bound:.0}; bound {})",
+                    if reset == "empty" { "0" } else { "C" }
+                ),
+                client: String::new(),
+                filter: String::new(),
+                errors: format!("{} unanswered while Redis came back", run.unanswered),
+                recovery: String::new(),
+                check: format!(
+                    "{} resets counted {}",
+                    run.resets,
+                    mark(held && run.resets >= 1.0)
+                ),
+            }
+        })
+        .collect()
+}
+
+// ---------------------------------------------------------------------------------------------
 
 type Scenario = fn(&Args) -> Vec<Row>;
 
-const SCENARIOS: [(u32, &str, Scenario); 8] = [
+const SCENARIOS: [(u32, &str, Scenario); 9] = [
     (1, "shared budget", shared_budget),
     (2, "hot key", hot_key),
     (3, "Redis slow and down", redis_outage),
@@ -1319,6 +1361,7 @@ const SCENARIOS: [(u32, &str, Scenario); 8] = [
     (6, "sidecar restart", sidecar_restart),
     (7, "flood", flood),
     (8, "many clients", many_clients),
+    (9, "store lost its state", store_lost),
 ];
 
 fn main() {

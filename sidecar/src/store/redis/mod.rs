@@ -43,8 +43,8 @@ use self::batch::Batcher;
 use self::connection::{stall_limit, Connection};
 use super::script::{parse_apply, Script, ScriptArgs};
 use super::{
-    eviction_warning, is_script_failure, BucketStore, Call, Decided, Group, Readiness,
-    RequestOutcome, ShareStore, StoreError, Work,
+    epoch_marker, eviction_warning, is_script_failure, BucketStore, Call, Decided, Group,
+    Readiness, RequestOutcome, ShareStore, StoreError, StoreReset, Work,
 };
 use crate::keys::cluster_slot;
 use crate::metrics::Metrics;
@@ -101,7 +101,7 @@ async fn decide_on<N: Nodes + Clone>(
 }
 
 /// How the store calls Redis.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct StoreOptions {
     /// Upper bound of every Redis call (`--redis-timeout-ms`).
     pub timeout_ms: u64,
@@ -113,6 +113,10 @@ pub struct StoreOptions {
     pub max_in_flight: usize,
     /// Decisions one script call carries at most.
     pub max_call_decisions: usize,
+    /// What a bucket missing after the store lost its state starts with (`--store-reset`).
+    pub store_reset: StoreReset,
+    /// The key prefix (`--key-prefix`), for the store's epoch marker ([`epoch_marker`]).
+    pub key_prefix: String,
 }
 
 impl Default for StoreOptions {
@@ -123,9 +127,17 @@ impl Default for StoreOptions {
             lease_max_share: 0.1,
             max_in_flight: 4,
             max_call_decisions: 512,
+            store_reset: StoreReset::Full,
+            key_prefix: "rl:".into(),
         }
     }
 }
+
+/// How often the store's epoch markers are read (a loss of state is seen within this).
+const EPOCH_CHECK: Duration = Duration::from_secs(1);
+
+/// Reads or creates an epoch marker (`lua/epoch.lua`).
+const EPOCH_SCRIPT: &str = include_str!("../../../../lua/epoch.lua");
 
 /// How often the Cluster slot map is read again.
 const SLOT_REFRESH: Duration = Duration::from_secs(5);
@@ -287,11 +299,21 @@ impl RedisStore {
         Err(result)
     }
 
-    /// Starts the Cluster slot-map refresher (once; a no-op for other topologies).
+    /// Starts the watch of the store's epoch marker and, on a Cluster, the slot-map refresher
+    /// (once).
     pub fn start_background(&self) {
-        if !self.inner.connection.is_cluster()
-            || self.inner.refresher_started.swap(true, Ordering::SeqCst)
-        {
+        if self.inner.refresher_started.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let store = self.clone();
+        tokio::spawn(async move {
+            let mut seen = HashMap::new();
+            loop {
+                store.check_epoch(&mut seen).await;
+                tokio::time::sleep(EPOCH_CHECK).await;
+            }
+        });
+        if !self.inner.connection.is_cluster() {
             return;
         }
         let store = self.clone();
@@ -309,6 +331,75 @@ impl RedisStore {
                 }
             }
         });
+    }
+
+    /// The epoch markers to watch: `<prefix>epoch`, or on a Cluster one per primary, in a slot
+    /// it serves (any: a node loses its slots' keys together).
+    fn epoch_markers(&self) -> Vec<String> {
+        let prefix = &self.inner.options.key_prefix;
+        if !self.inner.connection.is_cluster() {
+            return vec![epoch_marker(prefix, false, "")];
+        }
+        let slots = self.inner.slots.load();
+        let mut nodes: Vec<&Arc<str>> = slots.ranges.iter().map(|(_, _, n)| n).collect();
+        nodes.sort();
+        nodes.dedup();
+        nodes
+            .into_iter()
+            .filter_map(|node| {
+                // A tag per node: the first `{n<k>}` whose slot the node serves (a few tries).
+                (0..100_000u32).find_map(|k| {
+                    let tag = format!("{{n{k}}}");
+                    let served = slots.node(cluster_slot(tag.as_bytes())) == Some(node);
+                    served.then(|| epoch_marker(prefix, true, &tag))
+                })
+            })
+            .collect()
+    }
+
+    /// Reads (or creates) each epoch marker; a marker gone or changed since the last read means
+    /// its node lost its state: logged at warn and counted (`ratelimit_store_resets_total`).
+    async fn check_epoch(&self, seen: &mut HashMap<String, String>) {
+        for marker in self.epoch_markers() {
+            let mut cmd = redis::cmd("EVAL");
+            cmd.arg(EPOCH_SCRIPT).arg(1).arg(&marker);
+            let reply = match self.bounded(self.query(cmd)).await {
+                Ok(v) => v,
+                Err(e) => {
+                    tracing::debug!(%marker, "epoch marker not read: {e}");
+                    continue;
+                }
+            };
+            let (value, created) = match &reply {
+                Value::Array(v) if v.len() == 2 => (
+                    redis::from_redis_value::<String>(v[0].clone()).unwrap_or_default(),
+                    redis::from_redis_value::<i64>(v[1].clone()).unwrap_or(0) == 1,
+                ),
+                other => {
+                    tracing::warn!(%marker, "unexpected epoch marker reply: {other:?}");
+                    continue;
+                }
+            };
+            match seen.insert(marker.clone(), value.clone()) {
+                Some(before) if before != value || created => {
+                    self.inner.metrics.store_resets.inc();
+                    tracing::warn!(
+                        %marker,
+                        policy = ?self.inner.options.store_reset,
+                        "redis lost its state (the epoch marker was gone or recreated): buckets it no longer holds start {} (--store-reset)",
+                        match self.inner.options.store_reset {
+                            StoreReset::Full => "full",
+                            StoreReset::Empty => "empty at the loss and refill from there",
+                        }
+                    );
+                }
+                None if created => tracing::info!(
+                    %marker,
+                    "created the store's epoch marker (a new Redis, or one that lost its state before this sidecar started)"
+                ),
+                _ => {}
+            }
+        }
     }
 
     /// Reads `CLUSTER SLOTS` and keeps the map when it parses.
@@ -416,6 +507,15 @@ impl RedisStore {
                 self.inner.metrics.script_loads.inc();
             }
             r.script_loaded = r.error.is_none();
+        }
+        // Ready means the epoch markers exist (made here when missing; the watch still sees a
+        // marker made anew as a loss of state).
+        for marker in self.epoch_markers() {
+            let mut cmd = redis::cmd("EVAL");
+            cmd.arg(EPOCH_SCRIPT).arg(1).arg(&marker);
+            if let Err(e) = self.bounded(self.query(cmd)).await {
+                r.error.get_or_insert(format!("epoch marker {marker}: {e}"));
+            }
         }
         let mut config = redis::cmd("CONFIG");
         config.arg("GET").arg("maxmemory-policy");
