@@ -274,3 +274,32 @@ fn a_budget_shared_with_the_wasm_filter_holds_across_both_kinds_of_gateway() {
     let admitted = loaded_run(&[&quota, &wasm], &upstream, Duration::from_secs(8));
     assert!(admitted > 0);
 }
+
+#[test]
+fn a_bucket_of_a_rule_the_policy_lacks_is_refused_never_admitted() {
+    let redis = Redis::start();
+    let sidecar = Sidecar::with_policy(&redis.url(), POLICY, SIDECAR_ARGS);
+    let upstream = Upstream::start();
+    let envoy = rlqs_envoy(sidecar.port, &upstream);
+    // `x-tenant` names a bucket of rule `per-tenant`, which this policy does not define.
+    let client = http();
+    let url = envoy.url("/api/orders");
+    let started = Instant::now();
+    let mut statuses = Vec::new();
+    while started.elapsed() < Duration::from_secs(3) {
+        let status = client
+            .get(&url)
+            .header("x-tenant", "acme")
+            .send()
+            .map(|r| r.status().as_u16())
+            .unwrap_or(0);
+        statuses.push(status);
+        thread::sleep(Duration::from_millis(20));
+    }
+    assert!(statuses.iter().all(|s| *s == 429), "{statuses:?}");
+    assert_eq!(upstream.hits(), 0);
+    assert!(
+        sidecar.process.log().contains("assigned DENY_ALL"),
+        "the sidecar says why"
+    );
+}

@@ -304,12 +304,15 @@ impl<S: BucketStore> Session<S> {
                         }
                     },
                     Resolution::NoLimit | Resolution::UnknownDomain => {
-                        tracing::warn!(
+                        // Once per bucket and stream: renewals repeat it every second.
+                        if t.holding.strategy().is_none() {
+                            tracing::warn!(
                             "rlqs: unknown rule in domain {:?} for bucket {:?} (or no limit matches \
                              its subject): assigned DENY_ALL",
                             self.domain,
                             t.id.bucket
                         );
+                        }
                         Round::Send(Strategy::DenyAll)
                     }
                 }

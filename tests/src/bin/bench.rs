@@ -81,6 +81,10 @@ struct Args {
     /// Envoy workers in `--ab-filter`.
     #[arg(long, default_value_t = 1)]
     ab_workers: u32,
+    /// Only the RLQS comparison: per worker count, Envoy alone, local_ratelimit, the wasm filter
+    /// as shipped and Envoy's quota filter (RLQS), on the hot key and many keys.
+    #[arg(long)]
+    rlqs_only: bool,
     /// An extra argument for the sidecar (repeatable), e.g. `--sidecar-arg=--redis-pipeline=1`
     /// to measure a setting against the default in another run.
     #[arg(long, allow_hyphen_values = true)]
@@ -97,6 +101,12 @@ fn main() {
     rt.block_on(async {
         if let Some(other) = &bench.args.ab_filter {
             return ab_filter(&bench, other).await;
+        }
+        if bench.args.rlqs_only {
+            for &workers in &bench.args.workers {
+                rlqs_comparison(&bench, workers).await;
+            }
+            return;
         }
         let components = components(&bench, SCRIPT).await;
         let memory = bucket_memory(&bench).await;
@@ -155,7 +165,7 @@ impl Bench {
         let noop_wasm = ratelimit_e2e::workspace_root()
             .join("target/wasm32-wasip1/release/ratelimit_noop_filter.wasm");
         assert!(
-            noop_wasm.exists(),
+            noop_wasm.exists() || args.rlqs_only,
             "build the no-op filter first (make bench does)"
         );
         let wasm_size = std::fs::metadata(&wasm).map(|m| m.len()).unwrap_or(0);
@@ -897,6 +907,62 @@ async fn envoy_round(b: &Bench, workers: u32) -> EnvoyRun {
     }
 }
 
+/// `--rlqs-only`: Envoy alone, local_ratelimit, the wasm filter as shipped and Envoy's quota
+/// filter over RLQS, on the hot key and many keys, each stage once; throughput and whole-stack
+/// CPU per request (Envoy, sidecar and Redis).
+async fn rlqs_comparison(b: &Bench, workers: u32) {
+    println!("\n== RLQS against Envoy alone and the wasm filter, {workers} worker(s)");
+    print_header();
+    let c = b.args.concurrency;
+    let hot = Workload::HotKey;
+    let (baseline, _) = b
+        .envoy_stage(
+            "envoy, no filter (baseline)".into(),
+            b.envoy(Filter::None, true, workers),
+            hot,
+            c,
+        )
+        .await;
+    print(&baseline, None);
+    let (local, _) = b
+        .envoy_stage(
+            "envoy + local_ratelimit (per-Envoy, no shared budget)".into(),
+            b.envoy(Filter::LocalRateLimit, true, workers),
+            hot,
+            c,
+        )
+        .await;
+    print(&local, Some(&baseline));
+    for workload in [Workload::HotKey, Workload::ManyKeys] {
+        let name = format!("{}: filter as shipped (fast paths)", workload.name());
+        let (wasm, callouts) = b
+            .envoy_stage(
+                name,
+                b.envoy(Filter::Wasm(&b.wasm), true, workers),
+                workload,
+                c,
+            )
+            .await;
+        print(&wasm, Some(&baseline));
+        print_note(&format!("callouts per request: {callouts:.3}"));
+        let name = format!("{}: Envoy's quota filter (RLQS)", workload.name());
+        let (rlqs, _) = b.envoy_stage(name, b.rlqs(workers), workload, c).await;
+        print(&rlqs, Some(&baseline));
+        println!(
+            "[{workers} worker(s)] {}: RLQS {:.0}/s ({:.2}x Envoy alone, {:.2}x local_ratelimit, {:.2}x the wasm filter); whole-stack CPU per request: RLQS {:.1} µs, Envoy alone {:.1}, local_ratelimit {:.1}, wasm filter {:.1}",
+            workload.name(),
+            rlqs.per_second(),
+            rlqs.per_second() / baseline.per_second(),
+            rlqs.per_second() / local.per_second(),
+            rlqs.per_second() / wasm.per_second(),
+            rlqs.stack_cpu(),
+            baseline.stack_cpu(),
+            local.stack_cpu(),
+            wasm.stack_cpu(),
+        );
+    }
+}
+
 /// Many keys again with `--loaded-concurrency` callers: the fast paths' batches grow with the
 /// load.
 async fn loaded_stages(b: &Bench, workers: u32) -> Loaded {
@@ -1531,6 +1597,7 @@ mod tests {
             local: stage(1000, &envoy(48.0)),
             wasm,
             native,
+            rlqs: Vec::new(),
             loaded: loaded.then(|| Loaded {
                 concurrency: 256,
                 baseline: stage(1000, &envoy(45.0)),
