@@ -303,3 +303,45 @@ fn a_bucket_of_a_rule_the_policy_lacks_is_refused_never_admitted() {
         "the sidecar says why"
     );
 }
+
+#[test]
+fn the_quota_stream_is_authenticated_like_the_other_apis() {
+    let redis = Redis::start();
+    let mut args = SIDECAR_ARGS.to_vec();
+    args.extend(["--auth-token", "rlqs-secret-51d0"]);
+    let sidecar = Sidecar::with_policy(&redis.url(), POLICY, &args);
+    let upstream = Upstream::start();
+    let shipped = EnvoyConfig::shipped("envoy-rlqs.yaml", sidecar.port, upstream.port);
+    let grpc = "                envoy_grpc: { cluster_name: ratelimit_sidecar }";
+    let without = Envoy::start(&shipped);
+    let with = Envoy::start(&shipped.clone().replace(
+        grpc,
+        &format!(
+            "{grpc}\n                initial_metadata: [{{ key: authorization, value: \"Bearer rlqs-secret-51d0\" }}]"
+        ),
+    ));
+    let statuses = |envoy: &Envoy| -> Vec<u16> {
+        let client = http();
+        let url = envoy.url("/api/orders");
+        let started = Instant::now();
+        let mut out = Vec::new();
+        while started.elapsed() < Duration::from_secs(3) {
+            out.push(
+                client
+                    .get(&url)
+                    .send()
+                    .map(|r| r.status().as_u16())
+                    .unwrap_or(0),
+            );
+            thread::sleep(Duration::from_millis(50));
+        }
+        out
+    };
+    // Without the token the stream is refused: no assignment ever comes, DENY_ALL stays.
+    let refused = statuses(&without);
+    assert!(refused.iter().all(|s| *s == 429), "{refused:?}");
+    assert_eq!(upstream.hits(), 0);
+    // With it, the bucket is assigned and requests pass.
+    let admitted = statuses(&with);
+    assert!(admitted.contains(&200), "{admitted:?}");
+}
