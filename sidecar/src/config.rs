@@ -183,6 +183,26 @@ pub struct Args {
     #[arg(long, env = "RATELIMIT_ALLOW_UNAUTHENTICATED")]
     pub allow_unauthenticated: bool,
 
+    /// The time to live of an RLQS assignment, in whole seconds (Envoy reads only the seconds):
+    /// how long an Envoy keeps a quota assignment it was not sent again. See docs/rlqs.md.
+    #[arg(long, env = "RATELIMIT_RLQS_ASSIGNMENT_TTL_S", default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..=60))]
+    pub rlqs_assignment_ttl_s: u64,
+
+    /// The longest time between the sidecar sending an RLQS assignment and Envoy applying it, in
+    /// milliseconds: the tokens taken for an assignment cover its TTL plus this margin.
+    #[arg(long, env = "RATELIMIT_RLQS_DELIVERY_MARGIN_MS", default_value_t = 500, value_parser = clap::value_parser!(u64).range(0..=10_000))]
+    pub rlqs_delivery_margin_ms: u64,
+
+    /// How often every RLQS bucket of a stream is assigned again, in milliseconds; must be below
+    /// TTL − 2 × margin, so that a renewal reaches Envoy while the last assignment is live.
+    #[arg(long, env = "RATELIMIT_RLQS_RENEW_MS", default_value_t = 1_000, value_parser = clap::value_parser!(u64).range(10..=60_000))]
+    pub rlqs_renew_ms: u64,
+
+    /// The most RLQS buckets one Envoy's stream may hold; further buckets get no assignment
+    /// (Envoy's `no_assignment_behavior` applies to them).
+    #[arg(long, env = "RATELIMIT_RLQS_MAX_BUCKETS", default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    pub rlqs_max_buckets: u64,
+
     /// A second, plain-HTTP listener serving only /healthz, /readyz and /metrics (for probes and
     /// Prometheus when --listen requires client certificates or tokens).
     #[arg(long, env = "RATELIMIT_ADMIN_LISTEN", value_name = "ADDR")]
@@ -346,6 +366,15 @@ mod tests {
         assert_eq!((a.tls_cert, a.tls_key, a.tls_client_ca), (None, None, None));
         assert!(!a.allow_unauthenticated);
         assert_eq!(a.admin_listen, None);
+        assert_eq!(
+            (
+                a.rlqs_assignment_ttl_s,
+                a.rlqs_delivery_margin_ms,
+                a.rlqs_renew_ms
+            ),
+            (3, 500, 1_000)
+        );
+        assert_eq!(a.rlqs_max_buckets, 10_000);
         assert_eq!(a.redis_tls.redis_ca_file, None);
         assert_eq!(
             (a.redis_tls.redis_client_cert, a.redis_tls.redis_client_key),

@@ -20,6 +20,7 @@ pub mod listener;
 pub mod metrics;
 pub mod policy;
 pub mod regional;
+pub mod rlqs;
 pub mod store;
 
 use std::future::Future;
@@ -67,12 +68,38 @@ pub enum ServeError {
          address, or pass --allow-unauthenticated to serve it unauthenticated on purpose"
     )]
     Unauthenticated(SocketAddr),
+    #[error(
+        "--rlqs-renew-ms {renew_ms} must be below --rlqs-assignment-ttl-s × 1000 − 2 × \
+         --rlqs-delivery-margin-ms ({bound_ms} ms): a renewal must reach Envoy while its last \
+         assignment is live"
+    )]
+    RlqsTiming { renew_ms: u64, bound_ms: u64 },
 }
 
 impl From<StoreError> for ServeError {
     fn from(e: StoreError) -> Self {
         ServeError::Store(e)
     }
+}
+
+/// The quota service's settings from the arguments, checked.
+pub fn rlqs_settings(args: &Args) -> Result<rlqs::RlqsSettings, ServeError> {
+    let timing = rlqs::plan::Timing {
+        ttl_s: args.rlqs_assignment_ttl_s,
+        margin_ms: args.rlqs_delivery_margin_ms,
+    };
+    let bound_ms = (timing.ttl_s * 1000).saturating_sub(2 * timing.margin_ms);
+    if args.rlqs_renew_ms >= bound_ms {
+        return Err(ServeError::RlqsTiming {
+            renew_ms: args.rlqs_renew_ms,
+            bound_ms,
+        });
+    }
+    Ok(rlqs::RlqsSettings {
+        timing,
+        renew_ms: args.rlqs_renew_ms,
+        max_buckets: usize::try_from(args.rlqs_max_buckets).unwrap_or(usize::MAX),
+    })
 }
 
 /// [`serve`]'s refusal of an unauthenticated listener other hosts can reach, judged from the
@@ -194,7 +221,10 @@ pub async fn serve(
         decider: Arc::new(decider),
         metrics,
     });
-    let app = http::router(state, args.max_body_bytes);
+    let app = http::router(state.clone(), args.max_body_bytes).merge(
+        rlqs::RlqsApi::new(state.decider.clone(), rlqs_settings(&args)?)
+            .into_router(args.max_body_bytes),
+    );
     let token_watch = auth
         .clone()
         .and_then(|a| a.watch_token_file(auth::TOKEN_FILE_CHECK_INTERVAL));

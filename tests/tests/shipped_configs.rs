@@ -14,12 +14,13 @@ const LOCAL_WASM: &str = "target/wasm32-wasip1/release/ratelimit_filter.wasm";
 const COMPOSE_WASM: &str = "/etc/envoy/ratelimit_filter.wasm";
 
 /// Every Envoy config shipped for an edge Envoy.
-const EDGE_CONFIGS: [&str; 5] = [
+const EDGE_CONFIGS: [&str; 6] = [
     "envoy/envoy.yaml",
     "envoy/envoy-jwt.yaml",
     "envoy/compose/envoy.yaml",
     "envoy/envoy-edge-tls.yaml",
     "envoy/envoy-native-ratelimit.yaml",
+    "envoy/envoy-rlqs.yaml",
 ];
 
 fn read(path: &str) -> String {

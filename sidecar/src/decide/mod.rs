@@ -88,6 +88,11 @@ impl<S: BucketStore> Decider<S> {
         }
     }
 
+    /// The policy in force (the quota API resolves a bucket's rule before it asks for tokens).
+    pub fn policy(&self) -> &Arc<PolicyHandle> {
+        &self.policy
+    }
+
     /// Decides regional rules under `shares` (this sidecar's region).
     pub fn with_regional(mut self, shares: Arc<RegionalShares>) -> Self {
         self.regional = Some(shares);

@@ -81,6 +81,10 @@ struct Args {
     /// Envoy workers in `--ab-filter`.
     #[arg(long, default_value_t = 1)]
     ab_workers: u32,
+    /// Only the RLQS comparison: per worker count, Envoy alone, local_ratelimit, the wasm filter
+    /// as shipped and Envoy's quota filter (RLQS), on the hot key and many keys.
+    #[arg(long)]
+    rlqs_only: bool,
     /// An extra argument for the sidecar (repeatable), e.g. `--sidecar-arg=--redis-pipeline=1`
     /// to measure a setting against the default in another run.
     #[arg(long, allow_hyphen_values = true)]
@@ -97,6 +101,12 @@ fn main() {
     rt.block_on(async {
         if let Some(other) = &bench.args.ab_filter {
             return ab_filter(&bench, other).await;
+        }
+        if bench.args.rlqs_only {
+            for &workers in &bench.args.workers {
+                rlqs_comparison(&bench, workers).await;
+            }
+            return;
         }
         let components = components(&bench, SCRIPT).await;
         let memory = bucket_memory(&bench).await;
@@ -155,7 +165,7 @@ impl Bench {
         let noop_wasm = ratelimit_e2e::workspace_root()
             .join("target/wasm32-wasip1/release/ratelimit_noop_filter.wasm");
         assert!(
-            noop_wasm.exists(),
+            noop_wasm.exists() || args.rlqs_only,
             "build the no-op filter first (make bench does)"
         );
         let wasm_size = std::fs::metadata(&wasm).map(|m| m.len()).unwrap_or(0);
@@ -264,6 +274,38 @@ impl Bench {
         .replace("use_remote_address: true", "use_remote_address: false")
         .replace("timeout: 0.05s", "timeout: 2s")
         .replace_lines("              routes:", "          http_filters:", &routes)
+    }
+
+    /// The shipped `envoy-rlqs.yaml` (Envoy's quota filter, RLQS to the sidecar) with one bucket
+    /// per workload naming the bench's rules (`many` per address), addresses from
+    /// `X-Forwarded-For`, and ALLOW_ALL before a bucket's first assignment: the stage measures
+    /// the cost of decisions made in Envoy, not the first request of each of 10,000 buckets.
+    fn rlqs(&self, workers: u32) -> EnvoyConfig {
+        let bucket = |path: &str, rule: &str, ip: bool| {
+            let ip = if ip {
+                "                              ip:\n                                custom_value:\n                                  name: ip\n                                  typed_config:\n                                    \"@type\": type.googleapis.com/envoy.extensions.matching.common_inputs.network.v3.SourceIPInput\n"
+            } else {
+                ""
+            };
+            format!(
+                "                  - predicate:\n                      single_predicate:\n                        input:\n                          name: path\n                          typed_config:\n                            \"@type\": type.googleapis.com/envoy.type.matcher.v3.HttpRequestHeaderMatchInput\n                            header_name: \":path\"\n                        value_match: {{ prefix: \"{path}\" }}\n                    on_match:\n                      action:\n                        name: rate_limit_quota\n                        typed_config:\n                          \"@type\": type.googleapis.com/envoy.extensions.filters.http.rate_limit_quota.v3.RateLimitQuotaBucketSettings\n                          bucket_id_builder:\n                            bucket_id_builder:\n                              rule: {{ string_value: {rule} }}\n{ip}                          reporting_interval: 1s\n                          no_assignment_behavior: {{ fallback_rate_limit: {{ blanket_rule: ALLOW_ALL }} }}\n"
+            )
+        };
+        let matchers = format!(
+            "              bucket_matchers:\n                matcher_list:\n                  matchers:\n{}{}{}",
+            bucket("/many/", "many", true),
+            bucket("/hot/", "hot", false),
+            bucket("/flood/", "flood", false),
+        );
+        EnvoyConfig::shipped("envoy-rlqs.yaml", self.sidecar.port, self.upstream.port)
+            .concurrency(workers)
+            .log_level("warning")
+            .replace("use_remote_address: true", "use_remote_address: false")
+            .replace_lines(
+                "              bucket_matchers:",
+                "          - name: envoy.filters.http.router",
+                &matchers,
+            )
     }
 
     /// Runs one stage of `workload` against a fresh Envoy started from `config`, with `callers`
@@ -842,6 +884,13 @@ async fn envoy_round(b: &Bench, workers: u32) -> EnvoyRun {
         print(&r, Some(&baseline));
         native.push((workload, r));
     }
+    let mut rlqs = Vec::new();
+    for workload in [Workload::ManyKeys, Workload::HotKey] {
+        let name = format!("{}: Envoy's quota filter (RLQS)", workload.name());
+        let (r, _) = b.envoy_stage(name, b.rlqs(workers), workload, c).await;
+        print(&r, Some(&baseline));
+        rlqs.push((workload, r));
+    }
     let loaded = match b.args.loaded_concurrency {
         0 => None,
         _ => Some(loaded_stages(b, workers).await),
@@ -853,7 +902,64 @@ async fn envoy_round(b: &Bench, workers: u32) -> EnvoyRun {
         local,
         wasm: wasm_stages,
         native,
+        rlqs,
         loaded,
+    }
+}
+
+/// `--rlqs-only`: Envoy alone, local_ratelimit, the wasm filter as shipped and Envoy's quota
+/// filter over RLQS, on the hot key and many keys, each stage once; throughput and whole-stack
+/// CPU per request (Envoy, sidecar and Redis).
+async fn rlqs_comparison(b: &Bench, workers: u32) {
+    println!("\n== RLQS against Envoy alone and the wasm filter, {workers} worker(s)");
+    print_header();
+    let c = b.args.concurrency;
+    let hot = Workload::HotKey;
+    let (baseline, _) = b
+        .envoy_stage(
+            "envoy, no filter (baseline)".into(),
+            b.envoy(Filter::None, true, workers),
+            hot,
+            c,
+        )
+        .await;
+    print(&baseline, None);
+    let (local, _) = b
+        .envoy_stage(
+            "envoy + local_ratelimit (per-Envoy, no shared budget)".into(),
+            b.envoy(Filter::LocalRateLimit, true, workers),
+            hot,
+            c,
+        )
+        .await;
+    print(&local, Some(&baseline));
+    for workload in [Workload::HotKey, Workload::ManyKeys] {
+        let name = format!("{}: filter as shipped (fast paths)", workload.name());
+        let (wasm, callouts) = b
+            .envoy_stage(
+                name,
+                b.envoy(Filter::Wasm(&b.wasm), true, workers),
+                workload,
+                c,
+            )
+            .await;
+        print(&wasm, Some(&baseline));
+        print_note(&format!("callouts per request: {callouts:.3}"));
+        let name = format!("{}: Envoy's quota filter (RLQS)", workload.name());
+        let (rlqs, _) = b.envoy_stage(name, b.rlqs(workers), workload, c).await;
+        print(&rlqs, Some(&baseline));
+        println!(
+            "[{workers} worker(s)] {}: RLQS {:.0}/s ({:.2}x Envoy alone, {:.2}x local_ratelimit, {:.2}x the wasm filter); whole-stack CPU per request: RLQS {:.1} µs, Envoy alone {:.1}, local_ratelimit {:.1}, wasm filter {:.1}",
+            workload.name(),
+            rlqs.per_second(),
+            rlqs.per_second() / baseline.per_second(),
+            rlqs.per_second() / local.per_second(),
+            rlqs.per_second() / wasm.per_second(),
+            rlqs.stack_cpu(),
+            baseline.stack_cpu(),
+            local.stack_cpu(),
+            wasm.stack_cpu(),
+        );
     }
 }
 
@@ -1128,6 +1234,19 @@ fn print_goals(b: &Bench, c: &Components, runs: &[(EnvoyRun, Vec<EnvoyRun>, AtLi
                 if wanted { format!(" ({})", verdict(&key)) } else { String::new() }
             );
         }
+        for (wl, rlqs) in &run.rlqs {
+            let (_, _, fast, _) = find(*wl);
+            println!(
+                "[{w} worker(s)] {}: Envoy's quota filter (RLQS): {:.2}x the baseline's throughput, {:.2}x local_ratelimit's; whole-stack CPU per request {:.1} µs vs {:.1} for Envoy alone, {:.1} for local_ratelimit, {:.1} for the wasm filter as shipped",
+                wl.name(),
+                rlqs.per_second() / run.baseline.per_second(),
+                rlqs.per_second() / run.local.per_second(),
+                rlqs.stack_cpu(),
+                run.baseline.stack_cpu(),
+                run.local.stack_cpu(),
+                fast.stack_cpu(),
+            );
+        }
         println!(
             "[{w} worker(s)] hot key at its limit ({EDGE_CAPACITY} + {EDGE_REFILL}/s, {} callers as one client, {:.1} s): {} admitted, exact bound C + r·T = {:.0}: over-admission {:.0} (goal 0: {}); under-admission {:.0} tokens ({:.1}% of the bound; leases withhold at most 2·L = {:.0} per Envoy, plus {} errors), {:.4} callouts/request",
             b.args.concurrency,
@@ -1158,6 +1277,8 @@ struct EnvoyRun {
     wasm: Vec<(Workload, StageResult, StageResult, f64)>,
     /// (workload, Envoy's native filter over gRPC)
     native: Vec<(Workload, StageResult)>,
+    /// (workload, Envoy's quota filter with the sidecar as its RLQS server)
+    rlqs: Vec<(Workload, StageResult)>,
     /// The many-keys stages under load.
     loaded: Option<Loaded>,
 }
@@ -1214,6 +1335,9 @@ impl EnvoyRun {
         let native = (0..first.native.len())
             .map(|i| (first.native[i].0, stage(&|r| &r.native[i].1)))
             .collect();
+        let rlqs = (0..first.rlqs.len())
+            .map(|i| (first.rlqs[i].0, stage(&|r| &r.rlqs[i].1)))
+            .collect();
         let loaded = rounds
             .iter()
             .map(|r| r.loaded.as_ref())
@@ -1238,6 +1362,7 @@ impl EnvoyRun {
             local: stage(&|r| &r.local),
             wasm,
             native,
+            rlqs,
             loaded,
         }
     }
@@ -1254,6 +1379,9 @@ impl EnvoyRun {
             print_note(&format!("callouts per request: {callouts:.3}"));
         }
         for (_, r) in &self.native {
+            print(r, Some(&self.baseline));
+        }
+        for (_, r) in &self.rlqs {
             print(r, Some(&self.baseline));
         }
         if let Some(l) = &self.loaded {
@@ -1469,6 +1597,7 @@ mod tests {
             local: stage(1000, &envoy(48.0)),
             wasm,
             native,
+            rlqs: Vec::new(),
             loaded: loaded.then(|| Loaded {
                 concurrency: 256,
                 baseline: stage(1000, &envoy(45.0)),

@@ -1,0 +1,132 @@
+//! An RLQS bucket id read as a decision's entries: the key `rule` names the policy rule, every
+//! other key is a dimension of the subject. The map has no order; the subject's dimensions are
+//! taken in name order (so a wasm filter rule whose subject lists them in name order reaches the
+//! same Redis bucket).
+
+use std::collections::HashMap;
+
+use ratelimit_wire::{MAX_NAME_BYTES, MAX_SUBJECT_ENTRIES, MAX_VALUE_BYTES};
+
+use crate::decide::Entries;
+use crate::policy::own_format::RULE_KEY;
+
+/// The decision entries of a bucket id, `rule` first; the error names what is wrong.
+pub fn entries(bucket: &HashMap<String, String>) -> Result<Entries, String> {
+    let rule = bucket
+        .get(RULE_KEY)
+        .ok_or_else(|| format!("bucket_id: no {RULE_KEY:?} key naming the policy rule"))?;
+    if rule.is_empty() || rule.len() > MAX_NAME_BYTES {
+        return Err(format!(
+            "bucket_id.{RULE_KEY}: must be 1 to {MAX_NAME_BYTES} bytes"
+        ));
+    }
+    if bucket.len() > 1 + MAX_SUBJECT_ENTRIES {
+        return Err(format!(
+            "bucket_id: at most {MAX_SUBJECT_ENTRIES} subject keys besides {RULE_KEY:?}, got {}",
+            bucket.len() - 1
+        ));
+    }
+    let mut subject: Vec<(&String, &String)> =
+        bucket.iter().filter(|(k, _)| *k != RULE_KEY).collect();
+    subject.sort();
+    let mut out = Vec::with_capacity(bucket.len());
+    out.push((RULE_KEY.to_string(), Some(rule.clone())));
+    for (k, v) in subject {
+        if k.is_empty() || k.len() > MAX_NAME_BYTES {
+            return Err(format!(
+                "bucket_id: key {:?}: must be 1 to {MAX_NAME_BYTES} bytes",
+                truncated(k)
+            ));
+        }
+        if v.len() > MAX_VALUE_BYTES {
+            return Err(format!(
+                "bucket_id.{k}: longer than {MAX_VALUE_BYTES} bytes"
+            ));
+        }
+        out.push((k.clone(), Some(v.clone())));
+    }
+    Ok(out)
+}
+
+/// The bucket id as one string, the same for the same map whatever its order (the key under
+/// which a stream tracks the bucket).
+pub fn canonical(bucket: &HashMap<String, String>) -> String {
+    let mut pairs: Vec<(&String, &String)> = bucket.iter().collect();
+    pairs.sort();
+    let mut s = String::new();
+    for (k, v) in pairs {
+        s.push_str(&k.len().to_string());
+        s.push(':');
+        s.push_str(k);
+        s.push_str(&v.len().to_string());
+        s.push(':');
+        s.push_str(v);
+    }
+    s
+}
+
+fn truncated(s: &str) -> &str {
+    let mut end = s.len().min(40);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn id(pairs: &[(&str, &str)]) -> HashMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn the_rule_comes_first_and_the_subject_in_name_order() {
+        let e = entries(&id(&[
+            ("user", "u1"),
+            ("rule", "per-x"),
+            ("tenant", "acme"),
+        ]))
+        .unwrap();
+        assert_eq!(
+            e,
+            vec![
+                ("rule".into(), Some("per-x".into())),
+                ("tenant".into(), Some("acme".into())),
+                ("user".into(), Some("u1".into())),
+            ]
+        );
+    }
+
+    #[test]
+    fn malformed_ids_are_named() {
+        assert!(entries(&id(&[("tenant", "acme")]))
+            .unwrap_err()
+            .contains("no \"rule\" key"));
+        assert!(entries(&id(&[("rule", "")])).unwrap_err().contains("rule"));
+        let many: Vec<(String, String)> = (0..10).map(|i| (format!("k{i}"), "v".into())).collect();
+        let mut m: HashMap<String, String> = many.into_iter().collect();
+        m.insert("rule".into(), "r".into());
+        assert!(entries(&m).unwrap_err().contains("at most 8"));
+        let long = "x".repeat(MAX_VALUE_BYTES + 1);
+        assert!(entries(&id(&[("rule", "r"), ("k", &long)]))
+            .unwrap_err()
+            .contains("bucket_id.k"));
+    }
+
+    #[test]
+    fn the_canonical_form_does_not_depend_on_order_and_cannot_be_forged() {
+        assert_eq!(
+            canonical(&id(&[("a", "1"), ("b", "2")])),
+            canonical(&id(&[("b", "2"), ("a", "1")]))
+        );
+        assert_ne!(
+            canonical(&id(&[("a", "1b"), ("c", "")])),
+            canonical(&id(&[("a", "1"), ("bc", "")]))
+        );
+    }
+}

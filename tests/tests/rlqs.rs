@@ -1,0 +1,347 @@
+//! Envoy's own quota filter (`envoy/envoy-rlqs.yaml`, RLQS to the sidecar): real Envoys, real
+//! sidecars, one Redis. Every scenario loads one bucket (rule `per-ip`, the client 127.0.0.1)
+//! from several Envoys and checks the global bound of docs/rlqs.md: over a run of T seconds from
+//! a full bucket, everything admitted is at most C + r·T.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use ratelimit_e2e::{http, Envoy, EnvoyConfig, Redis, Sidecar, Upstream};
+use serde_json::json;
+
+const CAPACITY: f64 = 100.0;
+const REFILL: f64 = 20.0;
+
+/// The policy: the bucket every scenario loads (C = 100, r = 20/s).
+const POLICY: &str = "\
+domain: ratelimit
+rules:
+  per-ip: {capacity: 100, refill_per_sec: 20}
+";
+
+/// RLQS grants are sized by the planner, within the lease cap: allow a grant of the whole bucket.
+const SIDECAR_ARGS: &[&str] = &["--redis-timeout-ms", "1000", "--lease-max-share", "1"];
+
+fn rlqs_envoy(sidecar_port: u16, upstream: &Upstream) -> Envoy {
+    Envoy::start(&EnvoyConfig::shipped(
+        "envoy-rlqs.yaml",
+        sidecar_port,
+        upstream.port,
+    ))
+}
+
+/// Clients hammering one Envoy until stopped: 200s and 429s counted, anything else is a failure.
+struct Clients {
+    stop: Arc<AtomicBool>,
+    admitted: Arc<AtomicU64>,
+    rejected: Arc<AtomicU64>,
+    failed: Arc<AtomicU64>,
+    threads: Vec<thread::JoinHandle<()>>,
+}
+
+impl Clients {
+    fn start(envoy: &Envoy, threads: usize, pause: Duration) -> Clients {
+        let stop = Arc::new(AtomicBool::new(false));
+        let admitted = Arc::new(AtomicU64::new(0));
+        let rejected = Arc::new(AtomicU64::new(0));
+        let failed = Arc::new(AtomicU64::new(0));
+        let url = envoy.url("/api/orders");
+        let handles = (0..threads)
+            .map(|_| {
+                let (stop, admitted, rejected, failed) = (
+                    stop.clone(),
+                    admitted.clone(),
+                    rejected.clone(),
+                    failed.clone(),
+                );
+                let url = url.clone();
+                thread::spawn(move || {
+                    let client = http();
+                    while !stop.load(Ordering::Relaxed) {
+                        match client.get(&url).send().map(|r| r.status().as_u16()) {
+                            Ok(200) => admitted.fetch_add(1, Ordering::Relaxed),
+                            Ok(429) => rejected.fetch_add(1, Ordering::Relaxed),
+                            _ => failed.fetch_add(1, Ordering::Relaxed),
+                        };
+                        thread::sleep(pause);
+                    }
+                })
+            })
+            .collect();
+        Clients {
+            stop,
+            admitted,
+            rejected,
+            failed,
+            threads: handles,
+        }
+    }
+
+    fn admitted(&self) -> u64 {
+        self.admitted.load(Ordering::Relaxed)
+    }
+
+    /// Stops the clients; (admitted, rejected, failed).
+    fn finish(self) -> (u64, u64, u64) {
+        self.stop.store(true, Ordering::Relaxed);
+        for t in self.threads {
+            let _ = t.join();
+        }
+        (
+            self.admitted.load(Ordering::Relaxed),
+            self.rejected.load(Ordering::Relaxed),
+            self.failed.load(Ordering::Relaxed),
+        )
+    }
+}
+
+fn bound(run: Duration) -> f64 {
+    CAPACITY + REFILL * run.as_secs_f64()
+}
+
+/// Runs load on every Envoy for `run`; asserts the global bound on what reached the upstream.
+fn loaded_run(envoys: &[&Envoy], upstream: &Upstream, run: Duration) -> u64 {
+    let before = upstream.hits();
+    let started = Instant::now();
+    let clients: Vec<Clients> = envoys
+        .iter()
+        .map(|e| Clients::start(e, 3, Duration::from_millis(2)))
+        .collect();
+    thread::sleep(run);
+    let mut admitted = 0;
+    let mut rejected = 0;
+    for c in clients {
+        let (a, r, f) = c.finish();
+        assert_eq!(f, 0, "every request was answered 200 or 429");
+        admitted += a;
+        rejected += r;
+    }
+    let elapsed = started.elapsed();
+    let reached = upstream.hits() - before;
+    assert_eq!(reached, admitted, "every 200 reached the upstream");
+    println!(
+        "{} Envoys, {:.1} s: admitted {admitted}, rejected {rejected}, bound C + r·T = {:.0}",
+        envoys.len(),
+        elapsed.as_secs_f64(),
+        bound(elapsed)
+    );
+    assert!(
+        admitted as f64 <= bound(elapsed),
+        "admitted {admitted} > C + r·T = {:.1} over {:?}",
+        bound(elapsed),
+        elapsed
+    );
+    assert!(rejected > 0, "the load exceeded the budget");
+    admitted
+}
+
+#[test]
+fn two_envoys_on_one_sidecar_admit_at_most_the_budget() {
+    let redis = Redis::start();
+    let sidecar = Sidecar::with_policy(&redis.url(), POLICY, SIDECAR_ARGS);
+    let upstream = Upstream::start();
+    let a = rlqs_envoy(sidecar.port, &upstream);
+    let b = rlqs_envoy(sidecar.port, &upstream);
+    let run = Duration::from_secs(8);
+    let admitted = loaded_run(&[&a, &b], &upstream, run);
+    // Most of the budget is used: at least the sustained rate over the second half of the run
+    // (the first assignment of each bucket follows its first request by one report).
+    assert!(
+        admitted as f64 >= REFILL * run.as_secs_f64() / 2.0,
+        "admitted only {admitted}"
+    );
+}
+
+#[test]
+fn two_envoys_with_a_sidecar_each_on_one_redis_admit_at_most_the_budget() {
+    let redis = Redis::start();
+    let first = Sidecar::with_policy(&redis.url(), POLICY, SIDECAR_ARGS);
+    let second = Sidecar::with_policy(&redis.url(), POLICY, SIDECAR_ARGS);
+    let upstream = Upstream::start();
+    let a = rlqs_envoy(first.port, &upstream);
+    let b = rlqs_envoy(second.port, &upstream);
+    let admitted = loaded_run(&[&a, &b], &upstream, Duration::from_secs(8));
+    assert!(admitted > 0);
+}
+
+/// Envoy 1.40 reports usage every 5 s (docs/rlqs.md, fact 4): the planner learns of a shift by
+/// the next report, then moves the assignments within two renewals.
+#[test]
+fn demand_moving_from_one_envoy_to_the_other_moves_the_assignments_within_seven_seconds() {
+    let redis = Redis::start();
+    let sidecar = Sidecar::with_policy(&redis.url(), POLICY, SIDECAR_ARGS);
+    let upstream = Upstream::start();
+    let a = rlqs_envoy(sidecar.port, &upstream);
+    let b = rlqs_envoy(sidecar.port, &upstream);
+    let started = Instant::now();
+    // B has a bucket (and an assignment) but little demand; A carries the load.
+    let idle_b = Clients::start(&b, 1, Duration::from_millis(500));
+    let busy_a = Clients::start(&a, 3, Duration::from_millis(2));
+    thread::sleep(Duration::from_secs(11));
+    let (a_admitted, _, a_failed) = busy_a.finish();
+    let (b_idle_admitted, _, _) = idle_b.finish();
+    assert_eq!(a_failed, 0);
+    // The demand moves to B: from 7 s after the shift, B admits at least half the sustained rate.
+    let busy_b = Clients::start(&b, 3, Duration::from_millis(2));
+    thread::sleep(Duration::from_secs(7));
+    let at_7s = busy_b.admitted();
+    thread::sleep(Duration::from_secs(4));
+    let late = busy_b.admitted() - at_7s;
+    let (b_admitted, _, b_failed) = busy_b.finish();
+    assert_eq!(b_failed, 0);
+    let elapsed = started.elapsed();
+    let total = a_admitted + b_idle_admitted + b_admitted;
+    println!(
+        "A admitted {a_admitted} in 11 s; then B {b_admitted} in 11 s, {late} in 4 s from 7 s after \
+         the shift ({:.1}/s); total {total}, bound {:.0}",
+        late as f64 / 4.0,
+        bound(elapsed)
+    );
+    assert!(
+        late as f64 / 4.0 >= REFILL / 2.0,
+        "B admits {late} in the 4 s from 7 s after the shift"
+    );
+    assert!(
+        total as f64 <= bound(elapsed),
+        "{total} > {}",
+        bound(elapsed)
+    );
+}
+
+#[test]
+fn with_the_sidecar_killed_each_envoy_admits_at_most_its_live_assignment_and_the_fallback() {
+    let redis = Redis::start();
+    let mut sidecar = Sidecar::with_policy(&redis.url(), POLICY, SIDECAR_ARGS);
+    let upstream = Upstream::start();
+    let a = rlqs_envoy(sidecar.port, &upstream);
+    let b = rlqs_envoy(sidecar.port, &upstream);
+    let started = Instant::now();
+    let clients = [
+        Clients::start(&a, 3, Duration::from_millis(2)),
+        Clients::start(&b, 3, Duration::from_millis(2)),
+    ];
+    thread::sleep(Duration::from_secs(4));
+    let before_kill: u64 = clients.iter().map(Clients::admitted).sum();
+    let run_before = started.elapsed();
+    sidecar.process.stop();
+    let killed = Instant::now();
+    thread::sleep(Duration::from_secs(8));
+    let mut total = 0;
+    for c in clients {
+        let (a, _, f) = c.finish();
+        assert_eq!(f, 0);
+        total += a;
+    }
+    let after_kill = total - before_kill;
+    let since_kill = killed.elapsed().as_secs_f64();
+    // Per Envoy: its live assignment (within the budget, counted in C + r·T up to the kill plus
+    // its TTL and margin) and then the shipped fallback, 10 + 1/s for 60 s; then DENY_ALL.
+    let live = bound(run_before + Duration::from_millis(3500));
+    let fallback = 2.0 * (10.0 + since_kill);
+    println!(
+        "before the kill {before_kill}, after {after_kill} in {since_kill:.1} s; \
+         bound {live:.0} + fallback {fallback:.0}"
+    );
+    assert!(
+        total as f64 <= live + fallback,
+        "admitted {total} > {live:.0} + {fallback:.0}"
+    );
+}
+
+#[test]
+fn a_budget_shared_with_the_wasm_filter_holds_across_both_kinds_of_gateway() {
+    let redis = Redis::start();
+    let sidecar = Sidecar::with_policy(&redis.url(), POLICY, SIDECAR_ARGS);
+    let upstream = Upstream::start();
+    let quota = rlqs_envoy(sidecar.port, &upstream);
+    // The wasm filter with the rule of the same identity: rule "per-ip", subject ["ip"].
+    let wasm = Envoy::start(
+        &EnvoyConfig::shipped("envoy.yaml", sidecar.port, upstream.port).plugin(
+            &serde_json::to_string_pretty(&json!({
+                "domain": "ratelimit",
+                "sidecar": {"cluster": "ratelimit_sidecar", "timeout_ms": 5000},
+                "identity": {"ip": true},
+                "rules": [
+                    {"name": "per-ip", "match": {"path_prefix": "/"}, "subject": ["ip"],
+                     "on_error": "deny"}
+                ]
+            }))
+            .unwrap(),
+        ),
+    );
+    let admitted = loaded_run(&[&quota, &wasm], &upstream, Duration::from_secs(8));
+    assert!(admitted > 0);
+}
+
+#[test]
+fn a_bucket_of_a_rule_the_policy_lacks_is_refused_never_admitted() {
+    let redis = Redis::start();
+    let sidecar = Sidecar::with_policy(&redis.url(), POLICY, SIDECAR_ARGS);
+    let upstream = Upstream::start();
+    let envoy = rlqs_envoy(sidecar.port, &upstream);
+    // `x-tenant` names a bucket of rule `per-tenant`, which this policy does not define.
+    let client = http();
+    let url = envoy.url("/api/orders");
+    let started = Instant::now();
+    let mut statuses = Vec::new();
+    while started.elapsed() < Duration::from_secs(3) {
+        let status = client
+            .get(&url)
+            .header("x-tenant", "acme")
+            .send()
+            .map(|r| r.status().as_u16())
+            .unwrap_or(0);
+        statuses.push(status);
+        thread::sleep(Duration::from_millis(20));
+    }
+    assert!(statuses.iter().all(|s| *s == 429), "{statuses:?}");
+    assert_eq!(upstream.hits(), 0);
+    assert!(
+        sidecar.process.log().contains("assigned DENY_ALL"),
+        "the sidecar says why"
+    );
+}
+
+#[test]
+fn the_quota_stream_is_authenticated_like_the_other_apis() {
+    let redis = Redis::start();
+    let mut args = SIDECAR_ARGS.to_vec();
+    args.extend(["--auth-token", "rlqs-secret-51d0"]);
+    let sidecar = Sidecar::with_policy(&redis.url(), POLICY, &args);
+    let upstream = Upstream::start();
+    let shipped = EnvoyConfig::shipped("envoy-rlqs.yaml", sidecar.port, upstream.port);
+    let grpc = "                envoy_grpc: { cluster_name: ratelimit_sidecar }";
+    let without = Envoy::start(&shipped);
+    let with = Envoy::start(&shipped.clone().replace(
+        grpc,
+        &format!(
+            "{grpc}\n                initial_metadata: [{{ key: authorization, value: \"Bearer rlqs-secret-51d0\" }}]"
+        ),
+    ));
+    let statuses = |envoy: &Envoy| -> Vec<u16> {
+        let client = http();
+        let url = envoy.url("/api/orders");
+        let started = Instant::now();
+        let mut out = Vec::new();
+        while started.elapsed() < Duration::from_secs(3) {
+            out.push(
+                client
+                    .get(&url)
+                    .send()
+                    .map(|r| r.status().as_u16())
+                    .unwrap_or(0),
+            );
+            thread::sleep(Duration::from_millis(50));
+        }
+        out
+    };
+    // Without the token the stream is refused: no assignment ever comes, DENY_ALL stays.
+    let refused = statuses(&without);
+    assert!(refused.iter().all(|s| *s == 429), "{refused:?}");
+    assert_eq!(upstream.hits(), 0);
+    // With it, the bucket is assigned and requests pass.
+    let admitted = statuses(&with);
+    assert!(admitted.contains(&200), "{admitted:?}");
+}
