@@ -623,7 +623,7 @@ rules:
             ..Bounds::default()
         };
         let p = Policy::from_sources(&[("limits.yaml".into(), REGIONAL.into())], &bounds).unwrap();
-        let shares = RegionalShares::new("eu", "rl:", std::time::Duration::ZERO);
+        let shares = RegionalShares::new("eu", "rl:", std::time::Duration::ZERO, metrics.clone());
         shares.refresh(&*store, &p).await;
         let d = Decider::new(
             store,
