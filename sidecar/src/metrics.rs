@@ -222,6 +222,9 @@ pub struct Metrics {
     /// not trusted (restored from an older state), during which the region applies at most the
     /// floor.
     pub regional_share_suspect: Family<RuleLabels, Counter>,
+    /// `ratelimit_policy_dropped_rules_total{rule}`: rules a policy reload dropped while gateways
+    /// had named them recently.
+    pub policy_dropped_rules: Family<RuleLabels, Counter>,
     limit_log: LimitLog,
 }
 
@@ -248,6 +251,7 @@ impl Metrics {
         let lease_tokens = Family::<ResultLabels, Counter>::default();
         let redis_evicting_policy = Gauge::default();
         let regional_share_suspect = Family::<RuleLabels, Counter>::default();
+        let policy_dropped_rules = Family::<RuleLabels, Counter>::default();
         registry.register(
             "ratelimit_decisions",
             "Decisions answered, by limit name and verdict",
@@ -319,6 +323,11 @@ impl Metrics {
              region applies at most the rule's floor until the rebalancer writes it again",
             regional_share_suspect.clone(),
         );
+        registry.register(
+            "ratelimit_policy_dropped_rules",
+            "Rules a policy reload dropped while gateways had named them recently",
+            policy_dropped_rules.clone(),
+        );
         for result in ["ok", "invalid"] {
             let _ = policy_reloads.get_or_create(&ResultLabels { result });
         }
@@ -338,6 +347,7 @@ impl Metrics {
             lease_tokens,
             redis_evicting_policy,
             regional_share_suspect,
+            policy_dropped_rules,
             limit_log: LimitLog::default(),
         }
     }
@@ -428,6 +438,13 @@ impl Metrics {
     /// A regional rule's share record is not trusted (an episode begins).
     pub fn regional_share_suspect(&self, rule: String) {
         self.regional_share_suspect
+            .get_or_create(&RuleLabels { rule })
+            .inc();
+    }
+
+    /// A reload dropped a rule gateways had named recently.
+    pub fn policy_dropped_rule(&self, rule: String) {
+        self.policy_dropped_rules
             .get_or_create(&RuleLabels { rule })
             .inc();
     }
