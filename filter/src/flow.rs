@@ -472,6 +472,14 @@ impl Flow<'_> {
                 .all(|r| !r.shadow && (r.allowed || r.reason == Reason::Insufficient));
         for (d, r) in w.remote.iter().zip(&answer.results) {
             let p = &w.planned[d.planned];
+            if r.error.is_some() {
+                // Not decided (a rule the sidecar's policy lacks): nothing to learn, and its
+                // lease ask, if any, was not granted.
+                if let Some(ask) = d.ask {
+                    self.release_ask(p, ask, dispatched_ns, now_ns);
+                }
+                continue;
+            }
             if r.shadow && !matches!(r.reason, Reason::Ok | Reason::Unlimited) {
                 self.stats.count(Stat::RuleShadowRejected(p.rule));
             }
@@ -513,7 +521,57 @@ impl Flow<'_> {
             .iter()
             .map(|d| config.rules[w.planned[d.planned].rule].name.as_str())
             .collect();
-        verdict::from_answer(config, answer, &rules, &leased_admits(&entries))
+        let decided = verdict::from_answer(config, answer, &rules, &leased_admits(&entries));
+        self.with_undecided(w, answer, decided, now_ns)
+    }
+
+    /// The verdict when some decisions of an answer were not decided (`error` on their results:
+    /// rules the sidecar's policy lacks): a request the decided ones reject stays rejected;
+    /// one they admit is then up to the undecided rules' `on_error` (`allow`: admitted; `deny`:
+    /// 503; `local`: their emergency buckets), the decided ones' charges being spent either way.
+    fn with_undecided(
+        &self,
+        w: &Waiting,
+        answer: &RequestAnswer,
+        decided: Verdict,
+        now_ns: u64,
+    ) -> Verdict {
+        let mut undecided = Vec::new();
+        let mut first = None;
+        for (d, r) in w.remote.iter().zip(&answer.results) {
+            if let Some(e) = &r.error {
+                undecided.push(w.planned[d.planned].clone());
+                first.get_or_insert(e);
+            }
+        }
+        let Some(e) = first else {
+            return decided;
+        };
+        let e = LimiterError::Request {
+            code: e.code,
+            message: ratelimit_wire::elide_middle(e.message.clone(), verdict::MAX_ERROR_TEXT_BYTES),
+        };
+        if !answer.allowed {
+            self.count_limiter_error(&e);
+            return decided;
+        }
+        match self.on_limiter_error(&undecided, e, now_ns) {
+            // Admitted by the undecided rules' policies: the decided limits' headers.
+            Verdict::Admit { .. } => decided,
+            rejected => rejected,
+        }
+    }
+
+    /// Releases a lease ask the sidecar did not grant (it did not decide the decision).
+    fn release_ask(&self, p: &Planned, ask: LeaseAsk, dispatched_ns: u64, now_ns: u64) {
+        let learned = Learned {
+            cost: p.cost,
+            limit: None,
+            outcome: DecisionOutcome::NotDecided,
+            asked_lease: Some((ask.id, ask.ttl_ms)),
+            leased: 0,
+        };
+        self.table().learn(&p.id, &learned, dispatched_ns, now_ns);
     }
 
     /// What the fast paths learn from the sidecar's result `r` for remote decision `d` (of

@@ -524,6 +524,7 @@ mod tests {
             limit,
             shadow: false,
             leased: 0,
+            error: None,
         }
     }
 

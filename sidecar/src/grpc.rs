@@ -475,6 +475,7 @@ mod tests {
             }),
             shadow: false,
             leased: 0,
+            error: None,
         }
     }
 

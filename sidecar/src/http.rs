@@ -196,6 +196,7 @@ mod tests {
                     limit: None,
                     shadow: false,
                     leased,
+                    error: None,
                 })
                 .collect(),
             error: error.map(|code| RequestError {

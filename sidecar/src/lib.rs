@@ -212,6 +212,7 @@ pub async fn serve(
             region.clone(),
             args.key_prefix.clone(),
             Duration::from_millis(args.redis_timeout_ms),
+            metrics.clone(),
         );
         regional_tasks = shares.start(store, policy);
         decider = decider.with_regional(shares);

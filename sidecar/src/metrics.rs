@@ -74,6 +74,12 @@ pub struct ResultLabels {
     pub result: &'static str,
 }
 
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RuleLabels {
+    /// `<domain>/<rule>`, a name from the policy.
+    pub rule: String,
+}
+
 /// What a decision was counted as: the `verdict` label of `ratelimit_decisions_total`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CountedAs {
@@ -215,6 +221,13 @@ pub struct Metrics {
     /// `ratelimit_redis_evicting_policy`: 1 when a Redis node's `maxmemory-policy` can evict
     /// buckets, 0 when every node said `noeviction`; set by each readiness check that reads it.
     pub redis_evicting_policy: Gauge,
+    /// `ratelimit_regional_share_suspect_total{rule}`: episodes of a regional rule's share record
+    /// not trusted (restored from an older state), during which the region applies at most the
+    /// floor.
+    pub regional_share_suspect: Family<RuleLabels, Counter>,
+    /// `ratelimit_policy_dropped_rules_total{rule}`: rules a policy reload dropped while gateways
+    /// had named them recently.
+    pub policy_dropped_rules: Family<RuleLabels, Counter>,
     limit_log: LimitLog,
 }
 
@@ -241,6 +254,8 @@ impl Metrics {
         let policy_limits = Gauge::default();
         let lease_tokens = Family::<ResultLabels, Counter>::default();
         let redis_evicting_policy = Gauge::default();
+        let regional_share_suspect = Family::<RuleLabels, Counter>::default();
+        let policy_dropped_rules = Family::<RuleLabels, Counter>::default();
         registry.register(
             "ratelimit_decisions",
             "Decisions answered, by limit name and verdict",
@@ -311,6 +326,17 @@ impl Metrics {
             "1 when a Redis node's maxmemory-policy can evict buckets (not noeviction), else 0",
             redis_evicting_policy.clone(),
         );
+        registry.register(
+            "ratelimit_regional_share_suspect",
+            "Episodes of a regional share record not trusted (restored from an older state): the \
+             region applies at most the rule's floor until the rebalancer writes it again",
+            regional_share_suspect.clone(),
+        );
+        registry.register(
+            "ratelimit_policy_dropped_rules",
+            "Rules a policy reload dropped while gateways had named them recently",
+            policy_dropped_rules.clone(),
+        );
         for result in ["ok", "invalid"] {
             let _ = policy_reloads.get_or_create(&ResultLabels { result });
         }
@@ -330,6 +356,8 @@ impl Metrics {
             policy_limits,
             lease_tokens,
             redis_evicting_policy,
+            regional_share_suspect,
+            policy_dropped_rules,
             limit_log: LimitLog::default(),
         }
     }
@@ -414,6 +442,20 @@ impl Metrics {
     pub fn policy_refused(&self) {
         self.policy_reloads
             .get_or_create(&ResultLabels { result: "invalid" })
+            .inc();
+    }
+
+    /// A regional rule's share record is not trusted (an episode begins).
+    pub fn regional_share_suspect(&self, rule: String) {
+        self.regional_share_suspect
+            .get_or_create(&RuleLabels { rule })
+            .inc();
+    }
+
+    /// A reload dropped a rule gateways had named recently.
+    pub fn policy_dropped_rule(&self, rule: String) {
+        self.policy_dropped_rules
+            .get_or_create(&RuleLabels { rule })
             .inc();
     }
 

@@ -374,7 +374,7 @@ async fn a_foreign_value_under_a_bucket_key_is_a_full_bucket_and_is_replaced() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_unknown_rule_is_an_error_for_its_request_and_charges_nothing() {
+async fn an_unknown_rule_is_its_decisions_error_alone_and_charges_nothing_for_it() {
     let redis = Redis::start();
     let sidecar = Sidecar::on_redis(&redis).await;
     let id = unique("unknown");
@@ -388,14 +388,22 @@ async fn an_unknown_rule_is_an_error_for_its_request_and_charges_nothing() {
         )
         .await;
     assert_eq!(status, 200, "{a}");
-    assert_eq!(a["answers"][0]["error"]["code"], "unknown_rule", "{a}");
+    // The unknown rule's decision carries the error; the request's known rule decides.
+    let first = &a["answers"][0];
+    assert!(first["error"].is_null(), "{a}");
+    assert_eq!(first["results"][1]["error"]["code"], "unknown_rule", "{a}");
+    assert_eq!(first["allowed"], true);
+    assert_eq!(
+        first["results"][0]["remaining"], 9,
+        "the known rule charged"
+    );
     assert_eq!(a["answers"][1]["allowed"], true);
     assert_eq!(
-        a["answers"][1]["results"][0]["remaining"], 9,
-        "only the second charged"
+        a["answers"][1]["results"][0]["remaining"], 8,
+        "charged once per request, nothing for the unknown rule"
     );
     assert_eq!(sidecar.metric("ratelimit_unknown_rule_total").await, 1.0);
-    // Every request unknown: still 200, each answered with its error.
+    // A request of unknown rules only: still 200, the request answered with its error.
     let (status, a) = sidecar.decide(json!([decision("nope", &id, 1)])).await;
     assert_eq!(status, 200);
     assert_eq!(a["error"]["code"], "unknown_rule");

@@ -23,6 +23,7 @@ pub mod redis;
 pub mod report;
 pub mod scenario;
 pub mod script_cost;
+pub mod snapshot_restore;
 pub mod sockets;
 pub mod tls;
 pub mod upstream;

@@ -613,6 +613,10 @@ fn every_field_of_a_decide_call_and_its_answer_is_documented() {
                 }),
                 shadow: true,
                 leased: 1,
+                error: Some(RequestError {
+                    code: ErrorCode::UnknownRule,
+                    message: "m".into(),
+                }),
             }],
             error: Some(RequestError {
                 code: ErrorCode::UnknownRule,

@@ -215,6 +215,7 @@ mod tests {
             limit: None,
             shadow: false,
             leased: 0,
+            error: None,
         };
         let ok = r(true, Reason::Ok, 0);
         assert_eq!(limiting(&[ok.clone(), ok.clone()]), None);

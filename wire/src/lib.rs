@@ -273,6 +273,13 @@ pub struct DecisionResult {
     /// Tokens granted under the decision's lease ask (beyond its cost).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub leased: u64,
+    /// Why this decision was not decided: its rule is not in the policy (`unknown_rule`, a
+    /// configuration error of this decision alone). `allowed` is then `true` and says nothing
+    /// (nothing was charged for it): the request's verdict is its other decisions', which were
+    /// decided and charged, and the gateway applies this rule's failure policy to it. Absent
+    /// otherwise, and when no decision of the request could be decided (the request's `error`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<RequestError>,
 }
 
 fn is_false(b: &bool) -> bool {

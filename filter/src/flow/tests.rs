@@ -226,6 +226,7 @@ fn admitted(leased: u64) -> DecisionResult {
         limit: limit(),
         shadow: false,
         leased,
+        error: None,
     }
 }
 
@@ -594,6 +595,100 @@ fn a_rule_the_sidecar_does_not_know_is_a_configuration_error_with_the_rules_on_e
         g.counted(),
         [(Stat::ConfigError, 1), (Stat::FailedClosed, 1)]
     );
+}
+
+/// Not decided: the sidecar's policy has no such rule (that decision's error alone).
+fn undecided(rule: &str) -> DecisionResult {
+    DecisionResult {
+        allowed: true,
+        remaining: 0,
+        retry_after_ms: 0,
+        reset_ms: 0,
+        reason: Reason::Ok,
+        limit: None,
+        shadow: false,
+        leased: 0,
+        error: Some(RequestError {
+            code: ErrorCode::UnknownRule,
+            message: format!("unknown rule {rule:?} in domain \"test\""),
+        }),
+    }
+}
+
+#[test]
+fn a_rule_the_sidecar_does_not_know_fails_that_decision_alone_with_its_on_error() {
+    // per-app (deny) decided by the sidecar; per-ip unknown there, under each on_error.
+    let with = |on_error: &'static str| {
+        Gateway::new(config(move |v| {
+            per_ip(v);
+            v["rules"][1]["on_error"] = json!(on_error);
+            if on_error == "local" {
+                v["rules"][1]["emergency"] = json!({"capacity": 1, "refill_per_sec": 1});
+            }
+        }))
+    };
+    let unknown_ip = || answer(vec![admitted(0), undecided("per-ip")]);
+
+    // allow: the other rule's verdict.
+    let mut g = with("allow");
+    let mut w = waits(g.start(&alpha(), T0));
+    assert_eq!(w.remote_decisions(), 2);
+    admitted_with(g.settle(&mut w, unknown_ip(), T0, T0));
+    assert_eq!(
+        (g.count(Stat::ConfigError), g.count(Stat::FailedOpen)),
+        (1, 1)
+    );
+    assert_eq!(g.count(Stat::RuleAdmitted(0)), 1);
+
+    // deny: 503 (per-app's charge is spent: under-admission only).
+    let mut g = with("deny");
+    let mut w = waits(g.start(&alpha(), T0));
+    assert_eq!(
+        rejection(g.settle(&mut w, unknown_ip(), T0, T0)).status,
+        503
+    );
+    assert_eq!(
+        (g.count(Stat::ConfigError), g.count(Stat::FailedClosed)),
+        (1, 1)
+    );
+
+    // local: per-ip's emergency bucket (1 token) for that decision alone.
+    let mut g = with("local");
+    let mut statuses = Vec::new();
+    for i in 0..2 {
+        let mut w = waits(g.start(&alpha(), T0 + i * MS));
+        statuses.push(match g.settle(&mut w, unknown_ip(), T0, T0 + i * MS) {
+            Verdict::Admit { .. } => 200,
+            Verdict::Reject(r) => r.status,
+        });
+    }
+    assert_eq!(statuses, [200, 429]);
+    assert_eq!(
+        (
+            g.count(Stat::EmergencyActivations),
+            g.count(Stat::EmergencyRejected)
+        ),
+        (2, 1)
+    );
+
+    // The decided rule rejects: 429 by it, whatever the unknown rule's policy.
+    let mut g = with("deny");
+    let mut w = waits(g.start(&alpha(), T0));
+    let r = rejection(g.settle(
+        &mut w,
+        answer(vec![rejected(2_000), undecided("per-ip")]),
+        T0,
+        T0,
+    ));
+    assert_eq!((r.status, header(&r, "retry-after")), (429, Some("2")));
+    assert_eq!(g.count(Stat::ConfigError), 1);
+    assert_eq!(g.count(Stat::FailedClosed), 0);
+
+    // The other way round: per-app (deny) unknown, per-ip decided: 503.
+    let mut g = with("allow");
+    let mut w = waits(g.start(&alpha(), T0));
+    let both = answer(vec![undecided("per-app"), admitted(0)]);
+    assert_eq!(rejection(g.settle(&mut w, both, T0, T0)).status, 503);
 }
 
 #[test]

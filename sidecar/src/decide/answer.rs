@@ -49,6 +49,18 @@ impl<S> Decider<S> {
         cost: u64,
     ) -> DecisionResult {
         match plan {
+            // Not decided (counted as an unknown rule when planned): says nothing of the request.
+            Plan::Unknown { error } => DecisionResult {
+                allowed: true,
+                remaining: 0,
+                retry_after_ms: 0,
+                reset_ms: 0,
+                reason: Reason::Ok,
+                limit: None,
+                shadow: false,
+                leased: 0,
+                error: Some(error.clone()),
+            },
             Plan::Unlimited { limit } => {
                 if let Some(l) = limit {
                     tally.add(&l.name, CountedAs::Unlimited);
@@ -62,6 +74,7 @@ impl<S> Decider<S> {
                     limit: None,
                     shadow: false,
                     leased: 0,
+                    error: None,
                 }
             }
             Plan::Blocked { limit } => {
@@ -86,6 +99,7 @@ impl<S> Decider<S> {
                     }),
                     shadow: limit.shadow,
                     leased: 0,
+                    error: None,
                 }
             }
             Plan::Charge { limit, bucket, .. } => {
@@ -109,6 +123,7 @@ impl<S> Decider<S> {
                         limit: applied,
                         shadow: limit.shadow,
                         leased: 0,
+                        error: None,
                     };
                 };
                 let counted = match (o.allowed, limit.shadow) {
@@ -137,6 +152,7 @@ impl<S> Decider<S> {
                     limit: applied,
                     shadow: limit.shadow,
                     leased: if request_allowed { o.leased } else { 0 },
+                    error: None,
                 }
             }
         }

@@ -13,6 +13,7 @@
 //! cancels neither the store's calls in flight nor the refunds that follow them.
 
 mod answer;
+pub mod named;
 mod plan;
 mod validate;
 
@@ -176,6 +177,9 @@ impl<S: BucketStore> Decider<S> {
         }
         let returns = self.plan_returns(&policy, domain, &returns);
         drop(policy);
+        if caller == Caller::Filter {
+            self.note_named(domain, &requests, &plans);
+        }
 
         // The store decides the requests with something to charge; those a blocked limit
         // rejects, and those with nothing to charge, are answered here.
@@ -233,6 +237,32 @@ impl<S: BucketStore> Decider<S> {
             .into_iter()
             .map(|a| a.expect("every request answered"))
             .collect()
+    }
+}
+
+impl<S> Decider<S> {
+    /// Notes the rules a call of the filter named that the policy resolved (one entry each), for
+    /// the warning of a reload that drops one ([`named`]).
+    fn note_named(&self, domain: &str, requests: &[Vec<Item>], plans: &[Vec<Plan>]) {
+        let mut rules: Vec<(&str, &Entries)> = Vec::new();
+        for (items, plan) in requests.iter().zip(plans) {
+            for (item, p) in items.iter().zip(plan) {
+                if matches!(p, Plan::Unknown { .. }) {
+                    continue;
+                }
+                let Some((_, Some(rule))) = item.entries.first() else {
+                    continue;
+                };
+                if !rules.iter().any(|(r, _)| *r == rule.as_str()) {
+                    rules.push((rule.as_str(), &item.entries));
+                }
+            }
+        }
+        if !rules.is_empty() {
+            self.policy
+                .named()
+                .note(domain, rules, std::time::Instant::now());
+        }
     }
 }
 
@@ -409,6 +439,89 @@ rules:
     }
 
     #[tokio::test]
+    async fn an_unknown_rule_is_its_decisions_error_alone_and_the_others_still_decide() {
+        let store = Arc::new(MemoryStore::new(T0, 0.1, 10_000));
+        let (d, metrics) = decider(store.clone());
+        let alpha = || decision("per-app", &[("app", Some("alpha"))]);
+        let renamed = || decision("per-ipp", &[("ip", Some("1.2.3.4"))]);
+        let a = d
+            .decide(call(vec![
+                vec![alpha(), renamed()],
+                vec![renamed(), alpha()],
+                vec![renamed(), renamed()],
+            ]))
+            .await;
+        for (r, unknown, known) in [(0, 1, 0), (1, 0, 1)] {
+            let answer = &a.answers[r];
+            assert!(answer.allowed && answer.error.is_none(), "{answer:?}");
+            let e = answer.results[unknown].error.as_ref().expect("its error");
+            assert_eq!(e.code, ErrorCode::UnknownRule);
+            assert!(e.message.contains("\"per-ipp\""), "{}", e.message);
+            assert!(answer.results[unknown].allowed && answer.results[unknown].limit.is_none());
+            assert!(answer.results[known].error.is_none());
+            assert_eq!(
+                answer.results[known].remaining,
+                4 - r as u64,
+                "per-app charged"
+            );
+        }
+        // Nothing known to decide: the request's error, as before.
+        assert_eq!(
+            a.answers[2].error.as_ref().map(|e| e.code),
+            Some(ErrorCode::UnknownRule)
+        );
+        assert!(a.answers[2].results.is_empty());
+        assert_eq!(
+            store.stored_tokens("rl:{ratelimit|rule=per-app|app=alpha}"),
+            Some(3.0)
+        );
+        assert!(metrics.encode().contains("ratelimit_unknown_rule_total 4"));
+        // Still limited by per-app: 3 more admitted, then rejected with the error beside.
+        for _ in 0..3 {
+            let a = d.decide(call(vec![vec![alpha(), renamed()]])).await;
+            assert!(a.answers[0].allowed);
+        }
+        let a = d.decide(call(vec![vec![alpha(), renamed()]])).await;
+        assert!(!a.answers[0].allowed);
+        assert_eq!(a.answers[0].results[0].reason, Reason::Insufficient);
+        assert!(a.answers[0].results[1].error.is_some());
+    }
+
+    #[tokio::test]
+    async fn a_reload_that_drops_a_rule_gateways_named_warns_naming_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("limits.yaml");
+        std::fs::write(&path, POLICY).unwrap();
+        let metrics = Arc::new(Metrics::new());
+        let handle =
+            PolicyHandle::load(vec![path.clone()], Bounds::default(), metrics.clone()).unwrap();
+        let store = Arc::new(MemoryStore::new(T0, 0.1, 10_000));
+        let d = Decider::new(store, handle.clone(), "rl:", metrics.clone());
+        d.decide(call(vec![vec![
+            decision("per-ip", &[("ip", Some("1.2.3.4"))]),
+            decision("nope", &[]),
+        ]]))
+        .await;
+        // per-ip renamed, trial dropped (never named): only per-ip is warned about.
+        std::fs::write(
+            &path,
+            POLICY.replace("per-ip:", "per-client-ip:").replace(
+                "  trial: {capacity: 1, refill_per_sec: 1, shadow_mode: true}\n",
+                "",
+            ),
+        )
+        .unwrap();
+        assert!(handle.reload("test").unwrap());
+        let text = metrics.encode();
+        assert!(
+            text.contains("ratelimit_policy_dropped_rules_total{rule=\"ratelimit/per-ip\"} 1"),
+            "{text}"
+        );
+        assert!(!text.contains("rule=\"ratelimit/trial\""), "{text}");
+        assert!(!text.contains("rule=\"ratelimit/nope\""), "{text}");
+    }
+
+    #[tokio::test]
     async fn unknown_subjects_share_one_bucket() {
         let store = Arc::new(MemoryStore::new(T0, 0.1, 10_000));
         let (d, _) = decider(store.clone());
@@ -518,6 +631,7 @@ rules:
                 }),
                 shadow: false,
                 leased: 0,
+                error: None,
             }
         );
         // Counted: the decision the bucket rejected, not the one that answered nothing.
@@ -672,7 +786,7 @@ rules:
             ..Bounds::default()
         };
         let p = Policy::from_sources(&[("limits.yaml".into(), REGIONAL.into())], &bounds).unwrap();
-        let shares = RegionalShares::new("eu", "rl:", std::time::Duration::ZERO);
+        let shares = RegionalShares::new("eu", "rl:", std::time::Duration::ZERO, metrics.clone());
         shares.refresh(&*store, &p).await;
         let d = Decider::new(
             store,

@@ -1,8 +1,11 @@
 //! Planning: each decision's limit resolved in the policy in force. A decision becomes a bucket
 //! to charge, answered by the store; an unlimited or a blocked limit, answered without the store;
-//! or an unknown rule, a configuration error that fails its request (for the wasm filter; a
-//! descriptor of Envoy's rate limit API that matches no limit is simply not limited). A limit
-//! that another applicable limit `replaces` (envoyproxy/ratelimit's format) does not apply.
+//! or, for the wasm filter, an unknown rule: a configuration error of that decision alone, the
+//! request's other decisions deciding as usual (its result carries the error, and the gateway
+//! applies that rule's `on_error`). A request none of whose decisions is known, or of a domain no
+//! policy file defines, fails as a whole. A descriptor of Envoy's rate limit API that matches no
+//! limit is simply not limited. A limit that another applicable limit `replaces`
+//! (envoyproxy/ratelimit's format) does not apply.
 //!
 //! # Regional rules
 //!
@@ -36,10 +39,13 @@ pub(super) enum Plan {
     Unlimited { limit: Option<Arc<Limit>> },
     /// Answered here: never admitted.
     Blocked { limit: Arc<Limit> },
+    /// Not decided: a rule the policy lacks (the wasm filter's). Nothing is charged for it.
+    Unknown { error: RequestError },
 }
 
 impl<S> Decider<S> {
-    /// Resolves a request's items; an unknown rule (filter) fails the request.
+    /// Resolves a request's items; an unknown rule (filter) is that item's error, an unknown
+    /// domain or a request of unknown rules only fails the request.
     pub(super) fn plan(
         &self,
         policy: &Policy,
@@ -77,38 +83,17 @@ impl<S> Decider<S> {
                 Resolution::NoLimit if caller == Caller::RateLimitService => {
                     Plan::Unlimited { limit: None }
                 }
-                Resolution::NoLimit | Resolution::UnknownDomain => {
-                    let rule = entries
-                        .first()
-                        .filter(|(k, _)| *k == RULE_KEY)
-                        .and_then(|(_, v)| *v)
-                        .unwrap_or("");
-                    self.metrics.unknown_rule();
-                    let first = self
-                        .logged_unknown
-                        .lock()
-                        .map(|mut seen| {
-                            seen.len() < 1000 && seen.insert((domain.into(), rule.into()))
-                        })
-                        .unwrap_or(false);
-                    let message = if matches!(
-                        policy.resolve(domain, &[]),
-                        Resolution::UnknownDomain
-                    ) {
-                        format!("unknown domain {domain:?}: no policy file defines it")
-                    } else {
-                        format!("unknown rule {rule:?} in domain {domain:?} (or no limit matches its subject)")
-                    };
-                    if first {
-                        tracing::error!("configuration error: {message}");
-                    }
-                    return Err(RequestError {
-                        code: ErrorCode::UnknownRule,
-                        message,
-                    });
-                }
+                Resolution::NoLimit => Plan::Unknown {
+                    error: self.unknown(policy, domain, &entries),
+                },
+                Resolution::UnknownDomain => return Err(self.unknown(policy, domain, &entries)),
             };
             plans.push(plan);
+        }
+        if let [Plan::Unknown { error }, rest @ ..] = &plans[..] {
+            if rest.iter().all(|p| matches!(p, Plan::Unknown { .. })) {
+                return Err(error.clone());
+            }
         }
         // envoyproxy/ratelimit's `replaces`: a limit named by another applicable limit's
         // `replaces` does not apply to this request.
@@ -125,6 +110,39 @@ impl<S> Decider<S> {
             }
         }
         Ok(plans)
+    }
+
+    /// The error of a decision whose rule (or domain) the policy lacks: counted, and logged the
+    /// first time for each (domain, rule).
+    fn unknown(
+        &self,
+        policy: &Policy,
+        domain: &str,
+        entries: &[(&str, Option<&str>)],
+    ) -> RequestError {
+        let rule = entries
+            .first()
+            .filter(|(k, _)| *k == RULE_KEY)
+            .and_then(|(_, v)| *v)
+            .unwrap_or("");
+        self.metrics.unknown_rule();
+        let first = self
+            .logged_unknown
+            .lock()
+            .map(|mut seen| seen.len() < 1000 && seen.insert((domain.into(), rule.into())))
+            .unwrap_or(false);
+        let message = if matches!(policy.resolve(domain, &[]), Resolution::UnknownDomain) {
+            format!("unknown domain {domain:?}: no policy file defines it")
+        } else {
+            format!("unknown rule {rule:?} in domain {domain:?} (or no limit matches its subject)")
+        };
+        if first {
+            tracing::error!("configuration error: {message}");
+        }
+        RequestError {
+            code: ErrorCode::UnknownRule,
+            message,
+        }
     }
 
     /// The share history a regional limit is charged under; none for other limits. A regional
@@ -205,6 +223,7 @@ fn plan_limit(p: &Plan) -> Option<&Limit> {
     match p {
         Plan::Charge { limit, .. } | Plan::Blocked { limit } => Some(limit),
         Plan::Unlimited { limit } => limit.as_deref(),
+        Plan::Unknown { .. } => None,
     }
 }
 

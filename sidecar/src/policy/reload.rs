@@ -27,6 +27,7 @@ use notify::event::{AccessKind, AccessMode, ModifyKind};
 use notify::{EventKind, RecursiveMode, Watcher};
 
 use super::{Bounds, Policy, PolicyError};
+use crate::decide::named::RecentlyNamed;
 use crate::metrics::Metrics;
 
 /// How often the files are read again even without a file-system event.
@@ -42,6 +43,8 @@ pub struct PolicyHandle {
     /// How many times the files were read to look for a change.
     checks: AtomicU64,
     metrics: Arc<Metrics>,
+    /// The rules gateways named recently: a reload that drops one warns, naming it.
+    named: RecentlyNamed,
 }
 
 impl PolicyHandle {
@@ -60,6 +63,7 @@ impl PolicyHandle {
             paths,
             bounds,
             metrics,
+            named: RecentlyNamed::default(),
         }))
     }
 
@@ -73,12 +77,18 @@ impl PolicyHandle {
             fingerprint: Mutex::new(0),
             checks: AtomicU64::new(0),
             metrics,
+            named: RecentlyNamed::default(),
         })
     }
 
     /// The policy in force.
     pub fn current(&self) -> arc_swap::Guard<Arc<Policy>> {
         self.current.load()
+    }
+
+    /// The rules gateways named recently (noted by the decider).
+    pub fn named(&self) -> &RecentlyNamed {
+        &self.named
     }
 
     /// Reads the files again; swaps the policy in when they changed and are valid. `Ok(true)`
@@ -101,6 +111,8 @@ impl PolicyHandle {
                 let limits = policy.limit_count();
                 self.current.store(Arc::new(policy));
                 self.metrics.policy_loaded(limits);
+                self.named
+                    .dropped_by(&self.current(), &self.metrics, std::time::Instant::now());
                 tracing::info!(
                     files = %super::describe(&self.paths),
                     limits,

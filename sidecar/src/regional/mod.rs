@@ -13,6 +13,14 @@
 //!   the record, so the two agree. A record once seen that goes missing is an error (the region's
 //!   Redis lost it), not a return to the initial share: the lease runs out and the rule answers
 //!   "unavailable" until a record is back.
+//! - A record not trusted: one stamped by another Redis process than the one answering (its
+//!   `run_id`: the Redis restarted from a snapshot, or a replica took over, since the write), or
+//!   an unstamped one older than a version this sidecar saw, may be older than the share the
+//!   rebalancer last fenced. Until a record written by the live process is read (the
+//!   rebalancer's repair), the rule is charged under at most its floor
+//!   ([`RegionalShares::share_for`]), logged at warn once per episode, counted
+//!   (`ratelimit_regional_share_suspect_total`) and shown in `/readyz`. Why the floor is safe:
+//!   `docs/regions.md`, "A record restored from an older state".
 //! - Applying the share: [`RegionalShares::share_for`] hands the decision the record's history;
 //!   the bucket script takes the bucket under the smallest share since its last decision.
 //! - Demand: per rule, tokens admitted (cost plus lease grants) and rejected, counted in memory
@@ -28,6 +36,7 @@ use std::time::{Duration, Instant};
 use ratelimit_regions::{Share, ShareHistory};
 
 use crate::keys::{demand_key, share_key};
+use crate::metrics::Metrics;
 use crate::policy::reload::PolicyHandle;
 use crate::policy::{Policy, Regional};
 use crate::store::ShareStore;
@@ -48,6 +57,7 @@ pub struct RegionalShares {
     views: Mutex<HashMap<RuleId, View>>,
     /// Tokens (admitted, rejected) not yet added to the region's counters.
     demand: Mutex<HashMap<RuleId, (u64, u64)>>,
+    metrics: Arc<Metrics>,
 }
 
 #[derive(Debug, Default)]
@@ -57,6 +67,10 @@ struct View {
     error: Option<String>,
     /// A record was seen: its absence is now an error, not the initial share.
     seen_record: bool,
+    /// The highest version read (an unstamped record below it went back in time).
+    highest_version: u64,
+    /// Why the record read last is not trusted, while it is not (an episode).
+    suspect: Option<String>,
 }
 
 #[derive(Debug)]
@@ -94,6 +108,10 @@ pub struct ShareStatus {
     /// Why the last read failed.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// Why the record is not trusted, while it is not: `share` is then the safe share applied
+    /// (at most the rule's floor), not the record's.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub suspect: Option<String>,
 }
 
 impl RegionalShares {
@@ -103,6 +121,7 @@ impl RegionalShares {
         region: impl Into<String>,
         key_prefix: impl Into<String>,
         decision_time: Duration,
+        metrics: Arc<Metrics>,
     ) -> Arc<RegionalShares> {
         Arc::new(RegionalShares {
             region: region.into(),
@@ -110,6 +129,7 @@ impl RegionalShares {
             decision_time,
             views: Mutex::new(HashMap::new()),
             demand: Mutex::new(HashMap::new()),
+            metrics,
         })
     }
 
@@ -173,7 +193,9 @@ impl RegionalShares {
         let key = share_key(&self.key_prefix, &rule.domain, &rule.rule);
         let sent = Instant::now();
         let read = match store.read_share_record(key.clone()).await {
-            Ok(fields) => record::parse(&fields),
+            Ok((fields, live_run_id)) => {
+                record::parse(&fields).map(|r| r.map(|r| (r, live_run_id)))
+            }
             Err(e) => Err(e.to_string()),
         };
         let mut views = self.views.lock().expect("not poisoned");
@@ -189,14 +211,23 @@ impl RegionalShares {
         };
         match read {
             Ok(found) => {
+                let suspect = found
+                    .as_ref()
+                    .and_then(|(r, live)| suspicion(r, live, view.highest_version));
                 let (history, version, lease_ms) = match found {
-                    Some(r) => (r.history, r.version, r.lease_ms),
+                    Some((r, _)) if suspect.is_some() => {
+                        // Charged under at most the floor until the record is written again.
+                        let safe = r.share.min(rule.quota.floor());
+                        (ShareHistory::new(0, safe), r.version, r.lease_ms)
+                    }
+                    Some((r, _)) => (r.history, r.version, r.lease_ms),
                     None => (
                         ShareHistory::new(0, rule.quota.share(&self.region).unwrap_or(Share::ZERO)),
                         0,
                         record::default_lease_ms(),
                     ),
                 };
+                self.note_suspicion(rule, view, suspect.as_deref(), &history);
                 let changed = view.leased.as_ref().is_none_or(|l| l.version != version)
                     || view.error.is_some();
                 if changed {
@@ -222,6 +253,7 @@ impl RegionalShares {
                     );
                 }
                 view.seen_record |= version > 0;
+                view.highest_version = view.highest_version.max(version);
                 view.error = None;
                 view.leased = Some(Leased {
                     history: Arc::new(history),
@@ -243,6 +275,40 @@ impl RegionalShares {
                 view.error = Some(e);
             }
         }
+    }
+
+    /// Logs and counts the start of an episode of a record not trusted (`suspect`: why), and its
+    /// end; `view.suspect` follows.
+    fn note_suspicion(
+        &self,
+        rule: &Regional,
+        view: &mut View,
+        suspect: Option<&str>,
+        applied: &ShareHistory,
+    ) {
+        match (view.suspect.is_some(), suspect) {
+            (false, Some(why)) => {
+                tracing::warn!(
+                    rule = %rule.rule,
+                    domain = %rule.domain,
+                    region = %self.region,
+                    applied = %applied.current(),
+                    floor = %rule.quota.floor(),
+                    "regional share record not trusted ({why}): the rule is charged under at most \
+                     its floor until the rebalancer writes the record again"
+                );
+                self.metrics
+                    .regional_share_suspect(format!("{}/{}", rule.domain, rule.rule));
+            }
+            (true, None) => tracing::info!(
+                rule = %rule.rule,
+                domain = %rule.domain,
+                region = %self.region,
+                "regional share record trusted again (written by the Redis process answering)"
+            ),
+            _ => {}
+        }
+        view.suspect = suspect.map(str::to_string);
     }
 
     /// Adds the demand counted since the last flush to the region's counters; what cannot be
@@ -292,6 +358,7 @@ impl RegionalShares {
                     version: leased.map(|l| l.version),
                     leased: leased.is_some_and(|l| l.valid(self.decision_time)),
                     error: view.and_then(|v| v.error.clone()),
+                    suspect: view.and_then(|v| v.suspect.clone()),
                 }
             })
             .collect()
@@ -335,6 +402,25 @@ impl RegionalShares {
             }
         });
         vec![reader, flusher]
+    }
+}
+
+/// Why a record read with the run_id `live` of the Redis answering is not trusted, if it is not:
+/// stamped by another process (that Redis restarted or failed over since the write, and may hold
+/// an older record), or unstamped and older than `highest_seen`.
+fn suspicion(r: &record::ShareRecord, live: &str, highest_seen: u64) -> Option<String> {
+    match &r.run_id {
+        Some(writer) if !r.written_by(live) => Some(format!(
+            "version {} was written by Redis run_id {writer}, not by the process answering \
+             ({live}): it restarted or failed over since, and may hold an older record",
+            r.version
+        )),
+        None if r.version < highest_seen => Some(format!(
+            "version {} is lower than version {highest_seen} read before: the region's Redis went \
+             back in time",
+            r.version
+        )),
+        _ => None,
     }
 }
 
@@ -384,7 +470,7 @@ mod tests {
     async fn the_initial_share_applies_until_a_record_exists_then_the_record() {
         let p = policy();
         let store = MemoryStore::new(0, 0.1, 10_000);
-        let shares = RegionalShares::new("eu", "rl:", Duration::ZERO);
+        let shares = RegionalShares::new("eu", "rl:", Duration::ZERO, Arc::new(Metrics::new()));
         assert!(shares
             .share_for(&rule(&p))
             .unwrap_err()
@@ -432,7 +518,7 @@ mod tests {
         let p = policy();
         let store = MemoryStore::new(0, 0.1, 10_000);
         set(&store, &fields("1", "600000", "40", "0:600000"));
-        let shares = RegionalShares::new("eu", "rl:", Duration::ZERO);
+        let shares = RegionalShares::new("eu", "rl:", Duration::ZERO, Arc::new(Metrics::new()));
         shares.refresh(&store, &p).await;
         assert!(shares.share_for(&rule(&p)).is_ok());
         assert_eq!(shares.refresh_interval(), Duration::from_millis(10));
@@ -449,10 +535,93 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_record_the_live_redis_did_not_write_is_charged_under_at_most_the_floor() {
+        let p = policy();
+        let store = MemoryStore::new(0, 0.1, 10_000);
+        store.set_run_id("live");
+        let metrics = Arc::new(Metrics::new());
+        let shares = RegionalShares::new("eu", "rl:", Duration::ZERO, metrics.clone());
+        let stamped = |version: &str, ppm: &str, history: &str, run_id: &str| {
+            let mut f = fields(version, ppm, "5000", history);
+            f.push(("run_id", run_id.into()));
+            f
+        };
+        // Fenced at 0.3 (v2) by the process answering: applied as written.
+        set(
+            &store,
+            &stamped("2", "300000", "0:600000,1000:300000", "live"),
+        );
+        shares.refresh(&store, &p).await;
+        assert_eq!(
+            shares.share_for(&rule(&p)).unwrap().current().ppm(),
+            300_000
+        );
+        // The Redis restarts from an older snapshot: v1, 0.6, stamped by the process before.
+        store.set_run_id("restarted");
+        set(&store, &stamped("1", "600000", "0:600000", "live"));
+        for _ in 0..2 {
+            shares.refresh(&store, &p).await;
+            let h = shares.share_for(&rule(&p)).unwrap();
+            assert_eq!(
+                h.changes().collect::<Vec<_>>(),
+                [(0, Share::from_ppm(50_000).unwrap())],
+                "the floor (0.05), since always"
+            );
+        }
+        let status = &shares.status(&p)[0];
+        assert_eq!((status.share, status.version), (Some(0.05), Some(1)));
+        assert!(status.leased);
+        let why = status.suspect.as_deref().unwrap();
+        assert!(
+            why.contains("run_id live") && why.contains("(restarted)"),
+            "{why}"
+        );
+        let counted = "ratelimit_regional_share_suspect_total{rule=\"ratelimit/g\"} 1\n";
+        assert!(
+            metrics.encode().contains(counted),
+            "one episode, counted once"
+        );
+
+        // A sidecar that starts now (it saw no version) does not trust it either.
+        let fresh = RegionalShares::new("eu", "rl:", Duration::ZERO, Arc::new(Metrics::new()));
+        fresh.refresh(&store, &p).await;
+        assert_eq!(fresh.share_for(&rule(&p)).unwrap().current().ppm(), 50_000);
+
+        // The rebalancer's repair, written by the process answering: trusted again.
+        set(
+            &store,
+            &stamped("3", "300000", "0:600000,9000:300000", "restarted"),
+        );
+        shares.refresh(&store, &p).await;
+        assert_eq!(
+            shares.share_for(&rule(&p)).unwrap().current().ppm(),
+            300_000
+        );
+        assert_eq!(shares.status(&p)[0].suspect, None);
+
+        // Unstamped records (an older rebalancer's): below a version seen, not trusted; a
+        // sidecar that saw none has nothing to compare with.
+        set(&store, &fields("2", "600000", "5000", "0:600000"));
+        shares.refresh(&store, &p).await;
+        assert_eq!(shares.share_for(&rule(&p)).unwrap().current().ppm(), 50_000);
+        assert!(shares.status(&p)[0]
+            .suspect
+            .as_deref()
+            .unwrap()
+            .contains("lower than version 3"));
+        assert!(metrics
+            .encode()
+            .contains("ratelimit_regional_share_suspect_total{rule=\"ratelimit/g\"} 2\n"));
+        let fresh = RegionalShares::new("eu", "rl:", Duration::ZERO, Arc::new(Metrics::new()));
+        fresh.refresh(&store, &p).await;
+        assert_eq!(fresh.share_for(&rule(&p)).unwrap().current().ppm(), 600_000);
+    }
+
+    #[tokio::test]
     async fn demand_is_added_to_the_regions_counters() {
         let p = policy();
         let store = MemoryStore::new(0, 0.1, 10_000);
-        let shares = RegionalShares::new("eu", "rl:", Duration::ZERO);
+        let shares = RegionalShares::new("eu", "rl:", Duration::ZERO, Arc::new(Metrics::new()));
         shares.count(&rule(&p), 5, 0);
         shares.count(&rule(&p), 0, 2);
         shares.flush_demand(&store).await;

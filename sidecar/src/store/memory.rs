@@ -78,6 +78,8 @@ struct Inner {
     hashes: HashMap<String, Vec<(String, String)>>,
     /// The store's epoch marker (`--store-reset empty`).
     epoch_us: Option<f64>,
+    /// The run_id a share record's read answers with, as a Redis process's (empty until set).
+    run_id: String,
 }
 
 /// The in-memory store. The clock is Unix microseconds, settable by tests.
@@ -278,6 +280,12 @@ impl MemoryStore {
                 .map(|(k, v)| (k.to_string(), v.to_string()))
                 .collect(),
         );
+    }
+
+    /// The run_id a share record's read answers with from now on (a Redis process's: a new one
+    /// after a restart).
+    pub fn set_run_id(&self, run_id: &str) {
+        self.inner.lock().expect("not poisoned").run_id = run_id.to_string();
     }
 
     /// The fields of a hash (empty when missing).
@@ -547,11 +555,15 @@ impl BucketStore for MemoryStore {
 }
 
 impl ShareStore for MemoryStore {
-    async fn read_share_record(&self, key: String) -> Result<Vec<(String, String)>, StoreError> {
+    async fn read_share_record(
+        &self,
+        key: String,
+    ) -> Result<(Vec<(String, String)>, String), StoreError> {
         if let Some(e) = self.fail.lock().expect("not poisoned").clone() {
             return Err(e);
         }
-        Ok(self.hash(&key))
+        let run_id = self.inner.lock().expect("not poisoned").run_id.clone();
+        Ok((self.hash(&key), run_id))
     }
 
     async fn add_demand(

@@ -306,11 +306,13 @@ pub trait BucketStore: Send + Sync + 'static {
 /// record, read under a lease, and its demand counters, added to.
 pub trait ShareStore: Send + Sync + 'static {
     /// The fields of the share record at `key` ([`crate::regional::record`]), none when the key
-    /// is missing; bounded like every call.
+    /// is missing, and the run_id of the Redis process that answered (read together,
+    /// `lua/share_read.lua`): a record stamped by another process may be older than the last one
+    /// written. Bounded like every call.
     fn read_share_record(
         &self,
         key: String,
-    ) -> impl Future<Output = Result<Vec<(String, String)>, StoreError>> + Send;
+    ) -> impl Future<Output = Result<(Vec<(String, String)>, String), StoreError>> + Send;
 
     /// Adds `admitted` and `rejected` tokens to the demand counters at `key`.
     fn add_demand(

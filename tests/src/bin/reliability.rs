@@ -11,7 +11,7 @@
 //!
 //! Scenarios (`--scenario 1,3` runs some): 1 shared budget, 2 hot key, 3 Redis slow/down per
 //! `on_error`, 4 failover (Sentinel, Cluster), 5 uncertain results, 6 sidecar restart, 7 flood,
-//! 8 many clients.
+//! 8 many clients, 9 a region's Redis restored from an older snapshot.
 
 use std::net::IpAddr;
 use std::path::PathBuf;
@@ -41,7 +41,7 @@ struct Args {
     /// Seconds of load per phase (a fault lasts as long).
     #[arg(long, default_value_t = 3)]
     seconds: u64,
-    /// Scenarios to run, by number (1-8), comma separated; all by default.
+    /// Scenarios to run, by number (1-9), comma separated; all by default.
     #[arg(long, value_delimiter = ',')]
     scenario: Vec<u32>,
     /// Concurrent clients on the loaded key(s).
@@ -1308,7 +1308,54 @@ fn many_clients(a: &Args) -> Vec<Row> {
 }
 
 // ---------------------------------------------------------------------------------------------
-// 9. Redis restarted without its data, under each --store-reset.
+// 9. A region's Redis restored from a snapshot taken before the rebalancer moved its share.
+
+fn snapshot_restore(_: &Args) -> Vec<Row> {
+    use ratelimit_e2e::snapshot_restore::{self as sr, ASKED, CAPACITY, FLOOR};
+    log("9: two regions, a rebalance, us's Redis restored from an older snapshot");
+    let run = sr::run();
+    let (b, r) = (run.after_restore, run.after_repair);
+    let us_bound = CAPACITY * FLOOR + sr::REFILL * (b.seconds + sr::FENCE_MARGIN_S);
+    vec![Row {
+        scenario: "9 snapshot restore (regions)".into(),
+        load: format!(
+            "C = {CAPACITY}, R = {}/s, shares 0.5/0.5 moved to {:.1} (eu) / {:.1} (us); a fresh key asked {ASKED} times in each region at once",
+            sr::REFILL, run.moved.0, run.moved.1
+        ),
+        fault: "us's Redis restarted from an RDB taken before the move (its record back at v1, 0.5)".into(),
+        admitted: format!(
+            "eu {} + us {} = {} in {:.2} s; after the repair eu {} + us {} = {}",
+            b.eu, b.us, b.total(), b.seconds, r.eu, r.us, r.total()
+        ),
+        rejected: format!("{}; after the repair {}", 2 * ASKED - b.total(), 2 * ASKED - r.total()),
+        over: format!(
+            "{:.0} (≤ C + R·(T + fence margin) = {:.1})",
+            (b.total() as f64 - b.bound()).max(0.0),
+            b.bound()
+        ),
+        client: String::new(),
+        filter: String::new(),
+        errors: "none".into(),
+        recovery: format!(
+            "us at the floor ({FLOOR}) until the rebalancer's repair was read, {:.1} s after the restore (the run waits a fill time, 11 s, before its burst, then runs one `--once` round)",
+            run.repaired_after.as_secs_f64()
+        ),
+        check: format!(
+            "{} ≤ {:.1} {}; us {} ≤ C·floor + R·(T + margin) = {us_bound:.1} {}; after the repair {} ≤ {:.1} {}",
+            b.total(),
+            b.bound(),
+            mark(b.total() as f64 <= b.bound()),
+            b.us,
+            mark(b.us as f64 <= us_bound),
+            r.total(),
+            r.bound(),
+            mark(r.total() as f64 <= r.bound())
+        ),
+    }]
+}
+
+// ---------------------------------------------------------------------------------------------
+// 11. Redis restarted without its data, under each --store-reset.
 
 fn store_lost(_: &Args) -> Vec<Row> {
     let (c, r) = (100.0, 10.0);
@@ -1316,7 +1363,7 @@ fn store_lost(_: &Args) -> Vec<Row> {
     ["full", "empty"]
         .into_iter()
         .map(|reset| {
-            log(&format!("9: store lost its state, --store-reset {reset}"));
+            log(&format!("11: store lost its state, --store-reset {reset}"));
             let run = scenario::spend_across_a_loss(policy, reset, Duration::from_millis(800));
             let bound = c + r * run.seconds;
             let over = (run.admitted as f64 - bound).max(0.0);
@@ -1325,7 +1372,7 @@ fn store_lost(_: &Args) -> Vec<Row> {
                 _ => over <= c + 1.0,
             };
             Row {
-                scenario: format!("9 store lost its state, --store-reset {reset}"),
+                scenario: format!("11 store lost its state, --store-reset {reset}"),
                 load: "1 client, 150 decisions straight to the sidecar, then 0.8 s more".into(),
                 fault: "Redis restarted without its data".into(),
                 admitted: run.admitted.to_string(),
@@ -1352,7 +1399,7 @@ fn store_lost(_: &Args) -> Vec<Row> {
 
 type Scenario = fn(&Args) -> Vec<Row>;
 
-const SCENARIOS: [(u32, &str, Scenario); 9] = [
+const SCENARIOS: [(u32, &str, Scenario); 10] = [
     (1, "shared budget", shared_budget),
     (2, "hot key", hot_key),
     (3, "Redis slow and down", redis_outage),
@@ -1361,7 +1408,8 @@ const SCENARIOS: [(u32, &str, Scenario); 9] = [
     (6, "sidecar restart", sidecar_restart),
     (7, "flood", flood),
     (8, "many clients", many_clients),
-    (9, "store lost its state", store_lost),
+    (9, "snapshot restore", snapshot_restore),
+    (11, "store lost its state", store_lost),
 ];
 
 fn main() {

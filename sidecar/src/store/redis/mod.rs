@@ -622,13 +622,12 @@ impl Nodes for RedisStore {
 }
 
 impl ShareStore for RedisStore {
-    async fn read_share_record(&self, key: String) -> Result<Vec<(String, String)>, StoreError> {
-        let mut cmd = redis::cmd("HGETALL");
-        cmd.arg(&key);
-        let v = self.bounded(self.query(cmd)).await?;
-        redis::from_redis_value::<std::collections::BTreeMap<String, String>>(v)
-            .map(|m| m.into_iter().collect())
-            .map_err(|e| StoreError::Reply(format!("HGETALL {key}: {e}")))
+    async fn read_share_record(
+        &self,
+        key: String,
+    ) -> Result<(Vec<(String, String)>, String), StoreError> {
+        let v = self.bounded(self.query(record::read_cmd(&key))).await?;
+        record::parse_read(v).map_err(|e| StoreError::Reply(format!("{key}: {e}")))
     }
 
     async fn add_demand(
