@@ -11,7 +11,7 @@
 //!
 //! Scenarios (`--scenario 1,3` runs some): 1 shared budget, 2 hot key, 3 Redis slow/down per
 //! `on_error`, 4 failover (Sentinel, Cluster), 5 uncertain results, 6 sidecar restart, 7 flood,
-//! 8 many clients.
+//! 8 many clients, 9 policy reload under leases.
 
 use std::net::IpAddr;
 use std::path::PathBuf;
@@ -40,7 +40,7 @@ struct Args {
     /// Seconds of load per phase (a fault lasts as long).
     #[arg(long, default_value_t = 3)]
     seconds: u64,
-    /// Scenarios to run, by number (1-8), comma separated; all by default.
+    /// Scenarios to run, by number (1-9), comma separated; all by default.
     #[arg(long, value_delimiter = ',')]
     scenario: Vec<u32>,
     /// Concurrent clients on the loaded key(s).
@@ -1308,9 +1308,71 @@ fn many_clients(a: &Args) -> Vec<Row> {
 
 // ---------------------------------------------------------------------------------------------
 
+// ---------------------------------------------------------------------------------------------
+// 9. A policy reload under leases.
+
+fn policy_reload(a: &Args) -> Vec<Row> {
+    use ratelimit_e2e::reload::{Stack, BOUND, OPEN};
+    let window = Duration::from_secs(a.seconds).min(Duration::from_secs(1));
+    // The filter's defaults: the epoch polled every 50 ms, 5 ticks per poll.
+    let (poll_ms, tick_ms) = (50, 10);
+    let mut stack = Stack::start(json!({}));
+    let steps = [
+        (
+            "lowered to capacity 10, refill 1/s",
+            "{capacity: 10, refill_per_sec: 1}",
+        ),
+        ("blocked (`blocked: true`)", "{blocked: true}"),
+    ];
+    let mut rows = Vec::new();
+    for (i, (name, spec)) in steps.into_iter().enumerate() {
+        if i > 0 {
+            stack.reload(OPEN, window);
+            stack.wait_for_leases();
+        }
+        log(&format!("9: {name}"));
+        let s = stack.reload(spec, window);
+        let stale = s.stale_lease_admissions();
+        let ms_of = |d: Option<Duration>| d.map_or("none".to_string(), ms);
+        rows.push(Row {
+            scenario: format!("9 policy reload, {name}"),
+            load: "2 hot clients (2 connections each) holding leases, 1 Envoy ×2 workers, 1 sidecar, 1 Redis; 20000 + 20000/s before".into(),
+            fault: format!(
+                "policy rewritten, SIGHUP; t0 = the sidecar's /v1/epoch shows it ({} after SIGHUP)",
+                ms(s.seen_after)
+            ),
+            admitted: format!(
+                "{} after t0 ({} from leases; {} of the new policy's leases granted)",
+                s.admitted, s.lease_admitted, s.granted
+            ),
+            rejected: format!("{} sent after t0 + 100 ms", s.late_rejected),
+            over: format!("{stale} from old leases after t0 + 100 ms"),
+            client: String::new(),
+            filter: filter_cell(&[&stack.envoy]),
+            errors: "0".into(),
+            recovery: format!(
+                "last admission sent {} after t0; last lease admission counted by {}",
+                ms_of(s.last_admission),
+                ms_of(s.last_lease_admission)
+            ),
+            check: format!(
+                "old leases after t0 + {} ms: {stale} {}; blocked: admitted, stale Retry-After after it: {}, {} {}; bound poll + 2·tick + RTT = {} ms + RTT",
+                BOUND.as_millis(),
+                mark(stale == 0),
+                s.late_admitted,
+                s.late_retry_after,
+                mark(!spec.contains("blocked") || (s.late_retry_after == 0 && s.late_admitted == 0)),
+                poll_ms + 2 * tick_ms
+            ),
+        });
+    }
+    stack.stop();
+    rows
+}
+
 type Scenario = fn(&Args) -> Vec<Row>;
 
-const SCENARIOS: [(u32, &str, Scenario); 8] = [
+const SCENARIOS: [(u32, &str, Scenario); 9] = [
     (1, "shared budget", shared_budget),
     (2, "hot key", hot_key),
     (3, "Redis slow and down", redis_outage),
@@ -1319,6 +1381,7 @@ const SCENARIOS: [(u32, &str, Scenario); 8] = [
     (6, "sidecar restart", sidecar_restart),
     (7, "flood", flood),
     (8, "many clients", many_clients),
+    (9, "policy reload under leases", policy_reload),
 ];
 
 fn main() {
