@@ -504,12 +504,28 @@ impl Table<'_> {
         }
     }
 
-    /// Gives `cost` back to lease `lease_id` of `id` (a take for a request that was then
-    /// rejected). Lost if the lease was replaced meanwhile.
+    /// Gives `cost` back for a take from lease `lease_id` of `id` under this table's epoch (a
+    /// request that was then rejected): to that lease if it is still in use, or retired (the
+    /// next ask then returns it to Redis); else, that lease being gone (given back or
+    /// expired), to the lease in use if it was granted under the same epoch (Redis's refund of
+    /// a lease is capped at its grant, so the token is at worst lost, never admitted twice).
+    /// Lost otherwise, and if the lease is past its time (Redis's record is too).
     pub fn give_back(&self, id: &str, lease_id: u64, cost: u64, now_ns: u64) {
+        if lease_id == 0 {
+            return;
+        }
         self.update(id, now_ns, |e| {
-            (e.lease.id == lease_id && lease_id != 0).then(|| {
-                e.lease.tokens = e.lease.tokens.saturating_add(cost);
+            let lease = if e.lease.id == lease_id {
+                &mut e.lease
+            } else if e.retired.id == lease_id {
+                &mut e.retired
+            } else if e.lease.held(now_ns) && e.lease.epoch == self.epoch {
+                &mut e.lease
+            } else {
+                return None;
+            };
+            (lease.until_ns > now_ns).then(|| {
+                lease.tokens = lease.tokens.saturating_add(cost);
             })
         });
     }
@@ -891,6 +907,55 @@ mod tests {
             })
         );
         assert_eq!(take(&t, "h", 1, S / 2), None, "stopped");
+    }
+
+    #[test]
+    fn a_give_back_to_a_lease_the_next_one_replaced_is_returned_with_the_next_ask() {
+        let m = Memory::default();
+        let t = table(&m);
+        // Lease 1 (2 tokens) in use, lease 2 (10) waiting as the next.
+        grant(&t, 1, 2, 0, 0);
+        grant(&t, 2, 10, 0, 0);
+        // R1 takes from lease 1, R2 empties it, R3 makes lease 2 take over.
+        assert_eq!(take(&t, "h", 1, 1), Some(1), "R1");
+        assert_eq!(take(&t, "h", 1, 1), Some(1), "R2");
+        assert_eq!(take(&t, "h", 1, 1), Some(2), "R3");
+        // R1 is rejected by another rule: its token goes back to lease 1, now retired.
+        t.give_back("h", 1, 1, 2);
+        let e = t.get("h").unwrap();
+        assert_eq!((e.lease.id, e.lease.tokens), (2, 9));
+        assert_eq!(
+            (e.retired.id, e.retired.tokens),
+            (1, 1),
+            "the rejected request's token is kept for lease 1"
+        );
+        // The next ask hands it back to Redis with lease 2's leftover: 10 tokens, as due.
+        let start = t.begin_lease("h", 3, S).unwrap();
+        let returned: u64 = start.give_back.iter().map(|(_, tokens)| tokens).sum();
+        assert_eq!(start.give_back, vec![(2, 9), (1, 1)]);
+        assert_eq!(returned, 10, "a rejected request charges nothing");
+    }
+
+    #[test]
+    fn a_give_back_to_a_lease_no_longer_held_goes_to_the_lease_in_use_of_its_epoch() {
+        let m = Memory::default();
+        let mut t = table(&m);
+        grant(&t, 1, 1, 0, 0);
+        assert_eq!(take(&t, "h", 1, 1), Some(1));
+        // Lease 1 is spent; a new ask gives it back (its record goes) and lease 2 arrives.
+        let start = t.begin_lease("h", 1, S).unwrap();
+        assert_eq!(start.give_back, vec![]);
+        grant(&t, 2, 5, 1, 1);
+        assert_eq!(take(&t, "h", 1, 2), Some(2));
+        // The request paid by lease 1 is rejected: lease 1 is gone, lease 2 (the same epoch)
+        // keeps the token (Redis takes back at most what it granted lease 2: never more).
+        t.give_back("h", 1, 1, 3);
+        assert_eq!(t.get("h").unwrap().lease.tokens, 5);
+        // Under another epoch the token is not the lease's to pay: it is lost (never admitted
+        // under a policy it was not granted under).
+        t.epoch = 9;
+        t.give_back("h", 1, 1, 3);
+        assert_eq!(t.get("h").unwrap().lease.tokens, 5);
     }
 
     #[test]
