@@ -91,6 +91,12 @@ pub struct FastPaths {
     /// 429s still say the whole wait in `Retry-After`). Default: 1000.
     #[serde(default = "default_max_rejection_ms")]
     pub max_rejection_ms: u64,
+    /// How often one worker of each Envoy reads the sidecar's policy epoch (`GET /v1/epoch`), in
+    /// milliseconds; leases and known rejections learned under another epoch stop answering
+    /// (docs/fast-paths.md#policy-reloads). 0: never (they then answer until their own end
+    /// after a reload). Default: 50.
+    #[serde(default = "default_policy_poll_ms")]
+    pub policy_poll_ms: u64,
     /// Leases of tokens for busy buckets.
     #[serde(default)]
     pub leases: Leases,
@@ -98,6 +104,14 @@ pub struct FastPaths {
     /// Default: 4096.
     #[serde(default = "default_slots")]
     pub slots: usize,
+}
+
+impl FastPaths {
+    /// Whether the policy epoch is polled: `policy_poll_ms` is set and some fast path that
+    /// answers from what it learned (leases, known rejections) is on.
+    pub fn polls_epoch(&self) -> bool {
+        self.policy_poll_ms > 0 && (self.leases.enabled || self.known_rejections)
+    }
 }
 
 impl Default for FastPaths {
@@ -109,6 +123,7 @@ impl Default for FastPaths {
             share_callouts: true,
             known_rejections: true,
             max_rejection_ms: default_max_rejection_ms(),
+            policy_poll_ms: default_policy_poll_ms(),
             leases: Leases::default(),
             slots: default_slots(),
         }
@@ -129,6 +144,10 @@ fn default_max_in_flight() -> usize {
 
 fn default_slots() -> usize {
     4096
+}
+
+fn default_policy_poll_ms() -> u64 {
+    50
 }
 
 fn default_max_rejection_ms() -> u64 {
@@ -618,6 +637,12 @@ impl Config {
             p.add(
                 "fast_paths.max_rejection_ms",
                 format!("must be 1 to 86400000, got {}", f.max_rejection_ms),
+            );
+        }
+        if f.policy_poll_ms > 60_000 {
+            p.add(
+                "fast_paths.policy_poll_ms",
+                format!("must be 0 to 60000, got {}", f.policy_poll_ms),
             );
         }
         if f.slots == 0 || f.slots > 1 << 20 {
@@ -1678,7 +1703,7 @@ pub(crate) mod tests {
         let p = problems(&edited(|v| {
             v["fast_paths"] = json!({
                 "max_batch": ratelimit_wire::MAX_REQUESTS + 1, "max_in_flight": 65,
-                "slots": (1 << 20) + 1, "max_rejection_ms": 86_400_001,
+                "slots": (1 << 20) + 1, "max_rejection_ms": 86_400_001, "policy_poll_ms": 60_001,
                 "leases": {"min_rate_per_sec": -1.5, "ttl_ms": 60_001, "max_tokens": MAX_CAPACITY + 1}
             })
         }));
@@ -1688,6 +1713,7 @@ pub(crate) mod tests {
                 "fast_paths.max_batch: must be 1 to 256, got 257",
                 "fast_paths.max_in_flight: must be 1 to 64, got 65",
                 "fast_paths.max_rejection_ms: must be 1 to 86400000, got 86400001",
+                "fast_paths.policy_poll_ms: must be 0 to 60000, got 60001",
                 "fast_paths.slots: must be 1 to 1048576, got 1048577",
                 "fast_paths.leases.min_rate_per_sec: must be a number > 0",
                 "fast_paths.leases.ttl_ms: must be 1 to 60000, got 60001",
@@ -1699,7 +1725,7 @@ pub(crate) mod tests {
             v["fast_paths"] = json!({
                 "coalesce": false, "known_rejections": false, "share_callouts": false,
                 "max_batch": 256, "max_in_flight": 64, "slots": 1 << 20,
-                "max_rejection_ms": 86_400_000,
+                "max_rejection_ms": 86_400_000, "policy_poll_ms": 60_000,
                 "leases": {"enabled": false, "min_rate_per_sec": 0.001, "ttl_ms": 60_000,
                            "max_tokens": MAX_CAPACITY}
             })
@@ -1714,6 +1740,7 @@ pub(crate) mod tests {
                 share_callouts: false,
                 known_rejections: false,
                 max_rejection_ms: 86_400_000,
+                policy_poll_ms: 60_000,
                 leases: Leases {
                     enabled: false,
                     min_rate_per_sec: 0.001,

@@ -13,7 +13,7 @@ use crate::shared::{compare_and_swap, SharedDataError, SharedStore, Write};
 /// known, in nanoseconds.
 pub const FIXED_REJECTION_NS: u64 = 1_000_000_000;
 
-const VERSION: u8 = 4;
+const VERSION: u8 = 5;
 
 /// A lease asks for this many times what its bucket would spend over the lease's time at the
 /// rate measured (room for a rate that grows while it lasts).
@@ -82,6 +82,8 @@ pub struct Entry {
     pub reject_until_ns: u64,
     pub reject_local_until_ns: u64,
     pub reject_cause: RejectionCause,
+    /// The policy epoch the rejection was learned under: it is not answered under another one.
+    pub reject_epoch: u64,
     /// The lease in use.
     pub lease: Lease,
     /// The next lease, granted while the one in use still paid (an early renewal). It takes over
@@ -111,12 +113,15 @@ pub struct Lease {
     pub granted_ns: u64,
     /// When it began paying (0: not yet, a next lease waiting).
     pub started_ns: u64,
+    /// The policy epoch it was granted under: it pays under no other one (it still holds its
+    /// tokens, given back with the next ask).
+    pub epoch: u64,
 }
 
 impl Lease {
-    /// Whether it can pay `cost` at `now_ns`.
-    pub fn pays(&self, cost: u64, now_ns: u64) -> bool {
-        self.until_ns > now_ns && self.tokens >= cost
+    /// Whether it can pay `cost` at `now_ns` under policy epoch `epoch`.
+    pub fn pays(&self, cost: u64, now_ns: u64, epoch: u64) -> bool {
+        self.until_ns > now_ns && self.tokens >= cost && self.epoch == epoch
     }
 
     /// Whether it holds tokens at `now_ns`.
@@ -141,6 +146,7 @@ impl Lease {
             self.granted,
             self.granted_ns,
             self.started_ns,
+            self.epoch,
         ] {
             out.extend_from_slice(&v.to_le_bytes());
         }
@@ -154,6 +160,7 @@ impl Lease {
             granted: r.u64()?,
             granted_ns: r.u64()?,
             started_ns: r.u64()?,
+            epoch: r.u64()?,
         })
     }
 }
@@ -167,6 +174,7 @@ impl Entry {
             reject_until_ns: 0,
             reject_local_until_ns: 0,
             reject_cause: RejectionCause::Insufficient,
+            reject_epoch: 0,
             lease: Lease::default(),
             next: Lease::default(),
             renewing_until_ns: 0,
@@ -200,6 +208,7 @@ impl Entry {
             RejectionCause::CostExceedsCapacity => 1,
             RejectionCause::Blocked => 2,
         });
+        out.extend_from_slice(&self.reject_epoch.to_le_bytes());
         self.lease.put(&mut out);
         out.extend_from_slice(&self.renewing_until_ns.to_le_bytes());
         self.next.put(&mut out);
@@ -241,6 +250,7 @@ impl Entry {
             2 => RejectionCause::Blocked,
             _ => return None,
         };
+        e.reject_epoch = r.u64()?;
         e.lease = Lease::read(&mut r)?;
         e.renewing_until_ns = r.u64()?;
         e.next = Lease::read(&mut r)?;
@@ -249,10 +259,13 @@ impl Entry {
         r.0.is_empty().then_some(e)
     }
 
-    /// The rejection answered locally for `cost` at `now_ns`: (cause, time left in ns until the
-    /// bucket may admit it, for `Retry-After`).
-    pub fn rejection(&self, cost: u64, now_ns: u64) -> Option<(RejectionCause, u64)> {
-        (self.reject_local_until_ns > now_ns && cost >= self.reject_cost && self.reject_cost > 0)
+    /// The rejection answered locally for `cost` at `now_ns` under policy epoch `epoch`: (cause,
+    /// time left in ns until the bucket may admit it, for `Retry-After`).
+    pub fn rejection(&self, cost: u64, now_ns: u64, epoch: u64) -> Option<(RejectionCause, u64)> {
+        (self.reject_local_until_ns > now_ns
+            && cost >= self.reject_cost
+            && self.reject_cost > 0
+            && self.reject_epoch == epoch)
             .then(|| {
                 (
                     self.reject_cause,
@@ -261,13 +274,14 @@ impl Entry {
             })
     }
 
-    /// Whether it holds state worth its slot at `now_ns`: a lease (in use or next) with tokens,
-    /// an ask for one in flight, or a rejection in force.
-    pub fn live(&self, now_ns: u64) -> bool {
+    /// Whether it holds state worth its slot at `now_ns` under policy epoch `epoch`: a lease (in
+    /// use or next) with tokens (of any epoch: they are Redis's until given back), an ask for one
+    /// in flight, or a rejection in force.
+    pub fn live(&self, now_ns: u64, epoch: u64) -> bool {
         self.lease.held(now_ns)
             || self.next.held(now_ns)
             || self.renewing_until_ns > now_ns
-            || self.reject_local_until_ns > now_ns
+            || (self.reject_local_until_ns > now_ns && self.reject_epoch == epoch)
     }
 
     /// The retired lease to give back, if Redis still holds its record at `now_ns`: (lease id,
@@ -277,9 +291,9 @@ impl Entry {
         (r.id != 0 && r.until_ns > now_ns).then_some((r.id, r.tokens))
     }
 
-    /// Whether the lease in use can pay `cost` at `now_ns`.
-    pub fn lease_pays(&self, cost: u64, now_ns: u64) -> bool {
-        self.lease.pays(cost, now_ns)
+    /// Whether the lease in use can pay `cost` at `now_ns` under policy epoch `epoch`.
+    pub fn lease_pays(&self, cost: u64, now_ns: u64, epoch: u64) -> bool {
+        self.lease.pays(cost, now_ns, epoch)
     }
 
     /// Whether the lease in use (which can pay `cost`) is running low, with no next lease held,
@@ -291,7 +305,7 @@ impl Entry {
     /// bucket busy enough to spend a quarter of it within one ask's round trip); or less than a
     /// tenth of its time is left ([`RENEW_TIME_DIVISOR`]) (a lease used more slowly than it was sized for: its
     /// successor, whose time starts when it is asked for, should not wait long unused).
-    fn renewal_due(&self, cost: u64, now_ns: u64) -> bool {
+    fn renewal_due(&self, cost: u64, now_ns: u64, epoch: u64) -> bool {
         let l = &self.lease;
         let ttl_ns = l.until_ns.saturating_sub(l.granted_ns);
         let left = l.tokens - cost;
@@ -305,7 +319,7 @@ impl Entry {
         };
         self.renewing_until_ns <= now_ns
             && !self.next.held(now_ns)
-            && self.rejection(cost, now_ns).is_none()
+            && self.rejection(cost, now_ns, epoch).is_none()
             && (left.saturating_mul(RENEW_TOKENS_DIVISOR) < l.granted
                 || (l.until_ns - now_ns).saturating_mul(RENEW_TIME_DIVISOR) < ttl_ns
                 || (self.ask_rtt_ns > 0 && soon()))
@@ -348,6 +362,9 @@ pub struct Table<'a> {
     pub slots: usize,
     /// How long a rejection is answered locally at most, from when its callout was sent.
     pub max_rejection_ns: u64,
+    /// The sidecar's policy epoch as this worker knows it ([`crate::epoch`]; 0: unknown): a lease
+    /// or a rejection learned under another one does not answer.
+    pub epoch: u64,
 }
 
 impl Table<'_> {
@@ -390,7 +407,7 @@ impl Table<'_> {
         compare_and_swap(self.store, &key, |bytes| {
             let (mut entry, existed) = match bytes.and_then(Entry::decode) {
                 Some(e) if e.id == id => (e, true),
-                Some(other) if other.live(now_ns) => return Write::Keep(None),
+                Some(other) if other.live(now_ns, self.epoch) => return Write::Keep(None),
                 _ => (Entry::new(id), false),
             };
             match change(&mut entry, existed) {
@@ -432,7 +449,8 @@ impl Table<'_> {
             let Some(mut entry) = bytes.and_then(Entry::decode).filter(|e| e.id == id) else {
                 return Write::Keep(Probe::NoEntry);
             };
-            let known = |entry: &Entry| match entry.rejection(cost, now_ns) {
+            let epoch = self.epoch;
+            let known = |entry: &Entry| match entry.rejection(cost, now_ns, epoch) {
                 Some((cause, left_ns)) if rejections => Probe::Rejected {
                     cause,
                     left_ns,
@@ -442,17 +460,20 @@ impl Table<'_> {
             };
             // The next lease takes over when the one in use cannot pay (what is left of that
             // one, less than the cost or past its time, stays unused: Redis's record expires).
-            if lease && !entry.lease.pays(cost, now_ns) && entry.next.pays(cost, now_ns) {
+            if lease
+                && !entry.lease.pays(cost, now_ns, epoch)
+                && entry.next.pays(cost, now_ns, epoch)
+            {
                 let old = std::mem::replace(&mut entry.lease, std::mem::take(&mut entry.next));
                 entry.lease.started_ns = now_ns;
                 if old.id != 0 && old.until_ns > now_ns {
                     entry.retired = old;
                 }
             }
-            if !(lease && entry.lease_pays(cost, now_ns)) {
+            if !(lease && entry.lease_pays(cost, now_ns, epoch)) {
                 return Write::Keep(known(&entry));
             }
-            if let Some(until) = renew.filter(|_| entry.renewal_due(cost, now_ns)) {
+            if let Some(until) = renew.filter(|_| entry.renewal_due(cost, now_ns, epoch)) {
                 let previous = entry.lease.previous();
                 let give_back = entry.take_retired(now_ns);
                 entry.renewing_until_ns = until;
@@ -483,12 +504,28 @@ impl Table<'_> {
         }
     }
 
-    /// Gives `cost` back to lease `lease_id` of `id` (a take for a request that was then
-    /// rejected). Lost if the lease was replaced meanwhile.
+    /// Gives `cost` back for a take from lease `lease_id` of `id` under this table's epoch (a
+    /// request that was then rejected): to that lease if it is still in use, or retired (the
+    /// next ask then returns it to Redis); else, that lease being gone (given back or
+    /// expired), to the lease in use if it was granted under the same epoch (Redis's refund of
+    /// a lease is capped at its grant, so the token is at worst lost, never admitted twice).
+    /// Lost otherwise, and if the lease is past its time (Redis's record is too).
     pub fn give_back(&self, id: &str, lease_id: u64, cost: u64, now_ns: u64) {
+        if lease_id == 0 {
+            return;
+        }
         self.update(id, now_ns, |e| {
-            (e.lease.id == lease_id && lease_id != 0).then(|| {
-                e.lease.tokens = e.lease.tokens.saturating_add(cost);
+            let lease = if e.lease.id == lease_id {
+                &mut e.lease
+            } else if e.retired.id == lease_id {
+                &mut e.retired
+            } else if e.lease.held(now_ns) && e.lease.epoch == self.epoch {
+                &mut e.lease
+            } else {
+                return None;
+            };
+            (lease.until_ns > now_ns).then(|| {
+                lease.tokens = lease.tokens.saturating_add(cost);
             })
         });
     }
@@ -549,6 +586,7 @@ impl Table<'_> {
                 } => {
                     e.reject_cost = learned.cost;
                     e.reject_cause = cause;
+                    e.reject_epoch = learned.epoch;
                     e.reject_until_ns = dispatched_ns.saturating_add(match cause {
                         RejectionCause::Insufficient => retry_after_ms.saturating_mul(1_000_000),
                         _ => FIXED_REJECTION_NS,
@@ -569,6 +607,7 @@ impl Table<'_> {
                         granted: learned.leased,
                         granted_ns: dispatched_ns,
                         started_ns: 0,
+                        epoch: learned.epoch,
                     };
                     e.ask_rtt_ns = now_ns
                         .saturating_sub(dispatched_ns)
@@ -694,6 +733,8 @@ pub struct Learned {
     /// The decision asked for a lease: (lease id, ttl_ms).
     pub asked_lease: Option<(u64, u64)>,
     pub leased: u64,
+    /// The policy epoch the answer was decided under (as far as the gateway knows).
+    pub epoch: u64,
 }
 
 /// The sidecar's verdict on one decision.
@@ -804,16 +845,16 @@ mod tests {
         let e = t.get("b").unwrap();
         // Dispatched at 10 s, wait 1.5 s: known until 11.5 s, for costs of 2 or more.
         assert_eq!(
-            e.rejection(2, 11 * S),
+            e.rejection(2, 11 * S, 0),
             Some((RejectionCause::Insufficient, S / 2))
         );
         assert_eq!(
-            e.rejection(5, 11 * S),
+            e.rejection(5, 11 * S, 0),
             Some((RejectionCause::Insufficient, S / 2))
         );
-        assert_eq!(e.rejection(1, 11 * S), None, "a smaller cost may pass");
+        assert_eq!(e.rejection(1, 11 * S, 0), None, "a smaller cost may pass");
         assert_eq!(
-            e.rejection(2, 11 * S + S / 2),
+            e.rejection(2, 11 * S + S / 2, 0),
             None,
             "never past its retry_after"
         );
@@ -827,7 +868,7 @@ mod tests {
             11 * S,
             11 * S,
         );
-        assert_eq!(t.get("b").unwrap().rejection(2, 11 * S), None);
+        assert_eq!(t.get("b").unwrap().rejection(2, 11 * S, 0), None);
     }
 
     #[test]
@@ -866,6 +907,55 @@ mod tests {
             })
         );
         assert_eq!(take(&t, "h", 1, S / 2), None, "stopped");
+    }
+
+    #[test]
+    fn a_give_back_to_a_lease_the_next_one_replaced_is_returned_with_the_next_ask() {
+        let m = Memory::default();
+        let t = table(&m);
+        // Lease 1 (2 tokens) in use, lease 2 (10) waiting as the next.
+        grant(&t, 1, 2, 0, 0);
+        grant(&t, 2, 10, 0, 0);
+        // R1 takes from lease 1, R2 empties it, R3 makes lease 2 take over.
+        assert_eq!(take(&t, "h", 1, 1), Some(1), "R1");
+        assert_eq!(take(&t, "h", 1, 1), Some(1), "R2");
+        assert_eq!(take(&t, "h", 1, 1), Some(2), "R3");
+        // R1 is rejected by another rule: its token goes back to lease 1, now retired.
+        t.give_back("h", 1, 1, 2);
+        let e = t.get("h").unwrap();
+        assert_eq!((e.lease.id, e.lease.tokens), (2, 9));
+        assert_eq!(
+            (e.retired.id, e.retired.tokens),
+            (1, 1),
+            "the rejected request's token is kept for lease 1"
+        );
+        // The next ask hands it back to Redis with lease 2's leftover: 10 tokens, as due.
+        let start = t.begin_lease("h", 3, S).unwrap();
+        let returned: u64 = start.give_back.iter().map(|(_, tokens)| tokens).sum();
+        assert_eq!(start.give_back, vec![(2, 9), (1, 1)]);
+        assert_eq!(returned, 10, "a rejected request charges nothing");
+    }
+
+    #[test]
+    fn a_give_back_to_a_lease_no_longer_held_goes_to_the_lease_in_use_of_its_epoch() {
+        let m = Memory::default();
+        let mut t = table(&m);
+        grant(&t, 1, 1, 0, 0);
+        assert_eq!(take(&t, "h", 1, 1), Some(1));
+        // Lease 1 is spent; a new ask gives it back (its record goes) and lease 2 arrives.
+        let start = t.begin_lease("h", 1, S).unwrap();
+        assert_eq!(start.give_back, vec![]);
+        grant(&t, 2, 5, 1, 1);
+        assert_eq!(take(&t, "h", 1, 2), Some(2));
+        // The request paid by lease 1 is rejected: lease 1 is gone, lease 2 (the same epoch)
+        // keeps the token (Redis takes back at most what it granted lease 2: never more).
+        t.give_back("h", 1, 1, 3);
+        assert_eq!(t.get("h").unwrap().lease.tokens, 5);
+        // Under another epoch the token is not the lease's to pay: it is lost (never admitted
+        // under a policy it was not granted under).
+        t.epoch = 9;
+        t.give_back("h", 1, 1, 3);
+        assert_eq!(t.get("h").unwrap().lease.tokens, 5);
     }
 
     #[test]
@@ -1039,6 +1129,7 @@ mod tests {
             store: m,
             slots,
             max_rejection_ns,
+            epoch: 0,
         }
     }
 
@@ -1057,6 +1148,7 @@ mod tests {
                 outcome: DecisionOutcome::Admitted,
                 asked_lease: Some((id, 1000)),
                 leased: tokens,
+                epoch: t.epoch,
             },
             at,
             now,
@@ -1074,6 +1166,7 @@ mod tests {
             },
             asked_lease: None,
             leased: 0,
+            epoch: 0,
         }
     }
 
@@ -1108,7 +1201,7 @@ mod tests {
             Probe::Undecided,
             "after the cap the next request asks again (and sees a raised limit)"
         );
-        assert!(!t.get("h").unwrap().live(S), "nor does it hold the slot");
+        assert!(!t.get("h").unwrap().live(S, 0), "nor does it hold the slot");
         // A shorter wait than the cap is answered for the wait.
         t.learn("h", &rejected(1, 300), 2 * S, 2 * S);
         assert!(matches!(
@@ -1158,6 +1251,7 @@ mod tests {
             outcome: DecisionOutcome::Admitted,
             asked_lease: None,
             leased: 0,
+            epoch: 0,
         };
         t.learn("quiet", &admitted, 0, 0);
         assert!(t.get("quiet").is_none());

@@ -24,6 +24,7 @@ use ratelimit_wire::{
 
 use crate::config::Config;
 use crate::emergency;
+use crate::epoch;
 use crate::fastpath::{
     self, DecisionOutcome, Hotness, KnownLimit, Learned, LeaseStart, Probe, ProbeFor,
     RejectionCause, Table,
@@ -103,6 +104,8 @@ pub struct Worker {
     hotness: Hotness,
     nonce: u64,
     lease_counter: u64,
+    /// The sidecar's policy epoch as this worker last read it ([`crate::epoch`]; 0: unknown).
+    epoch: u64,
 }
 
 impl Worker {
@@ -112,7 +115,13 @@ impl Worker {
             hotness: Hotness::default(),
             nonce,
             lease_counter: 0,
+            epoch: 0,
         }
+    }
+
+    /// The policy epoch this worker's fast paths answer under.
+    pub fn epoch(&self) -> u64 {
+        self.epoch
     }
 
     /// The id of the next lease ask: splitmix64 of (nonce + counter), distinct per VM and per
@@ -157,6 +166,12 @@ pub struct Waiting {
     /// Lease leftovers given back with the callout.
     returns: Vec<LeaseReturn>,
     deadline_ns: u64,
+    /// The policy epoch its worker knew when it came: its leases and known rejections answer
+    /// under it.
+    epoch: u64,
+    /// The epoch what it learns from its answer is tagged with: the one its call said it was
+    /// decided under, else `epoch`.
+    answered_epoch: u64,
 }
 
 /// One decision of a waiting request that the sidecar makes.
@@ -299,13 +314,15 @@ impl Flow<'_> {
     fn start_decisions(&self, planned: Vec<Planned>, now_ns: u64, worker: &mut Worker) -> Start {
         let config = self.config;
         let fp = &config.fast_paths;
-        let table = self.table();
+        let table = self.table(worker.epoch);
         let mut w = Waiting {
             planned,
             remote: Vec::new(),
             taken: Vec::new(),
             returns: Vec::new(),
             deadline_ns: now_ns + config.sidecar.timeout_ms * 1_000_000,
+            epoch: worker.epoch,
+            answered_epoch: worker.epoch,
         };
         let paths = ProbeFor::configured(fp);
         // What the leases said about the decisions they paid: (limit, tokens left).
@@ -422,6 +439,24 @@ impl Flow<'_> {
         dispatched_ns: u64,
         now_ns: u64,
     ) -> Verdict {
+        self.settle_under(w, answer, None, dispatched_ns, now_ns)
+    }
+
+    /// [`Flow::settle`] of an answer its call said was decided under policy epoch `epoch`
+    /// (`None`: it did not say).
+    pub fn settle_under(
+        &self,
+        w: &mut Waiting,
+        answer: Result<RequestAnswer, LimiterError>,
+        epoch: Option<u64>,
+        dispatched_ns: u64,
+        now_ns: u64,
+    ) -> Verdict {
+        if self.config.fast_paths.polls_epoch() {
+            if let Some(e) = epoch {
+                w.answered_epoch = e;
+            }
+        }
         let checked = answer.and_then(|a| verdict::check_answer(&a, w.remote.len()).map(|()| a));
         let verdict = match checked {
             Ok(answer) => self.with_answer(w, &answer, dispatched_ns, now_ns),
@@ -445,7 +480,7 @@ impl Flow<'_> {
     /// Gives what a request took from leases back to them (it does not pass, or its client went
     /// away); a second call gives nothing.
     pub fn give_back(&self, w: &mut Waiting, now_ns: u64) {
-        let table = self.table();
+        let table = self.table(w.epoch);
         for take in w.taken.drain(..) {
             let p = &w.planned[take.planned];
             table.give_back(&p.id, take.lease_id, p.cost, now_ns);
@@ -476,7 +511,7 @@ impl Flow<'_> {
                 // Not decided (a rule the sidecar's policy lacks): nothing to learn, and its
                 // lease ask, if any, was not granted.
                 if let Some(ask) = d.ask {
-                    self.release_ask(p, ask, dispatched_ns, now_ns);
+                    self.release_ask(w, p, ask, dispatched_ns, now_ns);
                 }
                 continue;
             }
@@ -488,9 +523,9 @@ impl Flow<'_> {
             } else if answer.allowed {
                 self.stats.count(Stat::RuleAdmitted(p.rule));
             }
-            self.learn(p, d, r, answer.allowed, dispatched_ns, now_ns);
+            self.learn(w, d, r, answer.allowed, dispatched_ns, now_ns);
         }
-        let table = self.table();
+        let table = self.table(w.epoch);
         if renewals_only {
             let taken = w.taken.len();
             if self.pay_renewals(w, now_ns).is_empty() {
@@ -563,28 +598,38 @@ impl Flow<'_> {
     }
 
     /// Releases a lease ask the sidecar did not grant (it did not decide the decision).
-    fn release_ask(&self, p: &Planned, ask: LeaseAsk, dispatched_ns: u64, now_ns: u64) {
+    fn release_ask(
+        &self,
+        w: &Waiting,
+        p: &Planned,
+        ask: LeaseAsk,
+        dispatched_ns: u64,
+        now_ns: u64,
+    ) {
         let learned = Learned {
             cost: p.cost,
             limit: None,
             outcome: DecisionOutcome::NotDecided,
             asked_lease: Some((ask.id, ask.ttl_ms)),
             leased: 0,
+            epoch: w.answered_epoch,
         };
-        self.table().learn(&p.id, &learned, dispatched_ns, now_ns);
+        self.table(w.epoch)
+            .learn(&p.id, &learned, dispatched_ns, now_ns);
     }
 
-    /// What the fast paths learn from the sidecar's result `r` for remote decision `d` (of
-    /// planned decision `p`) of a request the sidecar admitted or not (`request_allowed`).
+    /// What the fast paths learn from the sidecar's result `r` for remote decision `d` of
+    /// request `w`, which the sidecar admitted or not (`request_allowed`).
     fn learn(
         &self,
-        p: &Planned,
+        w: &Waiting,
         d: &RemoteDecision,
         r: &DecisionResult,
         request_allowed: bool,
         dispatched_ns: u64,
         now_ns: u64,
     ) {
+        let (p, epoch) = (&w.planned[d.planned], w.answered_epoch);
         let fp = &self.config.fast_paths;
         let outcome = if r.shadow || (r.allowed && !request_allowed) {
             DecisionOutcome::NotDecided
@@ -620,8 +665,10 @@ impl Flow<'_> {
             },
             asked_lease: d.ask.map(|a| (a.id, a.ttl_ms)),
             leased: if request_allowed { r.leased } else { 0 },
+            epoch,
         };
-        self.table().learn(&p.id, &learned, dispatched_ns, now_ns);
+        self.table(epoch)
+            .learn(&p.id, &learned, dispatched_ns, now_ns);
     }
 
     /// The verdict when the sidecar could not decide: the lease asks released, early renewals
@@ -633,18 +680,9 @@ impl Flow<'_> {
         dispatched_ns: u64,
         now_ns: u64,
     ) -> Verdict {
-        let table = self.table();
         for d in &w.remote {
             if let Some(ask) = d.ask {
-                let p = &w.planned[d.planned];
-                let learned = Learned {
-                    cost: p.cost,
-                    limit: None,
-                    outcome: DecisionOutcome::NotDecided,
-                    asked_lease: Some((ask.id, ask.ttl_ms)),
-                    leased: 0,
-                };
-                table.learn(&p.id, &learned, dispatched_ns, now_ns);
+                self.release_ask(w, &w.planned[d.planned], ask, dispatched_ns, now_ns);
             }
         }
         // The gateway holds a renewal's tokens in the lease in use whether or not the sidecar
@@ -652,7 +690,7 @@ impl Flow<'_> {
         let unpaid = self.pay_renewals(w, now_ns);
         if unpaid.is_empty() {
             self.count_limiter_error(&e);
-            let entries = taken_entries(&table, w);
+            let entries = taken_entries(&self.table(w.epoch), w);
             return self.admit_from_leases(w, &leased_admits(&entries));
         }
         self.on_limiter_error(&unpaid, e, now_ns)
@@ -661,7 +699,7 @@ impl Flow<'_> {
     /// Pays the request's early renewals from the leases in use where they still can (adding the
     /// takes to the request's); returns the remote decisions left unpaid.
     fn pay_renewals(&self, w: &mut Waiting, now_ns: u64) -> Vec<Planned> {
-        let table = self.table();
+        let table = self.table(w.epoch);
         let mut unpaid = Vec::new();
         for d in &w.remote {
             let p = &w.planned[d.planned];
@@ -742,13 +780,66 @@ impl Flow<'_> {
         }
     }
 
-    /// This Envoy's fast-path table, as configured.
-    fn table(&self) -> Table<'_> {
+    /// This Envoy's fast-path table, as configured, answering under policy epoch `epoch`.
+    fn table(&self, epoch: u64) -> Table<'_> {
         let fp = &self.config.fast_paths;
         Table {
             store: self.store,
             slots: fp.slots,
             max_rejection_ns: fp.max_rejection_ms.saturating_mul(1_000_000),
+            epoch,
+        }
+    }
+
+    /// How often the host ticks, in milliseconds (`None`: no tick needed): with coalescing, for
+    /// the queue's deadlines (half the callout timeout, at most 50 ms); with the policy epoch
+    /// polled, at least [`epoch::TICKS_PER_POLL`] times per poll period.
+    pub fn tick_period_ms(&self) -> Option<u64> {
+        let fp = &self.config.fast_paths;
+        let queue = fp
+            .coalesce
+            .then(|| (self.config.sidecar.timeout_ms / 2).clamp(1, 50));
+        let poll = fp
+            .polls_epoch()
+            .then(|| (fp.policy_poll_ms / epoch::TICKS_PER_POLL).max(1));
+        match (queue, poll) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// A tick of `worker` at `now_ns`: it reads the published policy epoch, and whether it sends
+    /// the poll for this Envoy now (then [`Flow::polled`] with its answer).
+    pub fn tick(&self, worker: &mut Worker, now_ns: u64) -> bool {
+        if !self.config.fast_paths.polls_epoch() {
+            return false;
+        }
+        let timeout_ns = self.config.sidecar.timeout_ms.saturating_mul(1_000_000);
+        let t = epoch::tick(self.store, now_ns, timeout_ns);
+        worker.epoch = t.epoch;
+        t.poll
+    }
+
+    /// The answer to the epoch poll `worker` sent at `dispatched_ns`: the epoch read (`None`: no
+    /// answer, or not one), published for every worker.
+    pub fn polled(&self, worker: &mut Worker, epoch: Option<u64>, dispatched_ns: u64) {
+        let period_ns = self
+            .config
+            .fast_paths
+            .policy_poll_ms
+            .saturating_mul(1_000_000);
+        worker.epoch = epoch::polled(self.store, epoch, dispatched_ns, period_ns);
+    }
+
+    /// A call's answer said it was decided under policy epoch `epoch`: when that is not the one
+    /// `worker` knows, the poll is made due at once (once per call, and a shared-data write only
+    /// then).
+    pub fn answered_under(&self, worker: &Worker, epoch: Option<u64>) {
+        match epoch {
+            Some(e) if self.config.fast_paths.polls_epoch() && e != worker.epoch => {
+                epoch::answered(self.store, e)
+            }
+            _ => {}
         }
     }
 }

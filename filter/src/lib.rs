@@ -18,6 +18,7 @@
 
 pub mod config;
 pub mod emergency;
+pub mod epoch;
 pub mod fastpath;
 pub mod flow;
 pub mod identity;

@@ -1051,6 +1051,7 @@ fn empty_entry(id: &str) -> Vec<u8> {
         reject_until_ns: 0,
         reject_local_until_ns: 0,
         reject_cause: RejectionCause::Insufficient,
+        reject_epoch: 0,
         lease: Lease::default(),
         next: Lease::default(),
         renewing_until_ns: 0,
@@ -1178,6 +1179,8 @@ fn entry() -> impl Strategy<Value = Entry> {
                         granted,
                         granted_ns,
                         started_ns,
+                        // A few epochs, so that some match the table's.
+                        epoch: started_ns % 3,
                     },
                 );
                 Entry {
@@ -1195,6 +1198,7 @@ fn entry() -> impl Strategy<Value = Entry> {
                         RejectionCause::CostExceedsCapacity,
                         RejectionCause::Blocked,
                     ][usize::from(cause)],
+                    reject_epoch: reject_cost % 3,
                     lease,
                     next,
                     renewing_until_ns,
@@ -1249,6 +1253,7 @@ fn table_op() -> impl Strategy<Value = TableOp> {
                         outcome,
                         asked_lease,
                         leased,
+                        epoch: at % 3,
                     },
                     at,
                     now,
@@ -1309,8 +1314,8 @@ fn fuzz_fastpath() {
                     && l.refill_per_sec > 0.0
                     && verdict::is_limit_name(&l.name)));
                 prop_assert_eq!(Entry::decode(&e.encode()), Some(e.clone()));
-                let _ = e.rejection(now_ns, now_ns);
-                let _ = e.lease_pays(now_ns, now_ns);
+                let _ = e.rejection(now_ns, now_ns, now_ns % 3);
+                let _ = e.lease_pays(now_ns, now_ns, now_ns % 3);
                 // What the gateway answers from the entry alone: a known rejection, or an
                 // admission from its lease, with headers from the limit it holds.
                 let reply = verdict::known_rejection(
@@ -1338,6 +1343,7 @@ fn fuzz_fastpath() {
                 store: &store,
                 slots,
                 max_rejection_ns: now_ns / 3,
+                epoch: now_ns % 3,
             };
             for op in &ops {
                 // Another bucket's entry, live when the operation runs, keeps its slot.
@@ -1348,9 +1354,9 @@ fn fuzz_fastpath() {
                     | TableOp::Begin(now, _) => *now,
                 };
                 let (before, _) = store.get(&fastpath::slot_key(id, slots));
-                let kept = before
-                    .clone()
-                    .filter(|b| Entry::decode(b).is_some_and(|e| e.id != id && e.live(op_now)));
+                let kept = before.clone().filter(|b| {
+                    Entry::decode(b).is_some_and(|e| e.id != id && e.live(op_now, table.epoch))
+                });
                 match op {
                     TableOp::Learn(l, at, now) => table.learn(id, l, *at, *now),
                     TableOp::Probe(cost, now, paths, renew) => {
@@ -1358,7 +1364,7 @@ fn fuzz_fastpath() {
                         // The lease that pays: the one in use, else the next one taking over.
                         let held = table.get(id);
                         let before = held.as_ref().map_or(0, |e| {
-                            if e.lease_pays(*cost, *now) {
+                            if e.lease_pays(*cost, *now, table.epoch) {
                                 e.lease.tokens
                             } else {
                                 e.next.tokens

@@ -12,7 +12,9 @@ use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use ratelimit_wire::{DecideResponse, ErrorBody, ErrorCode, DECIDE_PATH};
+use ratelimit_wire::{
+    DecideResponse, EpochResponse, ErrorBody, ErrorCode, DECIDE_PATH, EPOCH_PATH,
+};
 
 use crate::decide::{parse_request, Decider};
 use crate::grpc::RateLimitApi;
@@ -30,6 +32,7 @@ pub struct AppState<S> {
 pub fn router<S: BucketStore>(state: Arc<AppState<S>>, max_body_bytes: usize) -> Router {
     let decide_json = Router::new()
         .route(DECIDE_PATH, post(decide::<S>))
+        .route(EPOCH_PATH, get(epoch::<S>))
         .method_not_allowed_fallback(|| async {
             error(StatusCode::METHOD_NOT_ALLOWED, "method not allowed".into())
         })
@@ -39,8 +42,8 @@ pub fn router<S: BucketStore>(state: Arc<AppState<S>>, max_body_bytes: usize) ->
         RateLimitApi::new(state.decider.clone(), state.metrics.clone()).into_router(max_body_bytes);
     // Every route that decides: `POST /v1/decide` and the gRPC service. Authentication
     // (`crate::auth::protect`, applied by `serve` around this whole router) covers both alike
-    // (gRPC metadata are HTTP/2 headers: `authorization: Bearer <token>`) and leaves only
-    // /healthz, /readyz and /metrics open.
+    // (gRPC metadata are HTTP/2 headers: `authorization: Bearer <token>`), and `GET /v1/epoch`
+    // with them, and leaves only /healthz, /readyz and /metrics open.
     let decisions: Router = decide_json.merge(grpc);
     Router::new()
         .merge(health_router(state.clone()).with_state(state))
@@ -91,8 +94,14 @@ async fn decide<S: BucketStore>(
                 // callout timeout resets the stream) cancels neither its Redis calls nor the
                 // refunds that follow them.
                 let decider = s.decider.clone();
+                // The epoch read before deciding: the decision's policy is this one or a later
+                // one, so what the filter learns is never tagged newer than it is.
+                let epoch = decider.policy().current().epoch();
                 match tokio::spawn(async move { decider.decide(call).await }).await {
-                    Ok(answer) => respond(&s.metrics, answer),
+                    Ok(mut answer) => {
+                        answer.epoch = Some(epoch);
+                        respond(&s.metrics, answer)
+                    }
                     Err(e) => {
                         s.metrics.call("http", CallOutcome::Error);
                         tracing::error!("decision task failed: {e}");
@@ -153,6 +162,13 @@ fn respond(metrics: &Metrics, answer: DecideResponse) -> Response {
     }
     metrics.call("http", CallOutcome::Answered);
     Json(answer).into_response()
+}
+
+/// `GET /v1/epoch`: the policy's epoch, for the filter's poll (docs/fast-paths.md#policy-reloads).
+async fn epoch<S: BucketStore>(State(s): State<Arc<AppState<S>>>) -> Json<EpochResponse> {
+    Json(EpochResponse {
+        epoch: s.decider.policy().current().epoch(),
+    })
 }
 
 async fn readyz<S: BucketStore>(State(s): State<Arc<AppState<S>>>) -> Response {
@@ -216,7 +232,13 @@ mod tests {
             answer(false, &[], Some(ErrorCode::UnknownRule)),
             answer(true, &[0], None),
         ];
-        let r = respond(&m, DecideResponse { answers });
+        let r = respond(
+            &m,
+            DecideResponse {
+                answers,
+                epoch: None,
+            },
+        );
         assert_eq!(r.status(), StatusCode::OK);
         let text = m.encode();
         for line in [

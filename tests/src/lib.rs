@@ -20,6 +20,7 @@ pub mod netns;
 pub mod plugin;
 pub mod probe;
 pub mod redis;
+pub mod reload;
 pub mod report;
 pub mod scenario;
 pub mod script_cost;

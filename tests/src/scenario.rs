@@ -157,9 +157,10 @@ pub struct LossRun {
 
 /// Issue 20, case 5, through the real sidecar binary: one client spends its bucket (`policy`'s
 /// rule `r`, 150 decisions of cost 1 straight to `/v1/decide`), Redis restarts empty, the client
-/// spends again for `after`; the sidecar runs with `--store-reset <reset>`. Waits (bounded) for
-/// the sidecar to count the loss.
-pub fn spend_across_a_loss(policy: &str, reset: &str, after: Duration) -> LossRun {
+/// spends again for `after`; the sidecar runs with `--store-reset <reset>`. The client starts
+/// after `fill` (the rule's fill time): under `empty` a fresh Redis starts every bucket empty too,
+/// and the run is about the loss, not the start. Waits (bounded) for the sidecar to count the loss.
+pub fn spend_across_a_loss(policy: &str, reset: &str, fill: Duration, after: Duration) -> LossRun {
     let mut redis = Redis::start();
     let sidecar = Sidecar::with_policy(
         &redis.url(),
@@ -180,6 +181,8 @@ pub fn spend_across_a_loss(policy: &str, reset: &str, after: Duration) -> LossRu
         let v: Value = r.json().ok()?;
         v["answers"][0]["allowed"].as_bool()
     };
+    // The time the refill needs, not a synchronisation: the sidecar is ready (its marker made).
+    std::thread::sleep(fill);
     let started = Instant::now();
     let (mut admitted, mut unanswered) = (0u64, 0u64);
     let mut count = |answer: Option<bool>| match answer {

@@ -623,6 +623,7 @@ fn every_field_of_a_decide_call_and_its_answer_is_documented() {
                 message: "m".into(),
             }),
         }],
+        epoch: Some(1),
     };
     let mut fields = BTreeSet::new();
     collect_paths(&serde_json::to_value(&full).unwrap(), "", &mut fields);

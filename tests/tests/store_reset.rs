@@ -8,17 +8,20 @@ use std::time::Duration;
 
 use ratelimit_e2e::scenario::spend_across_a_loss;
 
-/// C = 100, r = 10/s: the bucket.
-const POLICY: &str = "rules:\n  r: {capacity: 100, refill_per_sec: 10}\n";
+/// C = 100, r = 100/s: full again within a second (the bucket refills at 10/s; the
+/// bound is the same formula).
+const POLICY: &str = "rules:\n  r: {capacity: 100, refill_per_sec: 100}\n";
 const C: f64 = 100.0;
-const R: f64 = 10.0;
+const R: f64 = 100.0;
+const FILL: Duration = Duration::from_millis(1100);
 
 #[test]
 fn with_store_reset_empty_a_client_stays_within_its_bound_across_the_loss() {
-    let run = spend_across_a_loss(POLICY, "empty", Duration::from_millis(800));
+    let run = spend_across_a_loss(POLICY, "empty", FILL, Duration::from_millis(500));
     let bound = C + R * run.seconds;
     println!("empty: {run:?}, bound C + r·T = {bound:.1}");
     assert!(run.resets >= 1.0, "the loss was not counted");
+    assert!(run.admitted >= 100, "the capacity before the loss: {run:?}");
     assert!(
         run.admitted as f64 <= bound + 1.0,
         "{} admitted over {:.2} s against C + r·T = {bound:.1}",
@@ -29,7 +32,7 @@ fn with_store_reset_empty_a_client_stays_within_its_bound_across_the_loss() {
 
 #[test]
 fn with_store_reset_full_a_client_gets_its_capacity_again_as_documented() {
-    let run = spend_across_a_loss(POLICY, "full", Duration::from_millis(800));
+    let run = spend_across_a_loss(POLICY, "full", FILL, Duration::from_millis(500));
     let bound = C + R * run.seconds;
     println!("full: {run:?}, bound C + r·T = {bound:.1}");
     assert!(run.resets >= 1.0, "the loss was not counted");

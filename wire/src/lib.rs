@@ -29,6 +29,10 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 /// The path the sidecar serves decisions on.
 pub const DECIDE_PATH: &str = "/v1/decide";
 
+/// The path the sidecar serves its policy epoch on (`GET`, authenticated like decisions):
+/// [`EpochResponse`].
+pub const EPOCH_PATH: &str = "/v1/epoch";
+
 /// The policy domain when a call names none.
 pub const DEFAULT_DOMAIN: &str = "ratelimit";
 
@@ -217,6 +221,18 @@ pub struct AppliedLimit {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct DecideResponse {
     pub answers: Vec<RequestAnswer>,
+    /// The epoch of the sidecar's policy when it began deciding the call (see
+    /// [`EpochResponse`]); absent from a sidecar that does not tell.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub epoch: Option<u64>,
+}
+
+/// The answer to `GET /v1/epoch`: the policy's epoch, a content hash of the policy files as
+/// loaded (two sidecars with the same files agree), changing on every reload that changes the
+/// policy; never 0, below 2^53 (JSON carries it exactly).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EpochResponse {
+    pub epoch: u64,
 }
 
 /// One request's answer.

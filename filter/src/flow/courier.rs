@@ -43,6 +43,9 @@ pub type Answer = (u32, Result<RequestAnswer, LimiterError>);
 #[derive(Debug, Serialize, Deserialize)]
 pub struct Answers {
     pub answers: Vec<Answer>,
+    /// The policy epoch the call said it was decided under.
+    #[serde(default)]
+    pub epoch: Option<u64>,
 }
 
 /// Who sends a worker's queued requests.
@@ -105,6 +108,7 @@ mod tests {
     fn messages_round_trip_with_their_kind() {
         let a = Answers {
             answers: vec![(7, Err(LimiterError::NoAnswer))],
+            epoch: Some(3),
         };
         let m = encode(ANSWERS, &a);
         assert_eq!(m[0], ANSWERS);

@@ -160,7 +160,7 @@ impl Gateway {
 
     /// The fast-path entry of alpha's `per-app` bucket.
     fn entry(&self) -> Option<fastpath::Entry> {
-        self.flow().table().get("test/per-app|app=alpha")
+        self.flow().table(0).get("test/per-app|app=alpha")
     }
 }
 
@@ -734,6 +734,8 @@ fn waiting(decisions: usize, returns: usize, deadline_ns: u64) -> Waiting {
             })
             .collect(),
         deadline_ns,
+        epoch: 0,
+        answered_epoch: 0,
     }
 }
 

@@ -10,12 +10,12 @@
 
 use std::time::Duration;
 
-use log::error;
+use log::{debug, error};
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::{BufferType, MapType};
 use ratelimit_wire::DecideResponse;
 
-use super::{abi, courier, now_ns, settle, stats, Plugin, SharedVm};
+use super::{abi, answered_under, courier, now_ns, settle, stats, Plugin, SharedVm};
 use crate::flow::courier::WAKE;
 use crate::flow::{Stat, Stats, Waiting};
 use crate::verdict::{self, LimiterError, MAX_ANSWER_BYTES};
@@ -66,9 +66,9 @@ pub fn send_queued(vm: &SharedVm) {
             Err(e) => {
                 let now = now_ns();
                 for &ctx in &batch.own {
-                    settle(vm, ctx, Err(e.clone()), now, now, true);
+                    settle(vm, ctx, Err(e.clone()), None, now, now, true);
                 }
-                courier::answer_carried(vm, &batch.carried, |_| Err(e.clone()));
+                courier::answer_carried(vm, &batch.carried, None, |_| Err(e.clone()));
                 let root = vm.borrow().root_id;
                 let _ = abi::set_effective_context(root);
                 return;
@@ -109,12 +109,14 @@ pub fn answered(vm: &SharedVm, token: u32, num_headers: usize, body_size: usize)
         Ok(a) => Ok(a.answers[i].clone()),
         Err(e) => Err(e.clone()),
     };
+    let epoch = answers.as_ref().ok().and_then(|a| a.epoch);
+    answered_under(vm, epoch);
     stats::counting(|| {
         for (i, &ctx) in flight.own.iter().enumerate() {
-            settle(vm, ctx, answer(i), flight.dispatched_ns, now, true);
+            settle(vm, ctx, answer(i), epoch, flight.dispatched_ns, now, true);
         }
     });
-    courier::answer_carried(vm, &flight.carried, |j| answer(own + j));
+    courier::answer_carried(vm, &flight.carried, epoch, |j| answer(own + j));
     let root = vm.borrow().root_id;
     let _ = abi::set_effective_context(root);
     send_queued(vm);
@@ -128,8 +130,58 @@ pub fn answered_alone(vm: &SharedVm, ctx: u32, sent_ns: u64, num_headers: usize,
         plugin.metrics.decision_us,
         now.saturating_sub(sent_ns) / 1_000,
     );
-    let answer = read_answer(num_headers, body_size, 1).map(|mut a| a.answers.remove(0));
-    settle(vm, ctx, answer, sent_ns, now, false);
+    let answer = read_answer(num_headers, body_size, 1);
+    let epoch = answer.as_ref().ok().and_then(|a| a.epoch);
+    answered_under(vm, epoch);
+    let answer = answer.map(|mut a| a.answers.remove(0));
+    settle(vm, ctx, answer, epoch, sent_ns, now, false);
+}
+
+/// Sends this Envoy's policy epoch poll (`GET /v1/epoch`) from the root context, at `now`
+/// ([`crate::epoch`]); a poll that cannot be sent counts as one without an answer.
+pub fn poll_epoch(vm: &SharedVm, now: u64) {
+    let plugin = vm.borrow().plugin.clone();
+    let sidecar = &plugin.config.sidecar;
+    let mut headers = vec![
+        (":method", "GET"),
+        (":path", ratelimit_wire::EPOCH_PATH),
+        (":authority", sidecar.authority()),
+    ];
+    if let Some(a) = &plugin.authorization {
+        headers.push(("authorization", a.as_str()));
+    }
+    match hostcalls::dispatch_http_call(
+        &sidecar.cluster,
+        headers,
+        None,
+        vec![],
+        Duration::from_millis(sidecar.timeout_ms),
+    ) {
+        Ok(token) => vm.borrow_mut().epoch_poll = Some((token, now)),
+        Err(status) => {
+            debug!("ratelimit filter: cannot send the policy epoch poll: status {status:?}");
+            plugin.flow().polled(&mut vm.borrow_mut().worker, None, now);
+        }
+    }
+}
+
+/// The answer to this worker's policy epoch poll, sent at `sent_ns`: published.
+pub fn epoch_polled(vm: &SharedVm, sent_ns: u64, num_headers: usize, body_size: usize) {
+    let status = if num_headers == 0 {
+        None
+    } else {
+        abi::header_map_value(MapType::HttpCallResponseHeaders, ":status")
+    };
+    let body = if body_size == 0 || body_size > 256 {
+        Vec::new()
+    } else {
+        abi::buffer(BufferType::HttpCallResponseBody, body_size).unwrap_or_default()
+    };
+    let epoch = crate::epoch::parse(status.as_deref(), &body);
+    let plugin = vm.borrow().plugin.clone();
+    let mut v = vm.borrow_mut();
+    v.epoch_poll = None;
+    plugin.flow().polled(&mut v.worker, epoch, sent_ns);
 }
 
 /// Sends a callout from the current context.

@@ -9,7 +9,7 @@ use log::{debug, warn};
 use proxy_wasm::hostcalls;
 use ratelimit_wire::RequestAnswer;
 
-use super::{abi, callout, now_ns, settle, stats, SharedVm};
+use super::{abi, answered_under, callout, now_ns, settle, stats, SharedVm};
 use crate::config::Config;
 use crate::flow::courier::{self, Answers, Forward, Sender};
 use crate::flow::{Stat, Stats};
@@ -127,6 +127,7 @@ fn forward(vm: &SharedVm, courier_nonce: u64) -> bool {
 pub fn answer_carried(
     vm: &SharedVm,
     carried: &[(u64, u32)],
+    epoch: Option<u64>,
     answer: impl Fn(usize) -> Result<RequestAnswer, LimiterError>,
 ) {
     if carried.is_empty() {
@@ -143,7 +144,7 @@ pub fn answer_carried(
             .push((*ctx, answer(j)));
     }
     for (origin, answers) in by_origin {
-        let message = courier::encode(courier::ANSWERS, &Answers { answers });
+        let message = courier::encode(courier::ANSWERS, &Answers { answers, epoch });
         match hostcalls::resolve_shared_queue(&vm_id, &courier::queue_name(origin)) {
             Ok(Some(q)) => {
                 if let Err(status) = abi::enqueue_shared_queue(q, &message) {
@@ -167,11 +168,12 @@ pub fn receive(vm: &SharedVm, queue_id: u32) {
             Some((&courier::ANSWERS, body)) => match serde_json::from_slice::<Answers>(body) {
                 Ok(a) => {
                     let now = now_ns();
+                    answered_under(vm, a.epoch);
                     stats::counting(|| {
                         for (ctx, answer) in a.answers {
                             let sent = vm.borrow_mut().queue.forward_answered(ctx);
                             if let Some(sent_ns) = sent {
-                                settle(vm, ctx, answer, sent_ns, now, true);
+                                settle(vm, ctx, answer, a.epoch, sent_ns, now, true);
                             }
                         }
                     })

@@ -79,6 +79,8 @@ struct Vm {
     sharing: Option<courier::Sharing>,
     /// Headers to add to the upstream's response, by context.
     response_headers: HashMap<u32, Vec<(String, String)>>,
+    /// The policy epoch poll this worker sent: (its token, when).
+    epoch_poll: Option<(u32, u64)>,
 }
 
 type SharedVm = Rc<RefCell<Vm>>;
@@ -97,7 +99,11 @@ impl Context for Root {
         _num_trailers: usize,
     ) {
         if let Some(vm) = self.vm.clone() {
-            callout::answered(&vm, token_id, num_headers, body_size);
+            let poll = vm.borrow().epoch_poll.filter(|(t, _)| *t == token_id);
+            match poll {
+                Some((_, sent_ns)) => callout::epoch_polled(&vm, sent_ns, num_headers, body_size),
+                None => callout::answered(&vm, token_id, num_headers, body_size),
+            }
         }
     }
 }
@@ -147,8 +153,6 @@ impl RootContext for Root {
             if config.fast_paths.share_callouts {
                 sharing = courier::Sharing::start(&config, nonce);
             }
-            let tick_ms = (config.sidecar.timeout_ms / 2).clamp(1, 50);
-            let _ = hostcalls::set_tick_period(Duration::from_millis(tick_ms));
         }
         info!(
             "ratelimit filter: configured {} rules in domain {:?}, sidecar cluster {:?}, timeout {} ms, coalescing {}",
@@ -164,6 +168,9 @@ impl RootContext for Root {
             metrics,
             authorization,
         });
+        if let Some(tick_ms) = plugin.flow().tick_period_ms() {
+            let _ = hostcalls::set_tick_period(Duration::from_millis(tick_ms));
+        }
         self.vm = Some(Rc::new(RefCell::new(Vm {
             plugin,
             root_id: self.id,
@@ -173,6 +180,7 @@ impl RootContext for Root {
             worker: Worker::new(nonce),
             sharing,
             response_headers: HashMap::new(),
+            epoch_poll: None,
         })));
         true
     }
@@ -190,9 +198,14 @@ impl RootContext for Root {
         };
         // Requests whose deadline passed while they waited in the queue: their failure policy.
         let now = now_ns();
+        let plugin = vm.borrow().plugin.clone();
+        let poll = plugin.flow().tick(&mut vm.borrow_mut().worker, now);
+        if poll {
+            callout::poll_epoch(&vm, now);
+        }
         let expired = vm.borrow_mut().queue.expired(now);
         for ctx in expired {
-            settle(&vm, ctx, Err(LimiterError::NoAnswer), now, now, true);
+            settle(&vm, ctx, Err(LimiterError::NoAnswer), None, now, now, true);
         }
         // Requests forwarded to the courier and not answered by their deadline: their failure
         // policy, and this worker takes the courier's place.
@@ -200,7 +213,7 @@ impl RootContext for Root {
         if !overdue.is_empty() {
             courier::take_over(&vm);
             for ctx in overdue {
-                settle(&vm, ctx, Err(LimiterError::NoAnswer), now, now, true);
+                settle(&vm, ctx, Err(LimiterError::NoAnswer), None, now, now, true);
             }
             let _ = abi::set_effective_context(self.id);
             callout::send_queued(&vm);
@@ -346,13 +359,20 @@ impl Drop for Request {
     }
 }
 
+/// A call's answer said it was decided under policy epoch `epoch`: the flow may make the poll due.
+fn answered_under(vm: &SharedVm, epoch: Option<u64>) {
+    let v = vm.borrow();
+    v.plugin.flow().answered_under(&v.worker, epoch);
+}
+
 /// Settles a paused request with the sidecar's answer (or why there is none: `answer` is the
-/// error) and carries the verdict out. `switch`: the root answers for the request, so its
-/// context is made the effective one first.
+/// error; `epoch`: the policy epoch its call said) and carries the verdict out. `switch`: the
+/// root answers for the request, so its context is made the effective one first.
 fn settle(
     vm: &SharedVm,
     ctx: u32,
     answer: Result<RequestAnswer, LimiterError>,
+    epoch: Option<u64>,
     dispatched_ns: u64,
     now_ns: u64,
     switch: bool,
@@ -362,7 +382,7 @@ fn settle(
     };
     let plugin = vm.borrow().plugin.clone();
     let flow = plugin.flow();
-    let verdict = flow.settle(&mut w, answer, dispatched_ns, now_ns);
+    let verdict = flow.settle_under(&mut w, answer, epoch, dispatched_ns, now_ns);
     if switch && abi::set_effective_context(ctx).is_err() {
         // The request is gone (its client went away): nothing to answer; its leases back.
         flow.give_back(&mut w, now_ns);

@@ -151,7 +151,10 @@ impl<S: BucketStore> Decider<S> {
                 Caller::Filter,
             )
             .await;
-        DecideResponse { answers }
+        DecideResponse {
+            answers,
+            epoch: None,
+        }
     }
 
     /// Decides requests of generic items (both APIs end here).

@@ -120,10 +120,26 @@ impl Default for Bounds {
     }
 }
 
+/// SHA-256 of the texts, each preceded by its length, folded to 53 bits (never 0).
+fn epoch<'a>(texts: impl Iterator<Item = &'a str>) -> u64 {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    for text in texts {
+        h.update((text.len() as u64).to_le_bytes());
+        h.update(text.as_bytes());
+    }
+    let digest = h.finalize();
+    let mut first = [0u8; 8];
+    first.copy_from_slice(&digest[..8]);
+    (u64::from_le_bytes(first) & ((1 << 53) - 1)).max(1)
+}
+
 /// The policy in force: every domain of every file.
 #[derive(Debug, Default)]
 pub struct Policy {
     domains: BTreeMap<String, Domain>,
+    /// [`Policy::epoch`].
+    epoch: u64,
 }
 
 #[derive(Debug)]
@@ -212,6 +228,7 @@ impl Policy {
         if sources.is_empty() {
             problems.add("--limits", "at least one policy file is required");
         }
+        policy.epoch = epoch(sources.iter().map(|(_, text)| text.as_str()));
         if problems.list.is_empty() {
             Ok(policy)
         } else {
@@ -219,6 +236,13 @@ impl Policy {
                 problems: problems.list,
             })
         }
+    }
+
+    /// The policy's epoch: a content hash of its files' text in order (not their paths, so two
+    /// sidecars with the same files agree), never 0, below 2^53. The filter's fast paths stop
+    /// using what they learned under another epoch (docs/fast-paths.md#policy-reloads).
+    pub fn epoch(&self) -> u64 {
+        self.epoch
     }
 
     /// The limit for `entries` in `domain`.
@@ -379,6 +403,23 @@ pub fn describe(paths: &[PathBuf]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_epoch_is_the_files_content_not_their_paths() {
+        let bounds = Bounds::default();
+        let doc = "rules:\n  r: {capacity: 5, refill_per_sec: 1}\n";
+        let at = |path: &str, text: &str| {
+            Policy::from_sources(&[(path.to_string(), text.to_string())], &bounds)
+                .unwrap()
+                .epoch()
+        };
+        assert_eq!(at("/a/limits.yaml", doc), at("/b/other.yaml", doc));
+        assert_ne!(
+            at("/a/limits.yaml", doc),
+            at("/a/limits.yaml", &doc.replace('5', "6"))
+        );
+        assert!(at("x", doc) > 0 && at("x", doc) < 1 << 53);
+    }
 
     fn load(docs: &[&str]) -> Result<Policy, PolicyError> {
         let sources: Vec<(String, String)> = docs

@@ -11,7 +11,8 @@
 //!
 //! Scenarios (`--scenario 1,3` runs some): 1 shared budget, 2 hot key, 3 Redis slow/down per
 //! `on_error`, 4 failover (Sentinel, Cluster), 5 uncertain results, 6 sidecar restart, 7 flood,
-//! 8 many clients, 9 a region's Redis restored from an older snapshot.
+//! 8 many clients, 9 a region's Redis restored from an older snapshot, 10 policy reload under
+//! leases, 11 a Redis that lost its state.
 
 use std::net::IpAddr;
 use std::path::PathBuf;
@@ -1358,13 +1359,18 @@ fn snapshot_restore(_: &Args) -> Vec<Row> {
 // 11. Redis restarted without its data, under each --store-reset.
 
 fn store_lost(_: &Args) -> Vec<Row> {
-    let (c, r) = (100.0, 10.0);
-    let policy = "rules:\n  r: {capacity: 100, refill_per_sec: 10}\n";
+    let (c, r) = (100.0, 100.0);
+    let policy = "rules:\n  r: {capacity: 100, refill_per_sec: 100}\n";
     ["full", "empty"]
         .into_iter()
         .map(|reset| {
             log(&format!("11: store lost its state, --store-reset {reset}"));
-            let run = scenario::spend_across_a_loss(policy, reset, Duration::from_millis(800));
+            let run = scenario::spend_across_a_loss(
+                policy,
+                reset,
+                Duration::from_millis(1100),
+                Duration::from_millis(500),
+            );
             let bound = c + r * run.seconds;
             let over = (run.admitted as f64 - bound).max(0.0);
             let held = match reset {
@@ -1373,7 +1379,7 @@ fn store_lost(_: &Args) -> Vec<Row> {
             };
             Row {
                 scenario: format!("11 store lost its state, --store-reset {reset}"),
-                load: "1 client, 150 decisions straight to the sidecar, then 0.8 s more".into(),
+                load: "1 client (C = 100, r = 100/s), 150 decisions straight to the sidecar, then 0.5 s more".into(),
                 fault: "Redis restarted without its data".into(),
                 admitted: run.admitted.to_string(),
                 rejected: String::new(),
@@ -1397,9 +1403,79 @@ fn store_lost(_: &Args) -> Vec<Row> {
 
 // ---------------------------------------------------------------------------------------------
 
+// ---------------------------------------------------------------------------------------------
+// 9. A policy reload under leases.
+
+fn policy_reload(a: &Args) -> Vec<Row> {
+    use ratelimit_e2e::reload::{Stack, BOUND, OPEN};
+    let window = Duration::from_secs(a.seconds).min(Duration::from_secs(1));
+    // The filter's defaults: the epoch polled every 50 ms, 5 ticks per poll.
+    let (poll_ms, tick_ms) = (50, 10);
+    let mut stack = Stack::start(json!({}));
+    let steps = [
+        (
+            "lowered to capacity 10, refill 1/s",
+            "{capacity: 10, refill_per_sec: 1}",
+        ),
+        ("blocked (`blocked: true`)", "{blocked: true}"),
+    ];
+    let mut rows = Vec::new();
+    for (i, (name, spec)) in steps.into_iter().enumerate() {
+        if i > 0 {
+            stack.reload(OPEN, window);
+            stack.wait_for_leases();
+        }
+        log(&format!("10: {name}"));
+        let s = stack.reload(spec, window);
+        let stale = s.stale_lease_admissions();
+        let ms_of = |d: Option<Duration>| d.map_or("none".to_string(), ms);
+        rows.push(Row {
+            scenario: format!("10 policy reload, {name}"),
+            load: "2 hot clients (2 connections each) holding leases, 1 Envoy ×2 workers, 1 sidecar, 1 Redis; 20000 + 20000/s before".into(),
+            fault: format!(
+                "policy rewritten, SIGHUP; t0 = the sidecar's /v1/epoch shows it ({} after SIGHUP)",
+                ms(s.seen_after)
+            ),
+            admitted: format!(
+                "{} after t0 ({} from leases; {} of the new policy's leases granted)",
+                s.admitted, s.lease_admitted, s.granted
+            ),
+            rejected: format!("{} sent after t0 + 100 ms", s.late_rejected),
+            over: format!("{stale} from old leases after t0 + 100 ms"),
+            client: String::new(),
+            filter: filter_cell(&[&stack.envoy]),
+            errors: "0".into(),
+            recovery: format!(
+                "last admission sent {} after t0; last lease admission counted by {}",
+                ms_of(s.last_admission),
+                ms_of(s.last_lease_admission)
+            ),
+            check: {
+                let blocked = spec.contains("blocked");
+                let mut c = format!(
+                    "old leases after t0 + {} ms: {stale} {}",
+                    BOUND.as_millis(),
+                    mark(stale == 0)
+                );
+                if blocked {
+                    c += &format!(
+                        "; admitted after it: {}, stale Retry-After: {} {}",
+                        s.late_admitted,
+                        s.late_retry_after,
+                        mark(s.late_admitted == 0 && s.late_retry_after == 0)
+                    );
+                }
+                c + &format!("; bound poll + 2·tick + RTT = {} ms + RTT", poll_ms + 2 * tick_ms)
+            },
+        });
+    }
+    stack.stop();
+    rows
+}
+
 type Scenario = fn(&Args) -> Vec<Row>;
 
-const SCENARIOS: [(u32, &str, Scenario); 10] = [
+const SCENARIOS: [(u32, &str, Scenario); 11] = [
     (1, "shared budget", shared_budget),
     (2, "hot key", hot_key),
     (3, "Redis slow and down", redis_outage),
@@ -1409,6 +1485,7 @@ const SCENARIOS: [(u32, &str, Scenario); 10] = [
     (7, "flood", flood),
     (8, "many clients", many_clients),
     (9, "snapshot restore", snapshot_restore),
+    (10, "policy reload under leases", policy_reload),
     (11, "store lost its state", store_lost),
 ];
 
