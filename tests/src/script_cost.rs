@@ -56,7 +56,8 @@ pub fn apply_call(sha: &str, n: usize, i: u64, keys: u64) -> redis::Cmd {
             .arg(0)
             .arg(0);
     }
-    c.arg(0);
+    // No returns; last, no epoch marker (--store-reset full; the script before ignores it).
+    c.arg(0).arg("");
     c
 }
 

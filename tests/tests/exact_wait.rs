@@ -179,6 +179,7 @@ impl Clocked for OnRedis {
             .arg(&["0", "1", "", "1", "1", "1", "1"])
             .arg(cost)
             .arg(&["0", "0", "0", "0", "0"])
+            .arg("") // no epoch marker (--store-reset full)
             .query(c)
             .unwrap();
         let f: Vec<f64> = reply
