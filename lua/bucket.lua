@@ -122,7 +122,7 @@ end
 for g = 1, any_record and ngroups or 0 do
   if gs[3 * g - 2] ~= '' then records[g] = redis.call('MGET', gs[3 * g - 2])[1] end
 end
--- The epoch: when the marker was made ("<s><us>", as lua/epoch.lua); made now when missing.
+-- The epoch: when the marker was made ("<s><us, 6 digits>", as the sidecar makes it); made now when missing.
 local marker, epoch = ARGV[#ARGV], nil
 if marker ~= '' then epoch = tonumber(redis.call('MGET', marker)[1] or '') end
 local new_epoch = marker ~= '' and not epoch

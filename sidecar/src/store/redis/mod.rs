@@ -136,9 +136,6 @@ impl Default for StoreOptions {
 /// How often the store's epoch markers are read (a loss of state is seen within this).
 const EPOCH_CHECK: Duration = Duration::from_secs(1);
 
-/// Reads or creates an epoch marker (`lua/epoch.lua`).
-const EPOCH_SCRIPT: &str = include_str!("../../../../lua/epoch.lua");
-
 /// How often the Cluster slot map is read again.
 const SLOT_REFRESH: Duration = Duration::from_secs(5);
 
@@ -357,26 +354,40 @@ impl RedisStore {
             .collect()
     }
 
+    /// Epoch marker `marker`'s value, made now (the server's `TIME`, "<s><µs, 6 digits>", as the
+    /// bucket script makes it) when missing: the value and whether it was made by this call. Plain
+    /// commands, not a script: a stalled Redis's backlog of script calls stays the decisions'.
+    async fn ensure_marker(&self, marker: &str) -> Result<(String, bool), StoreError> {
+        let time: Vec<String> = self
+            .bounded(self.query(redis::cmd("TIME")))
+            .await
+            .and_then(|v| {
+                redis::from_redis_value(v).map_err(|e| StoreError::Reply(e.to_string()))
+            })?;
+        let [secs, micros] = &time[..] else {
+            return Err(StoreError::Reply(format!("TIME: {time:?}")));
+        };
+        let now = format!("{secs}{micros:0>6}");
+        let mut set = redis::cmd("SET");
+        set.arg(marker).arg(&now).arg("NX");
+        let made = !matches!(self.bounded(self.query(set)).await?, Value::Nil);
+        let mut get = redis::cmd("GET");
+        get.arg(marker);
+        let value = self.bounded(self.query(get)).await.and_then(|v| {
+            redis::from_redis_value::<Option<String>>(v)
+                .map_err(|e| StoreError::Reply(e.to_string()))
+        })?;
+        Ok((value.unwrap_or(now), made))
+    }
+
     /// Reads (or creates) each epoch marker; a marker gone or changed since the last read means
     /// its node lost its state: logged at warn and counted (`ratelimit_store_resets_total`).
     async fn check_epoch(&self, seen: &mut HashMap<String, String>) {
         for marker in self.epoch_markers() {
-            let mut cmd = redis::cmd("EVAL");
-            cmd.arg(EPOCH_SCRIPT).arg(1).arg(&marker);
-            let reply = match self.bounded(self.query(cmd)).await {
+            let (value, created) = match self.ensure_marker(&marker).await {
                 Ok(v) => v,
                 Err(e) => {
                     tracing::debug!(%marker, "epoch marker not read: {e}");
-                    continue;
-                }
-            };
-            let (value, created) = match &reply {
-                Value::Array(v) if v.len() == 2 => (
-                    redis::from_redis_value::<String>(v[0].clone()).unwrap_or_default(),
-                    redis::from_redis_value::<i64>(v[1].clone()).unwrap_or(0) == 1,
-                ),
-                other => {
-                    tracing::warn!(%marker, "unexpected epoch marker reply: {other:?}");
                     continue;
                 }
             };
@@ -511,9 +522,7 @@ impl RedisStore {
         // Ready means the epoch markers exist (made here when missing; the watch still sees a
         // marker made anew as a loss of state).
         for marker in self.epoch_markers() {
-            let mut cmd = redis::cmd("EVAL");
-            cmd.arg(EPOCH_SCRIPT).arg(1).arg(&marker);
-            if let Err(e) = self.bounded(self.query(cmd)).await {
+            if let Err(e) = self.ensure_marker(&marker).await {
                 r.error.get_or_insert(format!("epoch marker {marker}: {e}"));
             }
         }
