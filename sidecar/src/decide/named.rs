@@ -28,7 +28,9 @@ const REFRESH: Duration = Duration::from_secs(1);
 /// The rules gateways named recently.
 #[derive(Debug, Default)]
 pub struct RecentlyNamed {
-    named: Mutex<HashMap<(String, String), Named>>,
+    /// domain -> rule -> when and how it was last named (looked up by `&str`: a call that names
+    /// known rules allocates nothing).
+    named: Mutex<HashMap<String, HashMap<String, Named>>>,
 }
 
 #[derive(Debug, Clone)]
@@ -52,22 +54,21 @@ impl RecentlyNamed {
             return;
         };
         for (rule, entries) in rules {
-            let key = (domain.to_string(), rule.to_string());
-            if let Some(n) = named.get_mut(&key) {
+            if let Some(n) = named.get_mut(domain).and_then(|m| m.get_mut(rule)) {
                 if now.saturating_duration_since(n.at) >= REFRESH {
                     n.at = now;
                     n.entries.clone_from(entries);
                 }
                 continue;
             }
-            if named.len() >= MAX_NAMED {
-                named.retain(|_, n| now.saturating_duration_since(n.at) < RECENT);
-                if named.len() >= MAX_NAMED {
+            if named.values().map(HashMap::len).sum::<usize>() >= MAX_NAMED {
+                forget_old(&mut named, now);
+                if named.values().map(HashMap::len).sum::<usize>() >= MAX_NAMED {
                     continue;
                 }
             }
-            named.insert(
-                key,
+            named.entry(domain.to_string()).or_default().insert(
+                rule.to_string(),
                 Named {
                     at: now,
                     entries: entries.clone(),
@@ -83,9 +84,12 @@ impl RecentlyNamed {
         let Ok(mut named) = self.named.lock() else {
             return Vec::new();
         };
-        named.retain(|_, n| now.saturating_duration_since(n.at) < RECENT);
+        forget_old(&mut named, now);
         let mut dropped = Vec::new();
-        for ((domain, rule), n) in named.iter() {
+        let all = named
+            .iter()
+            .flat_map(|(domain, m)| m.iter().map(move |(rule, n)| (domain, rule, n)));
+        for (domain, rule, n) in all {
             let entries: Vec<(&str, Option<&str>)> = n
                 .entries
                 .iter()
@@ -108,8 +112,10 @@ impl RecentlyNamed {
             dropped.push((domain.clone(), rule.clone()));
         }
         // Warned once: an unknown rule is not noted again, so it stays forgotten.
-        for key in &dropped {
-            named.remove(key);
+        for (domain, rule) in &dropped {
+            if let Some(m) = named.get_mut(domain) {
+                m.remove(rule);
+            }
         }
         let mut dropped: Vec<String> = dropped
             .into_iter()
@@ -118,4 +124,12 @@ impl RecentlyNamed {
         dropped.sort();
         dropped
     }
+}
+
+/// Forgets what was named longer than [`RECENT`] ago.
+fn forget_old(named: &mut HashMap<String, HashMap<String, Named>>, now: Instant) {
+    for m in named.values_mut() {
+        m.retain(|_, n| now.saturating_duration_since(n.at) < RECENT);
+    }
+    named.retain(|_, m| !m.is_empty());
 }
