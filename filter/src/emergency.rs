@@ -46,13 +46,17 @@ impl From<&Emergency> for EmergencyBucket {
     }
 }
 
-/// A bucket's state: its tokens at `updated_ns`. Encoded as 16 bytes: `tokens` (f64) then
-/// `updated_ns` (u64), both little-endian.
+/// A bucket's state: its tokens at `updated_ns`. Encoded as 17 bytes: [`STATE_VERSION`], then
+/// `tokens` (f64) and `updated_ns` (u64), both little-endian.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct State {
     pub tokens: f64,
     pub updated_ns: u64,
 }
+
+/// The state format's version; 1: `updated_ns` from the VM's [`crate::clock`] (monotonic). A
+/// state of a build before (the wall clock, 16 bytes) is not one: the bucket starts full.
+const STATE_VERSION: u8 = 1;
 
 impl State {
     /// A full bucket at `now_ns`.
@@ -63,20 +67,23 @@ impl State {
         }
     }
 
-    pub fn encode(&self) -> [u8; 16] {
-        let mut out = [0u8; 16];
-        out[..8].copy_from_slice(&self.tokens.to_le_bytes());
-        out[8..].copy_from_slice(&self.updated_ns.to_le_bytes());
+    pub fn encode(&self) -> [u8; 17] {
+        let mut out = [0u8; 17];
+        out[0] = STATE_VERSION;
+        out[1..9].copy_from_slice(&self.tokens.to_le_bytes());
+        out[9..].copy_from_slice(&self.updated_ns.to_le_bytes());
         out
     }
 
     /// The state in `bytes`, or `None` when they are not a well-formed state.
     pub fn decode(bytes: &[u8]) -> Option<State> {
-        let bytes: &[u8; 16] = bytes.try_into().ok()?;
-        let (tokens, updated) = bytes.split_at(8);
+        let bytes: &[u8; 17] = bytes.try_into().ok()?;
+        let (version, rest) = bytes.split_first()?;
+        let (tokens, updated) = rest.split_at(8);
         let tokens = f64::from_le_bytes(tokens.try_into().ok()?);
         let updated_ns = u64::from_le_bytes(updated.try_into().ok()?);
-        (tokens.is_finite() && tokens >= 0.0).then_some(State { tokens, updated_ns })
+        (*version == STATE_VERSION && tokens.is_finite() && tokens >= 0.0)
+            .then_some(State { tokens, updated_ns })
     }
 }
 
@@ -260,7 +267,7 @@ mod tests {
     #[test]
     fn a_fresh_bucket_admits_exactly_capacity_at_one_instant() {
         let b = bucket();
-        let mut state: Option<[u8; 16]> = None;
+        let mut state: Option<[u8; 17]> = None;
         let mut admitted = 0;
         for _ in 0..15 {
             let t = b.take(state.as_ref().map(|s| &s[..]), T0, 1.0);
@@ -338,7 +345,9 @@ mod tests {
         let t = bucket().take(Some(&[9; 3]), T0, 1.0);
         assert!(t.allowed);
         assert_eq!(t.state.tokens, 9.0);
-        assert_eq!(t.state.encode().len(), 16);
+        assert_eq!(t.state.encode().len(), 17);
+        // A build before's state (wall-clock time, no version byte) is not one.
+        assert_eq!(State::decode(&s.encode()[1..]), None);
     }
 
     #[test]

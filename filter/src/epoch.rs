@@ -14,6 +14,10 @@ pub const KEY: &str = "ratelimit.epoch";
 /// `policy_poll_ms / TICKS_PER_POLL` (and the poll is sent that soon after it is due).
 pub const TICKS_PER_POLL: u64 = 5;
 
+/// The format's version; 1: times from the VM's [`crate::clock`] (monotonic). What a build
+/// before wrote (wall-clock times, 24 bytes) is not one: the poll is due at once.
+const VERSION: u8 = 1;
+
 /// What [`KEY`] holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Published {
@@ -26,20 +30,24 @@ pub struct Published {
 }
 
 impl Published {
+    /// [`VERSION`], then the three fields, little-endian.
     fn encode(&self) -> Vec<u8> {
-        [self.epoch, self.next_poll_ns, self.polling_until_ns]
-            .iter()
-            .flat_map(|v| v.to_le_bytes())
-            .collect()
+        let mut out = Vec::with_capacity(25);
+        out.push(VERSION);
+        for v in [self.epoch, self.next_poll_ns, self.polling_until_ns] {
+            out.extend_from_slice(&v.to_le_bytes());
+        }
+        out
     }
 
     fn decode(bytes: &[u8]) -> Option<Published> {
+        let (version, fields) = bytes.split_first()?;
         let v = |i: usize| -> Option<u64> {
             Some(u64::from_le_bytes(
-                bytes.get(i * 8..i * 8 + 8)?.try_into().ok()?,
+                fields.get(i * 8..i * 8 + 8)?.try_into().ok()?,
             ))
         };
-        (bytes.len() == 24).then_some(Published {
+        (*version == VERSION && fields.len() == 24).then_some(Published {
             epoch: v(0)?,
             next_poll_ns: v(1)?,
             polling_until_ns: v(2)?,

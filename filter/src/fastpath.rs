@@ -13,7 +13,9 @@ use crate::shared::{compare_and_swap, SharedDataError, SharedStore, Write};
 /// known, in nanoseconds.
 pub const FIXED_REJECTION_NS: u64 = 1_000_000_000;
 
-const VERSION: u8 = 5;
+/// The entry format's version; 6: times from the VM's [`crate::clock`] (monotonic), not the wall
+/// clock (an entry of a build before, still in shared data during a plugin update, is none).
+const VERSION: u8 = 6;
 
 /// A lease asks for this many times what its bucket would spend over the lease's time at the
 /// rate measured (room for a rate that grows while it lasts).

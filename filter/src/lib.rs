@@ -3,6 +3,7 @@
 //! Pure core, thin edge: every module but `host` is plain Rust without host calls, built and
 //! tested natively and on `wasm32-unknown-unknown` (wasm-bindgen-test under Node):
 //! - [`config`]: the plugin configuration, its defaults and validation;
+//! - [`clock`]: the one clock every deadline is read from (monotonic where the host has it);
 //! - [`identity`]: the request's [`identity::Subject`] from trustworthy facts;
 //! - [`rules`]: which rules apply, and what each asks the sidecar (rule and subject);
 //! - [`flow`]: the life of a request (its start, the fast paths, the sidecar's answer or its
@@ -16,6 +17,7 @@
 //! `host` (only in the `wasm32-wasip1` build) adapts the proxy-wasm ABI to them: its contexts
 //! gather facts, call the flow and carry its verdicts out.
 
+pub mod clock;
 pub mod config;
 pub mod emergency;
 pub mod epoch;

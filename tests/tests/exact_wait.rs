@@ -78,7 +78,7 @@ fn the_reported_wait_is_exact<B: Clocked>(make: impl Fn(u64, f64) -> B) {
 /// only (as `emergency::take_shared` does).
 struct EmergencyBucket {
     bucket: emergency::EmergencyBucket,
-    state: Option<[u8; 16]>,
+    state: Option<[u8; 17]>,
     now_ns: u64,
 }
 

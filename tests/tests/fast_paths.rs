@@ -222,6 +222,14 @@ fn a_bucket_held_in_a_lease_admits_every_token_before_its_first_429() {
         envoy.counter("ratelimit.lease_admitted")
     );
     assert!(envoy.counter("ratelimit.lease_admitted") > 0, "no lease");
+    // The lease's expiry was kept on Envoy's monotonic clock (WASI's `clock_time_get`), which a
+    // wall-clock step does not move (the fallback to the wall clock sets 0).
+    assert_eq!(
+        envoy.counter("ratelimit.monotonic_clock"),
+        1,
+        "{:?}",
+        envoy.ratelimit_stats()
+    );
     // The request that asks for the next lease when Redis is empty is paid from the lease in
     // use: no 429 while this gateway still holds tokens, and every token admits a request.
     assert_eq!(

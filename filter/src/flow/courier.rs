@@ -88,9 +88,11 @@ pub fn queue_name(nonce: u64) -> String {
 }
 
 /// The shared-data key naming the courier of the plugin with this stat prefix and domain (a
-/// configuration of another domain, during a reload, has a courier of its own).
+/// configuration of another domain, during a reload, has a courier of its own). `courier2`: the
+/// deadlines a worker forwards are on the VM's [`crate::clock`] (monotonic), so a build before
+/// (wall-clock deadlines), still running during a plugin update, names a courier of its own.
 pub fn key(stat_prefix: &str, domain: &str) -> String {
-    format!("{stat_prefix}.courier.{domain}")
+    format!("{stat_prefix}.courier2.{domain}")
 }
 
 /// The courier's nonce as shared data holds it.

@@ -382,6 +382,36 @@ fn a_busy_bucket_asks_for_a_lease_and_its_next_requests_are_admitted_from_it() {
     );
 }
 
+#[test]
+fn a_wall_clock_step_back_keeps_no_lease_or_known_rejection_past_its_end() {
+    use crate::clock::{fake::Host, Clock};
+    // The host adapter's clock: Envoy's monotonic clock (5 s since its origin), wall clock T0.
+    let host = Host::at(5 * S, T0);
+    let clock = Clock::default();
+    let now = || clock.now_ns(&host);
+    let mut g = Gateway::new(config(busy));
+    let t = now();
+    let mut w = waits(g.start(&alpha(), t));
+    admitted_with(g.settle(&mut w, answer(vec![admitted(7)]), t, t));
+    host.advance(500 * MS);
+    admitted_with(decided(g.start(&alpha(), now())));
+    // The wall clock steps back an hour; 600 ms later the 1 s lease has ended (in Redis too):
+    // the next request asks the sidecar, though 6 of its tokens were left.
+    host.step_wall_back(3600 * S);
+    host.advance(600 * MS);
+    let t = now();
+    let mut w = waits(g.start(&alpha(), t));
+    assert_eq!(g.count(Stat::LeaseAdmitted), 1);
+    // A rejection for 1.5 s, then a step back of an hour: after the wait, the sidecar is asked.
+    let v = g.settle(&mut w, answer(vec![rejected(1_500)]), t, t);
+    g.flow().delivered(&v);
+    host.step_wall_back(3600 * S);
+    host.advance(900 * MS);
+    decided(g.start(&alpha(), now()));
+    host.advance(700 * MS);
+    waits(g.start(&alpha(), now()));
+}
+
 /// [`leased`], its lease spent down to 2 tokens, and the request that would leave it below a
 /// quarter of its grant, which asks for the next lease instead (an early renewal).
 fn renewing() -> (Gateway, Waiting) {

@@ -15,6 +15,13 @@ const NOT_FOUND: u32 = 1;
 pub const CAS_MISMATCH: u32 = 8;
 /// `StreamType::HttpRequest`.
 const HTTP_REQUEST: u32 = 0;
+/// WASI's `CLOCKID_MONOTONIC`.
+const MONOTONIC: u32 = 1;
+
+#[link(wasm_import_module = "wasi_snapshot_preview1")]
+extern "C" {
+    fn clock_time_get(id: u32, precision: u64, time: *mut u64) -> u32;
+}
 
 // The same imports the SDK declares; the status is taken as a plain `u32` so that an
 // unexpected value is just "not Ok".
@@ -206,6 +213,13 @@ pub fn resume_http_request() -> Result<(), u32> {
 pub fn reset_http_request() -> Result<(), u32> {
     // SAFETY: no pointers.
     status(unsafe { proxy_close_stream(HTTP_REQUEST) })
+}
+
+/// WASI's monotonic clock (`clock_time_get`, clock id 1): Envoy answers it from its steady clock.
+pub fn monotonic_time_ns() -> Option<u64> {
+    let mut ns = 0;
+    // SAFETY: a pointer to a live local; WASI's errno 0 is success.
+    (unsafe { clock_time_get(MONOTONIC, 1, &mut ns) } == 0).then_some(ns)
 }
 
 pub fn current_time_ns() -> Option<u64> {

@@ -23,12 +23,13 @@ use std::hash::BuildHasher;
 use std::rc::Rc;
 use std::time::Duration;
 
-use log::{debug, error, info};
+use log::{debug, error, info, warn};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType};
 use ratelimit_wire::RequestAnswer;
 
+use crate::clock;
 use crate::config::Config;
 use crate::emergency::{self, EmergencyBucket};
 use crate::flow::batch::Queue;
@@ -154,8 +155,13 @@ impl RootContext for Root {
                 sharing = courier::Sharing::start(&config, nonce);
             }
         }
+        let clock = clock_kind();
+        metrics.clock(clock);
+        if clock == clock::Kind::Wall {
+            warn!("ratelimit filter: the host has no monotonic clock; deadlines follow its wall clock, which a step moves (docs/fast-paths.md#the-clock)");
+        }
         info!(
-            "ratelimit filter: configured {} rules in domain {:?}, sidecar cluster {:?}, timeout {} ms, coalescing {}",
+            "ratelimit filter: configured {} rules in domain {:?}, sidecar cluster {:?}, timeout {} ms, coalescing {}, clock {clock:?}",
             config.rules.len(),
             config.domain,
             config.sidecar.cluster,
@@ -423,9 +429,32 @@ fn send(reply: &LocalReply) {
     }
 }
 
-/// The host clock in Unix nanoseconds (0 if unreadable): the one place the filter reads it.
+/// The host's two clocks, for [`clock::Clock`].
+struct HostClock;
+
+impl clock::Source for HostClock {
+    fn monotonic_ns(&self) -> Option<u64> {
+        abi::monotonic_time_ns()
+    }
+
+    fn wall_ns(&self) -> Option<u64> {
+        abi::current_time_ns()
+    }
+}
+
+thread_local! {
+    /// This VM's clock.
+    static CLOCK: clock::Clock = clock::Clock::default();
+}
+
+/// The time now, in nanoseconds, from this VM's clock: the one place the filter reads the time.
 fn now_ns() -> u64 {
-    abi::current_time_ns().unwrap_or(0)
+    CLOCK.with(|c| c.now_ns(&HostClock))
+}
+
+/// Which clock this VM reads.
+fn clock_kind() -> clock::Kind {
+    CLOCK.with(|c| c.kind(&HostClock))
 }
 
 /// The current request's headers and properties.

@@ -7,6 +7,7 @@ use std::cell::RefCell;
 use proxy_wasm::types::MetricType;
 
 use super::abi;
+use crate::clock;
 use crate::config::Config;
 use crate::flow::{Stat, Stats};
 
@@ -40,6 +41,8 @@ pub struct Metrics {
     pub decision_us: u32,
     /// Histogram: the requests one coalesced callout carries.
     pub batch_requests: u32,
+    /// Gauge: 1 when the VM's clock is the host's monotonic clock, 0 on the wall-clock fallback.
+    monotonic_clock: u32,
     rules: Vec<RuleStats>,
 }
 
@@ -76,6 +79,10 @@ impl Metrics {
             forwarded: counter("forwarded")?,
             decision_us: histogram("decision_us")?,
             batch_requests: histogram("batch_requests")?,
+            monotonic_clock: abi::define_metric(
+                MetricType::Gauge,
+                &format!("{prefix}.monotonic_clock"),
+            )?,
             rules,
         })
     }
@@ -105,6 +112,14 @@ impl Metrics {
             Stat::RuleRejected(i) => rule(i)?.rejected,
             Stat::RuleShadowRejected(i) => rule(i)?.shadow_rejected,
         })
+    }
+
+    /// Sets the `monotonic_clock` gauge from the clock this VM reads.
+    pub fn clock(&self, kind: clock::Kind) {
+        let _ = abi::record_metric(
+            self.monotonic_clock,
+            u64::from(kind == clock::Kind::Monotonic),
+        );
     }
 
     /// Records `value` in a histogram.

@@ -358,6 +358,11 @@ impl RedisStore {
     /// bucket script makes it) when missing: the value and whether it was made by this call. Plain
     /// commands, not a script: a stalled Redis's backlog of script calls stays the decisions'.
     async fn ensure_marker(&self, marker: &str) -> Result<(String, bool), StoreError> {
+        // Read first: the marker exists on every check but the first, and a read writes nothing
+        // (no write per second in Redis's stats, its AOF or its replicas' streams).
+        if let Some(value) = self.read_marker(marker).await? {
+            return Ok((value, false));
+        }
         let time: Vec<String> = self
             .bounded(self.query(redis::cmd("TIME")))
             .await
@@ -371,13 +376,18 @@ impl RedisStore {
         let mut set = redis::cmd("SET");
         set.arg(marker).arg(&now).arg("NX");
         let made = !matches!(self.bounded(self.query(set)).await?, Value::Nil);
+        let value = self.read_marker(marker).await?;
+        Ok((value.unwrap_or(now), made))
+    }
+
+    /// Epoch marker `marker`'s value, if it exists.
+    async fn read_marker(&self, marker: &str) -> Result<Option<String>, StoreError> {
         let mut get = redis::cmd("GET");
         get.arg(marker);
-        let value = self.bounded(self.query(get)).await.and_then(|v| {
+        self.bounded(self.query(get)).await.and_then(|v| {
             redis::from_redis_value::<Option<String>>(v)
                 .map_err(|e| StoreError::Reply(e.to_string()))
-        })?;
-        Ok((value.unwrap_or(now), made))
+        })
     }
 
     /// Reads (or creates) each epoch marker; a marker gone or changed since the last read means
