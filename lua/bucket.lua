@@ -157,7 +157,7 @@ local function bucket(b, limit)
         end
       end
     end
-    if tokens ~= tokens or tokens < 0 then tokens = 0 end
+    if tokens ~= tokens then tokens = 0 end -- below 0: a debt (docs/costs.md)
     -- five fields, room for the three set later (leases, dirty, avail): never resized
     s = { limit = limit, tokens = tokens, ts = ts, exp = exp, since = n >= 3 and ts or nil }
     s.leases = leases
@@ -174,8 +174,7 @@ local function bucket(b, limit)
   end
   local tokens = s.tokens + refill * (now > s.ts and now - s.ts or 0) / 1000000
   local top = s.leases and ceiling(s, capacity) or capacity
-  if tokens > top then tokens = top end
-  if tokens < 0 then tokens = 0 end
+  if tokens > top then tokens = top > 0 and top or min(tokens, 0) end -- a debt stays one
   return s, tokens, capacity, refill
 end
 -- A reply's integer: x rounded down, 0 for less than nothing, at most 2^53.

@@ -19,14 +19,19 @@
 pub const MAX_EXACT: f64 = 9_007_199_254_740_992.0;
 
 /// The tokens of a bucket that held `tokens` `elapsed_us` microseconds ago, refilled at
-/// `refill_per_sec` up to `ceiling` (the capacity, less what leases hold: [`lease_ceiling`]),
-/// never below 0. A negative elapsed time (a clock that went back) adds nothing.
+/// `refill_per_sec` up to `ceiling` (the capacity, less what leases hold: [`lease_ceiling`]). A
+/// negative elapsed time (a clock that went back) adds nothing. A bucket in debt (`tokens < 0`,
+/// a settled cost above its reservation) refills from below zero and keeps what is left of its
+/// debt; a ceiling below zero (leases above a share's capacity) caps at 0, never adds a debt.
 pub fn refill(tokens: f64, refill_per_sec: f64, elapsed_us: f64, ceiling: f64) -> f64 {
     let elapsed_us = if elapsed_us < 0.0 { 0.0 } else { elapsed_us };
     let tokens = tokens + refill_per_sec * elapsed_us / 1_000_000.0;
-    let tokens = if tokens > ceiling { ceiling } else { tokens };
-    if tokens < 0.0 {
-        0.0
+    if tokens > ceiling {
+        if ceiling > 0.0 {
+            ceiling
+        } else {
+            tokens.min(0.0)
+        }
     } else {
         tokens
     }
@@ -92,7 +97,25 @@ mod tests {
             20.0,
             "leases lower the ceiling"
         );
-        assert_eq!(refill(5.0, 1.0, 0.0, -3.0), 0.0, "never below 0");
+        assert_eq!(
+            refill(5.0, 1.0, 0.0, -3.0),
+            0.0,
+            "a ceiling below 0 caps at 0"
+        );
+    }
+
+    #[test]
+    fn a_debt_refills_from_below_zero_and_its_wait_includes_it() {
+        assert_eq!(refill(-50.0, 10.0, 1_000_000.0, 100.0), -40.0);
+        assert_eq!(refill(-50.0, 10.0, 6_000_000.0, 100.0), 10.0);
+        assert_eq!(
+            refill(-50.0, 10.0, 0.0, -3.0),
+            -50.0,
+            "leases never add to a debt"
+        );
+        // retry_after = (debt + cost) / refill
+        assert_eq!(retry_after_ms(10.0, -40.0, 10.0), 5_000);
+        assert_eq!(reset_ms(100.0, -40.0, 10.0), 14_000);
     }
 
     #[test]

@@ -57,6 +57,16 @@ pub fn record_key(bucket_key: &str, attempt: &str) -> String {
     key
 }
 
+/// The record of a settle batch's part on one node: `<its first bucket key>:s:<id>` (same slot),
+/// so that a repeat of the batch applies nothing twice.
+pub fn settle_record_key(bucket_key: &str, id: &str) -> String {
+    let mut key = String::with_capacity(bucket_key.len() + 3 + id.len());
+    key.push_str(bucket_key);
+    key.push_str(":s:");
+    push_escaped(&mut key, id);
+    key
+}
+
 /// The share record of a regional rule (written by the rebalancer, read by the sidecars).
 pub fn share_key(prefix: &str, domain: &str, rule: &str) -> String {
     rule_key(prefix, "share:", domain, rule)

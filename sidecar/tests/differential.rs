@@ -1,7 +1,7 @@
 //! The bucket exists twice: in Lua (`lua/bucket.lua` and its modes, in Redis) and in Rust
 //! (`store::memory`, the reference model). The same random work, given to a real redis-server and
 //! to the model, must get the same answers: verdicts, remaining tokens, reasons, lease grants,
-//! replays and refunds.
+//! replays and refunds, and settlements of costs known after the response (debts included).
 //!
 //! Time differs by microseconds between the two (Redis reads its own clock), so refill is tiny
 //! (0.001 token/s: under 0.01 token over a run) and leases and records outlive the run: integer
@@ -23,7 +23,8 @@ use ratelimit_sidecar::metrics::Metrics;
 use ratelimit_sidecar::store::memory::MemoryStore;
 use ratelimit_sidecar::store::redis::{NodeId, Nodes, StoreOptions};
 use ratelimit_sidecar::store::{
-    BucketLimits, Charge, Group, RedisStore, RequestOutcome, Return, StoreReset, Work,
+    BucketLimits, BucketStore, Charge, Group, RedisStore, RequestOutcome, Return, SettleBatch,
+    Settlement, StoreReset, Work,
 };
 use ratelimit_wire::LeaseAsk;
 
@@ -87,6 +88,12 @@ enum Step {
     Share { key: usize, ppm: usize },
     /// The store loses its state (Redis flushed; the model forgets everything).
     Lose,
+    /// Settlements (key, delta) of costs known after the response, under a batch id or none:
+    /// charged past zero (a debt the next decisions see) or given back (`lua/settle.lua`).
+    Settle {
+        id: Option<u8>,
+        settlements: Vec<(usize, i64)>,
+    },
 }
 
 fn decision() -> impl Strategy<Value = Gen> {
@@ -115,6 +122,11 @@ fn step() -> impl Strategy<Value = Step> {
             .prop_map(|(group, requests)| Step::Refund { group, requests }),
         2 => (0..KEYS.len(), 0..PPM.len()).prop_map(|(key, ppm)| Step::Share { key, ppm }),
         1 => Just(Step::Lose),
+        3 => (
+            prop::option::weighted(0.5, 0..2u8),
+            prop::collection::vec((0..KEYS.len(), -6..7i64), 1..4)
+        )
+            .prop_map(|(id, settlements)| Step::Settle { id, settlements }),
     ]
 }
 
@@ -295,6 +307,33 @@ fn differential(reset: StoreReset) {
                             same(&from_redis, &from_model, slack * 1000)
                                 .map_err(|e| TestCaseError::fail(format!("{e}\n{work:#?}")))?;
                             recorded.extend(work.groups.into_iter().filter(|g| g.record.is_some()));
+                        }
+                        Step::Settle { id, settlements } => {
+                            // A share of 0 holds no bucket to settle (the decider skips those).
+                            let settlements: Vec<Settlement> = settlements
+                                .iter()
+                                .map(|&(k, delta)| Settlement {
+                                    key: Arc::from(KEYS[k]),
+                                    bucket: bucket_of(k, &shares),
+                                    delta,
+                                })
+                                .filter(|s| {
+                                    let (c, r) = s.bucket.in_force();
+                                    c > 0 && r > 0.0
+                                })
+                                .collect();
+                            if settlements.is_empty() {
+                                continue;
+                            }
+                            let batch = SettleBatch {
+                                id: id.map(|i| format!("{case}-{i}")),
+                                settlements,
+                            };
+                            let a = rt
+                                .block_on(store.settle(batch.clone()))
+                                .map_err(|e| TestCaseError::fail(e.to_string()))?;
+                            let b = rt.block_on(model.settle(batch.clone())).unwrap();
+                            prop_assert_eq!(a, b, "settle {:?}", batch);
                         }
                         Step::Refund { group, requests } => {
                             let Some(g) = recorded.get(*group % recorded.len().max(1)).cloned()

@@ -17,9 +17,10 @@ use ratelimit_wire::Reason;
 
 use super::{
     BucketLimits, BucketOutcome, BucketStore, Decided, Group, Readiness, RequestOutcome,
-    ShareStore, Status, StoreError, StoreReset, Work, SHARE_MARGIN_MS,
+    SettleBatch, Settled, Settlement, ShareStore, Status, StoreError, StoreReset, Work,
+    SHARE_MARGIN_MS,
 };
-use crate::keys::record_key;
+use crate::keys::{record_key, settle_record_key};
 use crate::regional::record;
 
 /// Lease entries one bucket holds (as the script).
@@ -80,6 +81,8 @@ struct Inner {
     epoch_us: Option<f64>,
     /// The run_id a share record's read answers with, as a Redis process's (empty until set).
     run_id: String,
+    /// Settle batches' records: key -> expiry (ms).
+    settle_records: HashMap<String, u64>,
 }
 
 /// The in-memory store. The clock is Unix microseconds, settable by tests.
@@ -135,11 +138,8 @@ impl Call<'_> {
                 },
             };
             State {
-                tokens: if tokens.is_nan() || tokens < 0.0 {
-                    0.0
-                } else {
-                    tokens
-                },
+                // Below 0: a debt (a settled cost above its reservation, docs/costs.md).
+                tokens: if tokens.is_nan() { 0.0 } else { tokens },
                 ts_us,
                 leases,
                 since_us,
@@ -513,7 +513,74 @@ fn outcome(x: &[f64; 8]) -> BucketOutcome {
 
 /// One node: a call is one group, recorded under the caller's attempt id (keyed by its first
 /// bucket, as on Redis), decided at once.
+impl MemoryStore {
+    /// Applies settlements as one node's part of a batch, as `lua/settle.lua`: each bucket
+    /// refilled as the bucket function refills it (under the share in force now), then charged
+    /// the delta, past zero, or given it back, up to the lease ceiling. With a `record` that
+    /// exists, a repeat: nothing changes (`None`).
+    pub fn settle_now(&self, record: Option<&str>, settlements: &[Settlement]) -> Option<Vec<i64>> {
+        let now = self.now_us.load(Ordering::SeqCst) as f64;
+        let now_ms = (now / 1000.0).floor() as u64;
+        let mut inner = self.inner.lock().expect("not poisoned");
+        inner.settle_records.retain(|_, exp| *exp > now_ms);
+        if record.is_some_and(|k| inner.settle_records.contains_key(k)) {
+            return None;
+        }
+        // The script reads the marker but never makes it: a missing one is "empty now".
+        let epoch = (self.store_reset == StoreReset::Empty).then(|| inner.epoch_us.unwrap_or(now));
+        let mut tokens_after = Vec::with_capacity(settlements.len());
+        for st in settlements {
+            let (capacity, refill_per_sec) = st.bucket.in_force();
+            let capacity = capacity as f64;
+            let b = inner
+                .buckets
+                .entry(st.key.clone())
+                .or_insert_with(|| Stored {
+                    tokens: if epoch.is_some() { 0.0 } else { capacity },
+                    ts_us: epoch.unwrap_or(now),
+                    leases: Vec::new(),
+                });
+            b.leases.retain(|l| l.expiry_us > now);
+            if b.tokens.is_nan() {
+                b.tokens = 0.0;
+            }
+            let top = lease_ceiling(capacity, b.leases.iter().map(|l| l.amount));
+            let mut tokens = refill(b.tokens, refill_per_sec, now - b.ts_us, top);
+            tokens -= st.delta as f64;
+            if st.delta < 0 {
+                tokens = refill(tokens, refill_per_sec, 0.0, top);
+            }
+            (b.tokens, b.ts_us) = (tokens, now);
+            tokens_after.push(tokens.floor() as i64);
+        }
+        if let Some(k) = record {
+            inner
+                .settle_records
+                .insert(k.to_string(), now_ms + self.record_ttl_ms);
+        }
+        Some(tokens_after)
+    }
+}
+
 impl BucketStore for MemoryStore {
+    async fn settle(&self, batch: SettleBatch) -> Result<Settled, StoreError> {
+        if let Some(e) = self.fail.lock().expect("not poisoned").clone() {
+            return Err(e);
+        }
+        let Some(first) = batch.settlements.first() else {
+            return Ok(Settled::default());
+        };
+        let record = batch
+            .id
+            .as_deref()
+            .map(|id| settle_record_key(&first.key, id));
+        let tokens = match self.settle_now(record.as_deref(), &batch.settlements) {
+            Some(t) => t.into_iter().map(Some).collect(),
+            None => vec![None; batch.settlements.len()],
+        };
+        Ok(Settled { tokens })
+    }
+
     async fn decide(&self, call: super::Call) -> Vec<Result<Decided, StoreError>> {
         if let Some(e) = self.fail.lock().expect("not poisoned").clone() {
             return vec![Err(e); call.requests.len()];

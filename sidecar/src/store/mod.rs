@@ -290,8 +290,47 @@ impl From<RequestOutcome> for Decided {
     }
 }
 
+/// One settlement: the real cost of an admitted request, known after its response, less the
+/// reservation it was admitted with (`docs/costs.md`). Positive: charged, past zero (a debt);
+/// negative: given back, up to the bucket's ceiling.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Settlement {
+    pub key: Arc<str>,
+    pub bucket: BucketLimits,
+    pub delta: i64,
+}
+
+/// Settlements applied together (`lua/settle.lua`, one script call per node). With a record id,
+/// a repeat of the batch within `--attempt-ttl-ms` changes nothing (a gateway retrying a
+/// settlement whose answer it lost).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct SettleBatch {
+    /// The caller's id of the batch; each node's part is recorded under
+    /// `<its first bucket key>:s:<id>` ([`crate::keys::settle_record_key`]).
+    pub id: Option<String>,
+    pub settlements: Vec<Settlement>,
+}
+
+/// What a settle batch did: per settlement, in order, the bucket's tokens after it (rounded down,
+/// below 0 for a debt), or `None` when its node's part was a repeat (applied before).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Settled {
+    pub tokens: Vec<Option<i64>>,
+}
+
 /// Where buckets live.
 pub trait BucketStore: Send + Sync + 'static {
+    /// Applies a batch of settlements, each atomically on its bucket. An error leaves each node's
+    /// part applied or not as a whole; a repeat of the batch (same id) applies only the parts
+    /// that were not.
+    fn settle(
+        &self,
+        batch: SettleBatch,
+    ) -> impl Future<Output = Result<Settled, StoreError>> + Send {
+        let _ = batch;
+        async { Err(StoreError::Config("this store cannot settle costs".into())) }
+    }
+
     /// Decides every request of `call`, each all-or-nothing, and gives its lease returns back:
     /// one answer per request, in order. An error is that request's own: the others may still be
     /// decided. A rejected request keeps no tokens, and its figures (`remaining`, `reset_ms`) are

@@ -26,6 +26,7 @@ mod compensation;
 pub mod connection;
 mod placement;
 pub mod sentinel;
+pub mod settle;
 #[cfg(test)]
 mod two_nodes;
 
@@ -44,7 +45,8 @@ use self::connection::{stall_limit, Connection};
 use super::script::{parse_apply, Script, ScriptArgs};
 use super::{
     epoch_marker, eviction_warning, is_script_failure, BucketStore, Call, Decided, Group,
-    Readiness, RequestOutcome, ShareStore, StoreError, StoreReset, Work,
+    Readiness, RequestOutcome, SettleBatch, Settled, Settlement, ShareStore, StoreError,
+    StoreReset, Work,
 };
 use crate::keys::cluster_slot;
 use crate::metrics::Metrics;
@@ -567,9 +569,63 @@ impl RedisStore {
     }
 }
 
+impl RedisStore {
+    /// One node's part of a settle batch: `lua/settle.lua`, EVALSHA healed by EVAL on NOSCRIPT,
+    /// bounded by `--redis-timeout-ms`.
+    async fn settle_part(
+        &self,
+        id: Option<&str>,
+        part: &[Settlement],
+    ) -> Result<Vec<Option<i64>>, StoreError> {
+        let (options, cluster) = (&self.inner.options, self.inner.connection.is_cluster());
+        let reply = self
+            .bounded(async {
+                match self
+                    .query(settle::settle_cmd(options, cluster, id, part, false))
+                    .await
+                {
+                    Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+                        self.inner.metrics.script_loads.inc();
+                        self.query(settle::settle_cmd(options, cluster, id, part, true))
+                            .await
+                    }
+                    other => other,
+                }
+            })
+            .await?;
+        settle::parse_settle(reply, part.len())
+    }
+}
+
 impl BucketStore for RedisStore {
     async fn decide(&self, call: Call) -> Vec<Result<Decided, StoreError>> {
         decide_on(self, &self.inner.metrics, call).await
+    }
+
+    /// One script call per node, concurrently; the first error is the batch's (the parts that
+    /// applied are recorded, so the caller's retry of the batch applies only the others).
+    async fn settle(&self, batch: SettleBatch) -> Result<Settled, StoreError> {
+        let mut parts: Vec<(NodeId, Vec<usize>)> = Vec::new();
+        for (i, s) in batch.settlements.iter().enumerate() {
+            let node = self.node_of(&s.key);
+            match parts.iter_mut().find(|(n, _)| *n == node) {
+                Some((_, idx)) => idx.push(i),
+                None => parts.push((node, vec![i])),
+            }
+        }
+        let id = batch.id.as_deref();
+        let calls = parts.iter().map(|(_, idx)| {
+            let part: Vec<Settlement> = idx.iter().map(|&i| batch.settlements[i].clone()).collect();
+            async move { self.settle_part(id, &part).await }
+        });
+        let answers = futures::future::join_all(calls).await;
+        let mut tokens = vec![None; batch.settlements.len()];
+        for ((_, idx), answer) in parts.iter().zip(answers) {
+            for (&i, t) in idx.iter().zip(answer?) {
+                tokens[i] = t;
+            }
+        }
+        Ok(Settled { tokens })
     }
 
     async fn readiness(&self) -> Readiness {
