@@ -1,4 +1,4 @@
-//! The HTTP edge: `POST /v1/decide`, `GET /healthz`, `GET /readyz`, `GET /metrics`, and the router
+//! The HTTP edge: `POST /v1/decide`, `POST /v1/settle`, `GET /healthz`, `GET /readyz`, `GET /metrics`, and the router
 //! that also carries the gRPC service of [`crate::grpc`] on the same listener (HTTP/1.1 and h2c).
 //! Every error answer of the HTTP API is JSON `{"error":"..."}`.
 
@@ -13,10 +13,10 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use ratelimit_wire::{
-    DecideResponse, EpochResponse, ErrorBody, ErrorCode, DECIDE_PATH, EPOCH_PATH,
+    DecideResponse, EpochResponse, ErrorBody, ErrorCode, DECIDE_PATH, EPOCH_PATH, SETTLE_PATH,
 };
 
-use crate::decide::{parse_request, Decider};
+use crate::decide::{parse_request, parse_settle, Decider};
 use crate::grpc::RateLimitApi;
 use crate::metrics::{CallOutcome, Metrics, RequestOutcome};
 use crate::store::BucketStore;
@@ -32,6 +32,7 @@ pub struct AppState<S> {
 pub fn router<S: BucketStore>(state: Arc<AppState<S>>, max_body_bytes: usize) -> Router {
     let decide_json = Router::new()
         .route(DECIDE_PATH, post(decide::<S>))
+        .route(SETTLE_PATH, post(settle::<S>))
         .route(EPOCH_PATH, get(epoch::<S>))
         .method_not_allowed_fallback(|| async {
             error(StatusCode::METHOD_NOT_ALLOWED, "method not allowed".into())
@@ -115,6 +116,48 @@ async fn decide<S: BucketStore>(
         .decision_duration
         .observe(started.elapsed().as_secs_f64());
     response
+}
+
+/// `POST /v1/settle`: 200 with what was applied, 400 for a malformed call, 503 (500 when the
+/// script failed) when the store could not apply it: the caller may send the same batch again.
+async fn settle<S: BucketStore>(
+    State(s): State<Arc<AppState<S>>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let call = match body
+        .map_err(|r| (r.status(), r.body_text()))
+        .and_then(|b| parse_settle(&b).map_err(|e| (StatusCode::BAD_REQUEST, e.to_string())))
+    {
+        Ok(call) => call,
+        Err((status, text)) => {
+            s.metrics.call("settle", CallOutcome::BadRequest);
+            return error(status, text);
+        }
+    };
+    // In a task of its own, as a decision: a caller that hangs up does not cancel the script
+    // call in flight (its retry then finds the batch's record).
+    let decider = s.decider.clone();
+    match tokio::spawn(async move { decider.settle(call).await }).await {
+        Ok(Ok(answer)) => {
+            s.metrics.call("settle", CallOutcome::Answered);
+            Json(answer).into_response()
+        }
+        Ok(Err(e)) => {
+            let status = if e.is_deterministic() {
+                s.metrics.call("settle", CallOutcome::Error);
+                StatusCode::INTERNAL_SERVER_ERROR
+            } else {
+                s.metrics.call("settle", CallOutcome::Unavailable);
+                StatusCode::SERVICE_UNAVAILABLE
+            };
+            error(status, e.to_string())
+        }
+        Err(e) => {
+            s.metrics.call("settle", CallOutcome::Error);
+            tracing::error!("settle task failed: {e}");
+            error(StatusCode::INTERNAL_SERVER_ERROR, "settle failed".into())
+        }
+    }
 }
 
 /// 200 with the answers, unless every request failed for one reason: then 503 (Redis

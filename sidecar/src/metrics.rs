@@ -69,6 +69,42 @@ pub struct OutcomeLabels {
     pub outcome: &'static str,
 }
 
+/// What became of one settlement (`ratelimit_settlements_total{outcome}`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SettleOutcome {
+    /// The real cost was above the reservation: the difference charged (past zero).
+    Charged,
+    /// The real cost was below it: the difference given back.
+    GivenBack,
+    /// A repeat of a batch already applied: nothing changed.
+    Repeated,
+    /// Nothing to settle: the cost equal to its reservation, or no bucket (an unknown, unlimited
+    /// or blocked rule, a regional share of 0 or not under lease).
+    Skipped,
+    /// The store could not apply it (the caller may retry the batch).
+    Failed,
+}
+
+impl SettleOutcome {
+    pub const ALL: [SettleOutcome; 5] = [
+        SettleOutcome::Charged,
+        SettleOutcome::GivenBack,
+        SettleOutcome::Repeated,
+        SettleOutcome::Skipped,
+        SettleOutcome::Failed,
+    ];
+
+    pub fn label(self) -> &'static str {
+        match self {
+            SettleOutcome::Charged => "charged",
+            SettleOutcome::GivenBack => "given_back",
+            SettleOutcome::Repeated => "repeated",
+            SettleOutcome::Skipped => "skipped",
+            SettleOutcome::Failed => "failed",
+        }
+    }
+}
+
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ResultLabels {
     pub result: &'static str,
@@ -228,6 +264,9 @@ pub struct Metrics {
     /// `ratelimit_policy_dropped_rules_total{rule}`: rules a policy reload dropped while gateways
     /// had named them recently.
     pub policy_dropped_rules: Family<RuleLabels, Counter>,
+    /// `ratelimit_settlements_total{outcome}`: settlements of costs known after the response
+    /// ([`SettleOutcome`]).
+    pub settlements: Family<OutcomeLabels, Counter>,
     limit_log: LimitLog,
 }
 
@@ -256,6 +295,7 @@ impl Metrics {
         let redis_evicting_policy = Gauge::default();
         let regional_share_suspect = Family::<RuleLabels, Counter>::default();
         let policy_dropped_rules = Family::<RuleLabels, Counter>::default();
+        let settlements = Family::<OutcomeLabels, Counter>::default();
         registry.register(
             "ratelimit_decisions",
             "Decisions answered, by limit name and verdict",
@@ -337,6 +377,17 @@ impl Metrics {
             "Rules a policy reload dropped while gateways had named them recently",
             policy_dropped_rules.clone(),
         );
+        registry.register(
+            "ratelimit_settlements",
+            "Settlements of costs known after the response, by outcome (charged, given_back, \
+             repeated, skipped, failed)",
+            settlements.clone(),
+        );
+        for outcome in SettleOutcome::ALL {
+            let _ = settlements.get_or_create(&OutcomeLabels {
+                outcome: outcome.label(),
+            });
+        }
         for result in ["ok", "invalid"] {
             let _ = policy_reloads.get_or_create(&ResultLabels { result });
         }
@@ -358,6 +409,7 @@ impl Metrics {
             redis_evicting_policy,
             regional_share_suspect,
             policy_dropped_rules,
+            settlements,
             limit_log: LimitLog::default(),
         }
     }
@@ -391,6 +443,17 @@ impl Metrics {
     }
 
     /// Counts one call.
+    /// Counts `n` settlements of one outcome.
+    pub fn settled(&self, outcome: SettleOutcome, n: u64) {
+        if n > 0 {
+            self.settlements
+                .get_or_create(&OutcomeLabels {
+                    outcome: outcome.label(),
+                })
+                .inc_by(n);
+        }
+    }
+
     pub fn call(&self, api: &'static str, outcome: CallOutcome) {
         self.calls
             .get_or_create(&CallLabels {
@@ -538,6 +601,7 @@ mod tests {
             "ratelimit_policy_reloads_total{result=\"invalid\"} 0",
             "ratelimit_policy_limits",
             "ratelimit_redis_evicting_policy 0",
+            "ratelimit_settlements_total{outcome=\"given_back\"} 0",
         ] {
             assert!(text.contains(name), "{name} missing in\n{text}");
         }

@@ -306,6 +306,56 @@ fn is_zero(n: &u64) -> bool {
     *n == 0
 }
 
+/// The path the sidecar takes settlements on (`POST`, authenticated like decisions):
+/// [`SettleRequest`], answered [`SettleResponse`]. `docs/costs.md`.
+pub const SETTLE_PATH: &str = "/v1/settle";
+
+/// The most settlements one call may carry.
+pub const MAX_SETTLEMENTS: usize = 1024;
+
+/// Costs known after the response: each admitted request's real cost against the reservation it
+/// was admitted with; the difference is charged (past zero: a debt) or given back.
+/// ```json
+/// {"domain":"ratelimit","id":"gw-1-17",
+///  "settlements":[{"rule":"llm-tpm","subject":{"user":"ann"},"reserved":4096,"cost":312}]}
+/// ```
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SettleRequest {
+    /// The policy domain the rules belong to. Default: `"ratelimit"`.
+    #[serde(default = "default_domain")]
+    pub domain: String,
+    /// Identifies this batch: a repeat (a retry after a lost answer) within the sidecar's record
+    /// TTL applies nothing twice.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+    /// At most [`MAX_SETTLEMENTS`].
+    pub settlements: Vec<Settle>,
+}
+
+/// One admitted request's settlement on one rule's bucket.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Settle {
+    pub rule: String,
+    #[serde(default)]
+    pub subject: Subject,
+    /// The tokens the request was admitted with (its decision's `cost`).
+    pub reserved: u64,
+    /// What the request really cost, as its response reported it.
+    pub cost: u64,
+}
+
+/// The answer to a settle call: how many settlements changed a bucket now, how many were a
+/// repeat of a batch applied before, and how many had no bucket to settle (an unknown or
+/// unlimited rule, a cost equal to its reservation).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SettleResponse {
+    pub applied: u64,
+    pub repeated: u64,
+    pub skipped: u64,
+}
+
 /// The body of every non-200 answer.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ErrorBody {

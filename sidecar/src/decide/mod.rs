@@ -20,17 +20,22 @@ mod validate;
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 
-use ratelimit_wire::{DecideRequest, DecideResponse, LeaseAsk, RequestAnswer};
+use ratelimit_wire::{
+    DecideRequest, DecideResponse, LeaseAsk, RequestAnswer, SettleRequest, SettleResponse,
+};
 
 use self::answer::{error_answer, from_store, Tally};
 use self::plan::{blocked, charge, Plan};
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, SettleOutcome};
 use crate::policy::own_format::RULE_KEY;
 use crate::policy::reload::PolicyHandle;
 use crate::regional::RegionalShares;
-use crate::store::{BucketStore, Call, Charge, Decided, Readiness, StoreError};
+use crate::store::{BucketStore, Call, Charge, Decided, Readiness, SettleBatch, StoreError};
 
-pub use validate::{parse_request, validate, DecideError, MAX_ERROR_BYTES, MAX_LEASE_TTL_MS};
+pub use validate::{
+    parse_request, parse_settle, validate, validate_settle, DecideError, MAX_ERROR_BYTES,
+    MAX_LEASE_TTL_MS,
+};
 
 /// Descriptor entries: (key, value), a `None` value being an unknown subject.
 pub type Entries = Vec<(String, Option<String>)>;
@@ -154,6 +159,64 @@ impl<S: BucketStore> Decider<S> {
         DecideResponse {
             answers,
             epoch: None,
+        }
+    }
+
+    /// Applies a settle call that [`validate_settle`] accepted: each settlement's difference
+    /// (`cost - reserved`) charged to or given back to its bucket in one batch
+    /// (`docs/costs.md`). An error is the store's: the caller may send the batch again (its id
+    /// keeps a repeat from applying anything twice).
+    pub async fn settle(&self, call: SettleRequest) -> Result<SettleResponse, StoreError> {
+        let policy = self.policy.current().clone();
+        let mut skipped = 0;
+        let mut settlements = Vec::with_capacity(call.settlements.len());
+        for st in call.settlements {
+            // Both at most MAX_CAPACITY (validated): the difference fits an i64.
+            let delta = st.cost as i64 - st.reserved as i64;
+            let entries = rule_entries(st.rule, st.subject);
+            match (delta != 0)
+                .then(|| self.plan_settlement(&policy, &call.domain, &entries, delta))
+                .flatten()
+            {
+                Some(s) => settlements.push(s),
+                None => skipped += 1,
+            }
+        }
+        drop(policy);
+        self.metrics.settled(SettleOutcome::Skipped, skipped);
+        let mut answer = SettleResponse {
+            skipped,
+            ..SettleResponse::default()
+        };
+        if settlements.is_empty() {
+            return Ok(answer);
+        }
+        let deltas: Vec<i64> = settlements.iter().map(|s| s.delta).collect();
+        let n = deltas.len() as u64;
+        let batch = SettleBatch {
+            id: call.id,
+            settlements,
+        };
+        match self.store.settle(batch).await {
+            Err(e) => {
+                self.metrics.settled(SettleOutcome::Failed, n);
+                Err(e)
+            }
+            Ok(settled) => {
+                let mut repeated = 0;
+                for (delta, tokens) in deltas.iter().zip(&settled.tokens) {
+                    let outcome = match tokens {
+                        None => SettleOutcome::Repeated,
+                        Some(_) if *delta > 0 => SettleOutcome::Charged,
+                        Some(_) => SettleOutcome::GivenBack,
+                    };
+                    repeated += u64::from(tokens.is_none());
+                    self.metrics.settled(outcome, 1);
+                }
+                answer.applied = n - repeated;
+                answer.repeated = repeated;
+                Ok(answer)
+            }
         }
     }
 

@@ -25,7 +25,7 @@ use super::{Caller, Decider, Item, ReturnItem};
 use crate::keys::bucket_key;
 use crate::policy::own_format::RULE_KEY;
 use crate::policy::{Limit, LimitKind, Policy, Resolution};
-use crate::store::{BucketLimits, Charge, Return};
+use crate::store::{BucketLimits, Charge, Return, Settlement};
 
 /// A resolved decision.
 pub(super) enum Plan {
@@ -202,6 +202,45 @@ impl<S> Decider<S> {
                 })
             })
             .collect()
+    }
+}
+
+impl<S> Decider<S> {
+    /// The bucket a settlement on `entries` settles, under the policy in force: `None` when there
+    /// is none (an unknown rule, an unlimited or blocked limit, a regional rule without a share
+    /// under lease or with a share of 0 in force: nothing of this region's to settle).
+    pub(super) fn plan_settlement(
+        &self,
+        policy: &Policy,
+        domain: &str,
+        entries: &[(String, Option<String>)],
+        delta: i64,
+    ) -> Option<Settlement> {
+        let entries: Vec<(&str, Option<&str>)> = entries
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_deref()))
+            .collect();
+        let Resolution::Limit(limit) = policy.resolve(domain, &entries) else {
+            return None;
+        };
+        let LimitKind::Bucket {
+            capacity,
+            refill_per_sec,
+        } = limit.kind
+        else {
+            return None;
+        };
+        let bucket = BucketLimits {
+            capacity,
+            refill_per_sec,
+            share: self.share_for(limit).ok()?,
+        };
+        let (capacity_now, refill_now) = bucket.in_force();
+        (capacity_now > 0 && refill_now > 0.0).then(|| Settlement {
+            key: Arc::from(bucket_key(&self.key_prefix, domain, &entries)),
+            bucket,
+            delta,
+        })
     }
 }
 

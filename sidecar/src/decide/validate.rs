@@ -1,13 +1,14 @@
-//! The `/v1/decide` body, parsed and checked before anything is decided: counts, lengths, names,
+//! The `/v1/decide` and `/v1/settle` bodies, parsed and checked before anything is decided: counts, lengths, names,
 //! costs and lease asks within the bounds of `ratelimit-wire`, every error naming the field
 //! (`requests[0].decisions[1].rule: ...`) and bounded in length.
 
 use std::collections::HashSet;
 
 use ratelimit_wire::{
-    elide_middle, DecideRequest, LeaseAsk, MAX_CALL_DECISIONS, MAX_DECISIONS, MAX_LEASE_ID,
-    MAX_NAME_BYTES, MAX_REQUESTS, MAX_RETURNS, MAX_VALUE_BYTES,
+    elide_middle, DecideRequest, LeaseAsk, SettleRequest, MAX_CALL_DECISIONS, MAX_DECISIONS,
+    MAX_LEASE_ID, MAX_NAME_BYTES, MAX_REQUESTS, MAX_RETURNS, MAX_SETTLEMENTS, MAX_VALUE_BYTES,
 };
+use serde::de::DeserializeOwned;
 
 use crate::policy::own_format::RULE_KEY;
 use crate::policy::MAX_CAPACITY;
@@ -32,16 +33,28 @@ pub const MAX_ERROR_BYTES: usize = 512;
 /// Parses and validates a call body; the error names the field
 /// (`requests[0].decisions[1].rule: ...`) and is at most [`MAX_ERROR_BYTES`] long.
 pub fn parse_request(body: &[u8]) -> Result<DecideRequest, DecideError> {
+    parse_body(body, validate)
+}
+
+/// Parses and validates a `/v1/settle` body, as [`parse_request`] a decision call.
+pub fn parse_settle(body: &[u8]) -> Result<SettleRequest, DecideError> {
+    parse_body(body, validate_settle)
+}
+
+fn parse_body<T: DeserializeOwned>(
+    body: &[u8],
+    validate: fn(&T) -> Result<(), DecideError>,
+) -> Result<T, DecideError> {
     let bounded = |DecideError::Invalid(m)| DecideError::Invalid(elide_middle(m, MAX_ERROR_BYTES));
     // A body that parses is parsed once, without tracking the path (which allocates at every
     // field: a measurable share of a decision's CPU); one that does not is parsed again with the
     // path, for an error that names the field.
-    if let Ok(request) = serde_json::from_slice::<DecideRequest>(body) {
+    if let Ok(request) = serde_json::from_slice::<T>(body) {
         validate(&request).map_err(bounded)?;
         return Ok(request);
     }
     let mut de = serde_json::Deserializer::from_slice(body);
-    let request: DecideRequest = serde_path_to_error::deserialize(&mut de).map_err(|e| {
+    let request: T = serde_path_to_error::deserialize(&mut de).map_err(|e| {
         let path = e.path().to_string();
         bounded(if path == "." || path.is_empty() {
             DecideError::Invalid(e.inner().to_string())
@@ -56,6 +69,37 @@ pub fn parse_request(body: &[u8]) -> Result<DecideRequest, DecideError> {
     })?;
     validate(&request).map_err(bounded)?;
     Ok(request)
+}
+
+/// Checks a settle call: the domain and id, at most [`MAX_SETTLEMENTS`], each naming a rule and
+/// subject as a decision does, its figures within a capacity.
+pub fn validate_settle(call: &SettleRequest) -> Result<(), DecideError> {
+    let invalid = |s: String| Err(DecideError::Invalid(s));
+    if call.domain.is_empty() || call.domain.len() > MAX_NAME_BYTES {
+        return invalid(format!("domain: must be 1 to {MAX_NAME_BYTES} bytes"));
+    }
+    if let Some(id) = &call.id {
+        if id.is_empty() || id.len() > MAX_NAME_BYTES {
+            return invalid(format!("id: must be 1 to {MAX_NAME_BYTES} bytes"));
+        }
+    }
+    if call.settlements.is_empty() || call.settlements.len() > MAX_SETTLEMENTS {
+        return invalid(format!(
+            "settlements: must hold 1 to {MAX_SETTLEMENTS} settlements, got {}",
+            call.settlements.len()
+        ));
+    }
+    for (i, st) in call.settlements.iter().enumerate() {
+        let at = format!("settlements[{i}]");
+        check_rule_and_subject(&at, &st.rule, &st.subject)?;
+        if st.reserved == 0 || st.reserved > MAX_CAPACITY {
+            return invalid(format!("{at}.reserved: must be 1 to {MAX_CAPACITY}"));
+        }
+        if st.cost > MAX_CAPACITY {
+            return invalid(format!("{at}.cost: must be 0 to {MAX_CAPACITY}"));
+        }
+    }
+    Ok(())
 }
 
 /// Checks what serde cannot: counts, lengths, names, costs, lease asks.
