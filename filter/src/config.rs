@@ -10,6 +10,8 @@ use std::fmt;
 
 use serde::Deserialize;
 
+pub use crate::costs::CostSpec;
+
 /// The most rules one configuration may hold: every rule can become one decision of a request,
 /// and the sidecar takes at most [`ratelimit_wire::MAX_DECISIONS`] per request.
 pub const MAX_RULES: usize = ratelimit_wire::MAX_DECISIONS;
@@ -319,9 +321,10 @@ pub struct Rule {
     /// The dimensions of the bucket key (required). Every one must be known for the rule to
     /// apply; `[]` makes one global bucket for the rule.
     pub subject: Vec<Dimension>,
-    /// Tokens one request takes. Default: 1.
-    #[serde(default = "default_cost")]
-    pub cost: u64,
+    /// Tokens one request takes: a number, or an object whose `reserve` is charged at
+    /// admission and settled from the response (docs/costs.md). Default: 1.
+    #[serde(default)]
+    pub cost: Cost,
     /// What happens when a dimension of the subject is unknown (no token, an unknown API key, an
     /// unnamed route). Default: `shared`.
     #[serde(default)]
@@ -338,8 +341,61 @@ pub struct Rule {
     pub emergency: Option<Emergency>,
 }
 
-fn default_cost() -> u64 {
-    1
+/// A rule's cost: fixed, or reserved and settled from the response ([`CostSpec`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Cost {
+    Fixed(u64),
+    Settled(CostSpec),
+}
+
+impl Default for Cost {
+    fn default() -> Self {
+        Cost::Fixed(1)
+    }
+}
+
+impl Cost {
+    /// The tokens charged at admission: the fixed cost, or the reservation's fallback.
+    pub fn tokens(&self) -> u64 {
+        match self {
+            Cost::Fixed(n) => *n,
+            Cost::Settled(s) => s.reserve,
+        }
+    }
+
+    /// How the cost is settled from the response, if it is.
+    pub fn settled(&self) -> Option<&CostSpec> {
+        match self {
+            Cost::Fixed(_) => None,
+            Cost::Settled(s) => Some(s),
+        }
+    }
+}
+
+impl PartialEq<u64> for Cost {
+    fn eq(&self, other: &u64) -> bool {
+        *self == Cost::Fixed(*other)
+    }
+}
+
+impl<'de> Deserialize<'de> for Cost {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Cost, D::Error> {
+        struct CostVisitor;
+        impl<'de> serde::de::Visitor<'de> for CostVisitor {
+            type Value = Cost;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a whole number of tokens or a cost object ({\"reserve\": ..., \"response_header\" or \"response_json\": ...})")
+            }
+            fn visit_u64<E: serde::de::Error>(self, n: u64) -> Result<Cost, E> {
+                Ok(Cost::Fixed(n))
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, map: A) -> Result<Cost, A::Error> {
+                CostSpec::deserialize(serde::de::value::MapAccessDeserializer::new(map))
+                    .map(Cost::Settled)
+            }
+        }
+        d.deserialize_any(CostVisitor)
+    }
 }
 
 fn default_unknown_status() -> u32 {
@@ -760,10 +816,17 @@ impl Config {
             }
             self.validate_match(&rule.matcher, &at("match"), p);
             self.validate_subject(rule, &at("subject"), p);
-            if rule.cost == 0 {
-                p.add(at("cost"), "must be > 0");
-            } else if rule.cost > MAX_CAPACITY {
-                p.add(at("cost"), format!("must be at most {MAX_CAPACITY}"));
+            match &rule.cost {
+                Cost::Fixed(0) => p.add(at("cost"), "must be > 0"),
+                Cost::Fixed(n) if *n > MAX_CAPACITY => {
+                    p.add(at("cost"), format!("must be at most {MAX_CAPACITY}"))
+                }
+                Cost::Fixed(_) => {}
+                Cost::Settled(spec) => {
+                    for (field, what) in spec.problems(&at("cost"), MAX_CAPACITY) {
+                        p.add(field, what);
+                    }
+                }
             }
             if !matches!(rule.unknown_status, 401 | 429) {
                 p.add(
@@ -783,12 +846,13 @@ impl Config {
                             at("emergency.capacity"),
                             format!("must be at most {MAX_CAPACITY}"),
                         );
-                    } else if rule.cost > e.capacity {
+                    } else if rule.cost.tokens() > e.capacity {
                         p.add(
                             at("emergency.capacity"),
                             format!(
                                 "{} is less than the rule's cost {}: no request could ever pass",
-                                e.capacity, rule.cost
+                                e.capacity,
+                                rule.cost.tokens()
                             ),
                         );
                     }

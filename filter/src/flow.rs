@@ -22,7 +22,8 @@ use ratelimit_wire::{
     Decision, DecisionResult, LeaseAsk, LeaseReturn, Reason, RequestAnswer, MAX_LEASE_ID,
 };
 
-use crate::config::Config;
+use crate::config::{self, Config};
+use crate::costs::{self, Meter};
 use crate::emergency;
 use crate::epoch;
 use crate::fastpath::{
@@ -53,6 +54,15 @@ pub enum Stat {
     LeaseAdmitted,
     Callouts,
     Forwarded,
+    /// Responses that reported a real cost other than the reservation (a settlement queued).
+    CostsSettled,
+    /// Responses of a rule with a `cost` object that reported no cost (or were cut short): the
+    /// reservation stands.
+    CostsUnreported,
+    /// Settlements sent again after their call failed.
+    SettlementsRetried,
+    /// Settlements given up (their calls failed every time, or the outbox was full).
+    SettlementsLost,
     /// `rule.<name>.admitted` of the rule with this index in [`Config::rules`].
     RuleAdmitted(usize),
     /// `rule.<name>.rejected`.
@@ -138,6 +148,10 @@ impl Worker {
     }
 }
 
+/// How often a worker with rules whose costs settle from the response sends its settlements
+/// (at most; a callout of decisions carries them on its way sooner).
+pub const SETTLE_TICK_MS: u64 = 100;
+
 /// What [`Flow::start`] decided.
 #[derive(Debug)]
 pub enum Start {
@@ -172,6 +186,19 @@ pub struct Waiting {
     /// The epoch what it learns from its answer is tagged with: the one its call said it was
     /// decided under, else `epoch`.
     answered_epoch: u64,
+    /// The decisions (indices into `planned`) the sidecar charged for an admitted request: what
+    /// a cost settled from the response may settle ([`Flow::metered`]).
+    charged: Vec<usize>,
+}
+
+/// A charged decision whose real cost its response reports ([`crate::costs`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Metered {
+    /// Its rule's index in [`Config::rules`].
+    pub rule: usize,
+    pub subject: ratelimit_wire::Subject,
+    pub reserved: u64,
+    pub meter: Meter,
 }
 
 /// One decision of a waiting request that the sidecar makes.
@@ -242,8 +269,30 @@ impl Flow<'_> {
     /// The request-headers step, at `now_ns`: which rules apply, who the client is, and what the
     /// fast paths answer for each decision.
     pub fn start(&self, request: &dyn RequestView, now_ns: u64, worker: &mut Worker) -> Start {
+        self.start_with_body(request, None, now_ns, worker)
+    }
+
+    /// Whether the request is decided only once its body is in: a matching rule reserves from
+    /// the request's JSON (`reserve_from_request_json`).
+    pub fn wants_request_body(&self, request: &dyn RequestView) -> bool {
         let config = self.config;
-        let facts = RequestFacts {
+        let any = config.rules.iter().any(|r| {
+            r.cost
+                .settled()
+                .is_some_and(|s| s.reserve_from_request_json.is_some())
+        });
+        any && rules::matching(config, &self.request_facts(request))
+            .iter()
+            .any(|&i| {
+                config.rules[i]
+                    .cost
+                    .settled()
+                    .is_some_and(|s| s.reserve_from_request_json.is_some())
+            })
+    }
+
+    fn request_facts(&self, request: &dyn RequestView) -> RequestFacts {
+        RequestFacts {
             path: request.header(":path").unwrap_or_default(),
             method: if self.reads.method {
                 request.header(":method").unwrap_or_default()
@@ -256,7 +305,20 @@ impl Flow<'_> {
                 .iter()
                 .filter_map(|name| Some((name.clone(), request.header(name)?)))
                 .collect::<BTreeMap<_, _>>(),
-        };
+        }
+    }
+
+    /// [`Flow::start`] with the request's body (`body`: when [`Flow::wants_request_body`] said
+    /// the request waits for it), from which a rule may take its reservation.
+    pub fn start_with_body(
+        &self,
+        request: &dyn RequestView,
+        body: Option<&[u8]>,
+        now_ns: u64,
+        worker: &mut Worker,
+    ) -> Start {
+        let config = self.config;
+        let facts = self.request_facts(request);
         let matching = rules::matching(config, &facts);
         if matching.is_empty() {
             return Start::Pass;
@@ -293,7 +355,17 @@ impl Flow<'_> {
                 .flatten(),
         };
         let subject = identity::resolve(id, &facts);
-        let plan = rules::plan(config, &matching, &subject);
+        let mut plan = rules::plan(config, &matching, &subject);
+        // A cost settled from the response reserves what the request names, if it names it.
+        for p in &mut plan.planned {
+            if let Some(spec) = config.rules[p.rule].cost.settled() {
+                let header = spec
+                    .reserve_from_request_header
+                    .as_deref()
+                    .and_then(|h| request.header(h));
+                p.cost = costs::reservation(spec, header.as_deref(), body, config::MAX_CAPACITY);
+            }
+        }
         if plan.subject_unknown {
             self.stats.count(Stat::SubjectUnknown);
         }
@@ -323,13 +395,24 @@ impl Flow<'_> {
             deadline_ns: now_ns + config.sidecar.timeout_ms * 1_000_000,
             epoch: worker.epoch,
             answered_epoch: worker.epoch,
+            charged: Vec::new(),
         };
         let paths = ProbeFor::configured(fp);
         // What the leases said about the decisions they paid: (limit, tokens left).
         let mut paid: Vec<(Option<KnownLimit>, u64)> = Vec::new();
         for i in 0..w.planned.len() {
             let p = &w.planned[i];
-            let rate = if fp.leases.enabled {
+            // A cost settled from the response varies per request: never paid from a lease,
+            // only known rejections answer it locally (docs/costs.md).
+            let metered = config.rules[p.rule].cost.settled().is_some();
+            let paths = match paths {
+                Some(ProbeFor::Both | ProbeFor::KnownRejections) if metered => {
+                    Some(ProbeFor::KnownRejections)
+                }
+                Some(ProbeFor::Leases) if metered => None,
+                other => other,
+            };
+            let rate = if fp.leases.enabled && !metered {
                 worker.hotness.observe(&p.id, now_ns)
             } else {
                 0.0
@@ -468,6 +551,51 @@ impl Flow<'_> {
         verdict
     }
 
+    /// The charged decisions of an admitted request whose real cost its response reports: one
+    /// [`Meter`] each, for the host to feed the response to ([`Flow::settled`] at its end).
+    pub fn metered(&self, w: &Waiting) -> Vec<Metered> {
+        w.charged
+            .iter()
+            .filter_map(|&i| {
+                let p = &w.planned[i];
+                let spec = self.config.rules[p.rule].cost.settled()?;
+                Some(Metered {
+                    rule: p.rule,
+                    subject: p.subject.clone(),
+                    reserved: p.cost,
+                    meter: Meter::new(spec),
+                })
+            })
+            .collect()
+    }
+
+    /// A metered decision's response is over (`complete`: its body ended, not cut short): the
+    /// settlement to send, if the real cost differs from the reservation. A response that
+    /// reported no cost settles at the reservation (nothing to send).
+    pub fn settled(&self, mut m: Metered, complete: bool) -> Option<costs::Settlement> {
+        let Some(cost) = m.meter.finish(complete) else {
+            self.stats.count(Stat::CostsUnreported);
+            return None;
+        };
+        let cost = cost.min(config::MAX_CAPACITY);
+        if cost == m.reserved {
+            return None;
+        }
+        self.stats.count(Stat::CostsSettled);
+        Some(costs::Settlement {
+            rule: self.config.rules[m.rule].name.clone(),
+            subject: m.subject,
+            reserved: m.reserved,
+            cost,
+        })
+    }
+
+    /// Counts what an outbox could not deliver.
+    pub fn count_delivery(&self, d: costs::Delivery) {
+        self.stats.add(Stat::SettlementsRetried, d.retried);
+        self.stats.add(Stat::SettlementsLost, d.lost);
+    }
+
     /// Counts a verdict the host carried out: the request admitted, or answered 429.
     pub fn delivered(&self, verdict: &Verdict) {
         match verdict {
@@ -524,6 +652,16 @@ impl Flow<'_> {
                 self.stats.count(Stat::RuleAdmitted(p.rule));
             }
             self.learn(w, d, r, answer.allowed, dispatched_ns, now_ns);
+        }
+        if answer.allowed {
+            // Charged: admitted by its bucket (a shadow limit that would reject charged nothing).
+            w.charged = w
+                .remote
+                .iter()
+                .zip(&answer.results)
+                .filter(|(_, r)| r.allowed && r.error.is_none() && r.reason == Reason::Ok)
+                .map(|(d, _)| d.planned)
+                .collect();
         }
         let table = self.table(w.epoch);
         if renewals_only {
@@ -802,10 +940,14 @@ impl Flow<'_> {
         let poll = fp
             .polls_epoch()
             .then(|| (fp.policy_poll_ms / epoch::TICKS_PER_POLL).max(1));
-        match (queue, poll) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        }
+        // Settlements of costs known after the response are sent at ticks (docs/costs.md).
+        let settle = self
+            .config
+            .rules
+            .iter()
+            .any(|r| r.cost.settled().is_some())
+            .then_some(SETTLE_TICK_MS);
+        [queue, poll, settle].into_iter().flatten().min()
     }
 
     /// A tick of `worker` at `now_ns`: it reads the published policy epoch, and whether it sends

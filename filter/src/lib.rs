@@ -19,6 +19,7 @@
 
 pub mod clock;
 pub mod config;
+pub mod costs;
 pub mod emergency;
 pub mod epoch;
 pub mod fastpath;

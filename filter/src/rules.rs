@@ -119,7 +119,7 @@ pub fn plan(config: &Config, rules: &[usize], subject: &Subject) -> Plan {
             rule: i,
             id: format!("{}/{}", config.domain, bucket_id(rule, subject)),
             subject: wire,
-            cost: rule.cost,
+            cost: rule.cost.tokens(),
         });
     }
     p
@@ -311,7 +311,7 @@ mod tests {
     #[test]
     fn the_cost_is_the_rules() {
         let mut c = example();
-        c.rules[1].cost = 7;
+        c.rules[1].cost = crate::config::Cost::Fixed(7);
         let p = plan_all(&c, &request("GET", "/"), &subject(None, Some("::1")));
         assert_eq!(p.planned.len(), 1);
         assert_eq!((p.planned[0].rule, p.planned[0].cost), (1, 7));
@@ -489,7 +489,7 @@ mod tests {
             name: "r".into(),
             matcher: Match::default(),
             subject,
-            cost: 1,
+            cost: crate::config::Cost::Fixed(1),
             on_unknown: UnknownPolicy::Shared,
             unknown_status: 401,
             on_error: Default::default(),

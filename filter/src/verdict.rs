@@ -308,7 +308,7 @@ pub fn charges(
             EmergencyCharge {
                 key: emergency::shared_key(&rule.name),
                 bucket: EmergencyBucket::from(e),
-                cost: rule.cost as f64,
+                cost: rule.cost.tokens() as f64,
             }
         })
         .collect()
@@ -617,7 +617,7 @@ mod tests {
             .map(|&i| Planned {
                 rule: i,
                 subject: WireSubject::new(),
-                cost: config.rules[i].cost,
+                cost: config.rules[i].cost.tokens(),
                 id: config.rules[i].name.clone(),
             })
             .collect()
@@ -1312,7 +1312,7 @@ mod tests {
     #[test]
     fn charges_name_each_local_rules_bucket_and_cost() {
         let mut c = example();
-        c.rules[0].cost = 3;
+        c.rules[0].cost = crate::config::Cost::Fixed(3);
         let e = c.rules[0].emergency.clone().unwrap();
         let p = planned(&c, &[1, 0]);
         assert_eq!(

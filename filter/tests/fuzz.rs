@@ -174,7 +174,7 @@ fn check_config_bounds(c: &Config) -> Result<(), TestCaseError> {
             r.name
         );
         prop_assert!(names.insert(&r.name), "duplicate rule {:?}", r.name);
-        prop_assert!((1..=MAX_CAPACITY).contains(&r.cost));
+        prop_assert!((1..=MAX_CAPACITY).contains(&r.cost.tokens()));
         prop_assert!(matches!(r.unknown_status, 401 | 429));
         prop_assert!(r.matcher.path_prefix.starts_with('/'));
         for h in &r.matcher.headers {
@@ -186,7 +186,7 @@ fn check_config_bounds(c: &Config) -> Result<(), TestCaseError> {
         prop_assert_eq!(dims.len(), r.subject.len(), "a dimension twice");
         match (&r.on_error, &r.emergency) {
             (config::FailurePolicy::Local, Some(e)) => {
-                prop_assert!((r.cost..=MAX_CAPACITY).contains(&e.capacity));
+                prop_assert!((r.cost.tokens()..=MAX_CAPACITY).contains(&e.capacity));
                 prop_assert!(e.refill_per_sec.is_finite() && e.refill_per_sec > 0.0);
                 prop_assert!(e.capacity as f64 / e.refill_per_sec <= config::MAX_REFILL_S);
             }
@@ -696,7 +696,7 @@ fn check_plan(
             start
         );
         prop_assert!(!p.id.contains(['{', '}', '\n', '\0']), "{}", p.id);
-        prop_assert_eq!(p.cost, rule.cost);
+        prop_assert_eq!(p.cost, rule.cost.tokens());
         prop_assert!(p.subject.0.len() <= MAX_SUBJECT_ENTRIES);
         let dims: Vec<&str> = p.subject.iter().map(|(d, _)| d).collect();
         let expected: Vec<&str> = rule.subject.iter().map(|d| d.as_str()).collect();

@@ -735,6 +735,124 @@ fn a_lease_ask_without_an_answer_is_released() {
     assert!(w.remote[0].ask.is_some(), "the next request asks again");
 }
 
+// Costs settled from the response (docs/costs.md).
+
+/// `per-app`'s cost reserved from the request's `x-max-tokens` (4096 without it, 8192 at most)
+/// and settled from the response's `x-usage-tokens`; leases for every busy bucket.
+fn metered(v: &mut Value) {
+    busy(v);
+    v["rules"][0]["cost"] = json!({"reserve": 4096, "reserve_from_request_header": "x-max-tokens",
+        "reserve_max": 8192, "response_header": "x-usage-tokens"});
+}
+
+#[test]
+fn an_admitted_request_reserves_what_it_names_and_settles_the_difference() {
+    let mut g = Gateway::new(config(metered));
+    let mut r = alpha();
+    r.headers.insert("x-max-tokens".into(), b"300".to_vec());
+    let mut w = waits(g.start(&r, T0));
+    let call = w.decisions(&g.config);
+    assert_eq!(call[0].cost, 300, "the reservation");
+    assert_eq!(call[0].lease, None, "a settled cost never asks for a lease");
+    admitted_with(g.settle(&mut w, answer(vec![admitted(0)]), T0, T0 + MS));
+    let mut m = g.flow().metered(&w);
+    assert_eq!((m.len(), m[0].reserved), (1, 300));
+    m[0].meter.headers(Some(b"120"), None);
+    let s = g.flow().settled(m.remove(0), false).unwrap();
+    assert_eq!((s.rule.as_str(), s.reserved, s.cost), ("per-app", 300, 120));
+    assert_eq!(g.count(Stat::CostsSettled), 1);
+
+    // Without the header: the fallback, bounded when named.
+    let w = waits(g.start(&alpha(), T0 + S));
+    assert_eq!(w.decisions(&g.config)[0].cost, 4096);
+    r.headers.insert("x-max-tokens".into(), b"100000".to_vec());
+    let w = waits(g.start(&r, T0 + 2 * S));
+    assert_eq!(w.decisions(&g.config)[0].cost, 8192);
+}
+
+#[test]
+fn only_a_charged_decision_settles() {
+    let mut g = Gateway::new(config(metered));
+    let mut w = waits(g.start(&alpha(), T0));
+    rejection(g.settle(&mut w, answer(vec![rejected(1_000)]), T0, T0 + MS));
+    assert!(g.flow().metered(&w).is_empty(), "rejected: nothing charged");
+    let mut g = Gateway::new(config(|v| {
+        metered(v);
+        v["rules"][0]["on_error"] = "allow".into();
+    }));
+    let mut w = waits(g.start(&alpha(), T0));
+    admitted_with(g.settle(&mut w, Err(LimiterError::NoAnswer), T0, T0 + 50 * MS));
+    assert!(
+        g.flow().metered(&w).is_empty(),
+        "failed open: nothing charged, nothing to give back"
+    );
+    let mut w = waits(g.start(&alpha(), T0 + S));
+    let shadow = DecisionResult {
+        shadow: true,
+        allowed: true,
+        reason: Reason::Insufficient,
+        ..admitted(0)
+    };
+    admitted_with(g.settle(&mut w, answer(vec![shadow]), T0 + S, T0 + S + MS));
+    assert!(
+        g.flow().metered(&w).is_empty(),
+        "a shadow rejection charged nothing"
+    );
+}
+
+#[test]
+fn a_response_without_its_cost_settles_at_the_reservation() {
+    let mut g = Gateway::new(config(metered));
+    let mut w = waits(g.start(&alpha(), T0));
+    admitted_with(g.settle(&mut w, answer(vec![admitted(0)]), T0, T0 + MS));
+    let mut m = g.flow().metered(&w);
+    m[0].meter.headers(None, None);
+    assert_eq!(g.flow().settled(m.remove(0), true), None);
+    assert_eq!(g.count(Stat::CostsUnreported), 1);
+    let mut m = g.flow().metered(&w);
+    m[0].meter.headers(Some(b"4096"), None);
+    assert_eq!(
+        g.flow().settled(m.remove(0), true),
+        None,
+        "the cost reserved"
+    );
+}
+
+#[test]
+fn a_rule_reserving_from_the_request_json_waits_for_the_body() {
+    let g = Gateway::new(config(|v| {
+        v["rules"][0]["cost"] = json!({"reserve_from_request_json": "max_tokens",
+            "reserve": 4096, "response_json": "usage.total_tokens"});
+    }));
+    assert!(g.flow().wants_request_body(&alpha()));
+    assert!(!g.flow().wants_request_body(&request("/health", None)));
+    let mut g = g;
+    let start = Flow {
+        config: &g.config,
+        reads: &g.reads,
+        store: &g.store,
+        stats: &g.counts,
+    }
+    .start_with_body(&alpha(), Some(br#"{"max_tokens": 777}"#), T0, &mut g.worker);
+    assert_eq!(waits(start).decisions(&g.config)[0].cost, 777);
+    assert!(!Gateway::new(config(|_| {}))
+        .flow()
+        .wants_request_body(&alpha()));
+}
+
+#[test]
+fn settlements_tick_at_least_every_100_ms() {
+    let g = Gateway::new(config(|v| {
+        v["fast_paths"] = json!({"coalesce": false, "policy_poll_ms": 0});
+    }));
+    assert_eq!(g.flow().tick_period_ms(), None);
+    let g = Gateway::new(config(|v| {
+        metered(v);
+        v["fast_paths"] = json!({"coalesce": false, "policy_poll_ms": 0});
+    }));
+    assert_eq!(g.flow().tick_period_ms(), Some(SETTLE_TICK_MS));
+}
+
 // The batcher.
 
 /// A waiting request of `decisions` decisions (all of rule 0) and `returns` lease returns.
@@ -755,6 +873,7 @@ fn waiting(decisions: usize, returns: usize, deadline_ns: u64) -> Waiting {
             })
             .collect(),
         taken: Vec::new(),
+        charged: Vec::new(),
         returns: (0..returns)
             .map(|i| LeaseReturn {
                 rule: "per-app".into(),

@@ -40,6 +40,7 @@ pub fn enqueue(vm: &SharedVm, ctx: u32, w: Waiting) {
 /// (its callbacks), so the callouts are the root's. When callouts are shared and another worker
 /// is the courier, the queue goes to the courier instead.
 pub fn send_queued(vm: &SharedVm) {
+    send_settlements(vm);
     if courier::forward_queue(vm) {
         return;
     }
@@ -53,7 +54,8 @@ pub fn send_queued(vm: &SharedVm) {
             };
             (plugin, batch)
         };
-        let dispatched = dispatch(&plugin, &batch.body, batch.timeout_ms);
+        let path = plugin.config.sidecar.path();
+        let dispatched = dispatch(&plugin, path, &batch.body, batch.timeout_ms);
         let carried = (batch.own.len() + batch.carried.len()) as u64;
         plugin
             .metrics
@@ -86,7 +88,12 @@ pub fn send_alone(vm: &SharedVm, ctx: u32, w: Waiting, now: u64) -> Result<u64, 
         let batch = v.queue.alone(ctx, w, &plugin.config, now);
         (plugin, batch)
     };
-    dispatch(&plugin, &batch.body, batch.timeout_ms)?;
+    dispatch(
+        &plugin,
+        plugin.config.sidecar.path(),
+        &batch.body,
+        batch.timeout_ms,
+    )?;
     plugin.metrics.count(Stat::Callouts);
     Ok(now_ns())
 }
@@ -184,12 +191,60 @@ pub fn epoch_polled(vm: &SharedVm, sent_ns: u64, num_headers: usize, body_size: 
     plugin.flow().polled(&mut v.worker, epoch, sent_ns);
 }
 
-/// Sends a callout from the current context.
-fn dispatch(plugin: &Plugin, body: &[u8], timeout_ms: u64) -> Result<u32, LimiterError> {
+/// Sends the next batch of settlements (`POST /v1/settle`) from the root context, if one is
+/// due and none is in flight ([`crate::costs::Outbox`]).
+pub fn send_settlements(vm: &SharedVm) {
+    let (plugin, body) = {
+        let mut v = vm.borrow_mut();
+        if v.settle_flight.is_some() {
+            return;
+        }
+        let plugin = v.plugin.clone();
+        let Some(body) = v.outbox.next_call(&plugin.config.domain) else {
+            return;
+        };
+        (plugin, body)
+    };
+    let timeout_ms = plugin.config.sidecar.timeout_ms;
+    match dispatch(&plugin, ratelimit_wire::SETTLE_PATH, &body, timeout_ms) {
+        Ok(token) => vm.borrow_mut().settle_flight = Some(token),
+        Err(e) => {
+            debug!("ratelimit filter: cannot send settlements: {e}");
+            let d = vm.borrow_mut().outbox.answered(false);
+            plugin.flow().count_delivery(d);
+        }
+    }
+}
+
+/// The answer to the settlements' callout: delivered on a 200, else sent again (bounded); then
+/// the next batch.
+pub fn settlements_answered(vm: &SharedVm, num_headers: usize) {
+    let status = if num_headers == 0 {
+        None
+    } else {
+        abi::header_map_value(MapType::HttpCallResponseHeaders, ":status")
+    };
+    let plugin = vm.borrow().plugin.clone();
+    let d = {
+        let mut v = vm.borrow_mut();
+        v.settle_flight = None;
+        v.outbox.answered(status.as_deref() == Some(b"200"))
+    };
+    plugin.flow().count_delivery(d);
+    send_settlements(vm);
+}
+
+/// Sends a callout to `path` from the current context.
+fn dispatch(
+    plugin: &Plugin,
+    path: &str,
+    body: &[u8],
+    timeout_ms: u64,
+) -> Result<u32, LimiterError> {
     let sidecar = &plugin.config.sidecar;
     let mut headers = vec![
         (":method", "POST"),
-        (":path", sidecar.path()),
+        (":path", path),
         (":authority", sidecar.authority()),
         ("content-type", "application/json"),
     ];

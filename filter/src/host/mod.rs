@@ -31,9 +31,10 @@ use ratelimit_wire::RequestAnswer;
 
 use crate::clock;
 use crate::config::Config;
+use crate::costs::{self, Outbox, MAX_METERED_BYTES};
 use crate::emergency::{self, EmergencyBucket};
 use crate::flow::batch::Queue;
-use crate::flow::{Flow, RequestReads, RequestView, Start, Worker};
+use crate::flow::{Flow, Metered, RequestReads, RequestView, Start, Worker};
 use crate::shared::{SharedDataError, SharedStore};
 use crate::verdict::{self, LimiterError, LocalReply, Verdict};
 use stats::Metrics;
@@ -82,6 +83,11 @@ struct Vm {
     response_headers: HashMap<u32, Vec<(String, String)>>,
     /// The policy epoch poll this worker sent: (its token, when).
     epoch_poll: Option<(u32, u64)>,
+    /// The admitted requests whose responses report their real cost, by context.
+    metering: HashMap<u32, Vec<Metered>>,
+    /// Settlements waiting for the sidecar, and the token of the call carrying some.
+    outbox: Outbox,
+    settle_flight: Option<u32>,
 }
 
 type SharedVm = Rc<RefCell<Vm>>;
@@ -100,6 +106,10 @@ impl Context for Root {
         _num_trailers: usize,
     ) {
         if let Some(vm) = self.vm.clone() {
+            if vm.borrow().settle_flight == Some(token_id) {
+                callout::settlements_answered(&vm, num_headers);
+                return;
+            }
             let poll = vm.borrow().epoch_poll.filter(|(t, _)| *t == token_id);
             match poll {
                 Some((_, sent_ns)) => callout::epoch_polled(&vm, sent_ns, num_headers, body_size),
@@ -187,6 +197,9 @@ impl RootContext for Root {
             sharing,
             response_headers: HashMap::new(),
             epoch_poll: None,
+            metering: HashMap::new(),
+            outbox: Outbox::new(nonce),
+            settle_flight: None,
         })));
         true
     }
@@ -209,6 +222,7 @@ impl RootContext for Root {
         if poll {
             callout::poll_epoch(&vm, now);
         }
+        callout::send_settlements(&vm);
         let expired = vm.borrow_mut().queue.expired(now);
         for ctx in expired {
             settle(&vm, ctx, Err(LimiterError::NoAnswer), None, now, now, true);
@@ -232,6 +246,7 @@ impl RootContext for Root {
             id: context_id,
             vm: self.vm.clone(),
             alone_since: None,
+            awaiting_body: false,
         }))
     }
 
@@ -265,32 +280,24 @@ struct Request {
     vm: Option<SharedVm>,
     /// Without coalescing: when the request's own callout was sent.
     alone_since: Option<u64>,
+    /// The request is decided once its body is in (a reservation from its JSON).
+    awaiting_body: bool,
 }
 
-impl Context for Request {
-    fn on_http_call_response(
-        &mut self,
-        _token_id: u32,
-        num_headers: usize,
-        body_size: usize,
-        _num_trailers: usize,
-    ) {
-        if let (Some(vm), Some(sent_ns)) = (self.vm.clone(), self.alone_since.take()) {
-            callout::answered_alone(&vm, self.id, sent_ns, num_headers, body_size);
-        }
-    }
-}
-
-impl HttpContext for Request {
-    fn on_http_request_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
-        let Some(vm) = self.vm.clone() else {
-            send(&verdict::unavailable());
-            return Action::Pause;
-        };
+impl Request {
+    /// Starts the request's flow (with its body when it waited for it) and carries the verdict
+    /// out, or pauses it for the sidecar.
+    fn begin(&mut self, vm: &SharedVm, body: Option<Vec<u8>>) -> Action {
+        let vm = vm.clone();
         let plugin = vm.borrow().plugin.clone();
         let flow = plugin.flow();
         let now = now_ns();
-        let start = flow.start(&HostRequest, now, &mut vm.borrow_mut().worker);
+        let start = flow.start_with_body(
+            &HostRequest,
+            body.as_deref(),
+            now,
+            &mut vm.borrow_mut().worker,
+        );
         let verdict = match start {
             Start::Pass => return Action::Continue,
             Start::Reply(reply) => {
@@ -329,8 +336,58 @@ impl HttpContext for Request {
             }
         }
     }
+}
 
-    fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+impl Context for Request {
+    fn on_http_call_response(
+        &mut self,
+        _token_id: u32,
+        num_headers: usize,
+        body_size: usize,
+        _num_trailers: usize,
+    ) {
+        if let (Some(vm), Some(sent_ns)) = (self.vm.clone(), self.alone_since.take()) {
+            callout::answered_alone(&vm, self.id, sent_ns, num_headers, body_size);
+        }
+    }
+}
+
+impl HttpContext for Request {
+    fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+        let Some(vm) = self.vm.clone() else {
+            send(&verdict::unavailable());
+            return Action::Pause;
+        };
+        let plugin = vm.borrow().plugin.clone();
+        if !end_of_stream && plugin.flow().wants_request_body(&HostRequest) {
+            self.awaiting_body = true;
+            return Action::Pause;
+        }
+        self.begin(&vm, None)
+    }
+
+    fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        if !self.awaiting_body {
+            return Action::Continue;
+        }
+        if !end_of_stream {
+            return Action::Pause; // Envoy buffers the body until its end
+        }
+        self.awaiting_body = false;
+        let Some(vm) = self.vm.clone() else {
+            send(&verdict::unavailable());
+            return Action::Pause;
+        };
+        let body = (body_size <= MAX_METERED_BYTES)
+            .then(|| abi::buffer(BufferType::HttpRequestBody, body_size))
+            .flatten();
+        self.begin(&vm, body)
+    }
+
+    fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+        if let Some(vm) = &self.vm {
+            meter_headers(vm, self.id, end_of_stream);
+        }
         let headers = self
             .vm
             .as_ref()
@@ -342,6 +399,69 @@ impl HttpContext for Request {
             }
         }
         Action::Continue
+    }
+
+    fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        let Some(vm) = &self.vm else {
+            return Action::Continue;
+        };
+        let Some(mut metered) = vm.borrow_mut().metering.remove(&self.id) else {
+            return Action::Continue;
+        };
+        // The chunk passing now (the body is never held back for metering).
+        if body_size > 0 {
+            if let Some(chunk) = abi::buffer(BufferType::HttpResponseBody, body_size) {
+                for m in &mut metered {
+                    m.meter.body(&chunk);
+                }
+            }
+        }
+        if end_of_stream {
+            settle_costs(vm, metered, true);
+        } else {
+            vm.borrow_mut().metering.insert(self.id, metered);
+        }
+        Action::Continue
+    }
+}
+
+/// A metered request's response headers: each meter reads its cost header and the content
+/// type; the meters done with (a header's figure, no body to read, or the end of the stream)
+/// settle now.
+fn meter_headers(vm: &SharedVm, ctx: u32, end_of_stream: bool) {
+    let Some(mut metered) = vm.borrow_mut().metering.remove(&ctx) else {
+        return;
+    };
+    let content_type = abi::header_map_value(MapType::HttpResponseHeaders, "content-type");
+    for m in &mut metered {
+        let header = m
+            .meter
+            .header_name()
+            .and_then(|h| abi::header_map_value(MapType::HttpResponseHeaders, h));
+        m.meter.headers(header.as_deref(), content_type.as_deref());
+    }
+    let (open, done): (Vec<Metered>, Vec<Metered>) = metered
+        .into_iter()
+        .partition(|m| m.meter.reads_body() && !end_of_stream);
+    settle_costs(vm, done, true);
+    if !open.is_empty() {
+        vm.borrow_mut().metering.insert(ctx, open);
+    }
+}
+
+/// Queues the settlements of metered decisions whose responses are over (`complete`: their
+/// bodies ended); the root sends them at its next tick or callout.
+fn settle_costs(vm: &SharedVm, metered: Vec<Metered>, complete: bool) {
+    if metered.is_empty() {
+        return;
+    }
+    let plugin = vm.borrow().plugin.clone();
+    let flow = plugin.flow();
+    for m in metered {
+        if let Some(s) = flow.settled(m, complete) {
+            let lost = vm.borrow_mut().outbox.push(s);
+            flow.count_delivery(costs::Delivery { retried: 0, lost });
+        }
     }
 }
 
@@ -356,9 +476,13 @@ impl Drop for Request {
             return;
         };
         v.response_headers.remove(&self.id);
+        // A response cut short (the client cancelled, the upstream reset): its reservations
+        // stand unless a header reported the cost.
+        let metered = v.metering.remove(&self.id).unwrap_or_default();
         let w = v.queue.forget(self.id);
         let plugin = v.plugin.clone();
         drop(v);
+        settle_costs(&vm, metered, false);
         if let Some(mut w) = w {
             plugin.flow().give_back(&mut w, now_ns());
         }
@@ -390,16 +514,23 @@ fn settle(
     let flow = plugin.flow();
     let verdict = flow.settle_under(&mut w, answer, epoch, dispatched_ns, now_ns);
     if switch && abi::set_effective_context(ctx).is_err() {
-        // The request is gone (its client went away): nothing to answer; its leases back.
+        // The request is gone (its client went away): nothing to answer; its leases back, and
+        // its reservations stand (it never reached the upstream).
         flow.give_back(&mut w, now_ns);
         return;
     }
     flow.delivered(&verdict);
     match verdict {
         Verdict::Admit { headers } => {
+            let metered = flow.metered(&w);
+            let mut v = vm.borrow_mut();
             if !headers.is_empty() {
-                vm.borrow_mut().response_headers.insert(ctx, headers);
+                v.response_headers.insert(ctx, headers);
             }
+            if !metered.is_empty() {
+                v.metering.insert(ctx, metered);
+            }
+            drop(v);
             if let Err(status) = abi::resume_http_request() {
                 error!("ratelimit filter: cannot resume the request: status {status}");
             }

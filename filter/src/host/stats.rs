@@ -37,6 +37,10 @@ pub struct Metrics {
     lease_admitted: u32,
     callouts: u32,
     forwarded: u32,
+    costs_settled: u32,
+    costs_unreported: u32,
+    settlements_retried: u32,
+    settlements_lost: u32,
     /// Histogram: a callout's time, from its dispatch to its answer, in microseconds.
     pub decision_us: u32,
     /// Histogram: the requests one coalesced callout carries.
@@ -77,6 +81,10 @@ impl Metrics {
             lease_admitted: counter("lease_admitted")?,
             callouts: counter("callouts")?,
             forwarded: counter("forwarded")?,
+            costs_settled: counter("costs_settled")?,
+            costs_unreported: counter("costs_unreported")?,
+            settlements_retried: counter("settlements_retried")?,
+            settlements_lost: counter("settlements_lost")?,
             decision_us: histogram("decision_us")?,
             batch_requests: histogram("batch_requests")?,
             monotonic_clock: abi::define_metric(
@@ -108,6 +116,10 @@ impl Metrics {
             Stat::LeaseAdmitted => self.lease_admitted,
             Stat::Callouts => self.callouts,
             Stat::Forwarded => self.forwarded,
+            Stat::CostsSettled => self.costs_settled,
+            Stat::CostsUnreported => self.costs_unreported,
+            Stat::SettlementsRetried => self.settlements_retried,
+            Stat::SettlementsLost => self.settlements_lost,
             Stat::RuleAdmitted(i) => rule(i)?.admitted,
             Stat::RuleRejected(i) => rule(i)?.rejected,
             Stat::RuleShadowRejected(i) => rule(i)?.shadow_rejected,
