@@ -1,5 +1,10 @@
 //! The protected service of the tests: answers every request with 200 and counts what reached it,
 //! so a test can tell what the filter let through. Runs on its own thread and tokio runtime.
+//!
+//! Under `/usage/` it reports a cost as an LLM API reports its tokens ([`usage_response`]):
+//! `/usage/header?tokens=N` in the `x-usage-tokens` header, `/usage/json?tokens=N` in the JSON
+//! body's `usage.total_tokens`, `/usage/sse?tokens=N&events=K&gap_ms=G` as a `text/event-stream`
+//! of K chunks G ms apart whose last `data:` event carries `usage.total_tokens`.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -35,6 +40,9 @@ impl Upstream {
                     let counter = counter.clone();
                     async move {
                         counter.fetch_add(1, Ordering::SeqCst);
+                        if let Some(r) = usage_response(&uri) {
+                            return r;
+                        }
                         let echoed: serde_json::Map<String, serde_json::Value> = headers
                             .iter()
                             .map(|(k, v)| {
@@ -68,6 +76,55 @@ impl Upstream {
     pub fn hits(&self) -> u64 {
         self.hits.load(Ordering::SeqCst)
     }
+}
+
+/// The answer of a `/usage/` path (see the module's header), `None` for another path.
+pub fn usage_response(uri: &Uri) -> Option<axum::response::Response> {
+    let mode = uri.path().strip_prefix("/usage/")?;
+    let query: std::collections::HashMap<String, String> = uri
+        .query()
+        .unwrap_or_default()
+        .split('&')
+        .filter_map(|kv| kv.split_once('='))
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    let num = |k: &str, default: u64| query.get(k).and_then(|v| v.parse().ok()).unwrap_or(default);
+    let tokens = num("tokens", 1);
+    let body =
+        serde_json::json!({"id": "x", "usage": {"prompt_tokens": 1, "total_tokens": tokens}});
+    Some(match mode {
+        "header" => (
+            [("x-usage-tokens", tokens.to_string())],
+            axum::Json(serde_json::json!({"upstream": "ok"})),
+        )
+            .into_response(),
+        "json" => axum::Json(body).into_response(),
+        "sse" => {
+            let (events, gap_ms) = (num("events", 3), num("gap_ms", 0));
+            let stream = futures::stream::unfold(0u64, move |i| async move {
+                if i > events {
+                    return None;
+                }
+                if gap_ms > 0 && i > 0 {
+                    tokio::time::sleep(std::time::Duration::from_millis(gap_ms)).await;
+                }
+                let event = if i + 1 < events {
+                    format!("data: {{\"choices\":[{{\"delta\":\"chunk {i}\"}}]}}\n\n")
+                } else if i + 1 == events {
+                    format!("data: {{\"choices\":[],\"usage\":{{\"total_tokens\":{tokens}}}}}\n\n")
+                } else {
+                    "data: [DONE]\n\n".to_string()
+                };
+                Some((Ok::<_, std::io::Error>(event), i + 1))
+            });
+            (
+                [("content-type", "text/event-stream")],
+                axum::body::Body::from_stream(stream),
+            )
+                .into_response()
+        }
+        _ => axum::http::StatusCode::NOT_FOUND.into_response(),
+    })
 }
 
 impl Drop for Upstream {

@@ -690,6 +690,7 @@ fn the_bounds_table_gives_the_constants() {
         ("MAX_NAME_BYTES", ratelimit_wire::MAX_NAME_BYTES as u64),
         ("MAX_VALUE_BYTES", ratelimit_wire::MAX_VALUE_BYTES as u64),
         ("MAX_RETURNS", ratelimit_wire::MAX_RETURNS as u64),
+        ("MAX_SETTLEMENTS", ratelimit_wire::MAX_SETTLEMENTS as u64),
         ("MAX_LEASE_ID", ratelimit_wire::MAX_LEASE_ID),
         (
             "MAX_LEASE_TTL_MS",

@@ -14,13 +14,14 @@ const LOCAL_WASM: &str = "target/wasm32-wasip1/release/ratelimit_filter.wasm";
 const COMPOSE_WASM: &str = "/etc/envoy/ratelimit_filter.wasm";
 
 /// Every Envoy config shipped for an edge Envoy.
-const EDGE_CONFIGS: [&str; 6] = [
+const EDGE_CONFIGS: [&str; 7] = [
     "envoy/envoy.yaml",
     "envoy/envoy-jwt.yaml",
     "envoy/compose/envoy.yaml",
     "envoy/envoy-edge-tls.yaml",
     "envoy/envoy-native-ratelimit.yaml",
     "envoy/envoy-rlqs.yaml",
+    "envoy/envoy-llm.yaml",
 ];
 
 fn read(path: &str) -> String {

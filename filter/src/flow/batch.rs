@@ -113,6 +113,12 @@ impl Queue {
         self.wake_pending = false;
     }
 
+    /// Whether request `ctx` is paused for the sidecar (its body, if more comes, is held back
+    /// until its verdict).
+    pub fn holds(&self, ctx: u32) -> bool {
+        self.waiting.contains_key(&ctx)
+    }
+
     /// Takes a waiting request out, to settle it.
     pub fn take(&mut self, ctx: u32) -> Option<Waiting> {
         self.waiting.remove(&ctx)

@@ -88,6 +88,9 @@ struct Vm {
     /// Settlements waiting for the sidecar, and the token of the call carrying some.
     outbox: Outbox,
     settle_flight: Option<u32>,
+    /// Requests decided once their body is in (a reservation from its JSON), by context: the
+    /// deadline after which they are decided without it.
+    awaiting_body: HashMap<u32, u64>,
 }
 
 type SharedVm = Rc<RefCell<Vm>>;
@@ -200,6 +203,7 @@ impl RootContext for Root {
             metering: HashMap::new(),
             outbox: Outbox::new(nonce),
             settle_flight: None,
+            awaiting_body: HashMap::new(),
         })));
         true
     }
@@ -223,6 +227,27 @@ impl RootContext for Root {
             callout::poll_epoch(&vm, now);
         }
         callout::send_settlements(&vm);
+        // Requests whose body never came by their deadline: decided on the fallback reservation.
+        let late: Vec<u32> = {
+            let mut v = vm.borrow_mut();
+            let late: Vec<u32> = v
+                .awaiting_body
+                .iter()
+                .filter(|(_, d)| **d <= now)
+                .map(|(c, _)| *c)
+                .collect();
+            for c in &late {
+                v.awaiting_body.remove(c);
+            }
+            late
+        };
+        if !late.is_empty() {
+            for ctx in late {
+                start_paused(&vm, ctx, now);
+            }
+            let _ = abi::set_effective_context(self.id);
+            callout::send_queued(&vm);
+        }
         let expired = vm.borrow_mut().queue.expired(now);
         for ctx in expired {
             settle(&vm, ctx, Err(LimiterError::NoAnswer), None, now, now, true);
@@ -246,7 +271,6 @@ impl RootContext for Root {
             id: context_id,
             vm: self.vm.clone(),
             alone_since: None,
-            awaiting_body: false,
         }))
     }
 
@@ -280,8 +304,6 @@ struct Request {
     vm: Option<SharedVm>,
     /// Without coalescing: when the request's own callout was sent.
     alone_since: Option<u64>,
-    /// The request is decided once its body is in (a reservation from its JSON).
-    awaiting_body: bool,
 }
 
 impl Request {
@@ -360,24 +382,33 @@ impl HttpContext for Request {
         };
         let plugin = vm.borrow().plugin.clone();
         if !end_of_stream && plugin.flow().wants_request_body(&HostRequest) {
-            self.awaiting_body = true;
+            // Envoy delivers the body to a paused filter only with the Wasm filter's
+            // `allow_on_headers_stop_iteration: true` (docs/costs.md); without it the request is
+            // decided without its body at the deadline (a tick), on the fallback reservation.
+            let deadline = now_ns() + plugin.config.sidecar.timeout_ms * 1_000_000;
+            vm.borrow_mut().awaiting_body.insert(self.id, deadline);
             return Action::Pause;
         }
         self.begin(&vm, None)
     }
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
-        if !self.awaiting_body {
-            return Action::Continue;
+        let Some(vm) = self.vm.clone() else {
+            return Action::Pause;
+        };
+        if !vm.borrow().awaiting_body.contains_key(&self.id) {
+            // Paused for the sidecar: the body waits with it (Envoy buffers it).
+            let held = vm.borrow().queue.holds(self.id);
+            return if held {
+                Action::Pause
+            } else {
+                Action::Continue
+            };
         }
         if !end_of_stream {
             return Action::Pause; // Envoy buffers the body until its end
         }
-        self.awaiting_body = false;
-        let Some(vm) = self.vm.clone() else {
-            send(&verdict::unavailable());
-            return Action::Pause;
-        };
+        vm.borrow_mut().awaiting_body.remove(&self.id);
         let body = (body_size <= MAX_METERED_BYTES)
             .then(|| abi::buffer(BufferType::HttpRequestBody, body_size))
             .flatten();
@@ -422,6 +453,42 @@ impl HttpContext for Request {
             vm.borrow_mut().metering.insert(self.id, metered);
         }
         Action::Continue
+    }
+}
+
+/// Starts, from the root, the flow of paused request `ctx` without its body (it did not come
+/// by its deadline): a verdict is carried out at once, a wait queues it for the root's next
+/// callout.
+fn start_paused(vm: &SharedVm, ctx: u32, now: u64) {
+    if abi::set_effective_context(ctx).is_err() {
+        return; // gone
+    }
+    let plugin = vm.borrow().plugin.clone();
+    let flow = plugin.flow();
+    let start = flow.start(&HostRequest, now, &mut vm.borrow_mut().worker);
+    let verdict = match start {
+        Start::Pass => {
+            let _ = abi::resume_http_request();
+            return;
+        }
+        Start::Reply(reply) => return send(&reply),
+        Start::Decided(verdict) => verdict,
+        Start::Wait(w) => {
+            let max_in_flight = plugin.config.fast_paths.max_in_flight;
+            vm.borrow_mut().queue.enqueue(ctx, w, max_in_flight);
+            vm.borrow_mut().queue.woken();
+            return;
+        }
+    };
+    flow.delivered(&verdict);
+    match verdict {
+        Verdict::Admit { headers } => {
+            if !headers.is_empty() {
+                vm.borrow_mut().response_headers.insert(ctx, headers);
+            }
+            let _ = abi::resume_http_request();
+        }
+        Verdict::Reject(reply) => send(&reply),
     }
 }
 
@@ -476,6 +543,7 @@ impl Drop for Request {
             return;
         };
         v.response_headers.remove(&self.id);
+        v.awaiting_body.remove(&self.id);
         // A response cut short (the client cancelled, the upstream reset): its reservations
         // stand unless a header reported the cost.
         let metered = v.metering.remove(&self.id).unwrap_or_default();
