@@ -8,7 +8,10 @@
 //! - cheap responses give their reservations back: a bucket of 1000 admits 7 requests reserving
 //!   400 and costing 100 (as many as their real costs allow), across two Envoys sharing it, the
 //!   reservation taken from the request's JSON `max_tokens`;
-//! - a stream the client cancels settles at its reservation; one read to its end gives back.
+//! - a stream the client cancels settles at its reservation; one read to its end gives back;
+//! - under load from two Envoys, the real costs admitted stay within C + r·T + the excess in
+//!   flight; a settlement the sidecar cannot take is sent 3 times, then counted lost;
+//! - a body reservation without `allow_on_headers_stop_iteration` falls back at the deadline.
 
 use std::io::Read;
 use std::time::{Duration, Instant};
@@ -250,4 +253,93 @@ fn without_allow_on_headers_stop_iteration_a_body_reservation_falls_back_at_the_
         "{waited:?}"
     );
     assert_eq!(upstream.hits(), 0);
+}
+
+#[test]
+fn a_settlement_the_sidecar_cannot_take_is_sent_three_times_then_counted_lost() {
+    let redis = Redis::start();
+    let upstream = Upstream::start();
+    let policy = "rules:\n  llm: {capacity: 1000, refill_per_sec: 0.001}\n";
+    let mut sidecar = Sidecar::with_policy(&redis.url(), policy, &["--redis-timeout-ms", "500"]);
+    let envoy = envoy(
+        &sidecar,
+        &upstream,
+        json!({"reserve": 100, "response_json": "usage.total_tokens"}),
+    );
+    // Admitted (100 reserved), then the sidecar goes away before the stream's last event.
+    let mut r = http()
+        .get(envoy.url("/usage/sse?tokens=300&events=3&gap_ms=500"))
+        .send()
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    sidecar.process.stop();
+    let mut body = String::new();
+    r.read_to_string(&mut body).unwrap();
+    assert!(body.contains("\"total_tokens\":300"), "{body}");
+    wait_until(
+        "the settlement to be given up",
+        Duration::from_secs(5),
+        || envoy.counter("ratelimit.settlements_lost") == 1,
+    );
+    let retried = envoy.counter("ratelimit.settlements_retried");
+    let tokens = bucket_tokens(&redis, KEY).unwrap();
+    println!(
+        "lost after {retried} retries; the bucket holds {tokens} (the reservation's charge only)"
+    );
+    assert_eq!(retried, 2, "sent 3 times in all");
+    assert_eq!(envoy.counter("ratelimit.costs_settled"), 1);
+    assert!((900.0..901.0).contains(&tokens), "{tokens}");
+}
+
+#[test]
+fn two_envoys_under_load_admit_at_most_the_bound_with_in_flight_excess() {
+    let (capacity, refill, reserve, cost) = (2000.0, 1000.0, 100.0, 150.0);
+    let redis = Redis::start();
+    let upstream = Upstream::start();
+    let policy = format!("rules:\n  llm: {{capacity: {capacity}, refill_per_sec: {refill}}}\n");
+    let sidecars: Vec<Sidecar> = (0..2)
+        .map(|_| Sidecar::with_policy(&redis.url(), &policy, &["--redis-timeout-ms", "500"]))
+        .collect();
+    let envoys: Vec<Envoy> = sidecars
+        .iter()
+        .map(|s| {
+            envoy(
+                s,
+                &upstream,
+                json!({"reserve": 100, "response_header": "x-usage-tokens"}),
+            )
+        })
+        .collect();
+    let urls: Vec<String> = envoys
+        .iter()
+        .map(|e| e.url("/usage/header?tokens=150"))
+        .collect();
+    let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
+    let clients = 16;
+    let started = Instant::now();
+    let answers = ratelimit_e2e::scenario::burst_to(&urls, &[], 3000, clients);
+    let elapsed = started.elapsed().as_secs_f64();
+    let admitted = ratelimit_e2e::scenario::count(&answers, 200) as f64;
+    wait_until("every settlement to land", Duration::from_secs(5), || {
+        sidecars.iter().map(|s| settled(s, "charged")).sum::<u64>() as f64 == admitted
+    });
+    // In flight at once: at most the capacity's worth of reservations (the first burst, before
+    // any settlement lands) plus one per client; each may exceed its reservation by 50.
+    let in_flight = capacity / reserve + clients as f64;
+    let bound = capacity + refill * elapsed + (cost - reserve) * in_flight;
+    let real = cost * admitted;
+    let tokens = bucket_tokens(&redis, KEY).unwrap();
+    println!(
+        "2 Envoys, 3000 requests in {elapsed:.2} s: {admitted} admitted, real cost {real} (reserved {}), bound C + r*T + excess in flight = {bound:.0} (C + r*T = {:.0}); the bucket ends at {tokens:.0}",
+        reserve * admitted,
+        capacity + refill * elapsed
+    );
+    assert!(real <= bound, "{real} > {bound}");
+    assert!(tokens < reserve, "the budget was not used: {tokens} left");
+    assert_eq!(upstream.hits() as f64, admitted);
+    let lost: u64 = envoys
+        .iter()
+        .map(|e| e.counter("ratelimit.settlements_lost"))
+        .sum();
+    assert_eq!(lost, 0);
 }
