@@ -90,6 +90,24 @@ fn a_call_without_a_valid_token_is_answered_401_and_spends_nothing() {
         .send()
         .unwrap();
     assert_eq!(r.headers().get("grpc-status").unwrap(), "16");
+    // Settlements are authenticated as decisions are.
+    let settle = |token: Option<&str>| {
+        let mut req = http()
+            .post(format!("{base}/v1/settle"))
+            .body(r#"{"settlements":[{"rule":"r","reserved":1,"cost":5}]}"#);
+        if let Some(t) = token {
+            req = req.header("authorization", format!("Bearer {t}"));
+        }
+        let r = req.send().unwrap();
+        (r.status().as_u16(), r.text().unwrap())
+    };
+    assert_eq!(settle(None).0, 401);
+    assert_eq!(settle(Some("envoy-a-7f3")).0, 401);
+    let (status, body) = settle(Some("envoy-a-7f3c"));
+    assert_eq!(
+        (status, body.as_str()),
+        (200, r#"{"applied":0,"repeated":0,"skipped":1}"#)
+    );
     // Any other path is refused as well, before routing: nothing is learned without a token.
     let r = http().get(format!("{base}/v1/nowhere")).send().unwrap();
     assert_eq!(r.status(), 401);
