@@ -4,7 +4,8 @@
 -- lua/bucket.lua refills (sidecar/src/store/memory.rs, `settle`, is this code in Rust):
 --   tokens = min(capacity - leased, tokens + refill_per_sec * max(0, now - ts) / 1e6)
 --   delta > 0 (cost above the reservation): tokens -= delta, past zero (a debt: the bucket then
---             rejects until refill repays it, retry_after = (debt + cost) / refill_per_sec)
+--             rejects until refill repays it, retry_after = (debt + cost) / refill_per_sec),
+--             down to -99 x capacity at most
 --   delta < 0 (cost below it): tokens = min(capacity - leased, tokens - delta)
 -- A batch may name a record key: a repeat of the batch within record_ttl_ms changes nothing.
 --
@@ -16,6 +17,9 @@
 -- amount, expiry_us.
 
 local MARGIN_MS = 1000 -- as lua/bucket.lua: a key outlives the time it is full again by 1 to 3 s
+-- A debt is at most this many capacities: repaid within 100 fill times, so every expiry stays a
+-- whole number Lua writes in full (below 1e14 ms) whatever cost a response reports.
+local MAX_DEBT = 99
 local ARGV, floor, ceil, min = ARGV, math.floor, math.ceil, math.min
 local spack, sunpack, srep = struct.pack, struct.unpack, string.rep
 local function fail(text) error({ err = 'ERR ' .. text }) end
@@ -65,6 +69,7 @@ for i = 1, n do
   local tokens = s.tokens + refill * (now > s.ts and now - s.ts or 0) / 1000000
   if tokens > top then tokens = top > 0 and top or min(tokens, 0) end
   tokens = tokens - delta
+  if tokens < -MAX_DEBT * capacity then tokens = -MAX_DEBT * capacity end
   if delta < 0 and tokens > top then tokens = top > 0 and top or min(tokens, 0) end
   s.tokens, s.ts, s.capacity, s.refill = tokens, now, capacity, refill
   reply[i + 1] = floor(tokens)

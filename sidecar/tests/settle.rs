@@ -191,3 +191,29 @@ async fn a_malformed_settle_call_is_refused_naming_the_field_and_changes_nothing
         .unwrap();
     assert!(keys.is_empty(), "{keys:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_debt_is_at_most_99_capacities_whatever_the_response_reported() {
+    let redis = Redis::start();
+    let sidecar = Sidecar::on_redis(&redis).await;
+    let id = unique("deep");
+    let (_, a) = sidecar.decide(json!([decision("b10", &id, 1)])).await;
+    assert_eq!(a["allowed"], true);
+    let (s, _) = settle(
+        &sidecar,
+        json!({"settlements": [one("b10", &id, 1, 999_999_999_999_999)]}),
+    )
+    .await;
+    assert_eq!(s, 200);
+    let tokens = stored(&mut redis.connection(), &bucket("b10", &id))
+        .unwrap()
+        .tokens;
+    assert!((-990.0..-989.0).contains(&tokens), "{tokens}");
+    // The bucket still decides (its expiry, 100 fill times away, is a number Redis takes).
+    let (s, a) = sidecar.decide(json!([decision("b10", &id, 1)])).await;
+    assert_eq!(
+        (s, a["results"][0]["reason"].clone()),
+        (200, json!("insufficient")),
+        "{a}"
+    );
+}

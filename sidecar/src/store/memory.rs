@@ -26,6 +26,9 @@ use crate::regional::record;
 /// Lease entries one bucket holds (as the script).
 pub const MAX_LEASES: usize = 64;
 
+/// The deepest debt, in capacities (as `lua/settle.lua`): repaid within 100 fill times.
+pub const MAX_DEBT: f64 = 99.0;
+
 #[derive(Debug, Clone, PartialEq)]
 struct Lease {
     id: f64,
@@ -547,6 +550,9 @@ impl MemoryStore {
             let top = lease_ceiling(capacity, b.leases.iter().map(|l| l.amount));
             let mut tokens = refill(b.tokens, refill_per_sec, now - b.ts_us, top);
             tokens -= st.delta as f64;
+            if tokens < -MAX_DEBT * capacity {
+                tokens = -MAX_DEBT * capacity;
+            }
             if st.delta < 0 {
                 tokens = refill(tokens, refill_per_sec, 0.0, top);
             }
