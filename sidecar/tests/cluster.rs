@@ -1,5 +1,6 @@
 //! Redis Cluster: three primaries started by the test, buckets spread over slots and nodes, one
-//! script call per node for the keys of many slots, and refunds across nodes.
+//! script call per node for the keys of many slots, refunds across nodes, and settle batches
+//! recorded per node.
 
 mod support;
 
@@ -194,4 +195,59 @@ async fn a_bucket_whose_slot_moved_is_decided_on_its_new_primary_and_charged_onc
         (5.0..7.0).contains(&tokens),
         "charged once on the new primary: {tokens}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_settle_batch_over_many_slots_is_applied_once_per_node() {
+    let (cluster, sidecar) = cluster_and_sidecar().await;
+    let prefix = unique("settle");
+    let ids: Vec<String> = (0..30).map(|i| format!("{prefix}-{i}")).collect();
+    for id in &ids {
+        let (_, a) = sidecar.decide(json!([decision("b10", id, 8)])).await;
+        assert_eq!(a["results"][0]["remaining"], 2, "{a}");
+    }
+    let body = json!({"id": "batch-1", "settlements": ids.iter()
+        .map(|id| json!({"rule": "b10", "subject": {"id": id}, "reserved": 8, "cost": 3}))
+        .collect::<Vec<_>>()});
+    let post = || async {
+        let r = sidecar
+            .http
+            .post(format!("{}/v1/settle", sidecar.base))
+            .body(body.to_string())
+            .send()
+            .await
+            .unwrap();
+        (
+            r.status().as_u16(),
+            r.json::<serde_json::Value>().await.unwrap(),
+        )
+    };
+    let (status, a) = post().await;
+    assert_eq!(
+        (status, a.clone()),
+        (200, json!({"applied": 30, "repeated": 0, "skipped": 0}))
+    );
+    let nodes: std::collections::HashSet<u16> = ids
+        .iter()
+        .map(|id| node_of(&cluster, &bucket("b10", id)))
+        .collect();
+    assert_eq!(nodes.len(), 3, "the batch spans every primary");
+    let tokens = |id: &str| {
+        let key = bucket("b10", id);
+        let node = cluster
+            .nodes
+            .iter()
+            .find(|n| n.port == node_of(&cluster, &key))
+            .unwrap();
+        stored(&mut node.connection(), &key).unwrap().tokens
+    };
+    for id in &ids {
+        assert_eq!(tokens(id).floor(), 7.0, "{id}: 2 left + 5 given back");
+    }
+    // The same batch again (a retry after a lost answer): every node's part is a repeat.
+    let (_, a) = post().await;
+    assert_eq!(a, json!({"applied": 0, "repeated": 30, "skipped": 0}));
+    for id in &ids {
+        assert_eq!(tokens(id).floor(), 7.0, "{id}: applied once");
+    }
 }
