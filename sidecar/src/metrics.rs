@@ -75,6 +75,11 @@ pub struct ResultLabels {
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StrategyLabels {
+    pub strategy: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RuleLabels {
     /// `<domain>/<rule>`, a name from the policy.
     pub rule: String,
@@ -228,6 +233,11 @@ pub struct Metrics {
     /// `ratelimit_policy_dropped_rules_total{rule}`: rules a policy reload dropped while gateways
     /// had named them recently.
     pub policy_dropped_rules: Family<RuleLabels, Counter>,
+    /// `ratelimit_rlqs_streams`: quota streams (one per Envoy) open now.
+    pub rlqs_streams: Gauge,
+    /// `ratelimit_rlqs_assignments_total{strategy}`: bucket assignments sent to Envoys, by
+    /// strategy (`token_bucket`, `allow_all`, `deny_all`).
+    pub rlqs_assignments: Family<StrategyLabels, Counter>,
     limit_log: LimitLog,
 }
 
@@ -256,6 +266,8 @@ impl Metrics {
         let redis_evicting_policy = Gauge::default();
         let regional_share_suspect = Family::<RuleLabels, Counter>::default();
         let policy_dropped_rules = Family::<RuleLabels, Counter>::default();
+        let rlqs_streams = Gauge::default();
+        let rlqs_assignments = Family::<StrategyLabels, Counter>::default();
         registry.register(
             "ratelimit_decisions",
             "Decisions answered, by limit name and verdict",
@@ -337,8 +349,21 @@ impl Metrics {
             "Rules a policy reload dropped while gateways had named them recently",
             policy_dropped_rules.clone(),
         );
+        registry.register(
+            "ratelimit_rlqs_streams",
+            "Quota (RLQS) streams open now, one per Envoy",
+            rlqs_streams.clone(),
+        );
+        registry.register(
+            "ratelimit_rlqs_assignments",
+            "Quota (RLQS) bucket assignments sent to Envoys, by strategy",
+            rlqs_assignments.clone(),
+        );
         for result in ["ok", "invalid"] {
             let _ = policy_reloads.get_or_create(&ResultLabels { result });
+        }
+        for strategy in ["token_bucket", "allow_all", "deny_all"] {
+            let _ = rlqs_assignments.get_or_create(&StrategyLabels { strategy });
         }
         Self {
             registry,
@@ -358,6 +383,8 @@ impl Metrics {
             redis_evicting_policy,
             regional_share_suspect,
             policy_dropped_rules,
+            rlqs_streams,
+            rlqs_assignments,
             limit_log: LimitLog::default(),
         }
     }
@@ -538,6 +565,8 @@ mod tests {
             "ratelimit_policy_reloads_total{result=\"invalid\"} 0",
             "ratelimit_policy_limits",
             "ratelimit_redis_evicting_policy 0",
+            "ratelimit_rlqs_streams 0",
+            "ratelimit_rlqs_assignments_total{strategy=\"deny_all\"} 0",
         ] {
             assert!(text.contains(name), "{name} missing in\n{text}");
         }
