@@ -57,7 +57,7 @@ reliability: build
 # The shard model (docs/scaling.md): the decision path over a Redis Cluster of 1, 2 and 3
 # primaries (uniform and Zipf keys), a hot key with and without leases, the latency a network hop
 # adds (network namespaces: needs root), and the model for 1M decisions/s from the run's own
-# figures. Not part of `make test`; about 5 minutes. SCALE_ARGS="--seconds 4 --parts 1,2" etc.
+# figures; part 5, Redis held at the model's utilisation. Not part of `make test`; about 7 minutes. SCALE_ARGS="--seconds 4 --parts 1,2" etc.
 .PHONY: scale
 scale: build
 	RATELIMIT_SIDECAR_BIN=$(CURDIR)/$(SIDECAR) RATELIMIT_FILTER_WASM=$(CURDIR)/$(WASM) \

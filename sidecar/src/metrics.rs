@@ -111,6 +111,11 @@ pub struct ResultLabels {
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StrategyLabels {
+    pub strategy: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RuleLabels {
     /// `<domain>/<rule>`, a name from the policy.
     pub rule: String,
@@ -267,6 +272,11 @@ pub struct Metrics {
     /// `ratelimit_settlements_total{outcome}`: settlements of costs known after the response
     /// ([`SettleOutcome`]).
     pub settlements: Family<OutcomeLabels, Counter>,
+    /// `ratelimit_rlqs_streams`: quota streams (one per Envoy) open now.
+    pub rlqs_streams: Gauge,
+    /// `ratelimit_rlqs_assignments_total{strategy}`: bucket assignments sent to Envoys, by
+    /// strategy (`token_bucket`, `allow_all`, `deny_all`).
+    pub rlqs_assignments: Family<StrategyLabels, Counter>,
     limit_log: LimitLog,
 }
 
@@ -296,6 +306,8 @@ impl Metrics {
         let regional_share_suspect = Family::<RuleLabels, Counter>::default();
         let policy_dropped_rules = Family::<RuleLabels, Counter>::default();
         let settlements = Family::<OutcomeLabels, Counter>::default();
+        let rlqs_streams = Gauge::default();
+        let rlqs_assignments = Family::<StrategyLabels, Counter>::default();
         registry.register(
             "ratelimit_decisions",
             "Decisions answered, by limit name and verdict",
@@ -378,6 +390,16 @@ impl Metrics {
             policy_dropped_rules.clone(),
         );
         registry.register(
+            "ratelimit_rlqs_streams",
+            "Quota (RLQS) streams open now, one per Envoy",
+            rlqs_streams.clone(),
+        );
+        registry.register(
+            "ratelimit_rlqs_assignments",
+            "Quota (RLQS) bucket assignments sent to Envoys, by strategy",
+            rlqs_assignments.clone(),
+        );
+        registry.register(
             "ratelimit_settlements",
             "Settlements of costs known after the response, by outcome (charged, given_back, \
              repeated, skipped, failed)",
@@ -390,6 +412,9 @@ impl Metrics {
         }
         for result in ["ok", "invalid"] {
             let _ = policy_reloads.get_or_create(&ResultLabels { result });
+        }
+        for strategy in ["token_bucket", "allow_all", "deny_all"] {
+            let _ = rlqs_assignments.get_or_create(&StrategyLabels { strategy });
         }
         Self {
             registry,
@@ -410,6 +435,8 @@ impl Metrics {
             regional_share_suspect,
             policy_dropped_rules,
             settlements,
+            rlqs_streams,
+            rlqs_assignments,
             limit_log: LimitLog::default(),
         }
     }
@@ -602,6 +629,8 @@ mod tests {
             "ratelimit_policy_limits",
             "ratelimit_redis_evicting_policy 0",
             "ratelimit_settlements_total{outcome=\"given_back\"} 0",
+            "ratelimit_rlqs_streams 0",
+            "ratelimit_rlqs_assignments_total{strategy=\"deny_all\"} 0",
         ] {
             assert!(text.contains(name), "{name} missing in\n{text}");
         }

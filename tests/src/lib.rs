@@ -28,6 +28,7 @@ pub mod snapshot_restore;
 pub mod sockets;
 pub mod tls;
 pub mod upstream;
+pub mod utilisation;
 
 use std::fs::File;
 use std::io::Read;

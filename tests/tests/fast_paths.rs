@@ -22,6 +22,10 @@ fn hot_rule() -> serde_json::Value {
 
 /// An Envoy of `workers` workers with the filter's `rules` (and `fast_paths`, if given) in
 /// front of `upstream`, asking `sidecar`.
+/// The sidecars' Redis timeout: 500 ms (the default 30 ms answers 503 when a loaded machine
+/// delays Redis, and these tests count every answer), below the filter's 2 s callout timeout.
+const REDIS_TIMEOUT: &[&str] = &["--redis-timeout-ms", "500"];
+
 fn envoy(
     sidecar: &Sidecar,
     upstream: &Upstream,
@@ -42,8 +46,7 @@ fn envoy(
 fn gateways(redis: &Redis, upstream: &Upstream, policy: &str, n: usize) -> Vec<Gateway> {
     (0..n)
         .map(|_| {
-            let sidecar =
-                Sidecar::with_policy(&redis.url(), policy, &["--redis-timeout-ms", "500"]);
+            let sidecar = Sidecar::with_policy(&redis.url(), policy, REDIS_TIMEOUT);
             let envoy = envoy(&sidecar, upstream, hot_rule(), None, 2);
             Gateway { sidecar, envoy }
         })
@@ -152,7 +155,7 @@ fn a_busy_key_renews_its_lease_before_it_runs_out() {
 /// last: at most 40 tokens, for 60 s (a lease runs low, and asks for the next, after about 30
 /// requests).
 fn small_leases(redis: &Redis, upstream: &Upstream, policy: &str) -> (Sidecar, Envoy) {
-    let sidecar = Sidecar::with_policy(&redis.url(), policy, &[]);
+    let sidecar = Sidecar::with_policy(&redis.url(), policy, REDIS_TIMEOUT);
     let leases = json!({"leases": {"max_tokens": 40, "ttl_ms": 60000}});
     let envoy = envoy(&sidecar, upstream, hot_rule(), Some(leases), 2);
     (sidecar, envoy)
@@ -255,7 +258,7 @@ fn two_busy_buckets_in_one_slot_do_not_strand_each_others_leases() {
     let sidecar = Sidecar::with_policy(
         &redis.url(),
         "rules:\n  a: {capacity: 300, refill_per_sec: 0.00002}\n  b: {capacity: 300, refill_per_sec: 0.00002}\n",
-        &[],
+        REDIS_TIMEOUT,
     );
     let rules = json!([
         {"name": "a", "match": {"path_prefix": "/a/"}, "subject": [], "on_error": "deny"},
@@ -298,7 +301,7 @@ fn a_raised_limit_is_seen_through_a_known_rejection_with_a_long_wait() {
     let sidecar = Sidecar::with_policy(
         &redis.url(),
         "rules:\n  hot: {capacity: 2, refill_per_sec: 0.001}\n",
-        &[],
+        REDIS_TIMEOUT,
     );
     let envoy = envoy(&sidecar, &upstream, hot_rule(), None, 1);
     let url = envoy.url("/x");

@@ -145,12 +145,31 @@ fn two_envoys_on_one_sidecar_admit_at_most_the_budget() {
     let a = rlqs_envoy(sidecar.port, &upstream);
     let b = rlqs_envoy(sidecar.port, &upstream);
     let run = Duration::from_secs(8);
+    let assigned = |strategy: &str| {
+        sidecar.metric(&format!(
+            "ratelimit_rlqs_assignments_total{{strategy=\"{strategy}\"}}"
+        ))
+    };
     let admitted = loaded_run(&[&a, &b], &upstream, run);
     // Most of the budget is used: at least the sustained rate over the second half of the run
     // (the first assignment of each bucket follows its first request by one report).
     assert!(
         admitted as f64 >= REFILL * run.as_secs_f64() / 2.0,
         "admitted only {admitted}"
+    );
+    let (token_buckets, denials) = (assigned("token_bucket"), assigned("deny_all"));
+    println!(
+        "{} streams; assignments: {token_buckets} token buckets, {denials} DENY_ALL",
+        sidecar.metric("ratelimit_rlqs_streams")
+    );
+    assert_eq!(sidecar.metric("ratelimit_rlqs_streams"), 2.0);
+    assert!(token_buckets >= 2.0, "each Envoy got a token bucket");
+    // A renewal that the next round can still deliver in time waits for it (TTL 3 s, margin
+    // 500 ms, rounds every second: a bucket is renewed every other second), so two Envoys' one
+    // bucket each are assigned well under once per second each over the run.
+    assert!(
+        token_buckets + denials < 2.0 * run.as_secs_f64(),
+        "{token_buckets} + {denials} assignments in {run:?}"
     );
 }
 

@@ -99,6 +99,11 @@ impl<S: BucketStore> Decider<S> {
         &self.policy
     }
 
+    /// The sidecar's metrics (the quota API counts its streams and assignments there).
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.metrics
+    }
+
     /// Decides regional rules under `shares` (this sidecar's region).
     pub fn with_regional(mut self, shares: Arc<RegionalShares>) -> Self {
         self.regional = Some(shares);

@@ -47,8 +47,9 @@ use tokio::sync::mpsc;
 use tonic::server::NamedService;
 use tonic::{Request, Response, Status, Streaming};
 
-use self::plan::{Demand, Holding, Strategy, Target, Timing};
+use self::plan::{Demand, Holding, Proposal, Strategy, Target, Timing};
 use crate::decide::{Caller, Decider, Entries, Item};
+use crate::metrics::StrategyLabels;
 use crate::policy::{LimitKind, Resolution};
 use crate::store::BucketStore;
 
@@ -167,13 +168,15 @@ impl<S: BucketStore> Session<S> {
             tokio::time::interval(Duration::from_millis(self.shared.settings.renew_ms.max(1)));
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         ticker.tick().await;
+        let metrics = self.shared.decider.metrics().clone();
+        metrics.rlqs_streams.inc();
         loop {
             tokio::select! {
                 message = reports.message() => match message {
                     Ok(Some(report)) => {
                         let fresh = self.on_report(report);
                         if !fresh.is_empty() {
-                            self.assign(fresh).await;
+                            self.assign(fresh, false).await;
                         }
                     }
                     Ok(None) => break,
@@ -185,12 +188,13 @@ impl<S: BucketStore> Session<S> {
                 _ = ticker.tick() => {
                     let all: Vec<String> = self.buckets.keys().cloned().collect();
                     if !all.is_empty() {
-                        self.assign(all).await;
+                        self.assign(all, true).await;
                     }
                 }
                 _ = self.tx.closed() => break,
             }
         }
+        metrics.rlqs_streams.dec();
         if let Ok(mut demand) = self.shared.demand.lock() {
             let domain = self.domain.clone();
             for key in self.buckets.keys() {
@@ -320,11 +324,22 @@ impl<S: BucketStore> Session<S> {
             .collect()
     }
 
-    /// Assigns `keys`: takes what their plans need from the store, then sends one response.
-    async fn assign(&mut self, keys: Vec<String>) {
-        let rounds = self.classify(&keys);
+    /// Assigns `keys`: takes what their plans need from the store, then sends one response. A
+    /// `renewal` round (the timer's) leaves out the renewals that can wait for the next round.
+    async fn assign(&mut self, keys: Vec<String>, renewal: bool) {
         let timing = self.shared.settings.timing;
         let now = self.now_ms();
+        let mut rounds = self.classify(&keys);
+        if renewal {
+            let next_ms = now.saturating_add(self.shared.settings.renew_ms);
+            for (key, round) in keys.iter().zip(rounds.iter_mut()) {
+                if let Some(t) = self.buckets.get(key) {
+                    if can_wait(&t.holding, round, now, next_ms, timing) {
+                        *round = Round::Skip;
+                    }
+                }
+            }
+        }
         // The buckets whose plan needs tokens: one request each (cost 1, the rest as a lease).
         let mut asks: Vec<Option<(plan::Ask, Option<usize>)>> = Vec::with_capacity(keys.len());
         let mut items = Vec::new();
@@ -426,6 +441,15 @@ impl<S: BucketStore> Session<S> {
             );
             actions.push(action(&t.id, strategy, timing));
         }
+        let metrics = self.shared.decider.metrics();
+        for a in &actions {
+            metrics
+                .rlqs_assignments
+                .get_or_create(&StrategyLabels {
+                    strategy: strategy_label(a),
+                })
+                .inc();
+        }
         if !actions.is_empty() {
             let _ = self
                 .tx
@@ -434,6 +458,33 @@ impl<S: BucketStore> Session<S> {
                 })
                 .await;
         }
+    }
+}
+
+/// Whether this round can leave `round` out: it would renew what was sent (the same token
+/// bucket, or DENY_ALL again), and the round at `next_ms` still reaches Envoy in time.
+fn can_wait(holding: &Holding, round: &Round, now_ms: u64, next_ms: u64, timing: Timing) -> bool {
+    let renews = match round {
+        Round::Plan(target) => holding.ask(now_ms, *target, timing).proposal == Proposal::Renew,
+        Round::Send(Strategy::DenyAll) => holding.strategy() == Some(Strategy::DenyAll),
+        Round::Send(_) | Round::Skip => false,
+    };
+    renews && holding.renewal_can_wait(next_ms, timing)
+}
+
+/// The `strategy` label of an assignment.
+fn strategy_label(action: &BucketAction) -> &'static str {
+    let strategy = match &action.bucket_action {
+        Some(Action::QuotaAssignmentAction(a)) => a
+            .rate_limit_strategy
+            .as_ref()
+            .and_then(|s| s.strategy.as_ref()),
+        _ => None,
+    };
+    match strategy {
+        Some(PbStrategy::TokenBucket(_)) => "token_bucket",
+        Some(PbStrategy::BlanketRule(r)) if *r == BlanketRule::AllowAll as i32 => "allow_all",
+        _ => "deny_all",
     }
 }
 

@@ -152,6 +152,14 @@ impl Holding {
             .is_some_and(|c| now_ms + 2 * timing.margin_ms < c.horizon_ms)
     }
 
+    /// Whether renewing what was sent can wait until `next_ms` (the next round): the same
+    /// strategy sent then still reaches Envoy while the last one is live. A renewal that can wait
+    /// costs nothing now: the one sent later takes the rate times the longer extension, so the
+    /// tokens taken are the same, in fewer store calls and messages.
+    pub fn renewal_can_wait(&self, next_ms: u64, timing: Timing) -> bool {
+        self.renewable(next_ms, timing)
+    }
+
     /// The base a new chain sent at `now_ms` starts from.
     fn base_at(&self, now_ms: u64, timing: Timing) -> f64 {
         self.worst_case(now_ms + timing.margin_ms)
@@ -437,6 +445,29 @@ mod tests {
         // Too late to be sure the last one is still live: a new chain.
         let ask = h.ask(3000, target, TIMING);
         assert_eq!(ask.proposal, Proposal::Start(tb(10, 5)));
+    }
+
+    #[test]
+    fn a_renewal_waits_while_the_next_round_still_reaches_envoy_in_time() {
+        // TTL 2 s, margin 500 ms: sent at 0, live in Envoy until at least 2000 − 500 + 500.
+        let target = Target {
+            max_tokens: 10,
+            tokens_per_sec: 5,
+        };
+        let mut h = Holding::default();
+        let ask = h.ask(0, target, TIMING);
+        h.settle(0, ask, ask.tokens, target, TIMING);
+        // A renewal sent at 1400 arrives by 1900, before the last assignment's 2000: the round
+        // at 1000 can leave it to the round at 1400, not to one at 1500.
+        assert!(h.renewal_can_wait(1400, TIMING));
+        assert!(!h.renewal_can_wait(1500, TIMING));
+        // Waiting costs no tokens: one renewal at 1400 takes what two would have.
+        let ask = h.ask(1400, target, TIMING);
+        assert_eq!((ask.proposal, ask.tokens), (Proposal::Renew, 7));
+        assert!(
+            !Holding::default().renewal_can_wait(0, TIMING),
+            "nothing sent yet"
+        );
     }
 
     #[test]

@@ -32,6 +32,7 @@ use ratelimit_e2e::plugin::{lease_ask, lease_defaults, rule, Plugin};
 use ratelimit_e2e::probe::{self, Watched};
 use ratelimit_e2e::redis::even_slot_ranges;
 use ratelimit_e2e::report::{quantile, short, Table};
+use ratelimit_e2e::utilisation::{self, AtLoad, Work};
 use ratelimit_e2e::{
     wait_until, Envoy, EnvoyConfig, Process, Redis, RedisCluster, RedisOptions, Sidecar, Upstream,
     READY_TIMEOUT,
@@ -65,8 +66,14 @@ struct Args {
     #[arg(long, value_delimiter = ',', default_value = "1,2,3")]
     primaries: Vec<usize>,
     /// Parts to run, comma separated (4, the model, is always printed from what ran).
-    #[arg(long, value_delimiter = ',', default_value = "1,2,3")]
+    #[arg(long, value_delimiter = ',', default_value = "1,2,3,5")]
     parts: Vec<u8>,
+    /// Part 5: connections holding Redis at `--utilisation` (one call in flight each).
+    #[arg(long, default_value_t = 32)]
+    load_connections: usize,
+    /// Part 5: rounds, the script and INCR taking turns.
+    #[arg(long, default_value_t = 3)]
+    load_rounds: usize,
     /// Skip the stages through Envoy in part 1 (part 2 always goes through Envoy).
     #[arg(long)]
     skip_envoy: bool,
@@ -1663,6 +1670,86 @@ fn print_part3(args: &Args, part: &Part3) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Part 5: Redis held at the model's utilisation.
+
+/// Part 5's rounds.
+struct Part5 {
+    runs: Vec<AtLoad>,
+}
+
+impl Part5 {
+    /// The median CPU per decision of `work`'s rounds, µs.
+    fn median(&self, work: Work) -> f64 {
+        let mut v: Vec<f64> = self
+            .runs
+            .iter()
+            .filter(|r| r.work == work)
+            .map(|r| r.cpu_us)
+            .collect();
+        v.sort_by(f64::total_cmp);
+        v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+    }
+}
+
+fn run_part5(args: &Args) -> Part5 {
+    println!(
+        "\n== 5. Redis held at {:.0}% of a core by {} connections, one decision per call, {} keys ({} rounds of {} s)",
+        args.utilisation * 100.0,
+        args.load_connections,
+        args.keys,
+        args.load_rounds,
+        args.seconds
+    );
+    let mut runs = Vec::new();
+    for round in 0..args.load_rounds {
+        // The order alternates, so drift in the machine's load falls on both alike.
+        let order = if round % 2 == 0 {
+            [Work::Script, Work::Incr]
+        } else {
+            [Work::Incr, Work::Script]
+        };
+        for work in order {
+            if INTERRUPTED.load(Ordering::Relaxed) {
+                break;
+            }
+            runs.push(utilisation::measure(
+                work,
+                args.utilisation,
+                args.load_connections,
+                args.keys as u64,
+                args.seconds,
+            ));
+        }
+    }
+    Part5 { runs }
+}
+
+fn print_part5(args: &Args, p: &Part5) {
+    let t = Table::new().left(40).rights(&[12, 12, 14]).gap(2);
+    println!(
+        "{}",
+        t.line(&["work", "Redis busy", "decisions/s", "Redis µs/dec"])
+    );
+    for r in &p.runs {
+        println!(
+            "{}",
+            t.line(&[
+                r.work.name().to_string(),
+                format!("{:.0}%", r.utilisation * 100.0),
+                num(r.decisions_per_sec, 0),
+                format!("{:.1}", r.cpu_us),
+            ])
+        );
+    }
+    let (script, incr) = (p.median(Work::Script), p.median(Work::Incr));
+    println!(
+        "medians: the script {script:.1} µs per decision, INCR {incr:.1} µs ({:.1}x), at {:.0}% busy",
+        script / incr,
+        args.utilisation * 100.0
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
 // Part 4: the model.
 
 /// A lease's time to live with the filter's defaults, in seconds.
@@ -1734,7 +1821,13 @@ fn primaries_needed(load: f64, c_us: f64, by_slot: &[f64], utilisation: f64) -> 
     })
 }
 
-fn print_model(args: &Args, keys: &Keyspace, p1: Option<&Part1>, p2: Option<&Part2>) {
+fn print_model(
+    args: &Args,
+    keys: &Keyspace,
+    p1: Option<&Part1>,
+    p2: Option<&Part2>,
+    p5: Option<&Part5>,
+) {
     let Some(p1) = p1 else {
         println!("\n== 4. the model needs part 1");
         return;
@@ -1869,6 +1962,153 @@ fn print_model(args: &Args, keys: &Keyspace, p1: Option<&Part1>, p2: Option<&Par
     let (busy, most, last) = (leases.min_rate_per_sec, leases.max_tokens, 0.9 * ttl);
     println!("              reach(r) = renewals(r) x (1 + r x t_ask) / r for r >= {busy}/s, else 1, where renewals(r) = max(r / min({most}, ceil(1.25 r x {ttl} s)), 1/({last} s))");
     println!("              (the filter's lease defaults: busy from {busy}/s, {ttl} s leases of at most {most} tokens)");
+    let model = Model {
+        target: d,
+        utilisation: u,
+        gateways: g,
+        replicas_per_primary: args.replicas_per_primary,
+        t_ask,
+        c_sidecar,
+    };
+    match p5 {
+        Some(p5) => {
+            let f = c_primary / c_redis.max(1e-9);
+            println!(
+                "with c_primary from part 5 (Redis held at {:.0}% busy, one decision per call): {:.1} µs x f_repl {f:.2} = {:.1} µs",
+                u * 100.0,
+                p5.median(Work::Script),
+                p5.median(Work::Script) * f
+            );
+            model_table(keys, &model, p5.median(Work::Script) * f);
+            println!(
+                "the same model for Redis doing the peer's work (one INCR per decision, part 5): {:.1} µs x f_repl {f:.2}",
+                p5.median(Work::Incr)
+            );
+            model_table(keys, &model, p5.median(Work::Incr) * f);
+            println!("and with c_primary from the fit above (Redis mostly idle between calls, as part 1 measured it):");
+            model_table(keys, &model, c_primary);
+            if let Some((_, c_dec)) = fit {
+                shared_sidecar_table(
+                    args,
+                    keys,
+                    p5.median(Work::Script) * f,
+                    c_dec * f,
+                    args.redis_pipeline.unwrap_or(4),
+                );
+            }
+        }
+        None => model_table(keys, &model, c_primary),
+    }
+    println!(
+        "Redis cores: D_redis x c_primary, the work itself; primaries above it buy headroom and absorb the busiest shard"
+    );
+}
+
+/// Decisions per script call of one (sidecar, primary) pair that carries `per_sec` decisions/s,
+/// each call taking `call_ms` (the round trip to Redis and its turn there), `pipeline` calls in
+/// flight at most: one per call while the calls in flight suffice (Little's law:
+/// `per_sec x call_ms` calls are out), then the merged rest, `per_sec x call_ms / pipeline`.
+fn batch_of_pair(per_sec: f64, call_ms: f64, pipeline: u64) -> f64 {
+    (per_sec * call_ms / 1e3 / pipeline.max(1) as f64).max(1.0)
+}
+
+/// The smallest P whose busiest primary stays within `u` when each sidecar serves `per_sidecar`
+/// of `gateways`, for `d` decisions/s spread as `by_slot`: the batch per (sidecar, primary) pair
+/// grows with the gateways a sidecar serves and shrinks with P, and a primary's cost per decision
+/// is `c_at(b) = (c1 - c_dec) / b + c_dec` (its per-call part shared by the batch). The P and the
+/// batch.
+#[allow(clippy::too_many_arguments)]
+fn primaries_shared(
+    d: f64,
+    by_slot: &[f64],
+    gateways: f64,
+    per_sidecar: f64,
+    c1: f64,
+    c_dec: f64,
+    call_ms: f64,
+    pipeline: u64,
+    u: f64,
+) -> Option<(usize, f64)> {
+    let sidecars = (gateways / per_sidecar).max(1.0);
+    (1..=16384).find_map(|p| {
+        let busiest = shares_from_slots(by_slot, p)
+            .into_iter()
+            .fold(0.0, f64::max);
+        let pair = d * busiest / sidecars;
+        let b = batch_of_pair(pair, call_ms, pipeline);
+        let c = (c1 - c_dec).max(0.0) / b + c_dec;
+        (d * busiest * c / 1e6 <= u).then_some((p, b))
+    })
+}
+
+/// The shared-sidecar variant: how the batch per Redis node, and so the primaries, change when one
+/// sidecar (per node or zone) serves many gateways, uniform keys, no leases.
+fn shared_sidecar_table(args: &Args, keys: &Keyspace, c1: f64, c_dec: f64, pipeline: u64) {
+    let call_ms = 1.0;
+    println!(
+        "shared sidecars: {} gateways, uniform keys, no leases; c_at(b) = ({c1:.1} - {c_dec:.1}) / b + {c_dec:.1} µs, calls of {call_ms} ms, {pipeline} in flight per node",
+        args.gateways
+    );
+    let weights = keys.weights(Dist::Uniform);
+    let mut by_slot = vec![0.0; 16384];
+    for (w, s) in weights.iter().zip(&keys.slot_id) {
+        by_slot[*s as usize] += w;
+    }
+    let t = Table::new().rights(&[20, 10, 12, 10]).gap(2);
+    println!(
+        "{}",
+        t.line(&[
+            "gateways per sidecar",
+            "sidecars",
+            "batch/node",
+            "primaries"
+        ])
+    );
+    let g = args.gateways as f64;
+    for per in [1.0, 10.0, 100.0, 1000.0] {
+        if per > g {
+            break;
+        }
+        let found = primaries_shared(
+            args.target,
+            &by_slot,
+            g,
+            per,
+            c1,
+            c_dec,
+            call_ms,
+            pipeline,
+            args.utilisation,
+        );
+        let (p, b) = found.map_or(("none".to_string(), "-".to_string()), |(p, b)| {
+            (p.to_string(), format!("{b:.1}"))
+        });
+        println!(
+            "{}",
+            t.line(&[
+                format!("{per:.0}"),
+                format!("{:.0}", (g / per).max(1.0)),
+                b,
+                p
+            ])
+        );
+    }
+}
+
+/// The model's inputs but the cost per decision on a primary.
+struct Model {
+    target: f64,
+    utilisation: f64,
+    gateways: f64,
+    replicas_per_primary: usize,
+    t_ask: f64,
+    c_sidecar: f64,
+}
+
+/// The model's table (primaries, replicas, cores per key distribution, with and without leases)
+/// at `c_primary` µs per decision on a primary.
+fn model_table(keys: &Keyspace, m: &Model, c_primary: f64) {
+    let (d, u, g, t_ask, c_sidecar) = (m.target, m.utilisation, m.gateways, m.t_ask, m.c_sidecar);
     let t = Table::new()
         .left(40)
         .rights(&[12, 9, 9, 9, 9, 9, 8])
@@ -1930,7 +2170,7 @@ fn print_model(args: &Args, keys: &Keyspace, p1: Option<&Part1>, p2: Option<&Par
                     format!("{:.2}%", busiest.unwrap_or(0.0) * 100.0),
                     hottest_key,
                     p.to_string(),
-                    (p * args.replicas_per_primary).to_string(),
+                    (p * m.replicas_per_primary).to_string(),
                     sidecar_cores,
                     redis_cores,
                 ]),
@@ -1953,9 +2193,6 @@ fn print_model(args: &Args, keys: &Keyspace, p1: Option<&Part1>, p2: Option<&Par
             println!("{line}");
         }
     }
-    println!(
-        "Redis cores: D_redis x c_primary, the work itself; primaries above it buy headroom and absorb the busiest shard"
-    );
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -2004,7 +2241,11 @@ fn main() {
     if args.parts.contains(&3) {
         print_part3(&args, &run_part3(&args, &work));
     }
-    print_model(&args, &keys, part1.as_ref(), part2.as_ref());
+    let part5 = args.parts.contains(&5).then(|| run_part5(&args));
+    if let Some(p) = &part5 {
+        print_part5(&args, p);
+    }
+    print_model(&args, &keys, part1.as_ref(), part2.as_ref(), part5.as_ref());
     println!(
         "\nrun took {:.0} s; load average at the end: {}",
         started.elapsed().as_secs_f64(),
@@ -2015,6 +2256,23 @@ fn main() {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_shared_sidecar_batches_more_and_so_needs_fewer_primaries() {
+        // One call in flight carries one decision until the pipeline is full.
+        assert_eq!(batch_of_pair(1000.0, 1.0, 4), 1.0);
+        assert_eq!(batch_of_pair(40_000.0, 1.0, 4), 10.0);
+        let by_slot = vec![1.0 / 16384.0; 16384];
+        // 1,000,000/s, 100 gateways, 15 µs per lone decision of which 5 per decision.
+        let alone = primaries_shared(1e6, &by_slot, 100.0, 1.0, 15.0, 5.0, 1.0, 4, 0.5);
+        let shared = primaries_shared(1e6, &by_slot, 100.0, 100.0, 15.0, 5.0, 1.0, 4, 0.5);
+        let (pa, ba) = alone.unwrap();
+        let (ps, bs) = shared.unwrap();
+        // 30 x 0.5 core / 15 µs would be 1,000,000/s, but 30 even slot ranges leave the busiest
+        // 547 of 16384 slots (3.34% > 1/30): 31.
+        assert_eq!((pa, ba), (31, 1.0));
+        assert!(ps < pa && bs > 1.0, "{ps} primaries at batch {bs}");
+    }
 
     #[test]
     fn a_lease_is_renewed_when_spent_or_near_its_end() {
