@@ -3,17 +3,17 @@
 -- Reply: one string of little-endian doubles (integers), per request: status (0 rejected,
 -- 1 charged, 10 + the recorded status when replayed), then per decision: allowed, remaining,
 -- retry_after_ms, reset_ms, reason (0 ok, 1 insufficient, 2 cost_exceeds_capacity), leased.
-if mode ~= 'apply' then fail('usage: mode must be apply for this script') end
+if mode ~= 'apply' or q ~= #s + 1 then error({ err = 'ERR usage: apply mode, ' .. q - 1 .. ' of ' .. #s .. ' bytes read' }) end
 local written, n = any_record and {}, 0 -- written: this call's records (a repeat in it sees them)
 -- The reply, sized at once (a constructor sizes its array for all unpack gives; all is replaced).
 local reply = nreq + 6 * ndec <= 4000 and { unpack(ARGV, 1, nreq + 6 * ndec) } or {}
 for g = 1, ngroups do
-  local record, r1, r2 = gs[3 * g - 2], gs[3 * g - 1], gs[3 * g]
-  local recorded = record ~= '' and unpack_record(written[record] or records[g], r1, r2)
+  local record = ARGV[2 + nkeys + g]
+  local recorded = record ~= '' and unpack_record(written[record] or records[g], g)
   -- flat: the record to write, i: a request's place in it; charged: whether the group charged
   local flat, i, charged = not recorded and record ~= '' and {}, 1, false
-  for r = r1, r2 do
-    local d1, d2, at = rq[2 * r - 1], rq[2 * r], n + 1 -- at: the request's status in the reply
+  for r = gs[g - 1] + 1, gs[g] do
+    local d1, d2, at = rq[r - 1] + 1, rq[r], n + 1 -- at: the request's status in the reply
     n = at + 6 * (d2 - d1 + 1)
     if recorded then
       reply[at] = 10 + recorded[i]
