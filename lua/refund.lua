@@ -6,15 +6,15 @@ if mode ~= 'refund' then error({ err = 'ERR usage: mode must be refund for this 
 local refunds, reply = {}, {} -- refunds[g]: the set of group g's requests to refund
 for g = 1, ngroups do
   local k
-  k, q = sunpack('<I4', s, q)
+  k, q = sunpack('<I4', nums, q)
   refunds[g] = {}
   for _ = 1, k do
     local r
-    r, q = sunpack('<I4', s, q)
+    r, q = sunpack('<I4', nums, q)
     refunds[g][r] = true
   end
 end
-if q ~= #s + 1 then error({ err = 'ERR usage: refund mode, ' .. q - 1 .. ' of ' .. #s .. ' bytes read' }) end
+if q ~= #nums + 1 then error({ err = 'ERR usage: refund mode, all numbers read' }) end
 for g = 1, ngroups do
   local record, r1 = ARGV[2 + nkeys + g], gs[g - 1] + 1
   local flat, i = record ~= '' and unpack_record(records[g], g), 1 -- i: a request's status
@@ -26,12 +26,12 @@ for g = 1, ngroups do
         local x = i + 1 + 8 * (d - d1) -- flat[x + k]: the decision's k-th value
         local charged = flat[x + 7]
         if charged > 0 then
-          local s, tokens, capacity, refill = bucket(decs[d][1], decs[d][2])
+          local s, tokens, capacity, refill, leased = bucket(decs[d][1], decs[d][2])
           -- A returned or expired lease gave its tokens back, or lost them, already.
-          if flat[x + 6] > 0 and not remove_lease(s, flat[x + 8]) then
-            charged = charged - flat[x + 6]
-          end
-          tokens = give(s, tokens + charged, capacity)
+          local amount = flat[x + 6] > 0 and remove_lease(s, flat[x + 8]) or 0
+          if flat[x + 6] > 0 and amount == 0 then charged = charged - flat[x + 6] end
+          tokens = min(tokens + charged, capacity - (leased - amount)) -- as returns do
+          s.tokens, s.ts, s.dirty = tokens, now, true
           flat[x + 1], flat[x + 2], flat[x + 6] = 0, int(tokens), 0
           flat[x + 4] = wait_ms(capacity - tokens, refill)
         end
