@@ -1,19 +1,17 @@
--- apply.lua, after bucket.lua: decides the groups in order, each request all-or-nothing and seeing
--- what the requests before it left; a group whose record exists is a repeat: replayed, not charged.
--- Reply: one string of little-endian doubles (integers), per request: status (0 rejected,
--- 1 charged, 10 + the recorded status when replayed), then per decision: allowed, remaining,
--- retry_after_ms, reset_ms, reason (0 ok, 1 insufficient, 2 cost_exceeds_capacity), leased.
-if mode ~= 'apply' then fail('usage: mode must be apply for this script') end
-local written, n = any_record and {}, 0 -- written: this call's records (a repeat in it sees them)
--- The reply, sized at once (a constructor sizes its array for all unpack gives; all is replaced).
-local reply = nreq + 6 * ndec <= 4000 and { unpack(ARGV, 1, nreq + 6 * ndec) } or {}
+-- apply.lua, after bucket.lua: decides the groups in order, each request all-or-nothing, seeing what
+-- the ones before left; a group whose record exists is a repeat: replayed, not charged. Reply:
+-- doubles (little-endian), per request: status (0 rejected, 1 charged, 10 + the recorded one), then
+-- per decision: allowed, remaining, retry_after_ms, reset_ms, reason (bucket.lua's codes), leased.
+if mode ~= 'apply' or q ~= #nums + 1 then error({ err = 'ERR usage: apply mode, all numbers read' }) end
+local written, n = {}, 0 -- written: this call's records (a repeat in it sees them)
+local reply = nreq + 6 * ndec <= 4000 and { unpack(ARGV, 1, nreq + 6 * ndec) } or {} -- presized
 for g = 1, ngroups do
-  local record, r1, r2 = gs[3 * g - 2], gs[3 * g - 1], gs[3 * g]
-  local recorded = record ~= '' and unpack_record(written[record] or records[g], r1, r2)
+  local record = ARGV[2 + nkeys + g]
+  local recorded = record ~= '' and unpack_record(written[record] or records[g] or nil, g)
   -- flat: the record to write, i: a request's place in it; charged: whether the group charged
   local flat, i, charged = not recorded and record ~= '' and {}, 1, false
-  for r = r1, r2 do
-    local d1, d2, at = rq[2 * r - 1], rq[2 * r], n + 1 -- at: the request's status in the reply
+  for r = gs[g - 1] + 1, gs[g] do
+    local d1, d2, at = rq[r - 1] + 1, rq[r], n + 1 -- at: the request's status in the reply
     n = at + 6 * (d2 - d1 + 1)
     if recorded then
       reply[at] = 10 + recorded[i]
@@ -21,8 +19,7 @@ for g = 1, ngroups do
         for k = 1, 6 do reply[at + 6 * d + k] = recorded[i + 1 + 8 * d + k] end
       end
     else
-      -- Pass 1: does every non-shadow decision admit? (allowed, retry and reason go into the
-      -- reply.) Decisions of one request on one bucket see what the ones before them would take.
+      -- Pass 1: does every non-shadow decision admit, each seeing what the ones before would take?
       local admit = true
       for d = d1, d2 do
         local x, o = decs[d], at + 6 * (d - d1) -- reply[o + k]: the decision's k-th figure
@@ -57,7 +54,6 @@ for g = 1, ngroups do
             tokens, paid = tokens - grant, paid + grant
           end
         end
-        -- A rejection writes nothing, but re-anchors a ts in the future.
         if paid > 0 or s.ts > now then s.tokens, s.ts, s.dirty = tokens, now, true end
         reply[o + 2], reply[o + 4], reply[o + 6] = int(tokens), wait_ms(capacity - tokens, refill), grant
         if flat then -- the record keeps the reply's six figures, the tokens paid and the lease id

@@ -2,30 +2,36 @@
 -- group's record (docs/bucket.md, records): costs and lease grants return to their buckets (a
 -- lease's part only while it is held; the lease is removed), and the record marks the requests
 -- refunded (2), so a second refund gives nothing. Reply: per group 1 when it refunded, else 0.
-if mode ~= 'refund' then fail('usage: mode must be refund for this script') end
-
+if mode ~= 'refund' then error({ err = 'ERR usage: mode must be refund for this script' }) end
 local refunds, reply = {}, {} -- refunds[g]: the set of group g's requests to refund
 for g = 1, ngroups do
+  local k
+  k, q = sunpack('<I4', nums, q)
   refunds[g] = {}
-  for _ = 1, num() do refunds[g][num()] = true end
+  for _ = 1, k do
+    local r
+    r, q = sunpack('<I4', nums, q)
+    refunds[g][r] = true
+  end
 end
+if q ~= #nums + 1 then error({ err = 'ERR usage: refund mode, all numbers read' }) end
 for g = 1, ngroups do
-  local record, r1, r2 = gs[3 * g - 2], gs[3 * g - 1], gs[3 * g]
-  local flat, i = record ~= '' and unpack_record(records[g], r1, r2), 1 -- i: a request's status
+  local record, r1 = ARGV[2 + nkeys + g], gs[g - 1] + 1
+  local flat, i = record ~= '' and unpack_record(records[g], g), 1 -- i: a request's status
   reply[g] = 0
-  for r = r1, flat and r2 or r1 - 1 do
-    local d1, d2 = rq[2 * r - 1], rq[2 * r]
+  for r = r1, flat and gs[g] or 0 do
+    local d1, d2 = rq[r - 1] + 1, rq[r]
     if refunds[g][r - r1 + 1] and flat[i] == 1 then
       for d = d1, d2 do
         local x = i + 1 + 8 * (d - d1) -- flat[x + k]: the decision's k-th value
         local charged = flat[x + 7]
         if charged > 0 then
-          local s, tokens, capacity, refill = bucket(decs[d][1], decs[d][2])
+          local s, tokens, capacity, refill, leased = bucket(decs[d][1], decs[d][2])
           -- A returned or expired lease gave its tokens back, or lost them, already.
-          if flat[x + 6] > 0 and not remove_lease(s, flat[x + 8]) then
-            charged = charged - flat[x + 6]
-          end
-          tokens = give(s, tokens + charged, capacity)
+          local amount = flat[x + 6] > 0 and remove_lease(s, flat[x + 8]) or 0
+          if flat[x + 6] > 0 and amount == 0 then charged = charged - flat[x + 6] end
+          tokens = min(tokens + charged, capacity - (leased - amount)) -- as returns do
+          s.tokens, s.ts, s.dirty = tokens, now, true
           flat[x + 1], flat[x + 2], flat[x + 6] = 0, int(tokens), 0
           flat[x + 4] = wait_ms(capacity - tokens, refill)
         end
@@ -39,6 +45,5 @@ for g = 1, ngroups do
     redis.call('SET', record, spack('<' .. srep('d', #flat), unpack(flat)), 'KEEPTTL')
   end
 end
-
 finish()
 return reply

@@ -93,37 +93,60 @@ async fn the_script_refuses_invalid_arguments_by_itself_and_writes_nothing() {
     let redis = Redis::start();
     let mut c = redis.connection();
     let script = ratelimit_sidecar::store::Script::Apply.text();
+    // The call's numbers as lua/bucket.lua's header lays them out: one bucket, one limit of
+    // `capacity`, `refill` and share changes `shares` (from_ms, ppm), one request of cost 1.
+    let numbers = |capacity: u64, refill: f64, shares: &[(u64, u32)]| {
+        let mut n = Vec::new();
+        n.extend(10_000u64.to_le_bytes());
+        n.extend(0.1f64.to_le_bytes());
+        n.push(0);
+        n.extend(1000u64.to_le_bytes());
+        for count in [1u32, 1, 1, 0] {
+            n.extend(count.to_le_bytes());
+        }
+        n.extend(capacity.to_le_bytes());
+        n.extend(refill.to_le_bytes());
+        n.extend((shares.len() as u32).to_le_bytes());
+        for (from_ms, ppm) in shares {
+            n.extend(from_ms.to_le_bytes());
+            n.extend(ppm.to_le_bytes());
+        }
+        for count in [1u32, 1, 1, 1] {
+            n.extend(count.to_le_bytes());
+        }
+        n.extend(1u64.to_le_bytes());
+        n.push(0);
+        n.extend([0u8; 24]);
+        n
+    };
+    let mut torn = numbers(10, 1.0, &[]);
+    torn.pop();
+    let mut long = numbers(10, 1.0, &[]);
+    long.push(0);
     // Defense in depth: the sidecar never sends these; the script errors, never allows.
-    for (capacity, refill, shares, needle) in [
-        ("0", "1", &["0"][..], "invalid limit 1"),
-        ("10", "-1", &["0"][..], "invalid limit 1"),
-        ("10", "abc", &["0"][..], "must be a finite number"),
-        ("inf", "1", &["0"][..], "must be a finite number"),
+    for (numbers, needle) in [
+        (numbers(0, 1.0, &[]), "invalid limit 1"),
+        (numbers(10, -1.0, &[]), "invalid limit 1"),
+        (numbers(10, f64::NAN, &[]), "must be > 0 and finite"),
+        (numbers(10, f64::INFINITY, &[]), "must be > 0 and finite"),
         // A regional share history out of time order, or a share above the whole.
-        (
-            "10",
-            "1",
-            &["2", "5", "1000", "3", "1000"][..],
-            "invalid limit 1",
-        ),
-        ("10", "1", &["1", "5", "1000001"][..], "invalid limit 1"),
+        (numbers(10, 1.0, &[(5, 1000), (3, 1000)]), "invalid limit 1"),
+        (numbers(10, 1.0, &[(5, 1_000_001)]), "invalid limit 1"),
+        // Numbers cut short or with bytes to spare.
+        (torn, "data string too short"),
+        (long, "usage: apply mode, all numbers read"),
     ] {
         let e = redis::cmd("EVAL")
             .arg(script)
             .arg(1)
             .arg("rl:{x}")
-            .arg(&[
-                "apply", "10000", "0.1", "0", "1000", "1", "rl:{x}", "1", capacity, refill,
-            ])
-            .arg(shares)
-            .arg(&["1", "", "1", "1", "1", "1", "1", "0", "0", "0", "0", "0"])
+            .arg("apply")
+            .arg(&numbers)
+            .arg(&["rl:{x}", "", ""])
             .query::<redis::Value>(&mut c)
             .expect_err("the script must refuse");
         let text = e.to_string();
-        assert!(
-            text.contains(needle),
-            "{capacity} {refill} {shares:?}: {text}"
-        );
+        assert!(text.contains(needle), "{numbers:?}: {text}");
     }
     let exists: bool = c.exists("rl:{x}").unwrap();
     assert!(!exists, "a refused call writes nothing");

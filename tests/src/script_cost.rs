@@ -7,8 +7,9 @@
 //! parsing and answering of its commands).
 //!
 //! [`BEFORE`] is the script as it was before it was split into `lua/bucket.lua` and a file per
-//! mode, kept as a fixture (`tests/fixtures/token_bucket_before.lua`) to measure against; both
-//! take the same arguments.
+//! mode, kept as a fixture (`tests/fixtures/token_bucket_before.lua`) to measure against; it
+//! takes its numbers as decimal arguments ([`before_call`]), the scripts now packed into one
+//! ([`apply_call`]).
 
 use std::fmt::Write as _;
 
@@ -29,17 +30,81 @@ pub const REFUND: &str = concat!(
 /// The single-file script before the split (662 lines, apply and refund in one).
 pub const BEFORE: &str = include_str!("../fixtures/token_bucket_before.lua");
 
+/// Builds the `EVALSHA` of one apply call of `n` one-decision requests from call number `i` on
+/// `keys` buckets, given the script's SHA1: [`apply_call`] or [`before_call`].
+pub type CallOf = fn(&str, usize, u64, u64) -> redis::Cmd;
+
+/// Bucket `j` of call number `i`: keys `rl:{bench|k=..}` of `keys`.
+fn bench_bucket(i: u64, j: u64, keys: u64) -> String {
+    format!("rl:{{bench|k={}}}", (i + j * 7919) % keys)
+}
+
 /// The `EVALSHA` of one apply call of `n` one-decision requests from call number `i`, on buckets
-/// `rl:{bench|k=..}` of `keys`, as the bench's script stages make it: one limit (no share), one
-/// group without a record, no returns.
+/// `rl:{bench|k=..}` of `keys`, as the bench's script stages make it: one limit so large that
+/// every decision admits (no share), one group without a record, no returns.
 pub fn apply_call(sha: &str, n: usize, i: u64, keys: u64) -> redis::Cmd {
-    let bucket = |j: u64| format!("rl:{{bench|k={}}}", (i + j * 7919) % keys);
+    let buckets: Vec<String> = (0..n as u64).map(|j| bench_bucket(i, j, keys)).collect();
+    one_decision_requests(sha, &buckets, 999_999_999_999, 1e9, 1)
+}
+
+/// The `EVALSHA` of an apply call of one request per bucket of `buckets`, each one decision of
+/// `cost` on that bucket under one limit (`capacity`, `refill_per_sec`, no share), in one group
+/// without a record, no returns, no epoch marker: the numbers packed as the header of
+/// `lua/bucket.lua` lays them out.
+pub fn one_decision_requests(
+    sha: &str,
+    buckets: &[String],
+    capacity: u64,
+    refill_per_sec: f64,
+    cost: u64,
+) -> redis::Cmd {
+    let mut numbers = Vec::new();
+    let mut put = |v: u64, width: usize| numbers.extend_from_slice(&v.to_le_bytes()[..width]);
+    // Record ttl, lease share (a double), cluster 0, share margin; B, L, G, N.
+    put(10_000, 8);
+    put(0.1f64.to_bits(), 8);
+    put(0, 1);
+    put(1000, 8);
+    for count in [buckets.len() as u64, 1, 1, 0] {
+        put(count, 4);
+    }
+    // The limit: capacity, refill (a double), no share history.
+    put(capacity, 8);
+    put(refill_per_sec.to_bits(), 8);
+    put(0, 4);
+    // The group's requests, each one decision: bucket j, limit 1, the cost, no shadow, no lease.
+    put(buckets.len() as u64, 4);
+    for j in 1..=buckets.len() as u64 {
+        for (v, width) in [
+            (1, 4),
+            (j, 4),
+            (1, 4),
+            (cost, 8),
+            (0, 1),
+            (0, 8),
+            (0, 8),
+            (0, 8),
+        ] {
+            put(v, width);
+        }
+    }
     let mut c = redis::cmd("EVALSHA");
-    c.arg(sha).arg(1).arg(bucket(0));
+    c.arg(sha).arg(1).arg(&buckets[0]).arg("apply").arg(numbers);
+    c.arg(buckets);
+    // The group's record key: none; last, no epoch marker (--store-reset full).
+    c.arg("").arg("");
+    c
+}
+
+/// [`apply_call`] in the convention of the script before its split ([`BEFORE`]): every number a
+/// decimal argument.
+pub fn before_call(sha: &str, n: usize, i: u64, keys: u64) -> redis::Cmd {
+    let mut c = redis::cmd("EVALSHA");
+    c.arg(sha).arg(1).arg(bench_bucket(i, 0, keys));
     // mode, record ttl, lease share, cluster 0, share margin; the buckets.
     c.arg("apply").arg(10_000).arg(0.1).arg(0).arg(1000).arg(n);
     for j in 0..n as u64 {
-        c.arg(bucket(j));
+        c.arg(bench_bucket(i, j, keys));
     }
     c.arg(1)
         .arg(999_999_999_999u64)
@@ -56,7 +121,7 @@ pub fn apply_call(sha: &str, n: usize, i: u64, keys: u64) -> redis::Cmd {
             .arg(0)
             .arg(0);
     }
-    // No returns; last, no epoch marker (--store-reset full; the script before ignores it).
+    // No returns; last, no epoch marker (ignored by the script before).
     c.arg(0).arg("");
     c
 }
@@ -116,11 +181,11 @@ fn counters(c: &mut redis::Connection) -> (f64, f64) {
     (evalsha_us, cpu_s)
 }
 
-/// Measures `scripts` (name, text) at each batch size of `per_call` on a fresh redis-server:
+/// Measures `scripts` (name, text, the builder of its calls) at each batch size of `per_call` on a fresh redis-server:
 /// `rounds` rounds, each calling every (script, batch size) in turn (the order reversed every
 /// other round) for about `decisions` decisions, 16 calls pipelined at a time.
 pub fn compare(
-    scripts: &[(&'static str, &str)],
+    scripts: &[(&'static str, &str, CallOf)],
     per_call: &[usize],
     rounds: usize,
     decisions: usize,
@@ -129,7 +194,7 @@ pub fn compare(
     let redis = Redis::start_with(&["--maxmemory-policy", "noeviction"]);
     let mut c = redis.connection();
     let mut shas = Vec::new();
-    for (_, text) in scripts {
+    for (_, text, _) in scripts {
         let sha: String = redis::cmd("SCRIPT")
             .arg("LOAD")
             .arg(*text)
@@ -139,12 +204,12 @@ pub fn compare(
     }
     let pipeline = 16;
     let mut i = 0u64;
-    let mut run = |c: &mut redis::Connection, sha: &str, n: usize, calls: usize| {
+    let mut run = |c: &mut redis::Connection, s: usize, n: usize, calls: usize| {
         let mut sent = 0;
         while sent < calls {
             let mut pipe = redis::pipe();
             for _ in 0..pipeline.min(calls - sent) {
-                pipe.add_command(apply_call(sha, n, i, keys));
+                pipe.add_command((scripts[s].2)(&shas[s], n, i, keys));
                 i += n as u64;
                 sent += 1;
             }
@@ -162,7 +227,7 @@ pub fn compare(
         .collect();
     // Every bucket exists before the first round, so no round pays for creating them.
     for &(s, n) in &cases {
-        run(&mut c, &shas[s], n, (keys as usize).div_ceil(n));
+        run(&mut c, s, n, (keys as usize).div_ceil(n));
     }
     let mut costs: Vec<Cost> = cases
         .iter()
@@ -182,7 +247,7 @@ pub fn compare(
             let (s, n) = cases[k];
             let calls = decisions.div_ceil(n);
             let (us0, cpu0) = counters(&mut c);
-            run(&mut c, &shas[s], n, calls);
+            run(&mut c, s, n, calls);
             let (us1, cpu1) = counters(&mut c);
             let d = (calls * n) as f64;
             costs[k].in_script_us.push((us1 - us0) / d);
@@ -244,7 +309,10 @@ pub const ROUNDS: usize = 7;
 /// components stage prints it).
 pub fn before_and_after(batch: usize, keys: u64) -> String {
     let costs = compare(
-        &[("before", BEFORE), ("after", APPLY)],
+        &[
+            ("before", BEFORE, before_call),
+            ("after", APPLY, apply_call),
+        ],
         &[1, batch],
         ROUNDS,
         20_000,

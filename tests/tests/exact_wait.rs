@@ -25,7 +25,7 @@ use std::sync::Arc;
 
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
-use ratelimit_e2e::Redis;
+use ratelimit_e2e::{script_cost, Redis};
 use ratelimit_filter::emergency;
 use ratelimit_sidecar::store::memory::MemoryStore;
 use ratelimit_sidecar::store::{BucketLimits, Charge, Group, Script, Status, Work};
@@ -168,20 +168,16 @@ impl Clocked for OnRedis {
             .arg(self.now_us)
             .query(c)
             .unwrap();
-        // As lua/bucket.lua's header lays ARGV out: one bucket, one limit, one request.
-        let reply: Vec<u8> = redis::cmd("EVALSHA")
-            .arg(&self.sha)
-            .arg(1)
-            .arg(&self.key)
-            .arg(&["apply", "10000", "0.1", "0", "1000", "1", &self.key, "1"])
-            .arg(self.capacity)
-            .arg(format!("{:?}", self.refill_per_sec))
-            .arg(&["0", "1", "", "1", "1", "1", "1"])
-            .arg(cost)
-            .arg(&["0", "0", "0", "0", "0"])
-            .arg("") // no epoch marker (--store-reset full)
-            .query(c)
-            .unwrap();
+        // One bucket, one limit, one request, as lua/bucket.lua's header lays the call out.
+        let reply: Vec<u8> = script_cost::one_decision_requests(
+            &self.sha,
+            std::slice::from_ref(&self.key),
+            self.capacity,
+            self.refill_per_sec,
+            cost,
+        )
+        .query(c)
+        .unwrap();
         let f: Vec<f64> = reply
             .chunks_exact(8)
             .map(|b| f64::from_le_bytes(b.try_into().unwrap()))

@@ -3,7 +3,7 @@
 //! prints its figures. `make bench` runs the full comparison (docs/benchmarks.md);
 //! `SCRIPT_COST_ROUNDS=n` runs n rounds here.
 
-use ratelimit_e2e::script_cost::{compare, report, APPLY, BEFORE};
+use ratelimit_e2e::script_cost::{apply_call, before_call, compare, report, APPLY, BEFORE};
 
 #[test]
 fn both_scripts_are_measured_side_by_side_on_one_redis() {
@@ -16,7 +16,10 @@ fn both_scripts_are_measured_side_by_side_on_one_redis() {
         .and_then(|v| v.parse().ok())
         .unwrap_or(2_000);
     let costs = compare(
-        &[("before", BEFORE), ("after", APPLY)],
+        &[
+            ("before", BEFORE, before_call),
+            ("after", APPLY, apply_call),
+        ],
         &[1, 32],
         rounds,
         decisions,

@@ -3,9 +3,12 @@
 //! and the store behind the decision logic's unit tests. Time is injected, so tests drive it.
 //!
 //! It mirrors the scripts function for function, in their order and their floating-point order:
-//! [`Call::ceiling`], [`Call::bucket`], [`Call::give`], [`Call::remove_lease`], [`Call::finish`],
-//! [`Call::unpack_record`] and the returns as `lua/bucket.lua` has them, then
-//! [`MemoryStore::run`] as `lua/apply.lua` and [`MemoryStore::refund_now`] as `lua/refund.lua`.
+//! [`Call::bucket`] (the script sums the lease ceiling, [`Call::ceiling`], inline),
+//! [`Call::finish`], [`Call::give`] and [`Call::remove_lease`], [`Call::unpack_record`] and the
+//! returns as `lua/bucket.lua` has them, then [`MemoryStore::run`] as `lua/apply.lua` and
+//! [`MemoryStore::refund_now`] as `lua/refund.lua`. The script's returns and refund give tokens
+//! back inline, up to `capacity - (leased - amount)` (the ceiling the bucket function found, less
+//! the removed lease): the same figure as [`Call::give`]'s, since lease amounts are whole numbers.
 //! The formulas themselves are `ratelimit_bucket`'s; what each rule is for: `docs/bucket.md`.
 
 use std::collections::HashMap;
@@ -178,21 +181,6 @@ impl Call<'_> {
         (s, tokens, capacity, refill_per_sec)
     }
 
-    /// Puts tokens back as of now, up to the lease ceiling; what the bucket then holds.
-    fn give(s: &mut State, tokens: f64, capacity: f64, now: f64) -> f64 {
-        s.tokens = tokens.min(Self::ceiling(s, capacity));
-        s.ts_us = now;
-        s.dirty = true;
-        s.tokens
-    }
-
-    /// Removes lease `id` from the bucket: the lease, or `None` when it holds none of that id.
-    fn remove_lease(s: &mut State, id: f64) -> Option<Lease> {
-        let i = s.leases.iter().position(|l| l.id == id)?;
-        s.dirty = true;
-        Some(s.leases.remove(i))
-    }
-
     /// Writes each dirty bucket once (the script also sets its key's expiry: a missing bucket is
     /// a full one, so the model keeps every bucket instead).
     fn finish(self) {
@@ -207,6 +195,21 @@ impl Call<'_> {
                 },
             );
         }
+    }
+
+    /// Puts tokens back as of now, up to the lease ceiling; what the bucket then holds.
+    fn give(s: &mut State, tokens: f64, capacity: f64, now: f64) -> f64 {
+        s.tokens = tokens.min(Self::ceiling(s, capacity));
+        s.ts_us = now;
+        s.dirty = true;
+        s.tokens
+    }
+
+    /// Removes lease `id` from the bucket: the lease, or `None` when it holds none of that id.
+    fn remove_lease(s: &mut State, id: f64) -> Option<Lease> {
+        let i = s.leases.iter().position(|l| l.id == id)?;
+        s.dirty = true;
+        Some(s.leases.remove(i))
     }
 
     /// The record of `group`; `None` for a record of another shape (an attempt id reused for

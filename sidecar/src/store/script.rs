@@ -59,18 +59,39 @@ impl Script {
     }
 }
 
-/// The arguments of one script call (see the calling convention in `lua/bucket.lua`).
+/// The arguments of one script call (the calling convention is in the header of
+/// `lua/bucket.lua`): the numbers packed little-endian into one argument, then the keys.
 pub(crate) struct ScriptArgs {
     pub(crate) script: Script,
     pub(crate) routing_key: Arc<str>,
-    pub(crate) argv: Vec<ArgValue>,
+    /// `ARGV[2]`: every number of the call, in the layout `lua/bucket.lua` reads.
+    pub(crate) numbers: Vec<u8>,
+    /// The buckets' keys, then a record key (or "") per group.
+    pub(crate) keys: Vec<Arc<str>>,
+    /// The last argument: the epoch marker's key, or "" (`--store-reset full`).
+    pub(crate) marker: String,
 }
 
-pub(crate) enum ArgValue {
-    Text(Arc<str>),
-    Str(String),
-    Int(u64),
-    Float(f64),
+/// The numbers of a call as `struct.unpack` reads them: `I4`, `I8` (unsigned), `d` and `B`.
+#[derive(Default)]
+struct Numbers(Vec<u8>);
+
+impl Numbers {
+    /// A count or an index (`I4`); one beyond `u32` saturates, and the script then finds the
+    /// numbers the wrong length.
+    fn count(&mut self, n: usize) {
+        self.0
+            .extend_from_slice(&u32::try_from(n).unwrap_or(u32::MAX).to_le_bytes());
+    }
+    fn int(&mut self, i: u64) {
+        self.0.extend_from_slice(&i.to_le_bytes());
+    }
+    fn double(&mut self, f: f64) {
+        self.0.extend_from_slice(&f.to_le_bytes());
+    }
+    fn flag(&mut self, b: bool) {
+        self.0.push(u8::from(b));
+    }
 }
 
 impl ScriptArgs {
@@ -102,74 +123,75 @@ impl ScriptArgs {
                     limits.len()
                 })
         };
-        let mut body: Vec<ArgValue> = Vec::new();
-        body.push(ArgValue::Int(work.groups.len() as u64));
+        let mut body = Numbers::default();
         for g in &work.groups {
-            body.push(ArgValue::Str(g.record.clone().unwrap_or_default()));
-            body.push(ArgValue::Int(g.requests.len() as u64));
+            body.count(g.requests.len());
             for request in &g.requests {
-                body.push(ArgValue::Int(request.len() as u64));
+                body.count(request.len());
                 for c in request {
-                    body.push(ArgValue::Int(key_of(&c.key) as u64));
-                    body.push(ArgValue::Int(limit_of(&c.bucket) as u64));
-                    body.push(ArgValue::Int(c.cost));
-                    body.push(ArgValue::Int(u64::from(c.shadow)));
+                    body.count(key_of(&c.key));
+                    body.count(limit_of(&c.bucket));
+                    body.int(c.cost);
+                    body.flag(c.shadow);
                     let (id, want, ttl) = c.lease.map_or((0, 0, 0), |l| (l.id, l.tokens, l.ttl_ms));
-                    body.push(ArgValue::Int(id));
-                    body.push(ArgValue::Int(want));
-                    body.push(ArgValue::Int(ttl));
+                    body.int(id);
+                    body.int(want);
+                    body.int(ttl);
                 }
             }
         }
-        body.push(ArgValue::Int(work.returns.len() as u64));
         for r in &work.returns {
-            body.push(ArgValue::Int(key_of(&r.key) as u64));
-            body.push(ArgValue::Int(limit_of(&r.bucket) as u64));
-            body.push(ArgValue::Int(r.lease_id));
-            body.push(ArgValue::Int(r.tokens));
+            body.count(key_of(&r.key));
+            body.count(limit_of(&r.bucket));
+            body.int(r.lease_id);
+            body.int(r.tokens);
         }
-        if let Some(refunds) = refunds {
-            for indices in refunds {
-                body.push(ArgValue::Int(indices.len() as u64));
-                for i in indices {
-                    body.push(ArgValue::Int(*i as u64 + 1));
-                }
+        for indices in refunds.unwrap_or_default() {
+            body.count(indices.len());
+            for i in indices {
+                body.count(*i + 1);
             }
         }
-        let mut argv = Vec::with_capacity(6 + keys.len() + 2 * limits.len() + body.len());
-        argv.push(ArgValue::Str(script.mode().to_string()));
-        argv.push(ArgValue::Int(options.record_ttl_ms));
-        argv.push(ArgValue::Float(options.lease_max_share));
-        argv.push(ArgValue::Int(u64::from(cluster)));
-        argv.push(ArgValue::Int(SHARE_MARGIN_MS));
-        argv.push(ArgValue::Int(keys.len() as u64));
-        let routing_key = keys.first().cloned().unwrap_or_else(|| Arc::from(""));
-        argv.extend(keys.into_iter().map(ArgValue::Text));
-        argv.push(ArgValue::Int(limits.len() as u64));
+        let mut numbers = Numbers::default();
+        numbers.int(options.record_ttl_ms);
+        numbers.double(options.lease_max_share);
+        numbers.flag(cluster);
+        numbers.int(SHARE_MARGIN_MS);
+        numbers.count(keys.len());
+        numbers.count(limits.len());
+        numbers.count(work.groups.len());
+        numbers.count(work.returns.len());
         for bucket in limits {
-            argv.push(ArgValue::Int(bucket.capacity));
-            argv.push(ArgValue::Float(bucket.refill_per_sec));
+            numbers.int(bucket.capacity);
+            numbers.double(bucket.refill_per_sec);
             match &bucket.share {
-                None => argv.push(ArgValue::Int(0)),
+                None => numbers.count(0),
                 Some(history) => {
-                    argv.push(ArgValue::Int(history.changes().count() as u64));
+                    numbers.count(history.changes().count());
                     for (from_ms, share) in history.changes() {
-                        argv.push(ArgValue::Int(from_ms));
-                        argv.push(ArgValue::Int(u64::from(share.ppm())));
+                        numbers.int(from_ms);
+                        numbers.count(share.ppm() as usize);
                     }
                 }
             }
         }
-        argv.extend(body);
-        // Last, wherever the body ends: the epoch marker's key, or "" (missing buckets are full).
-        argv.push(ArgValue::Str(match options.store_reset {
+        numbers.0.extend_from_slice(&body.0);
+        let routing_key = keys.first().cloned().unwrap_or_else(|| Arc::from(""));
+        keys.extend(
+            work.groups
+                .iter()
+                .map(|g| Arc::from(g.record.as_deref().unwrap_or_default())),
+        );
+        let marker = match options.store_reset {
             StoreReset::Full => String::new(),
             StoreReset::Empty => epoch_marker(&options.key_prefix, cluster, &routing_key),
-        }));
+        };
         ScriptArgs {
             script,
             routing_key,
-            argv,
+            numbers: numbers.0,
+            keys,
+            marker,
         }
     }
 
@@ -182,22 +204,13 @@ impl ScriptArgs {
             self.script.sha1()
         };
         c.arg(script).arg(1).arg(&*self.routing_key);
-        for a in &self.argv {
-            match a {
-                ArgValue::Text(s) => c.arg(&**s),
-                ArgValue::Str(s) => c.arg(s),
-                ArgValue::Int(i) => c.arg(*i),
-                ArgValue::Float(f) => c.arg(format_float(*f)),
-            };
+        c.arg(self.script.mode()).arg(&self.numbers[..]);
+        for k in &self.keys {
+            c.arg(&**k);
         }
+        c.arg(&self.marker);
         c
     }
-}
-
-/// A float as Lua's `tonumber` reads it back exactly (shortest round-trip form).
-fn format_float(f: f64) -> String {
-    let s = format!("{f:?}");
-    s.strip_suffix(".0").map(str::to_string).unwrap_or(s)
 }
 
 /// The largest integer a double holds exactly (2^53): the script clamps its figures to it.
@@ -364,31 +377,65 @@ mod tests {
             returns: vec![],
         };
         let args = ScriptArgs::build(Script::Apply, &StoreOptions::default(), false, &work, None);
-        let text: Vec<String> = args
-            .argv
+        // The numbers read back field by field, as `struct.unpack` would with these formats.
+        let layout = [
+            ("header", "I8 d B I8 I4 I4 I4 I4"),
+            ("limits", "I8 d I4 I8 d I4"),
+            ("group", "I4"),
+            ("request 1", "I4 I4 I4 I8 B I8 I8 I8 I4 I4 I8 B I8 I8 I8"),
+            ("request 2", "I4 I4 I4 I8 B I8 I8 I8"),
+        ];
+        let mut at = 0;
+        let read: Vec<String> = layout
             .iter()
-            .map(|a| match a {
-                ArgValue::Text(s) => s.to_string(),
-                ArgValue::Str(s) => s.clone(),
-                ArgValue::Int(i) => i.to_string(),
-                ArgValue::Float(f) => format_float(*f),
+            .map(|(_, fields)| {
+                let values: Vec<String> = fields
+                    .split(' ')
+                    .map(|f| {
+                        let n = if f == "B" {
+                            1
+                        } else if f == "I4" {
+                            4
+                        } else {
+                            8
+                        };
+                        let mut b = [0u8; 8];
+                        b[..n].copy_from_slice(&args.numbers[at..at + n]);
+                        at += n;
+                        match f {
+                            "d" => f64::from_le_bytes(b).to_string(),
+                            _ => u64::from_le_bytes(b).to_string(),
+                        }
+                    })
+                    .collect();
+                values.join(" ")
             })
             .collect();
-        // The last argument: no epoch marker (--store-reset full).
-        assert_eq!(text.last().map(String::as_str), Some(""));
+        assert_eq!(at, args.numbers.len(), "every byte read");
         assert_eq!(
-            text[..text.len() - 1].join(" "),
-            "apply 10000 0.1 0 1000 2 a b 2 10 0.5 0 20 0.5 0 1 rec 2 2 1 1 2 1 0 0 0 2 1 2 1 0 0 0 1 1 2 2 1 0 0 0 0"
+            read,
+            [
+                "10000 0.1 0 1000 2 2 1 0",
+                "10 0.5 0 20 0.5 0",
+                "2",
+                "2 1 1 2 1 0 0 0 2 1 2 1 0 0 0",
+                "1 1 2 2 1 0 0 0"
+            ]
         );
+        let keys: Vec<&str> = args.keys.iter().map(|k| &**k).collect();
+        assert_eq!(keys, ["a", "b", "rec"], "the buckets, then the record");
+        // The last argument: no epoch marker (--store-reset full).
+        assert_eq!(args.marker, "");
         let empty = StoreOptions {
             store_reset: StoreReset::Empty,
             ..StoreOptions::default()
         };
         let on_cluster = ScriptArgs::build(Script::Apply, &empty, true, &work, None);
-        assert!(
-            matches!(on_cluster.argv.last(), Some(ArgValue::Str(m)) if m == "rl:epoch"),
+        assert_eq!(
+            on_cluster.marker, "rl:epoch",
             "a key without a hash tag: the one marker"
         );
+        assert_eq!(on_cluster.numbers[16], 1, "on a Cluster");
         assert_eq!(&*args.routing_key, "a");
     }
 
