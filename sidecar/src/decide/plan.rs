@@ -173,30 +173,11 @@ impl<S> Decider<S> {
         returns
             .iter()
             .filter_map(|r| {
-                let entries: Vec<(&str, Option<&str>)> = r
-                    .entries
-                    .iter()
-                    .map(|(k, v)| (k.as_str(), v.as_deref()))
-                    .collect();
-                let Resolution::Limit(limit) = policy.resolve(domain, &entries) else {
-                    return None;
-                };
-                let LimitKind::Bucket {
-                    capacity,
-                    refill_per_sec,
-                } = limit.kind
-                else {
-                    return None;
-                };
                 // Without a share under lease the tokens are not given back (under-admission).
-                let share = self.share_for(limit).ok()?;
+                let (key, bucket) = self.bucket_of(policy, domain, &r.entries)?;
                 Some(Return {
-                    key: Arc::from(bucket_key(&self.key_prefix, domain, &entries)),
-                    bucket: BucketLimits {
-                        capacity,
-                        refill_per_sec,
-                        share,
-                    },
+                    key,
+                    bucket,
                     lease_id: r.lease_id,
                     tokens: r.tokens,
                 })
@@ -216,6 +197,20 @@ impl<S> Decider<S> {
         entries: &[(String, Option<String>)],
         delta: i64,
     ) -> Option<Settlement> {
+        let (key, bucket) = self.bucket_of(policy, domain, entries)?;
+        let (capacity_now, refill_now) = bucket.in_force();
+        (capacity_now > 0 && refill_now > 0.0).then_some(Settlement { key, bucket, delta })
+    }
+
+    /// The key and limits of the bucket `entries` name under the policy in force: `None` for an
+    /// unknown rule, an unlimited or blocked limit, or a regional rule without a share under
+    /// lease (a lease return and a settlement on it are then dropped).
+    fn bucket_of(
+        &self,
+        policy: &Policy,
+        domain: &str,
+        entries: &[(String, Option<String>)],
+    ) -> Option<(Arc<str>, BucketLimits)> {
         let entries: Vec<(&str, Option<&str>)> = entries
             .iter()
             .map(|(k, v)| (k.as_str(), v.as_deref()))
@@ -230,17 +225,15 @@ impl<S> Decider<S> {
         else {
             return None;
         };
-        let bucket = BucketLimits {
-            capacity,
-            refill_per_sec,
-            share: self.share_for(limit).ok()?,
-        };
-        let (capacity_now, refill_now) = bucket.in_force();
-        (capacity_now > 0 && refill_now > 0.0).then(|| Settlement {
-            key: Arc::from(bucket_key(&self.key_prefix, domain, &entries)),
-            bucket,
-            delta,
-        })
+        let share = self.share_for(limit).ok()?;
+        Some((
+            Arc::from(bucket_key(&self.key_prefix, domain, &entries)),
+            BucketLimits {
+                capacity,
+                refill_per_sec,
+                share,
+            },
+        ))
     }
 }
 
