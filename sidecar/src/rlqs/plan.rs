@@ -403,6 +403,19 @@ mod tests {
         margin_ms: 500,
     };
 
+    /// A holding whose first assignment (burst 10, 5 a second, sent at 0) got every token it
+    /// asked for, and its target.
+    fn assigned() -> (Holding, Target) {
+        let target = Target {
+            max_tokens: 10,
+            tokens_per_sec: 5,
+        };
+        let mut h = Holding::default();
+        let ask = h.ask(0, target, TIMING);
+        h.settle(0, ask, ask.tokens, target, TIMING);
+        (h, target)
+    }
+
     fn tb(max_tokens: u32, tokens_per_sec: u32) -> Strategy {
         Strategy::TokenBucket {
             max_tokens,
@@ -428,13 +441,7 @@ mod tests {
 
     #[test]
     fn a_renewal_takes_the_rate_times_the_extension_only() {
-        let target = Target {
-            max_tokens: 10,
-            tokens_per_sec: 5,
-        };
-        let mut h = Holding::default();
-        let ask = h.ask(0, target, TIMING);
-        h.settle(0, ask, ask.tokens, target, TIMING);
+        let (mut h, target) = assigned();
         let ask = h.ask(1000, target, TIMING);
         assert_eq!(ask.proposal, Proposal::Renew);
         assert_eq!(ask.tokens, 5);
@@ -450,13 +457,7 @@ mod tests {
     #[test]
     fn a_renewal_waits_while_the_next_round_still_reaches_envoy_in_time() {
         // TTL 2 s, margin 500 ms: sent at 0, live in Envoy until at least 2000 − 500 + 500.
-        let target = Target {
-            max_tokens: 10,
-            tokens_per_sec: 5,
-        };
-        let mut h = Holding::default();
-        let ask = h.ask(0, target, TIMING);
-        h.settle(0, ask, ask.tokens, target, TIMING);
+        let (h, target) = assigned();
         // A renewal sent at 1400 arrives by 1900, before the last assignment's 2000: the round
         // at 1000 can leave it to the round at 1400, not to one at 1500.
         assert!(h.renewal_can_wait(1400, TIMING));
@@ -488,13 +489,7 @@ mod tests {
 
     #[test]
     fn a_failed_renewal_keeps_what_was_sent_and_can_always_deny() {
-        let target = Target {
-            max_tokens: 10,
-            tokens_per_sec: 5,
-        };
-        let mut h = Holding::default();
-        let ask = h.ask(0, target, TIMING);
-        h.settle(0, ask, ask.tokens, target, TIMING);
+        let (mut h, target) = assigned();
         let ask = h.ask(1000, target, TIMING);
         // Nothing granted: the old chain's reservation still covers a smaller bucket from now on
         // (the 10 tokens of its last two seconds), or DENY_ALL.
