@@ -45,7 +45,8 @@ for g = 1, ngroups do
         if admit and reply[o + 1] == 1 then
           tokens, paid = tokens - x[3], x[3]
           if x[6] > 0 and (s.leases and #s.leases or 0) < MAX_LEASES then
-            grant = math.max(0, min(x[6], floor(max_share * capacity), floor(tokens)))
+            local cap = x[8] == 0 and x[6] or floor(max_share * capacity) -- store/mod.rs GrantCap
+            grant = math.max(0, min(x[6], cap, floor(tokens)))
           end
           if grant > 0 then
             remove_lease(s, x[5]) -- a new lease under an id already held replaces it

@@ -12,8 +12,8 @@
 -- count, then n times the bracket; bucket, limit, request: 1-based indices):
 --   record_ttl_ms I8, max_share d (0..1), cluster B (0 | 1), share_margin_ms I8, B, L, G, N I4
 --   limits:  L x (capacity I8, refill_per_sec d, H I4, H x (from_ms I8, share_ppm I4))
---   groups:  G x (R I4, R x (D I4, D x (bucket I4, limit I4, cost I8, shadow B, lease_id I8,
---                                        lease_want I8, lease_ttl_ms I8)))
+--   groups:  G x (R I4, R x (D I4, D x (bucket I4, limit I4, cost I8, shadow B, share_capped B,
+--                                        lease_id I8, lease_want I8, lease_ttl_ms I8)))
 --   returns: N x (bucket I4, limit I4, lease_id I8, tokens I8)
 --   refund.lua only: G x (K I4, K x (request I4))
 local OK, INSUFFICIENT, COST_EXCEEDS_CAPACITY = 0, 1, 2 -- a decision's reason
@@ -54,12 +54,12 @@ for g = 1, ngroups do
     local nd
     nd, q = sunpack('<I4', nums, q)
     for d = ndec + 1, ndec + nd do
-      local b, l, cost, shadow, id, want, ttl
-      b, l, cost, shadow, id, want, ttl, q = sunpack('<I4I4I8BI8I8I8', nums, q)
+      local b, l, cost, shadow, capped, id, want, ttl
+      b, l, cost, shadow, capped, id, want, ttl, q = sunpack('<I4I4I8BBI8I8I8', nums, q)
       if b < 1 or b > nkeys or not limits[l] or cost < 1 then
         error({ err = 'ERR usage: bad bucket, limit or cost in group ' .. g })
       end
-      decs[d], any_want = { b, limits[l], cost, shadow, id, want, ttl }, any_want or want > 0
+      decs[d], any_want = { b, limits[l], cost, shadow, id, want, ttl, capped }, any_want or want > 0
     end
     ndec, rq[r] = ndec + nd, ndec + nd
   end

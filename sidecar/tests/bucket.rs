@@ -115,7 +115,7 @@ async fn the_script_refuses_invalid_arguments_by_itself_and_writes_nothing() {
             n.extend(count.to_le_bytes());
         }
         n.extend(1u64.to_le_bytes());
-        n.push(0);
+        n.extend([0u8, 1]); // not shadow, the grant capped by the share
         n.extend([0u8; 24]);
         n
     };

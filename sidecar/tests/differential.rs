@@ -23,8 +23,8 @@ use ratelimit_sidecar::metrics::Metrics;
 use ratelimit_sidecar::store::memory::MemoryStore;
 use ratelimit_sidecar::store::redis::{NodeId, Nodes, StoreOptions};
 use ratelimit_sidecar::store::{
-    BucketLimits, BucketStore, Charge, Group, RedisStore, RequestOutcome, Return, SettleBatch,
-    Settlement, StoreReset, Work,
+    BucketLimits, BucketStore, Charge, GrantCap, Group, RedisStore, RequestOutcome, Return,
+    SettleBatch, Settlement, StoreReset, Work,
 };
 use ratelimit_wire::LeaseAsk;
 
@@ -71,8 +71,8 @@ fn history_of(generated: &Option<GenHistory>, start_ms: u64) -> Option<Arc<Share
     Some(Arc::new(h))
 }
 
-/// One generated decision: key index, cost, shadow, lease ask (id, tokens).
-type Gen = (usize, u64, bool, Option<(u64, u64)>);
+/// One generated decision: key index, cost, shadow, lease ask (id, tokens, capped by the share).
+type Gen = (usize, u64, bool, Option<(u64, u64, bool)>);
 /// One generated group: its attempt (or none) and its requests.
 type GenGroup = (Option<u8>, Vec<Vec<Gen>>);
 
@@ -101,7 +101,7 @@ fn decision() -> impl Strategy<Value = Gen> {
         0..KEYS.len(),
         1..4u64,
         prop::bool::weighted(0.15),
-        prop::option::weighted(0.3, (1..4u64, 0..4u64)),
+        prop::option::weighted(0.3, (1..4u64, 0..4u64, prop::bool::weighted(0.7))),
     )
 }
 
@@ -152,11 +152,15 @@ fn work_of(
                                     bucket: bucket_of(k, shares),
                                     cost,
                                     shadow,
-                                    lease: lease.map(|(id, tokens)| LeaseAsk {
+                                    lease: lease.map(|(id, tokens, _)| LeaseAsk {
                                         id,
                                         tokens,
                                         ttl_ms: 60_000,
                                     }),
+                                    grant_cap: match lease {
+                                        Some((_, _, false)) => GrantCap::Ask,
+                                        _ => GrantCap::Share,
+                                    },
                                 })
                                 .collect()
                         })

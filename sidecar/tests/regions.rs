@@ -12,7 +12,7 @@ use ratelimit_regions::{Share, ShareHistory};
 use ratelimit_sidecar::metrics::Metrics;
 use ratelimit_sidecar::regional::record::{self, ShareWrite};
 use ratelimit_sidecar::store::redis::{NodeId, Nodes, StoreOptions};
-use ratelimit_sidecar::store::{BucketLimits, Charge, Group, RedisStore, Work};
+use ratelimit_sidecar::store::{BucketLimits, Charge, GrantCap, Group, RedisStore, Work};
 use serde_json::{json, Value};
 use support::{decision, Sidecar};
 
@@ -54,6 +54,7 @@ async fn take(store: &RedisStore, key: &str, history: &ShareHistory, n: usize) -
         cost: 1,
         shadow: false,
         lease: None,
+        grant_cap: GrantCap::Share,
     };
     let work = Work {
         groups: vec![Group {

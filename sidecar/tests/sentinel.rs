@@ -177,7 +177,7 @@ fn store_on(
 
 /// One decision's work, on the one node a Sentinel store has.
 fn call(key: &str) -> ratelimit_sidecar::store::Work {
-    use ratelimit_sidecar::store::{BucketLimits, Charge, Group, Work};
+    use ratelimit_sidecar::store::{BucketLimits, Charge, GrantCap, Group, Work};
     Work {
         groups: vec![Group {
             record: None,
@@ -187,6 +187,7 @@ fn call(key: &str) -> ratelimit_sidecar::store::Work {
                 cost: 1,
                 shadow: false,
                 lease: None,
+                grant_cap: GrantCap::Share,
             }]],
         }],
         returns: vec![],

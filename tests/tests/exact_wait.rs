@@ -28,7 +28,7 @@ use proptest::test_runner::{Config, TestRunner};
 use ratelimit_e2e::{script_cost, Redis};
 use ratelimit_filter::emergency;
 use ratelimit_sidecar::store::memory::MemoryStore;
-use ratelimit_sidecar::store::{BucketLimits, Charge, Group, Script, Status, Work};
+use ratelimit_sidecar::store::{BucketLimits, Charge, GrantCap, Group, Script, Status, Work};
 
 const T0_US: u64 = 1_700_000_000_000_000;
 
@@ -107,6 +107,7 @@ fn work(key: &str, limits: &BucketLimits, cost: u64) -> Work {
         cost,
         shadow: false,
         lease: None,
+        grant_cap: GrantCap::Share,
     };
     Work {
         groups: vec![Group {

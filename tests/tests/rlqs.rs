@@ -22,7 +22,7 @@ rules:
 ";
 
 /// RLQS grants are sized by the planner, within the lease cap: allow a grant of the whole bucket.
-const SIDECAR_ARGS: &[&str] = &["--redis-timeout-ms", "1000", "--lease-max-share", "1"];
+const SIDECAR_ARGS: &[&str] = &["--redis-timeout-ms", "1000"];
 
 fn rlqs_envoy(sidecar_port: u16, upstream: &Upstream) -> Envoy {
     Envoy::start(&EnvoyConfig::shipped(

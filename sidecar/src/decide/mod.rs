@@ -62,6 +62,8 @@ pub struct ReturnItem {
 pub enum Caller {
     Filter,
     RateLimitService,
+    /// The RLQS server's planner: names rules like the filter, and sizes its own lease grants.
+    Quota,
 }
 
 /// Runs decisions against a [`BucketStore`] under the policy in force.
@@ -248,7 +250,7 @@ impl<S: BucketStore> Decider<S> {
         }
         let returns = self.plan_returns(&policy, domain, &returns);
         drop(policy);
-        if caller == Caller::Filter {
+        if caller != Caller::RateLimitService {
             self.note_named(domain, &requests, &plans);
         }
 
@@ -263,7 +265,7 @@ impl<S: BucketStore> Decider<S> {
             let request: Vec<Charge> = plan
                 .iter()
                 .zip(&requests[r])
-                .filter_map(|(p, item)| charge(p, item))
+                .filter_map(|(p, item)| charge(p, item, caller))
                 .collect();
             if !request.is_empty() {
                 sent.push(r);

@@ -25,7 +25,7 @@ use super::{Caller, Decider, Item, ReturnItem};
 use crate::keys::bucket_key;
 use crate::policy::own_format::RULE_KEY;
 use crate::policy::{Limit, LimitKind, Policy, Resolution};
-use crate::store::{BucketLimits, Charge, Return, Settlement};
+use crate::store::{BucketLimits, Charge, GrantCap, Return, Settlement};
 
 /// A resolved decision.
 pub(super) enum Plan {
@@ -238,7 +238,7 @@ impl<S> Decider<S> {
 }
 
 /// What the store charges for a planned decision, if anything.
-pub(super) fn charge(plan: &Plan, item: &Item) -> Option<Charge> {
+pub(super) fn charge(plan: &Plan, item: &Item, caller: Caller) -> Option<Charge> {
     let Plan::Charge { limit, key, bucket } = plan else {
         return None;
     };
@@ -248,6 +248,11 @@ pub(super) fn charge(plan: &Plan, item: &Item) -> Option<Charge> {
         cost: item.cost,
         shadow: limit.shadow,
         lease: item.lease.filter(|l| l.tokens > 0),
+        grant_cap: if caller == Caller::Quota {
+            GrantCap::Ask
+        } else {
+            GrantCap::Share
+        },
     })
 }
 
@@ -272,6 +277,7 @@ mod tests {
     use crate::policy::reload::PolicyHandle;
     use crate::policy::{Bounds, RegionScope};
     use crate::store::memory::MemoryStore;
+    use ratelimit_wire::LeaseAsk;
 
     const POLICY: &str = "rules:
   global: {capacity: 100, refill_per_sec: 10, regions: {eu: 0.3, us: 0.7}}
@@ -329,5 +335,19 @@ mod tests {
         );
         assert_eq!(returns.len(), 1);
         assert_eq!(&*returns[0].key, "rl:{ratelimit|rule=local}");
+        // Only the RLQS planner's grants escape --lease-max-share: it sizes its own.
+        let ask = Item {
+            lease: Some(LeaseAsk {
+                id: 1,
+                tokens: 9,
+                ttl_ms: 1,
+            }),
+            ..item("local")
+        };
+        let caps: Vec<GrantCap> = [Caller::Filter, Caller::RateLimitService, Caller::Quota]
+            .into_iter()
+            .map(|c| charge(&local[0], &ask, c).expect("a charge").grant_cap)
+            .collect();
+        assert_eq!(caps, [GrantCap::Share, GrantCap::Share, GrantCap::Ask]);
     }
 }

@@ -379,7 +379,7 @@ impl<S: BucketStore> Session<S> {
                         None,
                         chunk.to_vec(),
                         Vec::new(),
-                        Caller::Filter,
+                        Caller::Quota,
                     )
                     .await,
             );

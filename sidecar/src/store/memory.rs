@@ -19,7 +19,7 @@ use ratelimit_bucket::{lease_ceiling, refill, scaled, wait_ms, whole};
 use ratelimit_wire::Reason;
 
 use super::{
-    BucketLimits, BucketOutcome, BucketStore, Decided, Group, Readiness, RequestOutcome,
+    BucketLimits, BucketOutcome, BucketStore, Decided, GrantCap, Group, Readiness, RequestOutcome,
     SettleBatch, Settled, Settlement, ShareStore, Status, StoreError, StoreReset, Work,
     SHARE_MARGIN_MS,
 };
@@ -376,7 +376,10 @@ impl MemoryStore {
                         charged = c.cost as f64;
                         if let Some(ask) = c.lease.filter(|a| a.tokens > 0) {
                             if s.leases.len() < MAX_LEASES {
-                                let cap = (self.max_share * capacity).floor();
+                                let cap = match c.grant_cap {
+                                    GrantCap::Share => (self.max_share * capacity).floor(),
+                                    GrantCap::Ask => ask.tokens as f64,
+                                };
                                 grant = (ask.tokens as f64).min(cap).min(tokens.floor()).max(0.0);
                             }
                             if grant > 0.0 {
@@ -677,6 +680,7 @@ mod tests {
             cost,
             shadow: false,
             lease: None,
+            grant_cap: GrantCap::Share,
         }
     }
 
@@ -725,6 +729,29 @@ mod tests {
         assert_eq!(r.status, Status::Charged);
         assert!(!r.decisions[1].allowed);
         assert_eq!(s.stored_tokens("a"), Some(9.0));
+    }
+
+    #[test]
+    fn a_grant_capped_by_its_ask_alone_may_take_what_the_bucket_holds() {
+        let s = MemoryStore::new(T0, 0.5, 10_000);
+        let ask = |id| ratelimit_wire::LeaseAsk {
+            id,
+            tokens: 80,
+            ttl_ms: 1000,
+        };
+        let mut c = charge("q", 100, 10.0, 1);
+        (c.lease, c.grant_cap) = (Some(ask(1)), GrantCap::Ask);
+        let r = one(&s, vec![c.clone()]);
+        assert_eq!(
+            r.decisions[0].leased, 80,
+            "the ask, above max_share * capacity (50)"
+        );
+        assert_eq!(r.decisions[0].remaining, 19);
+        // Still never more than the bucket holds after the cost.
+        c.lease = Some(ask(2));
+        let r = one(&s, vec![c]);
+        assert_eq!(r.decisions[0].leased, 18);
+        assert_eq!(r.decisions[0].remaining, 0);
     }
 
     #[test]

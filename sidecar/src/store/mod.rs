@@ -111,6 +111,19 @@ pub struct Charge {
     /// Shadow mode: a rejection does not reject the request.
     pub shadow: bool,
     pub lease: Option<ratelimit_wire::LeaseAsk>,
+    /// What caps the lease's grant besides the ask and what the bucket holds.
+    pub grant_cap: GrantCap,
+}
+
+/// What caps a lease's grant besides its ask and what the bucket holds after the cost.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum GrantCap {
+    /// At most `--lease-max-share` of the capacity: a gateway's lease (docs/fast-paths.md).
+    #[default]
+    Share,
+    /// Only the ask: the RLQS planner sizes its own grants from its Envoys' demand
+    /// (docs/rlqs.md).
+    Ask,
 }
 
 /// The requests of one caller's call that live on one node: decided in one script call, each

@@ -11,8 +11,8 @@ use redis::{Cmd, Value};
 
 use super::redis::StoreOptions;
 use super::{
-    epoch_marker, BucketLimits, BucketOutcome, RequestOutcome, Status, StoreError, StoreReset,
-    Work, SHARE_MARGIN_MS,
+    epoch_marker, BucketLimits, BucketOutcome, GrantCap, RequestOutcome, Status, StoreError,
+    StoreReset, Work, SHARE_MARGIN_MS,
 };
 
 /// A bucket script: `lua/bucket.lua` (the bucket function, the arguments, the reads and writes)
@@ -133,6 +133,7 @@ impl ScriptArgs {
                     body.count(limit_of(&c.bucket));
                     body.int(c.cost);
                     body.flag(c.shadow);
+                    body.flag(c.grant_cap == GrantCap::Share);
                     let (id, want, ttl) = c.lease.map_or((0, 0, 0), |l| (l.id, l.tokens, l.ttl_ms));
                     body.int(id);
                     body.int(want);
@@ -308,6 +309,7 @@ mod tests {
             cost: 1,
             shadow: false,
             lease: None,
+            grant_cap: GrantCap::Share,
         };
         let work = Work {
             groups: vec![Group {
@@ -365,6 +367,7 @@ mod tests {
             cost: 2,
             shadow: true,
             lease: None,
+            grant_cap: GrantCap::Share,
         };
         let work = Work {
             groups: vec![Group {
@@ -382,8 +385,11 @@ mod tests {
             ("header", "I8 d B I8 I4 I4 I4 I4"),
             ("limits", "I8 d I4 I8 d I4"),
             ("group", "I4"),
-            ("request 1", "I4 I4 I4 I8 B I8 I8 I8 I4 I4 I8 B I8 I8 I8"),
-            ("request 2", "I4 I4 I4 I8 B I8 I8 I8"),
+            (
+                "request 1",
+                "I4 I4 I4 I8 B B I8 I8 I8 I4 I4 I8 B B I8 I8 I8",
+            ),
+            ("request 2", "I4 I4 I4 I8 B B I8 I8 I8"),
         ];
         let mut at = 0;
         let read: Vec<String> = layout
@@ -418,8 +424,8 @@ mod tests {
                 "10000 0.1 0 1000 2 2 1 0",
                 "10 0.5 0 20 0.5 0",
                 "2",
-                "2 1 1 2 1 0 0 0 2 1 2 1 0 0 0",
-                "1 1 2 2 1 0 0 0"
+                "2 1 1 2 1 1 0 0 0 2 1 2 1 1 0 0 0",
+                "1 1 2 2 1 1 0 0 0"
             ]
         );
         let keys: Vec<&str> = args.keys.iter().map(|k| &**k).collect();

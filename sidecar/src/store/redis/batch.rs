@@ -168,7 +168,7 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
-    use crate::store::{BucketLimits, BucketOutcome, Charge, Group, Status};
+    use crate::store::{BucketLimits, BucketOutcome, Charge, GrantCap, Group, Status};
 
     fn work(key: &str) -> Work {
         Work {
@@ -180,6 +180,7 @@ mod tests {
                     cost: 1,
                     shadow: false,
                     lease: None,
+                    grant_cap: GrantCap::Share,
                 }]],
             }],
             returns: vec![],

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use super::{NodeId, Nodes};
 use crate::store::memory::MemoryStore;
-use crate::store::{BucketLimits, Charge, Group, RequestOutcome, StoreError, Work};
+use crate::store::{BucketLimits, Charge, GrantCap, Group, RequestOutcome, StoreError, Work};
 
 pub(super) const T0: u64 = 1_700_000_000_000_000;
 
@@ -39,6 +39,7 @@ pub(super) fn charge(key: &str, capacity: u64, cost: u64) -> Charge {
         cost,
         shadow: false,
         lease: None,
+        grant_cap: GrantCap::Share,
     }
 }
 
