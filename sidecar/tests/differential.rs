@@ -118,6 +118,11 @@ fn step() -> impl Strategy<Value = Step> {
             prop::collection::vec((0..KEYS.len(), 1..4u64, 0..4u64), 0..2),
         )
             .prop_map(|(groups, returns)| Step::Apply { groups, returns }),
+        // A lone decision: without a lease, a share or a record, lua/single.lua decides it.
+        4 => decision().prop_map(|d| Step::Apply {
+            groups: vec![(None, vec![vec![d]])],
+            returns: vec![],
+        }),
         1 => (0..4usize, prop::collection::vec(0..4usize, 1..3))
             .prop_map(|(group, requests)| Step::Refund { group, requests }),
         2 => (0..KEYS.len(), 0..PPM.len()).prop_map(|(key, ppm)| Step::Share { key, ppm }),
