@@ -72,7 +72,8 @@ pub fn one_decision_requests(
     put(capacity, 8);
     put(refill_per_sec.to_bits(), 8);
     put(0, 4);
-    // The group's requests, each one decision: bucket j, limit 1, the cost, no shadow, no lease.
+    // The group's requests, each one decision: bucket j, limit 1, the cost, no shadow, the grant
+    // capped by the share, no lease.
     put(buckets.len() as u64, 4);
     for j in 1..=buckets.len() as u64 {
         for (v, width) in [
@@ -81,6 +82,7 @@ pub fn one_decision_requests(
             (1, 4),
             (cost, 8),
             (0, 1),
+            (1, 1),
             (0, 8),
             (0, 8),
             (0, 8),
