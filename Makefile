@@ -58,6 +58,12 @@ reliability: build
 # primaries (uniform and Zipf keys), a hot key with and without leases, the latency a network hop
 # adds (network namespaces: needs root), and the model for 1M decisions/s from the run's own
 # figures; part 5, Redis held at the model's utilisation. Not part of `make test`; about 7 minutes. SCALE_ARGS="--seconds 4 --parts 1,2" etc.
+.PHONY: script-instructions
+# Redis's instructions per call of the bucket scripts under callgrind (docs/benchmarks.md).
+script-instructions:
+	command -v valgrind >/dev/null || apt-get install -y valgrind
+	scripts/script-instructions.py
+
 .PHONY: scale
 scale: build
 	RATELIMIT_SIDECAR_BIN=$(CURDIR)/$(SIDECAR) RATELIMIT_FILTER_WASM=$(CURDIR)/$(WASM) \
