@@ -41,6 +41,28 @@ impl Plugin {
         )
     }
 
+    /// `identity.api_key`: the API keys `keys` read from `header`, each naming its app (the
+    /// configuration holds their SHA-256 hashes).
+    pub fn api_keys(
+        mut self,
+        header: &str,
+        keys: impl IntoIterator<Item = (String, String)>,
+    ) -> Plugin {
+        use sha2::{Digest, Sha256};
+        let hashes: serde_json::Map<String, Value> = keys
+            .into_iter()
+            .map(|(key, app)| {
+                let hash: String = Sha256::digest(key.as_bytes())
+                    .iter()
+                    .map(|b| format!("{b:02x}"))
+                    .collect();
+                (hash, Value::String(app))
+            })
+            .collect();
+        self.0["identity"]["api_key"] = json!({"header": header, "keys": hashes});
+        self
+    }
+
     /// The callout timeout (`sidecar.timeout_ms`).
     pub fn timeout_ms(mut self, ms: u64) -> Plugin {
         self.0["sidecar"]["timeout_ms"] = json!(ms);

@@ -27,6 +27,10 @@ pub const REFUND: &str = concat!(
     include_str!("../../lua/refund.lua")
 );
 
+/// The script of a lone decision without a lease ask, a share or a record, as the sidecar sends
+/// it for such a call (`ScriptArgs::single` in `sidecar/src/store/script.rs`).
+pub const SINGLE: &str = include_str!("../../lua/single.lua");
+
 /// The single-file script before the split (662 lines, apply and refund in one).
 pub const BEFORE: &str = include_str!("../fixtures/token_bucket_before.lua");
 
@@ -95,6 +99,21 @@ pub fn one_decision_requests(
     c.arg(buckets);
     // The group's record key: none; last, no epoch marker (--store-reset full).
     c.arg("").arg("");
+    c
+}
+
+/// The `EVALSHA` of [`SINGLE`] for call number `i` on `keys` buckets: the decision of
+/// [`apply_call`] with `n` = 1 (the same limit and cost), as `lua/single.lua` takes it: the
+/// bucket as the one key; capacity (I8), refill (d), cost (I8), shadow (B); no epoch marker.
+pub fn single_call(sha: &str, i: u64, keys: u64) -> redis::Cmd {
+    let mut numbers = Vec::with_capacity(25);
+    numbers.extend_from_slice(&999_999_999_999u64.to_le_bytes());
+    numbers.extend_from_slice(&1e9f64.to_le_bytes());
+    numbers.extend_from_slice(&1u64.to_le_bytes());
+    numbers.push(0);
+    let mut c = redis::cmd("EVALSHA");
+    c.arg(sha).arg(1).arg(bench_bucket(i, 0, keys));
+    c.arg(numbers).arg("");
     c
 }
 

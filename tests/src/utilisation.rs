@@ -4,22 +4,26 @@
 //! much less, so the cost at the utilisation a capacity model plans for is the figure the model
 //! needs (`make scale`, part 5; docs/scaling.md#the-shard-model).
 //!
-//! Two kinds of work, measured in the same run: the bucket script with one decision per call
-//! (the apply script as the sidecar sends it, on `keys` buckets, every decision admitted and
-//! written), and the peer's work, one `INCR` per decision on as many keys.
+//! Three kinds of work, measured in the same run: the bucket script with one decision per call,
+//! as the sidecar sends a lone decision (`lua/single.lua`), and as the long script
+//! (`bucket.lua` + `apply.lua`) that calls with leases, shares or records take (on `keys`
+//! buckets, every decision admitted and written); and the peer's work, one `INCR` per decision
+//! on as many keys.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::probe::cpu_seconds;
-use crate::script_cost::{apply_call, APPLY};
+use crate::script_cost::{apply_call, single_call, APPLY, SINGLE};
 use crate::Redis;
 
 /// What each call does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Work {
-    /// The apply script, one decision per call.
+    /// The script a lone decision runs (`lua/single.lua`).
+    Single,
+    /// The long apply script (`bucket.lua` + `apply.lua`), one decision per call.
     Script,
     /// One `INCR` per decision.
     Incr,
@@ -28,7 +32,8 @@ pub enum Work {
 impl Work {
     pub fn name(self) -> &'static str {
         match self {
-            Work::Script => "bucket script, 1 decision per call",
+            Work::Single => "lone-decision script (single.lua)",
+            Work::Script => "long script (bucket + apply), 1 decision",
             Work::Incr => "INCR per decision (the peer's work)",
         }
     }
@@ -107,6 +112,7 @@ impl Callers {
                         }
                         next = next.max(now) + Duration::from_secs_f64(n / rate);
                         let cmd = match work {
+                            Work::Single => single_call(&sha, i, keys),
                             Work::Script => apply_call(&sha, 1, i, keys),
                             Work::Incr => {
                                 let mut c = redis::cmd("INCR");
@@ -164,7 +170,7 @@ pub fn measure(work: Work, target: f64, connections: usize, keys: u64, seconds: 
         let mut c = redis.connection();
         redis::cmd("SCRIPT")
             .arg("LOAD")
-            .arg(APPLY)
+            .arg(if work == Work::Single { SINGLE } else { APPLY })
             .query(&mut c)
             .expect("SCRIPT LOAD")
     };

@@ -135,6 +135,8 @@ const POLICY: &str = "rules:
   hot: {capacity: 999999999999, refill_per_sec: 1000000000}
   flood: {capacity: 1, refill_per_sec: 0.000001}
   edge: {capacity: 2000, refill_per_sec: 2000}
+  keys: {capacity: 999999999999, refill_per_sec: 1000000000}
+  settled: {capacity: 999999999999, refill_per_sec: 1000000000}
   mem: {capacity: 100, refill_per_sec: 1}
 ";
 
@@ -232,7 +234,7 @@ impl Bench {
     /// bench tells its 10,000 clients apart by address; an edge Envoy must not, see the README).
     fn envoy(&self, filter: Filter, fast: bool, workers: u32) -> EnvoyConfig {
         let config = EnvoyConfig::shipped("envoy.yaml", self.sidecar.port, self.upstream.port)
-            .plugin(&plugin(fast).to_string())
+            .plugin(&plugin(fast, self.args.keys).to_string())
             .concurrency(workers)
             .log_level("warning")
             .replace("use_remote_address: true", "use_remote_address: false");
@@ -502,6 +504,8 @@ struct Components {
     incr: StageResult,
     script_one: StageResult,
     script_batch: StageResult,
+    /// `lua/single.lua`, the script the sidecar sends for a lone decision.
+    single_one: StageResult,
     decide_one: StageResult,
     decide_batch: StageResult,
 }
@@ -539,6 +543,12 @@ async fn components(b: &Bench, script: &str) -> Components {
     let (script_one, script_batch) = script_stages(b, &conn, "bucket script", script).await;
     print(&script_one, Some(&incr));
     print(&script_batch, Some(&incr));
+    let single_one = single_stage(b, &conn).await;
+    print(&single_one, Some(&incr));
+    print_note(&format!(
+        "Redis CPU per decision: the lone-decision script {:.2}x the long script's",
+        single_one.cpu_per_decision("redis") / script_one.cpu_per_decision("redis").max(1e-9)
+    ));
     println!("{}", script_cost::before_and_after(b.args.batch, keys));
 
     let decide_url = format!("{}/v1/decide", b.sidecar.base_url());
@@ -592,6 +602,7 @@ async fn components(b: &Bench, script: &str) -> Components {
         incr,
         script_one,
         script_batch,
+        single_one,
         decide_one,
         decide_batch,
     }
@@ -632,6 +643,32 @@ async fn script_stages(
     let many = format!("{label}, {batch} decisions per call");
     let many = b.stage(&many, c, redis_only, batch, script_op(batch)).await;
     (one, many)
+}
+
+/// `lua/single.lua`, the script a lone decision without a lease ask, a share or a record runs,
+/// called with the decision of the one-decision stage of [`script_stages`].
+async fn single_stage(b: &Bench, conn: &redis::aio::MultiplexedConnection) -> StageResult {
+    let sha: String = redis::cmd("SCRIPT")
+        .arg("LOAD")
+        .arg(script_cost::SINGLE)
+        .query_async(&mut conn.clone())
+        .await
+        .expect("SCRIPT LOAD");
+    let keys = b.args.keys as u64;
+    let conn = conn.clone();
+    let op = load::op(move |call| {
+        let mut conn = conn.clone();
+        let cmd = script_cost::single_call(&sha, call.random() >> 16, keys);
+        async move {
+            cmd.query_async::<redis::Value>(&mut conn)
+                .await
+                .map(|_| ())
+                .map_err(|e| e.to_string())
+        }
+    });
+    let name = "lone-decision script (single.lua), 1 decision per call";
+    b.stage(name, b.args.concurrency, &b.watched()[..1], 1, op)
+        .await
 }
 
 /// Buckets written to measure memory.
@@ -714,16 +751,25 @@ enum Workload {
     ManyKeys,
     HotKey,
     Flood,
+    /// Many keys told apart by API key (identity by key, as users configure it), not address.
+    ManyApiKeys,
+    /// Many keys (by address), each request's cost settled from its response: reserved 10, the
+    /// upstream reports 4 in `x-usage-tokens` (docs/costs.md).
+    Settled,
 }
 
 impl Workload {
     const ALL: [Workload; 3] = [Workload::ManyKeys, Workload::HotKey, Workload::Flood];
+    /// Measured with the filter as shipped beside the goals' workloads, against many keys.
+    const EXTRA: [Workload; 2] = [Workload::ManyApiKeys, Workload::Settled];
 
     fn name(self) -> &'static str {
         match self {
             Workload::ManyKeys => "many keys",
             Workload::HotKey => "hot key",
             Workload::Flood => "flood",
+            Workload::ManyApiKeys => "many API keys",
+            Workload::Settled => "settled costs (many keys)",
         }
     }
     fn path(self) -> &'static str {
@@ -731,6 +777,8 @@ impl Workload {
             Workload::ManyKeys => "/many/x",
             Workload::HotKey => "/hot/x",
             Workload::Flood => "/flood/x",
+            Workload::ManyApiKeys => "/keys/x",
+            Workload::Settled => "/usage/header?tokens=4",
         }
     }
 }
@@ -745,12 +793,16 @@ fn workload_op(
 ) -> Op<Result<(), String>> {
     load::op(move |call| {
         let mut req = client.get(&url);
-        if workload == Workload::ManyKeys {
-            let k = (call.random() >> 16) % keys;
-            req = req.header(
-                "x-forwarded-for",
-                format!("10.{}.{}.{}", (k >> 16) & 255, (k >> 8) & 255, k & 255),
-            );
+        let k = (call.random() >> 16) % keys;
+        match workload {
+            Workload::ManyKeys | Workload::Settled => {
+                req = req.header(
+                    "x-forwarded-for",
+                    format!("10.{}.{}.{}", (k >> 16) & 255, (k >> 8) & 255, k & 255),
+                );
+            }
+            Workload::ManyApiKeys => req = req.header("x-api-key", api_key(k)),
+            Workload::HotKey | Workload::Flood => {}
         }
         async move {
             let resp = req.send().await.map_err(|e| e.to_string())?;
@@ -770,15 +822,29 @@ fn workload_op(
     })
 }
 
-/// The plugin configuration: one rule per workload; `fast` turns every fast path on (as shipped)
-/// or off (one callout per request).
-fn plugin(fast: bool) -> Plugin {
+/// The API key of client `k` of the many-API-keys workload.
+fn api_key(k: u64) -> String {
+    format!("bench-key-{k}")
+}
+
+/// The plugin configuration: one rule per workload, the `keys` API keys of the many-API-keys
+/// workload (each its own app); `fast` turns every fast path on (as shipped) or off (one callout
+/// per request).
+fn plugin(fast: bool, keys: usize) -> Plugin {
+    let mut settled = rule("settled", "/usage/", &["ip"], "deny");
+    settled["cost"] = json!({"reserve": 10, "response_header": "x-usage-tokens"});
     let plugin = Plugin::by_address(json!([
         rule("many", "/many/", &["ip"], "deny"),
         rule("hot", "/hot/", &[], "deny"),
         rule("flood", "/flood/", &[], "deny"),
-        rule("edge", "/edge/", &["ip"], "deny")
-    ]));
+        rule("edge", "/edge/", &["ip"], "deny"),
+        rule("keys", "/keys/", &["app"], "deny"),
+        settled
+    ]))
+    .api_keys(
+        "x-api-key",
+        (0..keys as u64).map(|k| (api_key(k), format!("app{k}"))),
+    );
     if fast {
         plugin
     } else {
@@ -877,6 +943,14 @@ async fn envoy_round(b: &Bench, workers: u32) -> EnvoyRun {
         print_note(&redis_breakdown(&b.redis, &fast));
         wasm_stages.push((workload, slow, fast, callouts));
     }
+    let mut extra = Vec::new();
+    for workload in Workload::EXTRA {
+        let name = format!("{}: filter as shipped (fast paths)", workload.name());
+        let (r, callouts) = stage(&name, wasm, true, workload).await;
+        print(&r, Some(&baseline));
+        print_note(&format!("callouts per request: {callouts:.3}"));
+        extra.push((workload, r, callouts));
+    }
     let mut native = Vec::new();
     for workload in Workload::ALL {
         let name = format!("{}: Envoy's native ratelimit filter, gRPC", workload.name());
@@ -904,6 +978,7 @@ async fn envoy_round(b: &Bench, workers: u32) -> EnvoyRun {
         native,
         rlqs,
         loaded,
+        extra,
     }
 }
 
@@ -1120,7 +1195,8 @@ async fn ab_filter(b: &Bench, other: &Path) {
 fn print_summary(b: &Bench, c: &Components, memory: &BucketMemory) {
     println!("\n== summary");
     println!(
-        "Redis CPU per decision: {:.1} µs for the script with 1 decision per call, {:.1} µs with {} per call, {:.1} µs for INCR",
+        "Redis CPU per decision: {:.1} µs for a lone decision (single.lua), {:.1} µs for the long script with 1 decision per call, {:.1} µs with {} per call, {:.1} µs for INCR",
+        c.single_one.cpu_per_decision("redis"),
         c.script_one.cpu_per_decision("redis"),
         c.script_batch.cpu_per_decision("redis"),
         b.args.batch,
@@ -1193,6 +1269,19 @@ fn print_goals(b: &Bench, c: &Components, runs: &[(EnvoyRun, Vec<EnvoyRun>, AtLi
             "[{w} worker(s)] many keys, sidecar CPU per decision: {sidecar_real:.1} µs ({})",
             verdict("sidecar")
         );
+        for (wl, r, callouts) in &run.extra {
+            println!(
+                "[{w} worker(s)] {}: {:.2}x the no-op filter's throughput ({:.2}x many keys by address); Envoy CPU above the no-op filter {:.1} µs/request (many keys {added_fast:.1}); whole-stack CPU per request {:.1} µs, {:.2}x many keys'; sidecar {:.1} µs, Redis {:.1} µs per request; {callouts:.3} callouts/request",
+                wl.name(),
+                r.per_second() / run.noop.per_second(),
+                r.per_second() / many.per_second(),
+                r.cpu("envoy") - noop_envoy,
+                r.stack_cpu(),
+                r.stack_cpu() / many.stack_cpu().max(1e-9),
+                r.cpu_per_decision("sidecar"),
+                r.cpu_per_decision("redis"),
+            );
+        }
         if let Some(l) = &run.loaded {
             let c = l.concurrency;
             let r = l.fast.per_second() / l.baseline.per_second();
@@ -1281,6 +1370,9 @@ struct EnvoyRun {
     rlqs: Vec<(Workload, StageResult)>,
     /// The many-keys stages under load.
     loaded: Option<Loaded>,
+    /// (workload, the filter as shipped, callouts per request) for the workloads measured
+    /// beside the goals' ([`Workload::EXTRA`]).
+    extra: Vec<(Workload, StageResult, f64)>,
 }
 
 /// The many-keys stages again with `--loaded-concurrency` callers.
@@ -1355,6 +1447,15 @@ impl EnvoyRun {
                     callouts: median(l.iter().map(|x| x.callouts)),
                 }
             });
+        let extra = (0..first.extra.len())
+            .map(|i| {
+                (
+                    first.extra[i].0,
+                    stage(&|r| &r.extra[i].1),
+                    median(rounds.iter().map(|r| r.extra[i].2)),
+                )
+            })
+            .collect();
         EnvoyRun {
             workers: first.workers,
             baseline: stage(&|r| &r.baseline),
@@ -1364,6 +1465,7 @@ impl EnvoyRun {
             native,
             rlqs,
             loaded,
+            extra,
         }
     }
 
@@ -1383,6 +1485,10 @@ impl EnvoyRun {
         }
         for (_, r) in &self.rlqs {
             print(r, Some(&self.baseline));
+        }
+        for (_, r, callouts) in &self.extra {
+            print(r, Some(&self.baseline));
+            print_note(&format!("callouts per request: {callouts:.3}"));
         }
         if let Some(l) = &self.loaded {
             print(&l.baseline, None);
@@ -1598,6 +1704,7 @@ mod tests {
             wasm,
             native,
             rlqs: Vec::new(),
+            extra: Vec::new(),
             loaded: loaded.then(|| Loaded {
                 concurrency: 256,
                 baseline: stage(1000, &envoy(45.0)),

@@ -1704,9 +1704,9 @@ fn run_part5(args: &Args) -> Part5 {
     for round in 0..args.load_rounds {
         // The order alternates, so drift in the machine's load falls on both alike.
         let order = if round % 2 == 0 {
-            [Work::Script, Work::Incr]
+            [Work::Single, Work::Script, Work::Incr]
         } else {
-            [Work::Incr, Work::Script]
+            [Work::Incr, Work::Script, Work::Single]
         };
         for work in order {
             if INTERRUPTED.load(Ordering::Relaxed) {
@@ -1741,11 +1741,17 @@ fn print_part5(args: &Args, p: &Part5) {
             ])
         );
     }
-    let (script, incr) = (p.median(Work::Script), p.median(Work::Incr));
+    let (single, script, incr) = (
+        p.median(Work::Single),
+        p.median(Work::Script),
+        p.median(Work::Incr),
+    );
     println!(
-        "medians: the script {script:.1} µs per decision, INCR {incr:.1} µs ({:.1}x), at {:.0}% busy",
+        "medians at {:.0}% busy, µs per decision: the lone-decision script {single:.1} ({:.2}x the long script's {script:.1}), INCR {incr:.1} (the lone-decision script {:.1}x, the long one {:.1}x)",
+        args.utilisation * 100.0,
+        single / script,
+        single / incr,
         script / incr,
-        args.utilisation * 100.0
     );
 }
 
@@ -1974,10 +1980,15 @@ fn print_model(
         Some(p5) => {
             let f = c_primary / c_redis.max(1e-9);
             println!(
-                "with c_primary from part 5 (Redis held at {:.0}% busy, one decision per call): {:.1} µs x f_repl {f:.2} = {:.1} µs",
+                "with c_primary from part 5 (Redis held at {:.0}% busy, one decision per call, the lone-decision script): {:.1} µs x f_repl {f:.2} = {:.1} µs",
                 u * 100.0,
-                p5.median(Work::Script),
-                p5.median(Work::Script) * f
+                p5.median(Work::Single),
+                p5.median(Work::Single) * f
+            );
+            model_table(keys, &model, p5.median(Work::Single) * f);
+            println!(
+                "the same with the long script (bucket + apply: a call with a lease ask, a share or a record), part 5: {:.1} µs x f_repl {f:.2}",
+                p5.median(Work::Script)
             );
             model_table(keys, &model, p5.median(Work::Script) * f);
             println!(
