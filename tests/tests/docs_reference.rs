@@ -622,6 +622,7 @@ fn every_field_of_a_decide_call_and_its_answer_is_documented() {
                 code: ErrorCode::UnknownRule,
                 message: "m".into(),
             }),
+            slot: None,
         }],
         epoch: Some(1),
     };
