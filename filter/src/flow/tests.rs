@@ -843,11 +843,12 @@ fn a_rule_reserving_from_the_request_json_waits_for_the_body() {
 }
 
 #[test]
-fn settlements_tick_at_least_every_100_ms() {
+fn settlements_and_slots_tick_at_least_every_100_ms() {
+    // Any rule may hold concurrency slots (the sidecar's policy says which): a tick renews them.
     let g = Gateway::new(config(|v| {
         v["fast_paths"] = json!({"coalesce": false, "policy_poll_ms": 0});
     }));
-    assert_eq!(g.flow().tick_period_ms(), None);
+    assert_eq!(g.flow().tick_period_ms(), Some(crate::slots::TICK_MS));
     let g = Gateway::new(config(|v| {
         metered(v);
         v["fast_paths"] = json!({"coalesce": false, "policy_poll_ms": 0});
