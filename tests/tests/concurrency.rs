@@ -168,6 +168,10 @@ fn a_killed_envoys_slots_come_back_within_slot_ttl_ms() {
         429,
         "all 5 held"
     );
+    assert!(
+        p.envoys[0].counter("ratelimit.slots_renewed") >= N,
+        "Envoy 0 renewed its slots while it lived"
+    );
     p.envoys[0].process.signal(Signal::SIGKILL);
     let killed = Instant::now();
     let mut refused = 0;
