@@ -63,6 +63,16 @@ pub enum Stat {
     SettlementsRetried,
     /// Settlements given up (their calls failed every time, or the outbox was full).
     SettlementsLost,
+    /// Concurrency slots renewed by the sidecar (docs/concurrency.md).
+    SlotsRenewed,
+    /// Concurrency slots released at their stream's end.
+    SlotsReleased,
+    /// Renewals or releases of slots the sidecar no longer held (expired).
+    SlotsExpired,
+    /// Releases sent again after their call failed.
+    SlotsRetried,
+    /// Releases given up (3 sends failed, or too many waiting): those slots expire by themselves.
+    SlotsLost,
     /// `rule.<name>.admitted` of the rule with this index in [`Config::rules`].
     RuleAdmitted(usize),
     /// `rule.<name>.rejected`.
@@ -596,6 +606,15 @@ impl Flow<'_> {
         self.stats.add(Stat::SettlementsLost, d.lost);
     }
 
+    /// Counts what a slots call (or its failure) did.
+    pub fn count_slots(&self, d: crate::slots::SlotDelivery) {
+        self.stats.add(Stat::SlotsRenewed, d.renewed);
+        self.stats.add(Stat::SlotsReleased, d.released);
+        self.stats.add(Stat::SlotsExpired, d.expired);
+        self.stats.add(Stat::SlotsRetried, d.retried);
+        self.stats.add(Stat::SlotsLost, d.lost);
+    }
+
     /// Counts a verdict the host carried out: the request admitted, or answered 429.
     pub fn delivered(&self, verdict: &Verdict) {
         match verdict {
@@ -786,7 +805,12 @@ impl Flow<'_> {
         // stays known a little longer, never an admission more.)
         let nothing_to_learn =
             d.no_entry && d.ask.is_none() && !matches!(outcome, DecisionOutcome::Rejected { .. });
-        if !learns || nothing_to_learn || r.reason == Reason::Unlimited {
+        // A full concurrency limit says nothing of the bucket, and frees at an unknown time: the
+        // next request asks again.
+        if !learns
+            || nothing_to_learn
+            || matches!(r.reason, Reason::Unlimited | Reason::Concurrency)
+        {
             return;
         }
         let learned = Learned {
@@ -947,7 +971,10 @@ impl Flow<'_> {
             .iter()
             .any(|r| r.cost.settled().is_some())
             .then_some(SETTLE_TICK_MS);
-        [queue, poll, settle].into_iter().flatten().min()
+        // Any rule may limit requests in flight (the sidecar's policy says which): the slots of
+        // admitted streams are renewed and released at ticks (docs/concurrency.md).
+        let slots = Some(crate::slots::TICK_MS);
+        [queue, poll, settle, slots].into_iter().flatten().min()
     }
 
     /// A tick of `worker` at `now_ns`: it reads the published policy epoch, and whether it sends

@@ -11,6 +11,7 @@
 //! - [`fastpath`]: known rejections and leases in shared data (the exact local fast paths);
 //! - [`emergency`]: the local token bucket of the `local` failure policy;
 //! - [`shared`]: shared data, where both of those live, and its one compare-and-swap loop;
+//! - [`slots`]: the concurrency slots this worker's streams hold, renewed and released;
 //! - [`verdict`]: admit or reject from the sidecar's answer, local knowledge or the failure
 //!   policies, and what a rejection looks like on the wire.
 //!
@@ -27,6 +28,7 @@ pub mod flow;
 pub mod identity;
 pub mod rules;
 pub mod shared;
+pub mod slots;
 pub mod verdict;
 
 #[cfg(all(target_arch = "wasm32", target_os = "wasi"))]

@@ -218,6 +218,7 @@ pub fn from_leases(config: &Config, leased: &[LeasedAdmit<'_>]) -> Verdict {
             allowed: true,
             results: Vec::new(),
             error: None,
+            slot: None,
         },
         &[],
         leased,
@@ -556,6 +557,7 @@ mod tests {
             allowed: results.iter().all(|r| r.allowed),
             results,
             error: None,
+            slot: None,
         }
     }
 
@@ -567,6 +569,7 @@ mod tests {
                 code,
                 message: message.into(),
             }),
+            slot: None,
         }
     }
 

@@ -720,7 +720,10 @@ fn check_plan(
             domain: config.domain.clone(),
             // Filter callouts carry no attempt id.
             attempt: None,
-            requests: vec![RequestDecisions { decisions }],
+            requests: vec![RequestDecisions {
+                decisions,
+                slot: None,
+            }],
             returns: Vec::new(),
         };
         let body = serde_json::to_vec(&call).map_err(|e| TestCaseError::fail(e.to_string()))?;

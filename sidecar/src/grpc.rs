@@ -485,6 +485,7 @@ mod tests {
             allowed: true,
             results: vec![result(true, Reason::Ok, 4, 1000)],
             error: None,
+            slot: None,
         };
         let r = respond(&ok);
         assert_eq!(r.overall_code, Code::Ok as i32);
@@ -520,6 +521,7 @@ mod tests {
                 result(false, Reason::Insufficient, 0, 1500),
             ],
             error: None,
+            slot: None,
         };
         let r = respond(&over);
         assert_eq!(r.overall_code, Code::OverLimit as i32);
@@ -539,6 +541,7 @@ mod tests {
             allowed: false,
             results: vec![result(false, Reason::CostExceedsCapacity, 5, 0)],
             error: None,
+            slot: None,
         };
         assert_eq!(
             response_headers(&never),

@@ -1,4 +1,4 @@
-//! The HTTP edge: `POST /v1/decide`, `POST /v1/settle`, `GET /healthz`, `GET /readyz`, `GET /metrics`, and the router
+//! The HTTP edge: `POST /v1/decide`, `POST /v1/settle`, `POST /v1/slots`, `GET /healthz`, `GET /readyz`, `GET /metrics`, and the router
 //! that also carries the gRPC service of [`crate::grpc`] on the same listener (HTTP/1.1 and h2c).
 //! Every error answer of the HTTP API is JSON `{"error":"..."}`.
 
@@ -14,9 +14,10 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use ratelimit_wire::{
     DecideResponse, EpochResponse, ErrorBody, ErrorCode, DECIDE_PATH, EPOCH_PATH, SETTLE_PATH,
+    SLOTS_PATH,
 };
 
-use crate::decide::{parse_request, parse_settle, Decider};
+use crate::decide::{parse_request, parse_settle, parse_slots, Decider};
 use crate::grpc::RateLimitApi;
 use crate::metrics::{CallOutcome, Metrics, RequestOutcome};
 use crate::store::BucketStore;
@@ -33,6 +34,7 @@ pub fn router<S: BucketStore>(state: Arc<AppState<S>>, max_body_bytes: usize) ->
     let decide_json = Router::new()
         .route(DECIDE_PATH, post(decide::<S>))
         .route(SETTLE_PATH, post(settle::<S>))
+        .route(SLOTS_PATH, post(slots::<S>))
         .route(EPOCH_PATH, get(epoch::<S>))
         .method_not_allowed_fallback(|| async {
             error(StatusCode::METHOD_NOT_ALLOWED, "method not allowed".into())
@@ -160,6 +162,47 @@ async fn settle<S: BucketStore>(
     }
 }
 
+/// `POST /v1/slots`: 200 with what was renewed and released, 400 for a malformed call, 503 (500
+/// when the script failed) when the store could not apply it: the caller may send it again (a
+/// renewal or release applied twice does nothing more).
+async fn slots<S: BucketStore>(
+    State(s): State<Arc<AppState<S>>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let call = match body
+        .map_err(|r| (r.status(), r.body_text()))
+        .and_then(|b| parse_slots(&b).map_err(|e| (StatusCode::BAD_REQUEST, e.to_string())))
+    {
+        Ok(call) => call,
+        Err((status, text)) => {
+            s.metrics.call("slots", CallOutcome::BadRequest);
+            return error(status, text);
+        }
+    };
+    let decider = s.decider.clone();
+    match tokio::spawn(async move { decider.update_slots(call).await }).await {
+        Ok(Ok(answer)) => {
+            s.metrics.call("slots", CallOutcome::Answered);
+            Json(answer).into_response()
+        }
+        Ok(Err(e)) => {
+            let status = if e.is_deterministic() {
+                s.metrics.call("slots", CallOutcome::Error);
+                StatusCode::INTERNAL_SERVER_ERROR
+            } else {
+                s.metrics.call("slots", CallOutcome::Unavailable);
+                StatusCode::SERVICE_UNAVAILABLE
+            };
+            error(status, e.to_string())
+        }
+        Err(e) => {
+            s.metrics.call("slots", CallOutcome::Error);
+            tracing::error!("slots task failed: {e}");
+            error(StatusCode::INTERNAL_SERVER_ERROR, "slots failed".into())
+        }
+    }
+}
+
 /// 200 with the answers, unless every request failed for one reason: then 503 (Redis
 /// unavailable) or 500 (the script failed), so a simple caller sees the outage in the status.
 fn respond(metrics: &Metrics, answer: DecideResponse) -> Response {
@@ -262,6 +305,7 @@ mod tests {
                 code,
                 message: "x".into(),
             }),
+            slot: None,
         }
     }
 

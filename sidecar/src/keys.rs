@@ -11,6 +11,8 @@
 //! Record (deduplication, refunds): `<bucket key of a group's first decision>:a:<attempt>`, in
 //! the same slot as that bucket.
 //!
+//! Concurrency slots (`docs/concurrency.md`): `<bucket key>:c`, a sorted set in the bucket's slot.
+//!
 //! Regional rules (`docs/regions.md`), one of each per rule in each region's Redis, in one slot:
 //! the share record `<prefix>share:{<domain>|<rule>}` and the demand counters
 //! `<prefix>demand:{<domain>|<rule>}`; and in one region's Redis the rebalancer's leader lock
@@ -64,6 +66,15 @@ pub fn settle_record_key(bucket_key: &str, id: &str) -> String {
     key.push_str(bucket_key);
     key.push_str(":s:");
     push_escaped(&mut key, id);
+    key
+}
+
+/// The concurrency slots of a rule's subject (`lua/slots.lua`): `<its bucket key>:c`, in the
+/// bucket's Cluster slot.
+pub fn slots_key(bucket_key: &str) -> String {
+    let mut key = String::with_capacity(bucket_key.len() + 2);
+    key.push_str(bucket_key);
+    key.push_str(":c");
     key
 }
 
@@ -174,6 +185,18 @@ mod tests {
         let b = bucket_key("rl:", "ratelimit", &[("rule", Some("r"))]);
         let r = record_key(&b, "c-1/{x}");
         assert_eq!(cluster_slot(b.as_bytes()), cluster_slot(r.as_bytes()));
+    }
+
+    #[test]
+    fn slots_share_their_buckets_slot() {
+        let b = bucket_key(
+            "rl:",
+            "ratelimit",
+            &[("rule", Some("r")), ("app", Some("a"))],
+        );
+        let c = slots_key(&b);
+        assert_eq!(c, "rl:{ratelimit|rule=r|app=a}:c");
+        assert_eq!(cluster_slot(b.as_bytes()), cluster_slot(c.as_bytes()));
     }
 
     #[test]

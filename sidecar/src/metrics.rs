@@ -105,6 +105,50 @@ impl SettleOutcome {
     }
 }
 
+/// What became of a concurrency slot (`ratelimit_slots_total{rule, outcome}`,
+/// docs/concurrency.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SlotOutcome {
+    /// Taken by an admitted request.
+    Taken,
+    /// Refused: the set held `concurrency` slots (the request answered 429).
+    Full,
+    /// Held longer by a gateway's renewal.
+    Renewed,
+    /// Given back: the stream ended, or the request's rate limit rejected it after the take.
+    Released,
+    /// A renewal or release of a slot the set no longer held (it expired) or never held.
+    ExpiredOrUnknown,
+}
+
+impl SlotOutcome {
+    pub const ALL: [SlotOutcome; 5] = [
+        SlotOutcome::Taken,
+        SlotOutcome::Full,
+        SlotOutcome::Renewed,
+        SlotOutcome::Released,
+        SlotOutcome::ExpiredOrUnknown,
+    ];
+
+    pub fn label(self) -> &'static str {
+        match self {
+            SlotOutcome::Taken => "taken",
+            SlotOutcome::Full => "full",
+            SlotOutcome::Renewed => "renewed",
+            SlotOutcome::Released => "released",
+            SlotOutcome::ExpiredOrUnknown => "expired_or_unknown",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SlotLabels {
+    /// The limit's (rule's or override's) name.
+    pub rule: String,
+    /// See [`SlotOutcome`].
+    pub outcome: &'static str,
+}
+
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ResultLabels {
     pub result: &'static str,
@@ -272,6 +316,8 @@ pub struct Metrics {
     /// `ratelimit_settlements_total{outcome}`: settlements of costs known after the response
     /// ([`SettleOutcome`]).
     pub settlements: Family<OutcomeLabels, Counter>,
+    /// `ratelimit_slots_total{rule, outcome}`: concurrency slots by outcome ([`SlotOutcome`]).
+    pub slots: Family<SlotLabels, Counter>,
     /// `ratelimit_rlqs_streams`: quota streams (one per Envoy) open now.
     pub rlqs_streams: Gauge,
     /// `ratelimit_rlqs_assignments_total{strategy}`: bucket assignments sent to Envoys, by
@@ -306,6 +352,7 @@ impl Metrics {
         let regional_share_suspect = Family::<RuleLabels, Counter>::default();
         let policy_dropped_rules = Family::<RuleLabels, Counter>::default();
         let settlements = Family::<OutcomeLabels, Counter>::default();
+        let slots = Family::<SlotLabels, Counter>::default();
         let rlqs_streams = Gauge::default();
         let rlqs_assignments = Family::<StrategyLabels, Counter>::default();
         registry.register(
@@ -410,6 +457,12 @@ impl Metrics {
                 outcome: outcome.label(),
             });
         }
+        registry.register(
+            "ratelimit_slots",
+            "Concurrency slots, by limit and outcome (taken, full, renewed, released, \
+             expired_or_unknown)",
+            slots.clone(),
+        );
         for result in ["ok", "invalid"] {
             let _ = policy_reloads.get_or_create(&ResultLabels { result });
         }
@@ -435,6 +488,7 @@ impl Metrics {
             regional_share_suspect,
             policy_dropped_rules,
             settlements,
+            slots,
             rlqs_streams,
             rlqs_assignments,
             limit_log: LimitLog::default(),
@@ -470,6 +524,18 @@ impl Metrics {
     }
 
     /// Counts one call.
+    /// Counts `n` slots of one limit with one outcome.
+    pub fn slots_of(&self, rule: &str, outcome: SlotOutcome, n: u64) {
+        if n > 0 {
+            self.slots
+                .get_or_create(&SlotLabels {
+                    rule: rule.to_string(),
+                    outcome: outcome.label(),
+                })
+                .inc_by(n);
+        }
+    }
+
     /// Counts `n` settlements of one outcome.
     pub fn settled(&self, outcome: SettleOutcome, n: u64) {
         if n > 0 {

@@ -5,17 +5,26 @@
 //! `/usage/header?tokens=N` in the `x-usage-tokens` header, `/usage/json?tokens=N` in the JSON
 //! body's `usage.total_tokens`, `/usage/sse?tokens=N&events=K&gap_ms=G` as a `text/event-stream`
 //! of K chunks G ms apart whose last `data:` event carries `usage.total_tokens`.
+//!
+//! Under `/hold/<key>?ms=N` it holds the request open N ms before answering, and counts the
+//! requests of `<key>` in flight now and at most ([`Upstream::in_flight`],
+//! [`Upstream::max_in_flight`]); a request whose client went away stops counting at once.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use axum::http::{HeaderMap, Uri};
 use axum::response::IntoResponse;
 use tokio::sync::oneshot;
 
+/// Requests in flight per key under `/hold/`: (now, at most).
+type InFlight = Arc<Mutex<HashMap<String, (u64, u64)>>>;
+
 pub struct Upstream {
     pub port: u16,
     hits: Arc<AtomicU64>,
+    in_flight: InFlight,
     shutdown: Option<oneshot::Sender<()>>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
@@ -28,6 +37,8 @@ impl Upstream {
         let port = listener.local_addr().expect("addr").port();
         let (tx, rx) = oneshot::channel::<()>();
         let counter = hits.clone();
+        let in_flight = InFlight::default();
+        let held = in_flight.clone();
         let thread = std::thread::spawn(move || {
             let rt = tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(1)
@@ -38,8 +49,12 @@ impl Upstream {
                 let listener = tokio::net::TcpListener::from_std(listener).expect("tokio listener");
                 let app = axum::Router::new().fallback(move |uri: Uri, headers: HeaderMap| {
                     let counter = counter.clone();
+                    let held = held.clone();
                     async move {
                         counter.fetch_add(1, Ordering::SeqCst);
+                        if let Some(r) = hold(&uri, &held).await {
+                            return r;
+                        }
                         if let Some(r) = usage_response(&uri) {
                             return r;
                         }
@@ -67,6 +82,7 @@ impl Upstream {
         Upstream {
             port,
             hits,
+            in_flight,
             shutdown: Some(tx),
             thread: Some(thread),
         }
@@ -76,6 +92,53 @@ impl Upstream {
     pub fn hits(&self) -> u64 {
         self.hits.load(Ordering::SeqCst)
     }
+
+    /// Requests of `key` held open under `/hold/` now.
+    pub fn in_flight(&self, key: &str) -> u64 {
+        self.in_flight.lock().unwrap().get(key).map_or(0, |c| c.0)
+    }
+
+    /// The most requests of `key` held open under `/hold/` at once so far.
+    pub fn max_in_flight(&self, key: &str) -> u64 {
+        self.in_flight.lock().unwrap().get(key).map_or(0, |c| c.1)
+    }
+}
+
+/// Counts one request of a key in flight while it lives (its future dropped, when its client
+/// went away, included).
+struct Holding {
+    key: String,
+    counts: InFlight,
+}
+
+impl Drop for Holding {
+    fn drop(&mut self) {
+        if let Some(c) = self.counts.lock().unwrap().get_mut(&self.key) {
+            c.0 -= 1;
+        }
+    }
+}
+
+/// The answer of a `/hold/<key>?ms=N` path, after N ms; `None` for another path.
+async fn hold(uri: &Uri, counts: &InFlight) -> Option<axum::response::Response> {
+    let key = uri.path().strip_prefix("/hold/")?.to_string();
+    let ms: u64 = uri
+        .query()
+        .and_then(|q| q.strip_prefix("ms="))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    {
+        let mut all = counts.lock().unwrap();
+        let c = all.entry(key.clone()).or_default();
+        c.0 += 1;
+        c.1 = c.1.max(c.0);
+    }
+    let _holding = Holding {
+        key,
+        counts: counts.clone(),
+    };
+    tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
+    Some(axum::Json(serde_json::json!({"upstream": "ok", "held_ms": ms})).into_response())
 }
 
 /// The answer of a `/usage/` path (see the module's header), `None` for another path.

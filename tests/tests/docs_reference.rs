@@ -22,7 +22,8 @@ use std::process::Command;
 use ratelimit_e2e::{plugin_json, workspace_root, Sidecar};
 use ratelimit_sidecar::policy::{Bounds, Policy};
 use ratelimit_wire::{
-    AppliedLimit, DecideResponse, DecisionResult, ErrorCode, Reason, RequestAnswer, RequestError,
+    AppliedLimit, DecideResponse, DecisionResult, ErrorCode, HeldSlot, Reason, RequestAnswer,
+    RequestError,
 };
 use serde_json::{json, Value};
 
@@ -622,6 +623,11 @@ fn every_field_of_a_decide_call_and_its_answer_is_documented() {
                 code: ErrorCode::UnknownRule,
                 message: "m".into(),
             }),
+            slot: Some(HeldSlot {
+                id: "s".into(),
+                ttl_ms: 1,
+                decisions: vec![0],
+            }),
         }],
         epoch: Some(1),
     };
@@ -691,6 +697,11 @@ fn the_bounds_table_gives_the_constants() {
         ("MAX_VALUE_BYTES", ratelimit_wire::MAX_VALUE_BYTES as u64),
         ("MAX_RETURNS", ratelimit_wire::MAX_RETURNS as u64),
         ("MAX_SETTLEMENTS", ratelimit_wire::MAX_SETTLEMENTS as u64),
+        ("MAX_SLOT_UPDATES", ratelimit_wire::MAX_SLOT_UPDATES as u64),
+        (
+            "MAX_SLOT_ID_BYTES",
+            ratelimit_wire::MAX_SLOT_ID_BYTES as u64,
+        ),
         ("MAX_LEASE_ID", ratelimit_wire::MAX_LEASE_ID),
         (
             "MAX_LEASE_TTL_MS",

@@ -588,7 +588,8 @@ fn every_metric_name_in_the_alerts_and_the_dashboard_is_exposed_by_a_real_sideca
     let stack = Stack::start(
         "envoy.yaml",
         Some(plugin),
-        Some("rules:\n  per-app: {capacity: 20, refill_per_sec: 0.001}\n  per-ip: {capacity: 1000, refill_per_sec: 100}\n"),
+        // per-ip also limits requests in flight (never reached), so slots are taken and counted.
+        Some("rules:\n  per-app: {capacity: 20, refill_per_sec: 0.001}\n  per-ip: {capacity: 1000, refill_per_sec: 100, concurrency: 1000}\n"),
     );
     let answers = burst(&stack.envoy.url("/api/orders"), &[ALPHA], 100, 8);
     let (admitted, rejected) = (count(&answers, 200), count(&answers, 429));

@@ -89,7 +89,15 @@ pub struct DecideRequest {
 #[serde(deny_unknown_fields)]
 pub struct RequestDecisions {
     pub decisions: Vec<Decision>,
+    /// The id of this request's concurrency slots (`docs/concurrency.md`): unique per request (1
+    /// to [`MAX_SLOT_ID_BYTES`] of `[A-Za-z0-9_.-]`), chosen by the gateway so that a retry of
+    /// the call holds the same slots. Absent: the sidecar chooses one when a rule needs it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slot: Option<String>,
 }
+
+/// The longest slot id, in bytes.
+pub const MAX_SLOT_ID_BYTES: usize = 64;
 
 /// One rule applied to one subject.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -206,7 +214,13 @@ pub enum Reason {
     Blocked,
     /// The policy makes this subject unlimited: always admitted, nothing counted in Redis.
     Unlimited,
+    /// The rule's requests in flight for this subject are at its `concurrency`: a slot frees at
+    /// a time nobody knows, so `retry_after_ms` is a small fixed [`CONCURRENCY_RETRY_AFTER_MS`].
+    Concurrency,
 }
+
+/// The `retry_after_ms` of a request over its concurrency (`Retry-After: 1`).
+pub const CONCURRENCY_RETRY_AFTER_MS: u64 = 1_000;
 
 /// The limit a decision was judged by, for the `RateLimit-Policy` header.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -246,6 +260,21 @@ pub struct RequestAnswer {
     /// Why this request got no verdict (the gateway applies its failure policy).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<RequestError>,
+    /// The concurrency slots the admitted request holds: renew them while it runs, release them
+    /// when its stream ends (`POST /v1/slots`). Absent: it holds none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slot: Option<HeldSlot>,
+}
+
+/// The slots of an admitted request: one under `id` for each decision listed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HeldSlot {
+    pub id: String,
+    /// The shortest `slot_ttl_ms` of the request's rules: renew well within it (the filter renews
+    /// every third of it).
+    pub ttl_ms: u64,
+    /// The indices of the request's decisions whose rules hold a slot.
+    pub decisions: Vec<u32>,
 }
 
 /// A request without a verdict.
@@ -354,6 +383,56 @@ pub struct SettleResponse {
     pub applied: u64,
     pub repeated: u64,
     pub skipped: u64,
+}
+
+/// The path the sidecar renews and releases concurrency slots on (`POST`, authenticated like
+/// decisions): [`SlotsRequest`], answered [`SlotsResponse`]. `docs/concurrency.md`.
+pub const SLOTS_PATH: &str = "/v1/slots";
+/// The most slots one slots call may name (renewals and releases together).
+pub const MAX_SLOT_UPDATES: usize = 1024;
+
+/// Slots a gateway holds, renewed while their requests run, released when they end.
+/// ```json
+/// {"domain":"ratelimit","renew":[{"rule":"per-app","subject":{"app":"alpha"},"slot":"9f1c-17"}],
+///  "release":[]}
+/// ```
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SlotsRequest {
+    /// The policy domain the rules belong to. Default: `"ratelimit"`.
+    #[serde(default = "default_domain")]
+    pub domain: String,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub renew: Vec<SlotRef>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub release: Vec<SlotRef>,
+}
+
+/// One slot: the rule and subject of the decision that took it, and the request's slot id.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SlotRef {
+    pub rule: String,
+    #[serde(default)]
+    pub subject: Subject,
+    pub slot: String,
+}
+
+/// The answer to a slots call: slots renewed, released, and unknown (expired already, or never
+/// held: renewing one does not take it again).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SlotsResponse {
+    pub renewed: u64,
+    pub released: u64,
+    pub unknown: u64,
+}
+
+/// Whether `id` is a usable slot id: 1 to [`MAX_SLOT_ID_BYTES`] of `[A-Za-z0-9_.-]`.
+pub fn is_slot_id(id: &str) -> bool {
+    (1..=MAX_SLOT_ID_BYTES).contains(&id.len())
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"_.-".contains(&b))
 }
 
 /// The body of every non-200 answer.

@@ -228,6 +228,7 @@ impl Queue {
                     context: *c,
                     decisions: RequestDecisions {
                         decisions: w.decisions(config),
+                        slot: None,
                     },
                     returns: w.returns.clone(),
                     deadline_ns: w.deadline_ns,
@@ -342,6 +343,7 @@ fn call_body<'a>(
     for w in own {
         requests.push(RequestDecisions {
             decisions: w.decisions(config),
+            slot: None,
         });
         returns.extend(w.returns.iter().cloned());
     }

@@ -247,6 +247,7 @@ fn answer(results: Vec<DecisionResult>) -> Result<RequestAnswer, LimiterError> {
         allowed: results.iter().all(|r| r.allowed),
         results,
         error: None,
+        slot: None,
     })
 }
 
@@ -619,6 +620,7 @@ fn a_rule_the_sidecar_does_not_know_is_a_configuration_error_with_the_rules_on_e
             code: ErrorCode::UnknownRule,
             message: "no rule per-app in domain test".into(),
         }),
+        slot: None,
     });
     assert_eq!(rejection(g.settle(&mut w, unknown, T0, T0)).status, 503);
     assert_eq!(
@@ -841,11 +843,12 @@ fn a_rule_reserving_from_the_request_json_waits_for_the_body() {
 }
 
 #[test]
-fn settlements_tick_at_least_every_100_ms() {
+fn settlements_and_slots_tick_at_least_every_100_ms() {
+    // Any rule may hold concurrency slots (the sidecar's policy says which): a tick renews them.
     let g = Gateway::new(config(|v| {
         v["fast_paths"] = json!({"coalesce": false, "policy_poll_ms": 0});
     }));
-    assert_eq!(g.flow().tick_period_ms(), None);
+    assert_eq!(g.flow().tick_period_ms(), Some(crate::slots::TICK_MS));
     let g = Gateway::new(config(|v| {
         metered(v);
         v["fast_paths"] = json!({"coalesce": false, "policy_poll_ms": 0});
@@ -904,6 +907,7 @@ fn forwarded(context: u32, deadline_ns: u64) -> Forwarded {
         context,
         decisions: RequestDecisions {
             decisions: waiting(1, 0, 0).decisions(&config(|_| {})),
+            slot: None,
         },
         returns: Vec::new(),
         deadline_ns,

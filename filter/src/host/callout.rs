@@ -234,6 +234,58 @@ pub fn settlements_answered(vm: &SharedVm, num_headers: usize) {
     send_settlements(vm);
 }
 
+/// Sends the concurrency slots' renewals that are due and the releases waiting, from the root
+/// (one call in flight per worker; docs/concurrency.md).
+pub fn send_slots(vm: &SharedVm, now: u64) {
+    let (plugin, body) = {
+        let mut v = vm.borrow_mut();
+        if v.slots_flight.is_some() {
+            return;
+        }
+        let plugin = v.plugin.clone();
+        let Some(body) = v.slots.next_call(&plugin.config.domain, now) else {
+            return;
+        };
+        (plugin, body)
+    };
+    let timeout_ms = plugin.config.sidecar.timeout_ms;
+    match dispatch(&plugin, ratelimit_wire::SLOTS_PATH, &body, timeout_ms) {
+        Ok(token) => vm.borrow_mut().slots_flight = Some(token),
+        Err(e) => {
+            debug!("ratelimit filter: cannot send slot renewals and releases: {e}");
+            let d = vm.borrow_mut().slots.answered(None);
+            plugin.flow().count_slots(d);
+        }
+    }
+}
+
+/// The answer to the slots' callout: applied on a 200 (its counts read), else its releases are
+/// sent again (bounded); then the next call.
+pub fn slots_answered(vm: &SharedVm, num_headers: usize, body_size: usize) {
+    let status = if num_headers == 0 {
+        None
+    } else {
+        abi::header_map_value(MapType::HttpCallResponseHeaders, ":status")
+    };
+    let answer = (status.as_deref() == Some(b"200"))
+        .then(|| {
+            abi::buffer(
+                BufferType::HttpCallResponseBody,
+                body_size.min(MAX_ANSWER_BYTES),
+            )
+        })
+        .flatten()
+        .and_then(|b| serde_json::from_slice::<ratelimit_wire::SlotsResponse>(&b).ok());
+    let plugin = vm.borrow().plugin.clone();
+    let d = {
+        let mut v = vm.borrow_mut();
+        v.slots_flight = None;
+        v.slots.answered(answer)
+    };
+    plugin.flow().count_slots(d);
+    send_slots(vm, now_ns());
+}
+
 /// Sends a callout to `path` from the current context.
 fn dispatch(
     plugin: &Plugin,

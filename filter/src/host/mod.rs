@@ -36,6 +36,7 @@ use crate::emergency::{self, EmergencyBucket};
 use crate::flow::batch::Queue;
 use crate::flow::{Flow, Metered, RequestReads, RequestView, Start, Worker};
 use crate::shared::{SharedDataError, SharedStore};
+use crate::slots::{SlotDelivery, Slots};
 use crate::verdict::{self, LimiterError, LocalReply, Verdict};
 use stats::Metrics;
 
@@ -91,6 +92,10 @@ struct Vm {
     /// Requests decided once their body is in (a reservation from its JSON), by context: the
     /// deadline after which they are decided without it.
     awaiting_body: HashMap<u32, u64>,
+    /// The concurrency slots of this worker's streams, and the token of the call renewing or
+    /// releasing some.
+    slots: Slots,
+    slots_flight: Option<u32>,
 }
 
 type SharedVm = Rc<RefCell<Vm>>;
@@ -111,6 +116,10 @@ impl Context for Root {
         if let Some(vm) = self.vm.clone() {
             if vm.borrow().settle_flight == Some(token_id) {
                 callout::settlements_answered(&vm, num_headers);
+                return;
+            }
+            if vm.borrow().slots_flight == Some(token_id) {
+                callout::slots_answered(&vm, num_headers, body_size);
                 return;
             }
             let poll = vm.borrow().epoch_poll.filter(|(t, _)| *t == token_id);
@@ -204,6 +213,8 @@ impl RootContext for Root {
             outbox: Outbox::new(nonce),
             settle_flight: None,
             awaiting_body: HashMap::new(),
+            slots: Slots::default(),
+            slots_flight: None,
         })));
         true
     }
@@ -227,6 +238,7 @@ impl RootContext for Root {
             callout::poll_epoch(&vm, now);
         }
         callout::send_settlements(&vm);
+        callout::send_slots(&vm, now);
         // Requests whose body never came by their deadline: decided on the fallback reservation.
         let late: Vec<u32> = {
             let mut v = vm.borrow_mut();
@@ -544,12 +556,18 @@ impl Drop for Request {
         };
         v.response_headers.remove(&self.id);
         v.awaiting_body.remove(&self.id);
+        // The stream ended (completed, reset or cancelled): its concurrency slots go back.
+        let lost = v.slots.end(self.id);
         // A response cut short (the client cancelled, the upstream reset): its reservations
         // stand unless a header reported the cost.
         let metered = v.metering.remove(&self.id).unwrap_or_default();
         let w = v.queue.forget(self.id);
         let plugin = v.plugin.clone();
         drop(v);
+        plugin.flow().count_slots(SlotDelivery {
+            lost,
+            ..SlotDelivery::default()
+        });
         settle_costs(&vm, metered, false);
         if let Some(mut w) = w {
             plugin.flow().give_back(&mut w, now_ns());
@@ -580,14 +598,33 @@ fn settle(
     };
     let plugin = vm.borrow().plugin.clone();
     let flow = plugin.flow();
+    // The concurrency slots the sidecar took for the request: held while its stream runs, given
+    // back at once if it does not pass after all.
+    let held = answer.as_ref().ok().and_then(|a| a.slot.clone());
+    if let Some(held) = &held {
+        let decisions = w.decisions(&plugin.config);
+        vm.borrow_mut().slots.hold(ctx, held, &decisions, now_ns);
+    }
     let verdict = flow.settle_under(&mut w, answer, epoch, dispatched_ns, now_ns);
     if switch && abi::set_effective_context(ctx).is_err() {
         // The request is gone (its client went away): nothing to answer; its leases back, and
         // its reservations stand (it never reached the upstream).
         flow.give_back(&mut w, now_ns);
+        let lost = vm.borrow_mut().slots.end(ctx);
+        flow.count_slots(SlotDelivery {
+            lost,
+            ..SlotDelivery::default()
+        });
         return;
     }
     flow.delivered(&verdict);
+    if !matches!(verdict, Verdict::Admit { .. }) && held.is_some() {
+        let lost = vm.borrow_mut().slots.end(ctx);
+        flow.count_slots(SlotDelivery {
+            lost,
+            ..SlotDelivery::default()
+        });
+    }
     match verdict {
         Verdict::Admit { headers } => {
             let metered = flow.metered(&w);

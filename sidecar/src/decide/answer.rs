@@ -36,6 +36,7 @@ impl<S> Decider<S> {
             allowed: decided.admitted,
             results,
             error: None,
+            slot: None,
         }
     }
 
@@ -188,6 +189,7 @@ pub(super) fn error_answer(e: RequestError) -> RequestAnswer {
         allowed: false,
         results: Vec::new(),
         error: Some(e),
+        slot: None,
     }
 }
 

@@ -15,6 +15,7 @@
 mod answer;
 pub mod named;
 mod plan;
+mod slots;
 mod validate;
 
 use std::collections::HashSet;
@@ -30,11 +31,13 @@ use crate::metrics::{Metrics, SettleOutcome};
 use crate::policy::own_format::RULE_KEY;
 use crate::policy::reload::PolicyHandle;
 use crate::regional::RegionalShares;
-use crate::store::{BucketStore, Call, Charge, Decided, Readiness, SettleBatch, StoreError};
+use crate::store::{
+    BucketStore, Call, Charge, Decided, Readiness, SettleBatch, SlotsTaken, StoreError,
+};
 
 pub use validate::{
-    parse_request, parse_settle, validate, validate_settle, DecideError, MAX_ERROR_BYTES,
-    MAX_LEASE_TTL_MS,
+    parse_request, parse_settle, parse_slots, validate, validate_settle, validate_slots,
+    DecideError, MAX_ERROR_BYTES, MAX_LEASE_TTL_MS,
 };
 
 /// Descriptor entries: (key, value), a `None` value being an unknown subject.
@@ -131,6 +134,7 @@ impl<S: BucketStore> Decider<S> {
 
     /// Decides a call that [`validate`] accepted ([`parse_request`] validates).
     pub async fn decide(&self, call: DecideRequest) -> DecideResponse {
+        let slot_ids: Vec<Option<String>> = call.requests.iter().map(|r| r.slot.clone()).collect();
         let requests: Vec<Vec<Item>> = call
             .requests
             .into_iter()
@@ -155,10 +159,11 @@ impl<S: BucketStore> Decider<S> {
             })
             .collect();
         let answers = self
-            .run(
+            .run_with_slots(
                 &call.domain,
                 call.attempt.as_deref(),
                 requests,
+                &slot_ids,
                 returns,
                 Caller::Filter,
             )
@@ -227,12 +232,29 @@ impl<S: BucketStore> Decider<S> {
         }
     }
 
-    /// Decides requests of generic items (both APIs end here).
+    /// Decides requests of generic items (both APIs end here); no request takes concurrency
+    /// slots (their rules' rate part alone applies).
     pub async fn run(
         &self,
         domain: &str,
         attempt: Option<&str>,
         requests: Vec<Vec<Item>>,
+        returns: Vec<ReturnItem>,
+        caller: Caller,
+    ) -> Vec<RequestAnswer> {
+        self.run_with_slots(domain, attempt, requests, &[], returns, caller)
+            .await
+    }
+
+    /// Decides requests of generic items; with the filter as caller, a request of a rule with
+    /// `concurrency` takes its slots (under `slot_ids[r]`, or an id chosen here) before its rate
+    /// is charged, and gives them back unless admitted ([`slots`]).
+    pub async fn run_with_slots(
+        &self,
+        domain: &str,
+        attempt: Option<&str>,
+        requests: Vec<Vec<Item>>,
+        slot_ids: &[Option<String>],
         returns: Vec<ReturnItem>,
         caller: Caller,
     ) -> Vec<RequestAnswer> {
@@ -252,6 +274,39 @@ impl<S: BucketStore> Decider<S> {
         drop(policy);
         if caller != Caller::RateLimitService {
             self.note_named(domain, &requests, &plans);
+        }
+
+        // Slots first: a request that cannot hold all of its slots is not charged at all.
+        let mut tally = Tally::default();
+        let mut held: Vec<Option<slots::RequestSlots>> =
+            (0..requests.len()).map(|_| None).collect();
+        if caller == Caller::Filter {
+            let wanted: Vec<(usize, slots::RequestSlots)> = plans
+                .iter()
+                .enumerate()
+                .filter(|(r, plan)| answers[*r].is_none() && !blocked(plan))
+                .filter_map(|(r, plan)| {
+                    let id = slot_ids.get(r).and_then(|id| id.as_deref());
+                    self.request_slots(domain, plan, &requests[r], id)
+                        .map(|s| (r, s))
+                })
+                .collect();
+            let takes = wanted.iter().map(|(_, s)| self.take(s));
+            let taken = futures::future::join_all(takes).await;
+            for ((r, s), t) in wanted.into_iter().zip(taken) {
+                match t {
+                    Ok(SlotsTaken::Taken) => held[r] = Some(s),
+                    Ok(SlotsTaken::Full { index }) => {
+                        let none = Decided {
+                            admitted: false,
+                            decisions: Vec::new(),
+                        };
+                        let a = self.answer(&mut tally, &plans[r], &requests[r], none);
+                        answers[r] = Some(slots::over_concurrency(a, s.of[index].0));
+                    }
+                    Err(e) => answers[r] = Some(error_answer(from_store(&e))),
+                }
+            }
         }
 
         // The store decides the requests with something to charge; those a blocked limit
@@ -285,7 +340,6 @@ impl<S: BucketStore> Decider<S> {
             }
         }
 
-        let mut tally = Tally::default();
         for (r, plan) in plans.iter().enumerate() {
             if answers[r].is_some() {
                 continue;
@@ -306,10 +360,21 @@ impl<S: BucketStore> Decider<S> {
             });
         }
         tally.add_to(&self.metrics);
-        answers
+        // An admitted request keeps its slots and is told so; any other gives them back.
+        let mut answers: Vec<RequestAnswer> = answers
             .into_iter()
             .map(|a| a.expect("every request answered"))
-            .collect()
+            .collect();
+        let mut give_back = Vec::new();
+        for (a, h) in answers.iter_mut().zip(&mut held) {
+            match h.take() {
+                Some(s) if a.allowed => a.slot = Some(s.held()),
+                Some(s) => give_back.push(s),
+                None => {}
+            }
+        }
+        futures::future::join_all(give_back.iter().map(|s| self.give_back(s))).await;
+        answers
     }
 }
 
@@ -401,7 +466,10 @@ rules:
             attempt: None,
             requests: requests
                 .into_iter()
-                .map(|decisions| RequestDecisions { decisions })
+                .map(|decisions| RequestDecisions {
+                    decisions,
+                    slot: None,
+                })
                 .collect(),
             returns: Vec::new(),
         }

@@ -247,7 +247,11 @@ pub(super) fn charge(plan: &Plan, item: &Item, caller: Caller) -> Option<Charge>
         bucket: bucket.clone(),
         cost: item.cost,
         shadow: limit.shadow,
-        lease: item.lease.filter(|l| l.tokens > 0),
+        // A rule with `concurrency` grants no lease: a gateway admitting from a lease would
+        // take no slot (docs/concurrency.md).
+        lease: item
+            .lease
+            .filter(|l| l.tokens > 0 && limit.concurrency.is_none()),
         grant_cap: if caller == Caller::Quota {
             GrantCap::Ask
         } else {

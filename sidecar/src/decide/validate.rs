@@ -5,8 +5,9 @@
 use std::collections::HashSet;
 
 use ratelimit_wire::{
-    elide_middle, DecideRequest, LeaseAsk, SettleRequest, MAX_CALL_DECISIONS, MAX_DECISIONS,
-    MAX_LEASE_ID, MAX_NAME_BYTES, MAX_REQUESTS, MAX_RETURNS, MAX_SETTLEMENTS, MAX_VALUE_BYTES,
+    elide_middle, is_slot_id, DecideRequest, LeaseAsk, SettleRequest, SlotsRequest,
+    MAX_CALL_DECISIONS, MAX_DECISIONS, MAX_LEASE_ID, MAX_NAME_BYTES, MAX_REQUESTS, MAX_RETURNS,
+    MAX_SETTLEMENTS, MAX_SLOT_ID_BYTES, MAX_SLOT_UPDATES, MAX_VALUE_BYTES,
 };
 use serde::de::DeserializeOwned;
 
@@ -39,6 +40,43 @@ pub fn parse_request(body: &[u8]) -> Result<DecideRequest, DecideError> {
 /// Parses and validates a `/v1/settle` body, as [`parse_request`] a decision call.
 pub fn parse_settle(body: &[u8]) -> Result<SettleRequest, DecideError> {
     parse_body(body, validate_settle)
+}
+
+/// Parses and validates a `/v1/slots` body, as [`parse_request`] a decision call.
+pub fn parse_slots(body: &[u8]) -> Result<SlotsRequest, DecideError> {
+    parse_body(body, validate_slots)
+}
+
+/// Checks a slots call: the domain, 1 to [`MAX_SLOT_UPDATES`] slots in all, each naming a rule
+/// and subject as a decision does and a slot id.
+pub fn validate_slots(call: &SlotsRequest) -> Result<(), DecideError> {
+    let invalid = |s: String| Err(DecideError::Invalid(s));
+    if call.domain.is_empty() || call.domain.len() > MAX_NAME_BYTES {
+        return invalid(format!("domain: must be 1 to {MAX_NAME_BYTES} bytes"));
+    }
+    let n = call.renew.len() + call.release.len();
+    if n == 0 || n > MAX_SLOT_UPDATES {
+        return invalid(format!(
+            "renew, release: must hold 1 to {MAX_SLOT_UPDATES} slots together, got {n}"
+        ));
+    }
+    for (field, refs) in [("renew", &call.renew), ("release", &call.release)] {
+        for (i, r) in refs.iter().enumerate() {
+            let at = format!("{field}[{i}]");
+            check_rule_and_subject(&at, &r.rule, &r.subject)?;
+            check_slot_id(&format!("{at}.slot"), &r.slot)?;
+        }
+    }
+    Ok(())
+}
+
+fn check_slot_id(at: &str, id: &str) -> Result<(), DecideError> {
+    if is_slot_id(id) {
+        return Ok(());
+    }
+    Err(DecideError::Invalid(format!(
+        "{at}: must be 1 to {MAX_SLOT_ID_BYTES} characters of [A-Za-z0-9_.-]"
+    )))
 }
 
 fn parse_body<T: DeserializeOwned>(
@@ -131,6 +169,9 @@ pub fn validate(call: &DecideRequest) -> Result<(), DecideError> {
             ));
         }
         total += n;
+        if let Some(id) = &request.slot {
+            check_slot_id(&format!("requests[{r}].slot"), id)?;
+        }
         for (d, decision) in request.decisions.iter().enumerate() {
             let at = format!("requests[{r}].decisions[{d}]");
             check_rule_and_subject(&at, &decision.rule, &decision.subject)?;

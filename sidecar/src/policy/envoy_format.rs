@@ -298,6 +298,7 @@ fn build(
                     shadow: spec.shadow_mode,
                     replaces,
                     regional: None,
+                    concurrency: None,
                 }));
             }
         }

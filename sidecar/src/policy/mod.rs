@@ -50,7 +50,28 @@ pub struct Limit {
     /// The rule's budget is partitioned across regions: this region applies its share of the
     /// bucket's numbers (the rule's and its overrides' alike). `None`: the whole limit.
     pub regional: Option<Arc<Regional>>,
+    /// At most this many requests of one subject in flight at once, across every gateway
+    /// (`docs/concurrency.md`). `None`: not limited in flight.
+    pub concurrency: Option<Concurrency>,
 }
+
+/// A limit on requests in flight: slots taken at admission, released when the stream ends, held
+/// under a lease of `slot_ttl_ms` the gateway renews (`docs/concurrency.md`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Concurrency {
+    /// The most slots held at once (`concurrency`, 1 to [`MAX_CONCURRENCY`]).
+    pub limit: u32,
+    /// How long a slot stays held without a renewal (`slot_ttl_ms`): the bound on how long a dead
+    /// gateway's slots stay taken.
+    pub slot_ttl_ms: u64,
+}
+
+/// The largest `concurrency`.
+pub const MAX_CONCURRENCY: u32 = 10_000;
+/// The default `slot_ttl_ms`.
+pub const DEFAULT_SLOT_TTL_MS: u64 = 10_000;
+/// The range of `slot_ttl_ms`.
+pub const SLOT_TTL_MS_RANGE: std::ops::RangeInclusive<u64> = 1_000..=300_000;
 
 /// A rule whose `capacity` and `refill_per_sec` are a global budget partitioned across regions
 /// (this sidecar's format, `regions:`). Each region applies its share of the budget, read from

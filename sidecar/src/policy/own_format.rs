@@ -31,6 +31,11 @@
 //! Envoy's native rate limit filter reaches these rules with descriptors whose first entry is
 //! `rule` (e.g. a `generic_key` action with `descriptor_key: rule`).
 //!
+//! A rule may also limit its subjects' requests in flight across every gateway:
+//! `concurrency: 5` (1 to 10000), with `slot_ttl_ms: 10000` (1000 to 300000, the default), beside
+//! its rate or alone (its rate then unlimited); it holds for the rule's bucket overrides too, not
+//! for its `unlimited` or `blocked` ones (`docs/concurrency.md`).
+//!
 //! A rule with `regions` has a global budget partitioned across regions (`docs/regions.md`):
 //! each region's sidecars apply their region's share of the rule's numbers, and of its overrides'
 //! numbers alike (`unlimited` and `blocked` overrides are not scaled). The shares are the initial
@@ -45,8 +50,8 @@ use ratelimit_regions::{Budget, RegionalQuota, Share};
 use serde::Deserialize;
 
 use super::{
-    check_bucket, deserialize, is_name, Bounds, Limit, LimitKind, Problems, RegionScope, Regional,
-    Resolution,
+    check_bucket, deserialize, is_name, Bounds, Concurrency, Limit, LimitKind, Problems,
+    RegionScope, Regional, Resolution, DEFAULT_SLOT_TTL_MS, MAX_CONCURRENCY, SLOT_TTL_MS_RANGE,
 };
 
 /// The entry key that names the rule in a decision.
@@ -86,6 +91,12 @@ struct RuleSpec {
     /// ([`RegionalQuota::DEFAULT_FLOOR`]).
     #[serde(default)]
     region_floor: Option<f64>,
+    /// The most requests of one subject in flight at once, across every gateway. Default: none.
+    #[serde(default)]
+    concurrency: Option<u64>,
+    /// How long a slot stays held without a renewal. Default 10000 ([`DEFAULT_SLOT_TTL_MS`]).
+    #[serde(default)]
+    slot_ttl_ms: Option<u64>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -201,9 +212,31 @@ pub(crate) fn parse(
             unlimited: spec.unlimited,
             blocked: spec.blocked,
         };
-        let Some(kind) = limit_kind(&path, &own, bounds, problems) else {
+        let concurrency = concurrency(&path, &spec, problems);
+        // A rule may limit requests in flight alone: its rate is then unlimited.
+        let alone = concurrency.is_some()
+            && (own.capacity, own.refill_per_sec, own.unlimited, own.blocked)
+                == (None, None, false, false);
+        let kind = if alone {
+            Some(LimitKind::Unlimited)
+        } else {
+            limit_kind(&path, &own, bounds, problems)
+        };
+        let Some(kind) = kind else {
             continue;
         };
+        if concurrency.is_some() && (own.unlimited || own.blocked) {
+            problems.add(
+                format!("{path}.concurrency"),
+                "an unlimited or blocked rule has no requests in flight to limit",
+            );
+        }
+        if concurrency.is_some() && spec.regions.is_some() {
+            problems.add(
+                format!("{path}.concurrency"),
+                "a regional rule cannot limit requests in flight (the slots are not partitioned across regions)",
+            );
+        }
         let regional = match &spec.regions {
             None => {
                 if spec.region_floor.is_some() {
@@ -232,6 +265,7 @@ pub(crate) fn parse(
             shadow: spec.shadow_mode,
             replaces: Vec::new(),
             regional: regional.clone(),
+            concurrency,
         });
         let mut overrides = Vec::new();
         for (i, o) in spec.overrides.into_iter().enumerate() {
@@ -270,6 +304,10 @@ pub(crate) fn parse(
                         replaces: Vec::new(),
                         regional: regional
                             .clone()
+                            .filter(|_| matches!(kind, LimitKind::Bucket { .. })),
+                        // The rule's limit in flight holds for its bucket overrides too; an
+                        // unlimited or blocked subject has none.
+                        concurrency: concurrency
                             .filter(|_| matches!(kind, LimitKind::Bucket { .. })),
                     }),
                 ));
@@ -378,6 +416,41 @@ fn regional(
             refill_per_sec,
             fill_time_ms,
         })
+    })
+}
+
+/// A rule's `concurrency` and `slot_ttl_ms`, validated; every problem recorded.
+fn concurrency(path: &str, spec: &RuleSpec, problems: &mut Problems) -> Option<Concurrency> {
+    let Some(limit) = spec.concurrency else {
+        if spec.slot_ttl_ms.is_some() {
+            problems.add(
+                format!("{path}.slot_ttl_ms"),
+                "only a rule with `concurrency` has slots",
+            );
+        }
+        return None;
+    };
+    let before = problems.list.len();
+    if !(1..=u64::from(MAX_CONCURRENCY)).contains(&limit) {
+        problems.add(
+            format!("{path}.concurrency"),
+            format!("must be between 1 and {MAX_CONCURRENCY}, got {limit}"),
+        );
+    }
+    let slot_ttl_ms = spec.slot_ttl_ms.unwrap_or(DEFAULT_SLOT_TTL_MS);
+    if !SLOT_TTL_MS_RANGE.contains(&slot_ttl_ms) {
+        problems.add(
+            format!("{path}.slot_ttl_ms"),
+            format!(
+                "must be between {} and {}, got {slot_ttl_ms}",
+                SLOT_TTL_MS_RANGE.start(),
+                SLOT_TTL_MS_RANGE.end()
+            ),
+        );
+    }
+    (problems.list.len() == before).then_some(Concurrency {
+        limit: limit as u32,
+        slot_ttl_ms,
     })
 }
 
@@ -600,6 +673,72 @@ rules:
             RegionScope::Sidecar(None)
         )
         .is_ok());
+    }
+
+    #[test]
+    fn a_rule_limits_requests_in_flight_beside_its_rate_or_alone() {
+        let p = policy(
+            r#"
+rules:
+  both:
+    capacity: 10
+    refill_per_sec: 1
+    concurrency: 5
+    overrides:
+      - {when: {app: big}, capacity: 100, refill_per_sec: 10}
+      - {when: {app: root}, unlimited: true}
+  alone: {concurrency: 2, slot_ttl_ms: 1500}
+  rate: {capacity: 10, refill_per_sec: 1}
+"#,
+        )
+        .unwrap();
+        let slots = |entries: &[(&str, Option<&str>)]| limit(&p, entries).concurrency;
+        let five = Some(Concurrency {
+            limit: 5,
+            slot_ttl_ms: DEFAULT_SLOT_TTL_MS,
+        });
+        assert_eq!(slots(&[("rule", Some("both")), ("app", Some("x"))]), five);
+        assert_eq!(slots(&[("rule", Some("both")), ("app", Some("big"))]), five);
+        assert_eq!(
+            slots(&[("rule", Some("both")), ("app", Some("root"))]),
+            None
+        );
+        let alone = limit(&p, &[("rule", Some("alone"))]);
+        assert_eq!(alone.kind, LimitKind::Unlimited);
+        assert_eq!(
+            alone.concurrency,
+            Some(Concurrency {
+                limit: 2,
+                slot_ttl_ms: 1500
+            })
+        );
+        assert_eq!(slots(&[("rule", Some("rate"))]), None);
+    }
+
+    #[test]
+    fn concurrency_is_validated_with_every_problem_named() {
+        let e = policy(
+            r#"
+rules:
+  a: {concurrency: 0}
+  b: {concurrency: 10001, slot_ttl_ms: 999}
+  c: {capacity: 1, refill_per_sec: 1, slot_ttl_ms: 2000}
+  d: {unlimited: true, concurrency: 3}
+  e: {concurrency: 3, slot_ttl_ms: 300001}
+"#,
+        )
+        .unwrap_err()
+        .to_string();
+        for needle in [
+            "rules.a.concurrency: must be between 1 and 10000, got 0",
+            "rules.b.concurrency: must be between 1 and 10000, got 10001",
+            "rules.b.slot_ttl_ms: must be between 1000 and 300000, got 999",
+            "rules.c.slot_ttl_ms: only a rule with `concurrency` has slots",
+            "rules.d.concurrency: an unlimited or blocked rule",
+            "rules.e.slot_ttl_ms: must be between 1000 and 300000, got 300001",
+        ] {
+            assert!(e.contains(needle), "{needle} missing in {e}");
+        }
     }
 
     #[test]

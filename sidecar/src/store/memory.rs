@@ -20,8 +20,8 @@ use ratelimit_wire::Reason;
 
 use super::{
     BucketLimits, BucketOutcome, BucketStore, Decided, GrantCap, Group, Readiness, RequestOutcome,
-    SettleBatch, Settled, Settlement, ShareStore, Status, StoreError, StoreReset, Work,
-    SHARE_MARGIN_MS,
+    SettleBatch, Settled, Settlement, ShareStore, Slot, SlotUpdate, SlotsTaken, Status, StoreError,
+    StoreReset, Work, SHARE_MARGIN_MS,
 };
 use crate::keys::{record_key, settle_record_key};
 use crate::regional::record;
@@ -89,6 +89,8 @@ struct Inner {
     run_id: String,
     /// Settle batches' records: key -> expiry (ms).
     settle_records: HashMap<String, u64>,
+    /// Concurrency slots (`lua/slots.lua`): set key -> slot id -> expiry (µs).
+    slot_sets: HashMap<Arc<str>, HashMap<Arc<str>, f64>>,
 }
 
 /// The in-memory store. The clock is Unix microseconds, settable by tests.
@@ -574,7 +576,99 @@ impl MemoryStore {
     }
 }
 
+/// Concurrency slots, as `lua/slots.lua`: the same passes in the same order.
+impl MemoryStore {
+    /// Takes one request's slots, all or none, at the store's clock.
+    pub fn take_slots_now(&self, slots: &[Slot]) -> SlotsTaken {
+        let now = self.now_us.load(Ordering::SeqCst) as f64;
+        let mut inner = self.inner.lock().expect("not poisoned");
+        let mut pending: HashMap<&str, usize> = HashMap::new();
+        for (i, slot) in slots.iter().enumerate() {
+            let set = inner.slot_sets.entry(slot.key.clone()).or_default();
+            set.retain(|_, expiry| *expiry > now);
+            if !set.contains_key(&slot.id) {
+                let p = pending.entry(&*slot.key).or_default();
+                if set.len() + *p >= slot.limit as usize {
+                    inner.slot_sets.retain(|_, set| !set.is_empty());
+                    return SlotsTaken::Full { index: i };
+                }
+                *p += 1;
+            }
+        }
+        for slot in slots {
+            let set = inner.slot_sets.entry(slot.key.clone()).or_default();
+            set.insert(slot.id.clone(), now + slot.ttl_ms as f64 * 1000.0);
+        }
+        SlotsTaken::Taken
+    }
+
+    /// Renews or releases slots at the store's clock: per slot, whether it was held.
+    pub fn update_slots_now(&self, update: SlotUpdate, slots: &[Slot]) -> Vec<bool> {
+        let now = self.now_us.load(Ordering::SeqCst) as f64;
+        let mut inner = self.inner.lock().expect("not poisoned");
+        let held = slots
+            .iter()
+            .map(|slot| {
+                let Some(set) = inner.slot_sets.get_mut(&slot.key) else {
+                    return false;
+                };
+                let alive = set.get(&slot.id).is_some_and(|expiry| *expiry > now);
+                match update {
+                    SlotUpdate::Release => {
+                        set.remove(&slot.id);
+                    }
+                    SlotUpdate::Renew if alive => {
+                        set.insert(slot.id.clone(), now + slot.ttl_ms as f64 * 1000.0);
+                    }
+                    SlotUpdate::Renew => {
+                        set.remove(&slot.id);
+                    }
+                }
+                alive
+            })
+            .collect();
+        inner.slot_sets.retain(|_, set| !set.is_empty());
+        held
+    }
+
+    /// The slots a set holds now (unexpired), sorted by id.
+    pub fn held_slots(&self, key: &str) -> Vec<String> {
+        let now = self.now_us.load(Ordering::SeqCst) as f64;
+        let inner = self.inner.lock().expect("not poisoned");
+        let mut ids: Vec<String> = inner
+            .slot_sets
+            .get(key)
+            .map(|set| {
+                set.iter()
+                    .filter(|(_, expiry)| **expiry > now)
+                    .map(|(id, _)| id.to_string())
+                    .collect()
+            })
+            .unwrap_or_default();
+        ids.sort();
+        ids
+    }
+}
+
 impl BucketStore for MemoryStore {
+    async fn take_slots(&self, slots: Vec<Slot>) -> Result<SlotsTaken, StoreError> {
+        if let Some(e) = self.fail.lock().expect("not poisoned").clone() {
+            return Err(e);
+        }
+        Ok(self.take_slots_now(&slots))
+    }
+
+    async fn update_slots(
+        &self,
+        update: SlotUpdate,
+        slots: Vec<Slot>,
+    ) -> Result<Vec<bool>, StoreError> {
+        if let Some(e) = self.fail.lock().expect("not poisoned").clone() {
+            return Err(e);
+        }
+        Ok(self.update_slots_now(update, &slots))
+    }
+
     async fn settle(&self, batch: SettleBatch) -> Result<Settled, StoreError> {
         if let Some(e) = self.fail.lock().expect("not poisoned").clone() {
             return Err(e);

@@ -331,8 +331,68 @@ pub struct Settled {
     pub tokens: Vec<Option<i64>>,
 }
 
+/// One concurrency slot of a request, as `lua/slots.lua` takes it (`docs/concurrency.md`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Slot {
+    /// The rule's and subject's set: `<bucket key>:c` ([`crate::keys::slots_key`]).
+    pub key: Arc<str>,
+    /// The gateway's id of the request's slot (unique per request).
+    pub id: Arc<str>,
+    /// How long the slot stays held without a renewal.
+    pub ttl_ms: u64,
+    /// The most slots the set holds at once (the rule's `concurrency`).
+    pub limit: u32,
+}
+
+/// What a take of one request's slots did: all of them are held, or none (a set was full).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SlotsTaken {
+    Taken,
+    /// The slot at `index` found its set full; nothing was taken.
+    Full {
+        index: usize,
+    },
+}
+
+/// What an update does to slots already held.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SlotUpdate {
+    /// Held `ttl_ms` longer from now, if still held.
+    Renew,
+    /// Given back.
+    Release,
+}
+
 /// Where buckets live.
 pub trait BucketStore: Send + Sync + 'static {
+    /// Takes one request's slots, all or none (`lua/slots.lua`, `take`). A slot the set holds
+    /// already under its id (a retry) is held again and counts once.
+    fn take_slots(
+        &self,
+        slots: Vec<Slot>,
+    ) -> impl Future<Output = Result<SlotsTaken, StoreError>> + Send {
+        let _ = slots;
+        async {
+            Err(StoreError::Config(
+                "this store has no concurrency slots".into(),
+            ))
+        }
+    }
+
+    /// Renews or releases slots: per slot, whether it was held (false: expired or unknown).
+    fn update_slots(
+        &self,
+        update: SlotUpdate,
+        slots: Vec<Slot>,
+    ) -> impl Future<Output = Result<Vec<bool>, StoreError>> + Send {
+        let _ = (update, slots);
+        async {
+            Err(StoreError::Config(
+                "this store has no concurrency slots".into(),
+            ))
+        }
+    }
+
     /// Applies a batch of settlements, each atomically on its bucket. An error leaves each node's
     /// part applied or not as a whole; a repeat of the batch (same id) applies only the parts
     /// that were not.

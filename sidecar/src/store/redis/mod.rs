@@ -27,6 +27,7 @@ pub mod connection;
 mod placement;
 pub mod sentinel;
 pub mod settle;
+pub mod slots;
 #[cfg(test)]
 mod two_nodes;
 
@@ -45,8 +46,8 @@ use self::connection::{stall_limit, Connection};
 use super::script::{parse_apply, Script, ScriptArgs};
 use super::{
     epoch_marker, eviction_warning, is_script_failure, BucketStore, Call, Decided, Group,
-    Readiness, RequestOutcome, SettleBatch, Settled, Settlement, ShareStore, StoreError,
-    StoreReset, Work,
+    Readiness, RequestOutcome, SettleBatch, Settled, Settlement, ShareStore, Slot, SlotUpdate,
+    SlotsTaken, StoreError, StoreReset, Work,
 };
 use crate::keys::cluster_slot;
 use crate::metrics::Metrics;
@@ -597,7 +598,95 @@ impl RedisStore {
     }
 }
 
+impl RedisStore {
+    /// One node's part of a slots call: `lua/slots.lua`, EVALSHA healed by EVAL on NOSCRIPT,
+    /// bounded by `--redis-timeout-ms`.
+    async fn slots_part(&self, mode: slots::SlotMode, part: &[&Slot]) -> Result<Value, StoreError> {
+        self.bounded(async {
+            match self.query(slots::slots_cmd(mode, part, false)).await {
+                Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+                    self.inner.metrics.script_loads.inc();
+                    self.query(slots::slots_cmd(mode, part, true)).await
+                }
+                other => other,
+            }
+        })
+        .await
+    }
+
+    /// `slots` grouped by the node that holds their sets: (node, indices), in first-seen order.
+    fn slots_by_node(&self, slots: &[Slot]) -> Vec<(NodeId, Vec<usize>)> {
+        let mut parts: Vec<(NodeId, Vec<usize>)> = Vec::new();
+        for (i, s) in slots.iter().enumerate() {
+            let node = self.node_of(&s.key);
+            match parts.iter_mut().find(|(n, _)| *n == node) {
+                Some((_, idx)) => idx.push(i),
+                None => parts.push((node, vec![i])),
+            }
+        }
+        parts
+    }
+}
+
 impl BucketStore for RedisStore {
+    /// One script call per node, one node after the other: a part that finds a set full (or
+    /// fails) releases the parts taken before it, so the request holds all or none. A release
+    /// that fails leaves those slots to expire by themselves (`slot_ttl_ms`).
+    async fn take_slots(&self, slots: Vec<Slot>) -> Result<SlotsTaken, StoreError> {
+        let parts = self.slots_by_node(&slots);
+        let mut taken: Vec<&Slot> = Vec::new();
+        let mut outcome = Ok(SlotsTaken::Taken);
+        for (_, idx) in &parts {
+            let part: Vec<&Slot> = idx.iter().map(|&i| &slots[i]).collect();
+            let full = self
+                .slots_part(slots::SlotMode::Take, &part)
+                .await
+                .and_then(|v| slots::parse_take(&v, part.len()));
+            match full {
+                Ok(None) => taken.extend(part),
+                Ok(Some(i)) => {
+                    outcome = Ok(SlotsTaken::Full { index: idx[i] });
+                    break;
+                }
+                Err(e) => {
+                    outcome = Err(e);
+                    break;
+                }
+            }
+        }
+        if !matches!(outcome, Ok(SlotsTaken::Taken)) && !taken.is_empty() {
+            let back: Vec<Slot> = taken.into_iter().cloned().collect();
+            let _ = self.update_slots(SlotUpdate::Release, back).await;
+        }
+        outcome
+    }
+
+    /// One script call per node, concurrently; the first error is the call's.
+    async fn update_slots(
+        &self,
+        update: SlotUpdate,
+        slots: Vec<Slot>,
+    ) -> Result<Vec<bool>, StoreError> {
+        let parts = self.slots_by_node(&slots);
+        let calls = parts.iter().map(|(_, idx)| {
+            let part: Vec<&Slot> = idx.iter().map(|&i| &slots[i]).collect();
+            async move {
+                let v = self
+                    .slots_part(slots::SlotMode::Update(update), &part)
+                    .await?;
+                slots::parse_update(&v, part.len())
+            }
+        });
+        let answers = futures::future::join_all(calls).await;
+        let mut held = vec![false; slots.len()];
+        for ((_, idx), answer) in parts.iter().zip(answers) {
+            for (&i, h) in idx.iter().zip(answer?) {
+                held[i] = h;
+            }
+        }
+        Ok(held)
+    }
+
     async fn decide(&self, call: Call) -> Vec<Result<Decided, StoreError>> {
         decide_on(self, &self.inner.metrics, call).await
     }

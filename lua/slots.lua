@@ -1,0 +1,72 @@
+#!lua flags=allow-cross-slot-keys
+-- slots.lua: concurrency slots (docs/concurrency.md). One sorted set per (rule, subject), its key
+-- `<bucket key>:c` (the bucket's hash tag, so its Cluster slot); members are slot ids the gateway
+-- chose, scores the slot's expiry in µs of this server's TIME. A slot expired (score <= now) is
+-- free: a gateway that died stops renewing, and its slots come back slot_ttl_ms after its last
+-- renewal at the latest (sidecar/src/store/memory.rs, `slots_now`, is this code in Rust).
+--   take:    all-or-none: each set drops its expired members, and a slot is admitted iff it is
+--            already held (a retry) or ZCARD (plus this call's earlier takes of the set) < limit;
+--            then each slot is held until now + ttl_ms
+--   renew:   a slot still held (not expired) is held until now + ttl_ms; an expired one is dropped
+--   release: ZREM
+-- Each set expires with its latest slot (PEXPIREAT), so an abandoned set costs no memory.
+--
+-- KEYS[1]: the first set's key (routing). ARGV: 1 mode (take | renew | release), 2 N, then
+-- N x (set key, slot id, ttl_ms >= 1, limit >= 1), decimal strings.
+-- Reply: take {1} when every slot is held, else {0, i} (the first full set, nothing taken);
+-- renew and release: per slot 1 (renewed, released) or 0 (expired or unknown).
+
+local ARGV, ceil = ARGV, math.ceil
+local function fail(text) error({ err = 'ERR ' .. text }) end
+local mode, n = ARGV[1], tonumber(ARGV[2])
+if (mode ~= 'take' and mode ~= 'renew' and mode ~= 'release') or not n or n < 0 or n % 1 ~= 0
+  or #ARGV ~= 2 + 4 * n then
+  fail('usage: mode take|renew|release and N slots of 4 arguments')
+end
+for i = 1, n do
+  local ttl, limit = tonumber(ARGV[4 * i + 1]), tonumber(ARGV[4 * i + 2])
+  if not ttl or ttl < 1 or ttl % 1 ~= 0 or not limit or limit < 1 or limit % 1 ~= 0 then
+    fail('usage: slot ' .. i .. ': ttl_ms and limit must be whole numbers >= 1')
+  end
+end
+
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local function us(x) return string.format('%.0f', x) end -- all digits (tostring keeps 14)
+local function hold(key, id, ttl, flag)
+  if flag then redis.call('ZADD', key, flag, us(now + ttl * 1000), id)
+  else redis.call('ZADD', key, us(now + ttl * 1000), id) end
+  local last = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
+  redis.call('PEXPIREAT', key, us(ceil(tonumber(last[2]) / 1000)))
+end
+
+local reply = {}
+if mode == 'take' then
+  local pending = {}
+  for i = 1, n do
+    local key, id, limit = ARGV[4 * i - 1], ARGV[4 * i], tonumber(ARGV[4 * i + 2])
+    redis.call('ZREMRANGEBYSCORE', key, '-inf', us(now))
+    if not redis.call('ZSCORE', key, id) then
+      local held = redis.call('ZCARD', key) + (pending[key] or 0)
+      if held >= limit then return { 0, i } end
+      pending[key] = (pending[key] or 0) + 1
+    end
+  end
+  for i = 1, n do hold(ARGV[4 * i - 1], ARGV[4 * i], tonumber(ARGV[4 * i + 1])) end
+  return { 1 }
+end
+for i = 1, n do
+  local key, id = ARGV[4 * i - 1], ARGV[4 * i]
+  local score = tonumber(redis.call('ZSCORE', key, id) or '')
+  reply[i] = 0
+  if mode == 'release' then
+    reply[i] = redis.call('ZREM', key, id)
+    if score and score <= now then reply[i] = 0 end -- it had expired: not held any more
+  elseif score and score > now then
+    hold(key, id, tonumber(ARGV[4 * i + 1]), 'XX')
+    reply[i] = 1
+  elseif score then
+    redis.call('ZREM', key, id)
+  end
+end
+return reply

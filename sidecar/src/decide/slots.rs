@@ -1,0 +1,458 @@
+//! Concurrency slots (`docs/concurrency.md`): a request of a rule with `concurrency` takes one
+//! slot per such rule, all or none, before its rate is charged; a request its rate (or anything
+//! else) then rejects gives them back at once, so only admitted requests hold slots. The gateway
+//! renews what its requests hold and releases it when their streams end (`POST /v1/slots`,
+//! [`Decider::update_slots`]). Only the wasm filter takes slots: Envoy's rate limit API has no
+//! stream end to release them at, so its decisions apply the rate part alone.
+
+use std::sync::Arc;
+
+use ratelimit_wire::{
+    HeldSlot, Reason, RequestAnswer, SlotRef, SlotsRequest, SlotsResponse,
+    CONCURRENCY_RETRY_AFTER_MS,
+};
+
+use super::plan::Plan;
+use super::{rule_entries, Decider, Item};
+use crate::keys::{bucket_key, slots_key};
+use crate::metrics::SlotOutcome;
+use crate::policy::{Limit, Resolution};
+use crate::store::{BucketStore, Slot, SlotUpdate, SlotsTaken, StoreError};
+
+/// The slots one request takes: one per decision of a rule with `concurrency`.
+pub(super) struct RequestSlots {
+    pub(super) slots: Vec<Slot>,
+    /// Per slot: the decision's index and its limit.
+    pub(super) of: Vec<(usize, Arc<Limit>)>,
+}
+
+impl RequestSlots {
+    /// What the admitted request's answer tells the gateway it holds.
+    pub(super) fn held(&self) -> HeldSlot {
+        HeldSlot {
+            id: self
+                .slots
+                .first()
+                .map(|s| s.id.to_string())
+                .unwrap_or_default(),
+            ttl_ms: self.slots.iter().map(|s| s.ttl_ms).min().unwrap_or(0),
+            decisions: self.of.iter().map(|(i, _)| *i as u32).collect(),
+        }
+    }
+}
+
+/// The limit of a planned decision whose slot the request must take: a charged or unlimited
+/// limit with `concurrency` (a shadow limit is not enforced in flight).
+fn slot_limit(p: &Plan) -> Option<&Arc<Limit>> {
+    let limit = match p {
+        Plan::Charge { limit, .. } => limit,
+        Plan::Unlimited { limit: Some(limit) } => limit,
+        _ => return None,
+    };
+    (limit.concurrency.is_some() && !limit.shadow).then_some(limit)
+}
+
+/// A slot id the sidecar chooses for a caller that sent none: 128 random bits, in hex.
+fn new_slot_id() -> String {
+    format!("{:032x}", rand::random::<u128>())
+}
+
+impl<S: BucketStore> Decider<S> {
+    /// The slots a request must take, if any; `id` is the caller's slot id (or one chosen here).
+    pub(super) fn request_slots(
+        &self,
+        domain: &str,
+        plan: &[Plan],
+        items: &[Item],
+        id: Option<&str>,
+    ) -> Option<RequestSlots> {
+        let mut slots = Vec::new();
+        let mut of = Vec::new();
+        let mut shared_id: Option<Arc<str>> = None;
+        for (i, (p, item)) in plan.iter().zip(items).enumerate() {
+            let Some(limit) = slot_limit(p) else {
+                continue;
+            };
+            let Some(c) = limit.concurrency else {
+                continue;
+            };
+            let key = match p {
+                Plan::Charge { key, .. } => slots_key(key),
+                _ => slots_key(&self.bucket_key_of(domain, &item.entries)),
+            };
+            let id = shared_id
+                .get_or_insert_with(|| Arc::from(id.map_or_else(new_slot_id, str::to_string)))
+                .clone();
+            slots.push(Slot {
+                key: Arc::from(key),
+                id,
+                ttl_ms: c.slot_ttl_ms,
+                limit: c.limit,
+            });
+            of.push((i, limit.clone()));
+        }
+        (!slots.is_empty()).then_some(RequestSlots { slots, of })
+    }
+
+    fn bucket_key_of(&self, domain: &str, entries: &[(String, Option<String>)]) -> String {
+        let entries: Vec<(&str, Option<&str>)> = entries
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_deref()))
+            .collect();
+        bucket_key(&self.key_prefix, domain, &entries)
+    }
+
+    /// Takes a request's slots: counted per limit (`taken` or `full`).
+    pub(super) async fn take(&self, r: &RequestSlots) -> Result<SlotsTaken, StoreError> {
+        let taken = self.store.take_slots(r.slots.clone()).await;
+        match &taken {
+            Ok(SlotsTaken::Taken) => {
+                for (_, limit) in &r.of {
+                    self.metrics.slots_of(&limit.name, SlotOutcome::Taken, 1);
+                }
+            }
+            Ok(SlotsTaken::Full { index }) => {
+                if let Some((_, limit)) = r.of.get(*index) {
+                    self.metrics.slots_of(&limit.name, SlotOutcome::Full, 1);
+                }
+            }
+            Err(_) => {}
+        }
+        taken
+    }
+
+    /// Gives back the slots of a request that was not admitted after all. A release that fails
+    /// leaves them to expire (`slot_ttl_ms`): under-admission, never over.
+    pub(super) async fn give_back(&self, r: &RequestSlots) {
+        if let Ok(held) = self
+            .store
+            .update_slots(SlotUpdate::Release, r.slots.clone())
+            .await
+        {
+            for ((_, limit), was) in r.of.iter().zip(held) {
+                let outcome = if was {
+                    SlotOutcome::Released
+                } else {
+                    SlotOutcome::ExpiredOrUnknown
+                };
+                self.metrics.slots_of(&limit.name, outcome, 1);
+            }
+        }
+    }
+
+    /// Renews and releases slots a gateway holds (a call [`super::validate_slots`] accepted). A
+    /// slot whose rule no longer limits requests in flight is not renewed (it expires), and is
+    /// still released.
+    pub async fn update_slots(&self, call: SlotsRequest) -> Result<SlotsResponse, StoreError> {
+        let mut answer = SlotsResponse::default();
+        for (update, refs) in [
+            (SlotUpdate::Renew, call.renew),
+            (SlotUpdate::Release, call.release),
+        ] {
+            let (slots, names) = self.resolve_slots(&call.domain, update, refs, &mut answer);
+            if slots.is_empty() {
+                continue;
+            }
+            let held = self.store.update_slots(update, slots).await?;
+            for (name, was) in names.iter().zip(held) {
+                let outcome = match (was, update) {
+                    (false, _) => {
+                        answer.unknown += 1;
+                        SlotOutcome::ExpiredOrUnknown
+                    }
+                    (true, SlotUpdate::Renew) => {
+                        answer.renewed += 1;
+                        SlotOutcome::Renewed
+                    }
+                    (true, SlotUpdate::Release) => {
+                        answer.released += 1;
+                        SlotOutcome::Released
+                    }
+                };
+                self.metrics.slots_of(name, outcome, 1);
+            }
+        }
+        Ok(answer)
+    }
+
+    /// The slots `refs` name under the policy in force, each with its limit's name; one that
+    /// names no limit with `concurrency` is counted unknown (a release names the rule's set all
+    /// the same: the policy may have changed while the request ran).
+    fn resolve_slots(
+        &self,
+        domain: &str,
+        update: SlotUpdate,
+        refs: Vec<SlotRef>,
+        answer: &mut SlotsResponse,
+    ) -> (Vec<Slot>, Vec<String>) {
+        let policy = self.policy.current().clone();
+        let mut slots = Vec::with_capacity(refs.len());
+        let mut names = Vec::with_capacity(refs.len());
+        for r in refs {
+            let entries = rule_entries(r.rule, r.subject);
+            let key = self.bucket_key_of(domain, &entries);
+            let view: Vec<(&str, Option<&str>)> = entries
+                .iter()
+                .map(|(k, v)| (k.as_str(), v.as_deref()))
+                .collect();
+            let limit = match policy.resolve(domain, &view) {
+                Resolution::Limit(l) => Some(l.clone()),
+                _ => None,
+            };
+            let c = limit.as_ref().and_then(|l| l.concurrency);
+            // A label of bounded cardinality: never a name the caller made up.
+            let name = limit
+                .as_ref()
+                .map_or_else(|| "-".to_string(), |l| l.name.clone());
+            match (c, update) {
+                (None, SlotUpdate::Renew) => answer.unknown += 1,
+                _ => {
+                    slots.push(Slot {
+                        key: Arc::from(slots_key(&key)),
+                        id: Arc::from(r.slot),
+                        ttl_ms: c.map_or(1, |c| c.slot_ttl_ms),
+                        limit: c.map_or(1, |c| c.limit),
+                    });
+                    names.push(name);
+                }
+            }
+        }
+        (slots, names)
+    }
+}
+
+/// The answer of a request over its concurrency: not admitted, the full decision's reason
+/// `concurrency` with a short fixed wait (a slot frees when some request ends, at a time nobody
+/// knows).
+pub(super) fn over_concurrency(mut answer: RequestAnswer, decision: usize) -> RequestAnswer {
+    answer.allowed = false;
+    if let Some(r) = answer.results.get_mut(decision) {
+        r.allowed = false;
+        r.reason = Reason::Concurrency;
+        r.retry_after_ms = CONCURRENCY_RETRY_AFTER_MS;
+        r.remaining = 0;
+        r.reset_ms = 0;
+    }
+    answer
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use ratelimit_wire::{
+        DecideRequest, Decision, LeaseAsk, Reason, RequestDecisions, SlotRef, SlotsRequest, Subject,
+    };
+
+    use super::super::{Caller, Decider, Item};
+    use crate::metrics::Metrics;
+    use crate::policy::reload::PolicyHandle;
+    use crate::policy::{Bounds, Policy};
+    use crate::store::memory::MemoryStore;
+
+    const T0: u64 = 1_700_000_000_000_000;
+
+    const POLICY: &str = r#"
+rules:
+  inflight: {capacity: 2, refill_per_sec: 0.001, concurrency: 3}
+  one: {capacity: 10, refill_per_sec: 0.001, concurrency: 1, slot_ttl_ms: 1000}
+  many: {concurrency: 5, slot_ttl_ms: 2000}
+"#;
+
+    fn decider(store: &Arc<MemoryStore>) -> (Decider<MemoryStore>, Arc<Metrics>) {
+        let metrics = Arc::new(Metrics::new());
+        let p = Policy::from_sources(&[("limits.yaml".into(), POLICY.into())], &Bounds::default())
+            .unwrap();
+        let policy = PolicyHandle::fixed(p, metrics.clone());
+        (
+            Decider::new(store.clone(), policy, "rl:", metrics.clone()),
+            metrics,
+        )
+    }
+
+    fn decision(rule: &str) -> Decision {
+        let mut subject = Subject::new();
+        subject.push("app", Some("a".into()));
+        Decision {
+            rule: rule.into(),
+            subject,
+            cost: 1,
+            lease: None,
+        }
+    }
+
+    fn call(rules: &[&str], slot: &str) -> DecideRequest {
+        DecideRequest {
+            domain: "ratelimit".into(),
+            attempt: None,
+            requests: vec![RequestDecisions {
+                decisions: rules.iter().map(|r| decision(r)).collect(),
+                slot: Some(slot.into()),
+            }],
+            returns: Vec::new(),
+        }
+    }
+
+    fn set(rule: &str) -> String {
+        format!("rl:{{ratelimit|rule={rule}|app=a}}:c")
+    }
+
+    fn slot_ref(rule: &str, slot: &str) -> SlotRef {
+        let mut subject = Subject::new();
+        subject.push("app", Some("a".into()));
+        SlotRef {
+            rule: rule.into(),
+            subject,
+            slot: slot.into(),
+        }
+    }
+
+    fn slots_total(metrics: &Metrics, rule: &str, outcome: &str) -> bool {
+        metrics.encode().lines().any(|l| {
+            l.starts_with("ratelimit_slots_total")
+                && l.contains(&format!("rule=\"{rule}\""))
+                && l.contains(&format!("outcome=\"{outcome}\""))
+        })
+    }
+
+    #[tokio::test]
+    async fn a_request_the_rate_rejects_gives_its_slot_back() {
+        let store = Arc::new(MemoryStore::new(T0, 0.1, 10_000));
+        let (d, metrics) = decider(&store);
+        for id in ["r1", "r2"] {
+            let a = d.decide(call(&["inflight"], id)).await;
+            assert!(a.answers[0].allowed);
+            let held = a.answers[0].slot.as_ref().expect("holds a slot");
+            assert_eq!((held.id.as_str(), held.ttl_ms), (id, 10_000));
+            assert_eq!(held.decisions, [0]);
+        }
+        // The bucket (capacity 2) is empty: the third request took a slot, then gave it back.
+        let a = d.decide(call(&["inflight"], "r3")).await;
+        assert!(!a.answers[0].allowed);
+        assert_eq!(a.answers[0].results[0].reason, Reason::Insufficient);
+        assert_eq!(a.answers[0].slot, None);
+        assert_eq!(store.held_slots(&set("inflight")), ["r1", "r2"]);
+        assert!(slots_total(&metrics, "inflight", "released"));
+    }
+
+    #[tokio::test]
+    async fn a_full_set_answers_concurrency_and_charges_nothing() {
+        let store = Arc::new(MemoryStore::new(T0, 0.1, 10_000));
+        let (d, metrics) = decider(&store);
+        assert!(d.decide(call(&["one"], "a")).await.answers[0].allowed);
+        let bucket = "rl:{ratelimit|rule=one|app=a}";
+        assert_eq!(store.stored_tokens(bucket).map(f64::floor), Some(9.0));
+        let a = d.decide(call(&["one"], "b")).await;
+        assert!(!a.answers[0].allowed);
+        let r = &a.answers[0].results[0];
+        assert_eq!((r.reason, r.retry_after_ms), (Reason::Concurrency, 1000));
+        assert_eq!(
+            store.stored_tokens(bucket).map(f64::floor),
+            Some(9.0),
+            "the rate was not charged"
+        );
+        assert!(slots_total(&metrics, "one", "full"));
+        // The stream of "a" ends: its release frees the slot for the next request.
+        let released = d
+            .update_slots(SlotsRequest {
+                domain: "ratelimit".into(),
+                renew: vec![],
+                release: vec![slot_ref("one", "a")],
+            })
+            .await
+            .unwrap();
+        assert_eq!(released.released, 1);
+        assert!(d.decide(call(&["one"], "c")).await.answers[0].allowed);
+    }
+
+    #[tokio::test]
+    async fn an_unrenewed_slot_expires_after_its_ttl_and_a_renewed_one_does_not() {
+        let store = Arc::new(MemoryStore::new(T0, 0.1, 10_000));
+        let (d, _) = decider(&store);
+        assert!(d.decide(call(&["many"], "kept")).await.answers[0].allowed);
+        assert!(d.decide(call(&["many"], "dead")).await.answers[0].allowed);
+        let renew = |ids: &[&str]| SlotsRequest {
+            domain: "ratelimit".into(),
+            renew: ids.iter().map(|id| slot_ref("many", id)).collect(),
+            release: vec![],
+        };
+        store.advance_ms(1_500);
+        let r = d.update_slots(renew(&["kept"])).await.unwrap();
+        assert_eq!((r.renewed, r.unknown), (1, 0));
+        store.advance_ms(600);
+        // 2100 ms after the take: "dead" (ttl 2000, never renewed) is free again, "kept" is held.
+        assert_eq!(store.held_slots(&set("many")), ["kept"]);
+        let r = d.update_slots(renew(&["kept", "dead"])).await.unwrap();
+        assert_eq!(
+            (r.renewed, r.unknown),
+            (1, 1),
+            "an expired slot is not revived"
+        );
+        assert_eq!(store.held_slots(&set("many")), ["kept"]);
+    }
+
+    #[tokio::test]
+    async fn the_slots_of_a_request_are_all_or_none() {
+        let store = Arc::new(MemoryStore::new(T0, 0.1, 10_000));
+        let (d, _) = decider(&store);
+        assert!(d.decide(call(&["one"], "first")).await.answers[0].allowed);
+        let a = d.decide(call(&["many", "one"], "second")).await;
+        assert!(!a.answers[0].allowed);
+        assert_eq!(a.answers[0].results[1].reason, Reason::Concurrency);
+        assert!(
+            store.held_slots(&set("many")).is_empty(),
+            "no slot of the rejected request is held"
+        );
+        // A retry of an admitted request (its slot id) holds its slot once.
+        assert!(d.decide(call(&["many"], "x")).await.answers[0].allowed);
+        assert!(d.decide(call(&["many"], "x")).await.answers[0].allowed);
+        assert_eq!(store.held_slots(&set("many")), ["x"]);
+    }
+
+    #[tokio::test]
+    async fn a_rule_with_concurrency_grants_no_lease_and_the_rate_limit_api_takes_no_slot() {
+        let store = Arc::new(MemoryStore::new(T0, 0.5, 10_000));
+        let (d, _) = decider(&store);
+        let mut c = call(&["one"], "leased");
+        c.requests[0].decisions[0].lease = Some(LeaseAsk {
+            id: 7,
+            tokens: 4,
+            ttl_ms: 1000,
+        });
+        let a = d.decide(c).await;
+        assert!(a.answers[0].allowed);
+        assert_eq!(a.answers[0].results[0].leased, 0);
+        let item = Item {
+            entries: vec![
+                ("rule".into(), Some("one".into())),
+                ("app".into(), Some("a".into())),
+            ],
+            cost: 1,
+            lease: None,
+        };
+        let a = d
+            .run(
+                "ratelimit",
+                None,
+                vec![vec![item]],
+                vec![],
+                Caller::RateLimitService,
+            )
+            .await;
+        assert!(a[0].allowed, "the rate part alone applies");
+        assert_eq!(a[0].slot, None);
+        assert_eq!(store.held_slots(&set("one")), ["leased"]);
+    }
+
+    #[tokio::test]
+    async fn a_caller_without_a_slot_id_is_given_one() {
+        let store = Arc::new(MemoryStore::new(T0, 0.1, 10_000));
+        let (d, _) = decider(&store);
+        let mut c = call(&["many"], "");
+        c.requests[0].slot = None;
+        let a = d.decide(c).await;
+        let held = a.answers[0].slot.clone().expect("a slot");
+        assert_eq!(held.id.len(), 32);
+        assert_eq!(store.held_slots(&set("many")), [held.id]);
+    }
+}
