@@ -1,0 +1,269 @@
+//! Costs known after the response through Envoy's NATIVE rate limit filter (docs/grpc.md#costs-known-after-the-response):
+//! the route charges a reservation when the request arrives and, with `apply_on_stream_done`,
+//! sends a descriptor `settle=<the reservation>` whose `hits_addend` is the cost the upstream
+//! reported (`x-usage-tokens`, copied into dynamic metadata by `header_to_metadata`); the sidecar
+//! charges or gives back the difference on the same bucket, past zero into a debt. Real Envoys,
+//! one sidecar, one Redis:
+//!
+//! - after M requests the bucket holds capacity - the sum of their real costs, exactly (a cheap
+//!   response gives back, an expensive one goes into debt and the next request waits for it);
+//! - a request the filter rejected sends no settlement;
+//! - the wasm filter and the native filter on one rule and subject see each other's charges.
+
+use std::time::Duration;
+
+use ratelimit_e2e::scenario::plugin_with_rules;
+use ratelimit_e2e::{
+    bucket_tokens, http, wait_until, Envoy, EnvoyConfig, Redis, Sidecar, Upstream,
+};
+use serde_json::json;
+
+/// Capacity 100 and a token every 1000 s: a test's few seconds refill under 0.01 of a token.
+const POLICY: &str = "rules:\n  llm: {capacity: 100, refill_per_sec: 0.001}\n";
+const KEY: &str = "rl:{ratelimit|rule=llm}";
+const RESERVE: f64 = 10.0;
+
+/// The route of envoy/envoy-native-ratelimit.yaml with a reservation and its settlement (the
+/// snippet docs/grpc.md shows), instead of the shipped per-ip descriptor.
+const ROUTE: &str = r#"                typed_per_filter_config:
+                  envoy.filters.http.ratelimit:
+                    "@type": type.googleapis.com/envoy.extensions.filters.http.ratelimit.v3.RateLimitPerRoute
+                    rate_limits:
+                    # When the request arrives: reserve 10 tokens of rule "llm".
+                    - hits_addend: { number: 10 }
+                      actions:
+                      - generic_key: { descriptor_key: rule, descriptor_value: llm }
+                    # When the stream is done: the same bucket, what was charged, the real cost.
+                    - apply_on_stream_done: true
+                      hits_addend: { format: "%DYNAMIC_METADATA(ratelimit.usage:tokens)%" }
+                      actions:
+                      - generic_key: { descriptor_key: rule, descriptor_value: llm }
+                      - generic_key: { descriptor_key: settle, descriptor_value: "10" }
+"#;
+
+/// Copies the upstream's `x-usage-tokens` into dynamic metadata, where the stream-done
+/// descriptor's `hits_addend` reads it.
+const HEADER_TO_METADATA: &str = r#"          - name: envoy.filters.http.header_to_metadata
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.header_to_metadata.v3.Config
+              response_rules:
+              - header: x-usage-tokens
+                on_header_present: { metadata_namespace: ratelimit.usage, key: tokens, type: NUMBER }
+                remove: false
+          - name: envoy.filters.http.ratelimit
+"#;
+
+fn native(sidecar: &Sidecar, upstream: &Upstream) -> Envoy {
+    Envoy::start(
+        &EnvoyConfig::shipped("envoy-native-ratelimit.yaml", sidecar.port, upstream.port)
+            .replace("timeout: 0.05s", "timeout: 5s")
+            .replace("failure_mode_deny: false", "failure_mode_deny: true")
+            .replace_lines(
+                "                  rate_limits:",
+                "          http_filters:",
+                ROUTE,
+            )
+            .replace(
+                "          - name: envoy.filters.http.ratelimit\n",
+                HEADER_TO_METADATA,
+            ),
+    )
+}
+
+/// An Envoy admin stat (0 when absent).
+fn stat(envoy: &Envoy, name: &str) -> u64 {
+    let body = http()
+        .get(format!(
+            "http://127.0.0.1:{}/stats?filter=^{}$",
+            envoy.admin_port,
+            name.replace('.', "\\.")
+        ))
+        .send()
+        .and_then(|r| r.text())
+        .unwrap_or_default();
+    body.lines()
+        .find_map(|l| l.strip_prefix(&format!("{name}: ")))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// Waits until every downstream stream is done (its stream-done call sent) and every call to the
+/// sidecar answered; returns how many calls Envoy made to the sidecar.
+fn calls_settled(envoy: &Envoy) -> u64 {
+    wait_until(
+        "the native Envoy's streams and calls to end",
+        Duration::from_secs(30),
+        || {
+            stat(envoy, "http.ingress.downstream_rq_active") == 0
+                && stat(envoy, "cluster.ratelimit_sidecar.upstream_rq_active") == 0
+        },
+    );
+    stat(envoy, "cluster.ratelimit_sidecar.upstream_rq_total")
+}
+
+fn settlements(sidecar: &Sidecar) -> u64 {
+    ["charged", "given_back", "skipped", "repeated", "failed"]
+        .iter()
+        .map(|o| sidecar.metric(&format!("ratelimit_settlements_total{{outcome=\"{o}\"}}")) as u64)
+        .sum()
+}
+
+fn tokens(redis: &Redis) -> f64 {
+    bucket_tokens(redis, KEY).expect("the bucket exists")
+}
+
+/// `tokens` is `expected`, but for the refill of a few seconds (< 0.01 of a token).
+fn assert_tokens(redis: &Redis, expected: f64, what: &str) {
+    let t = tokens(redis);
+    assert!(
+        (expected..expected + 0.05).contains(&t),
+        "{what}: {t} tokens, expected {expected}"
+    );
+}
+
+struct Reply {
+    status: u16,
+    retry_after: Option<String>,
+    ratelimit: Option<String>,
+}
+
+fn get(envoy: &Envoy, tokens: u64) -> Reply {
+    let r = http()
+        .get(envoy.url(&format!("/usage/header?tokens={tokens}")))
+        .send()
+        .expect("envoy answers");
+    let h = |n: &str| r.headers().get(n).map(|v| v.to_str().unwrap().to_string());
+    Reply {
+        status: r.status().as_u16(),
+        retry_after: h("retry-after"),
+        ratelimit: h("ratelimit"),
+    }
+}
+
+/// One request through the native Envoy that the sidecar admits and then settles.
+fn settled_request(envoy: &Envoy, sidecar: &Sidecar, cost: u64) -> Reply {
+    let before = settlements(sidecar);
+    let r = get(envoy, cost);
+    assert_eq!(r.status, 200, "a request of cost {cost}");
+    wait_until("its settlement", Duration::from_secs(30), || {
+        settlements(sidecar) == before + 1
+    });
+    r
+}
+
+#[test]
+fn the_native_filter_settles_real_costs_on_the_bucket_it_charged() {
+    let redis = Redis::start();
+    let sidecar = Sidecar::with_policy(&redis.url(), POLICY, &["--redis-timeout-ms", "1000"]);
+    let upstream = Upstream::start();
+    let envoy = native(&sidecar, &upstream);
+
+    // Costs 25, 3, 10, 0: each reserved 10, then settled to its real cost.
+    let costs = [25u64, 3, 10, 0];
+    let mut spent = 0.0;
+    for (i, cost) in costs.into_iter().enumerate() {
+        let r = settled_request(&envoy, &sidecar, cost);
+        // The answer reports the reservation's charge: the real cost is not known yet.
+        assert_eq!(
+            r.ratelimit
+                .as_deref()
+                .map(|v| v.split(";t=").next().unwrap().to_string()),
+            Some(format!("\"llm\";r={}", (100.0 - spent - RESERVE) as u64)),
+            "request {i}"
+        );
+        spent += cost as f64;
+        assert_tokens(
+            &redis,
+            100.0 - spent,
+            &format!("after request {i} (cost {cost})"),
+        );
+    }
+    let m = |o: &str| sidecar.metric(&format!("ratelimit_settlements_total{{outcome=\"{o}\"}}"));
+    assert_eq!(
+        (m("charged"), m("given_back"), m("skipped")),
+        (1.0, 2.0, 1.0)
+    );
+    // 62 left: an expensive response (200) goes 148 into debt.
+    settled_request(&envoy, &sidecar, 200);
+    spent += 200.0;
+    assert_tokens(&redis, 100.0 - spent, "in debt");
+    let debt = -tokens(&redis);
+    // The next request waits for the debt and its reservation: (148 + 10) / 0.001 s.
+    let calls = calls_settled(&envoy);
+    let rejected = get(&envoy, 1);
+    assert_eq!(rejected.status, 429);
+    let retry_after: f64 = rejected.retry_after.expect("Retry-After").parse().unwrap();
+    let expected = ((debt + RESERVE) / 0.001).ceil();
+    assert!(
+        (expected - 1.0..=expected).contains(&retry_after),
+        "Retry-After {retry_after}, expected {expected}"
+    );
+    // The rejected request was charged nothing and sends no settlement: its stream-done
+    // descriptor has no real cost (the upstream never answered), so Envoy drops it.
+    assert_eq!(calls_settled(&envoy), calls + 1, "one call: the decision");
+    assert_tokens(&redis, 100.0 - spent, "after the rejected request");
+    assert_eq!(
+        sidecar.metric("ratelimit_calls_total{api=\"grpc\",outcome=\"answered\"}") as u64,
+        calls + 1
+    );
+    assert_eq!(
+        settlements(&sidecar),
+        5,
+        "one settlement per admitted request"
+    );
+    assert_eq!(upstream.hits(), 5);
+    drop((envoy, sidecar, redis));
+}
+
+#[test]
+fn the_wasm_filter_and_the_native_filter_settle_one_bucket() {
+    let redis = Redis::start();
+    // Leases off: tokens held in advance by the wasm gateway would blur the exact figures.
+    let sidecar = Sidecar::with_policy(
+        &redis.url(),
+        POLICY,
+        &["--redis-timeout-ms", "1000", "--lease-max-share", "0"],
+    );
+    let upstream = Upstream::start();
+    let native = native(&sidecar, &upstream);
+    let mut plugin = plugin_with_rules(json!([{
+        "name": "llm", "match": {"path_prefix": "/usage/"}, "subject": [], "on_error": "deny",
+        "cost": {"reserve": 10, "response_header": "x-usage-tokens"},
+    }]));
+    plugin["fast_paths"] = json!({"known_rejections": false, "leases": {"enabled": false}});
+    plugin["rate_limit_headers"] = json!("always");
+    let wasm = Envoy::start(
+        &EnvoyConfig::shipped("envoy.yaml", sidecar.port, upstream.port)
+            .plugin(&plugin.to_string()),
+    );
+
+    // Native 30: 70 left. The wasm filter reserves 10 of them (60 left, its header says so),
+    // then settles 20: 50.
+    settled_request(&native, &sidecar, 30);
+    assert_tokens(&redis, 70.0, "after the native request");
+    let r = settled_request(&wasm, &sidecar, 20);
+    assert!(
+        r.ratelimit
+            .as_deref()
+            .is_some_and(|v| v.starts_with("\"llm\";r=60;")),
+        "the wasm filter sees the native charge: {:?}",
+        r.ratelimit
+    );
+    assert_tokens(&redis, 50.0, "after the wasm request");
+    // Native again: it sees the wasm charge (reserve 10 of 50: 40 left), costs 45: 5 left.
+    let r = settled_request(&native, &sidecar, 45);
+    assert!(
+        r.ratelimit
+            .as_deref()
+            .is_some_and(|v| v.starts_with("\"llm\";r=40;")),
+        "the native filter sees the wasm charge: {:?}",
+        r.ratelimit
+    );
+    assert_tokens(&redis, 5.0, "after both");
+    // 5 left: a reservation of 10 is refused through either filter.
+    assert_eq!(get(&wasm, 1).status, 429);
+    assert_eq!(get(&native, 1).status, 429);
+    assert_tokens(&redis, 5.0, "after two rejections");
+    assert_eq!(upstream.hits(), 3);
+    drop((native, wasm, sidecar, redis));
+}
