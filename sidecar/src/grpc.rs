@@ -31,7 +31,9 @@
 //! `limit_remaining` (whole tokens), `duration_until_reset` (OVER_LIMIT: the wait until the cost is
 //! available; OK: until the bucket is full). `response_headers_to_add` carries `RateLimit-Policy`,
 //! `RateLimit` and, over the limit, `Retry-After`, rendered by [`ratelimit_wire::headers`] exactly
-//! as the wasm filter renders them.
+//! as the wasm filter renders them. An admitted request's `dynamic_metadata` says what it charged
+//! each rule of the own format (`settle.<rule>` = tokens, a string: [`charged_metadata`]), for its
+//! stream-done descriptor's `settle` entry.
 //!
 //! # Errors
 //!
@@ -53,7 +55,7 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::{
     RateLimitService, RateLimitServiceServer,
 };
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
-use envoy_types::pb::google::protobuf::Duration;
+use envoy_types::pb::google::protobuf::{value::Kind, Duration, Struct, Value};
 use ratelimit_wire::headers::{self, ceil_s, limiting, retry_after_s, HeaderLimit, Limiting};
 use ratelimit_wire::{
     AppliedLimit, DecisionResult, ErrorCode, Reason, RequestAnswer, MAX_DECISIONS, MAX_NAME_BYTES,
@@ -64,6 +66,7 @@ use tonic::{Request, Response, Status};
 
 use crate::decide::{Caller, Decider, Item, SettleItem};
 use crate::metrics::{CallOutcome, Metrics, RequestOutcome};
+use crate::policy::own_format::RULE_KEY;
 use crate::policy::MAX_CAPACITY;
 use crate::store::BucketStore;
 
@@ -281,6 +284,7 @@ impl<S: BucketStore> RateLimitApi<S> {
         }
         // The decision runs in a task of its own: a caller that gives up (Envoy's `timeout`
         // resets the stream) cancels neither its Redis calls nor the refunds that follow them.
+        let charges: Vec<Option<(String, u64)>> = checked.items.iter().map(rule_charge).collect();
         let decider = self.decider.clone();
         let task = tokio::spawn(async move {
             let Checked { domain, items, .. } = checked;
@@ -320,7 +324,9 @@ impl<S: BucketStore> RateLimitApi<S> {
             return Err(status);
         }
         self.metrics.call("grpc", CallOutcome::Answered);
-        Ok(respond(&answer))
+        let mut response = respond(&answer);
+        response.dynamic_metadata = charged_metadata(&charges, &answer);
+        Ok(response)
     }
 }
 
@@ -360,6 +366,51 @@ impl<S: BucketStore> RateLimitApi<S> {
             }
         }
     }
+}
+
+/// The key of the dynamic metadata that says what an admitted request was charged per rule:
+/// `{"settle": {"<rule>": "<tokens>"}}` in Envoy's filter namespace
+/// (`envoy.filters.http.ratelimit`), for a stream-done descriptor's `settle` entry to read with a
+/// `metadata` action (docs/grpc.md#costs-known-after-the-response).
+pub const CHARGED_METADATA_KEY: &str = SETTLE_KEY;
+
+/// The rule a decision names in this sidecar's own format (first entry `rule=<name>`) and its cost.
+fn rule_charge(item: &Item) -> Option<(String, u64)> {
+    match item.entries.first() {
+        Some((key, Some(rule))) if key == RULE_KEY => Some((rule.clone(), item.cost)),
+        _ => None,
+    }
+}
+
+/// What an admitted request charged each rule of this sidecar's own format, as dynamic metadata
+/// (`None` when nothing was charged: a rejected request, unlimited or shadow-rejected limits, no
+/// own-format rule). The values are strings: Envoy's `metadata` action reads only strings. A rule
+/// named by two descriptors keeps the first one's charge.
+pub fn charged_metadata(
+    charges: &[Option<(String, u64)>],
+    answer: &RequestAnswer,
+) -> Option<Struct> {
+    if !answer.allowed {
+        return None;
+    }
+    let mut fields = std::collections::HashMap::new();
+    for (charge, r) in charges.iter().zip(&answer.results) {
+        let charged = r.allowed && r.reason == Reason::Ok && r.limit.is_some() && r.error.is_none();
+        if let (Some((rule, cost)), true) = (charge, charged) {
+            fields.entry(rule.clone()).or_insert_with(|| Value {
+                kind: Some(Kind::StringValue(cost.to_string())),
+            });
+        }
+    }
+    if fields.is_empty() {
+        return None;
+    }
+    let inner = Value {
+        kind: Some(Kind::StructValue(Struct { fields })),
+    };
+    Some(Struct {
+        fields: [(CHARGED_METADATA_KEY.to_string(), inner)].into(),
+    })
 }
 
 /// The answer to a stream-done call of `n` settlements: OK, no limit, no headers.
@@ -704,6 +755,59 @@ mod tests {
             assert_eq!(s.duration_until_reset, None);
         }
         assert!(r.response_headers_to_add.is_empty());
+    }
+
+    #[test]
+    fn an_admitted_request_reports_what_it_charged_each_rule_for_its_settlement() {
+        let item = |entries: &[(&str, &str)], cost: u64| Item {
+            entries: entries
+                .iter()
+                .map(|(k, v)| (k.to_string(), Some(v.to_string())))
+                .collect(),
+            cost,
+            lease: None,
+        };
+        let charges: Vec<_> = [
+            item(&[("rule", "llm"), ("user", "ann")], 1000),
+            item(&[("remote_address", "1.2.3.4")], 3), // not this sidecar's format
+            item(&[("rule", "free")], 2),              // unlimited: nothing charged
+            item(&[("rule", "trial")], 4),             // shadow, would have rejected
+            item(&[("rule", "llm"), ("user", "bob")], 5), // the rule's first charge stands
+        ]
+        .iter()
+        .map(rule_charge)
+        .collect();
+        let mut unlimited = result(true, Reason::Unlimited, 0, 0);
+        unlimited.limit = None;
+        let mut shadow = result(true, Reason::Insufficient, 0, 0);
+        shadow.shadow = true;
+        let mut answer = RequestAnswer {
+            allowed: true,
+            results: vec![
+                result(true, Reason::Ok, 4, 0),
+                result(true, Reason::Ok, 4, 0),
+                unlimited,
+                shadow,
+                result(true, Reason::Ok, 4, 0),
+            ],
+            error: None,
+        };
+        let m = charged_metadata(&charges, &answer).expect("something was charged");
+        let Some(Kind::StructValue(settle)) = &m.fields["settle"].kind else {
+            panic!("{m:?}")
+        };
+        assert_eq!(settle.fields.len(), 1, "{settle:?}");
+        assert_eq!(
+            settle.fields["llm"].kind,
+            Some(Kind::StringValue("1000".into()))
+        );
+        // A rejected request was charged nothing: no metadata, so no settle entry.
+        answer.allowed = false;
+        assert_eq!(charged_metadata(&charges, &answer), None);
+        answer.allowed = true;
+        answer.results[0].reason = Reason::Insufficient;
+        answer.results[4].reason = Reason::Insufficient;
+        assert_eq!(charged_metadata(&charges, &answer), None);
     }
 
     #[test]

@@ -489,6 +489,19 @@ fn settle(bucket: &[(&str, &str)], charged: u64, cost: u64) -> RateLimitRequest 
     request("ratelimit", vec![d])
 }
 
+/// What an answer's dynamic metadata says `rule` was charged (`settle.<rule>`).
+fn charged(r: &RateLimitResponse, rule: &str) -> Option<String> {
+    use envoy_types::pb::google::protobuf::value::Kind;
+    let settle = r.dynamic_metadata.as_ref()?.fields.get("settle")?;
+    let Some(Kind::StructValue(rules)) = &settle.kind else {
+        return None;
+    };
+    match &rules.fields.get(rule)?.kind {
+        Some(Kind::StringValue(v)) => Some(v.clone()),
+        _ => None,
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_settlement_charges_or_gives_back_the_difference_into_a_debt_and_always_answers_ok() {
     let redis = Redis::start();
@@ -503,8 +516,10 @@ async fn a_settlement_charges_or_gives_back_the_difference_into_a_debt_and_alway
     };
     let remaining = |a: &RateLimitResponse| a.statuses[0].limit_remaining;
 
-    // Reserve 4 of 10, really 2: 2 come back.
-    assert_eq!(remaining(&ask(&mut c, charge(4)).await), 6);
+    // Reserve 4 of 10, really 2: 2 come back. The answer says what rule "ten" was charged.
+    let a = ask(&mut c, charge(4)).await;
+    assert_eq!(remaining(&a), 6);
+    assert_eq!(charged(&a, "ten").as_deref(), Some("4"));
     let s = ask(&mut c, settle(&bucket, 4, 2)).await;
     assert_eq!(s.overall_code, code(Code::Ok));
     assert_eq!(s.statuses.len(), 1);
@@ -524,6 +539,10 @@ async fn a_settlement_charges_or_gives_back_the_difference_into_a_debt_and_alway
     // A debt of 7: the next request of cost 1 waits for 8 tokens, a token every 1000 s.
     let over = ask(&mut c, charge(1)).await;
     assert_eq!(over.overall_code, code(Code::OverLimit));
+    assert_eq!(
+        over.dynamic_metadata, None,
+        "a rejected request was charged nothing"
+    );
     let wait = ms(&over.statuses[0]);
     assert!((7_990_000..=8_000_000).contains(&wait), "waits {wait} ms");
     assert_eq!(header(&over, "retry-after").as_deref(), Some("8000"));

@@ -307,3 +307,78 @@ fn envoy_ignores_hits_addend_in_a_routes_own_rate_limits() {
     assert_tokens(&redis, 99.0, "charged 1, not the reservation of 10");
     assert_eq!(settlements(&sidecar), 0);
 }
+
+/// The settle entry read from what the sidecar says it charged (dynamic metadata
+/// `envoy.filters.http.ratelimit` / `settle` / `<rule>`, set on an admitted request's answer): a
+/// reservation that differs per request (here from a request header) settles exactly, and a
+/// request nothing was charged for produces no stream-done descriptor, even with a cost that is
+/// always there (a fixed 7).
+const METADATA_ROUTE: &str = r#"                typed_per_filter_config:
+                  envoy.filters.http.ratelimit:
+                    "@type": type.googleapis.com/envoy.extensions.filters.http.ratelimit.v3.RateLimitPerRoute
+                    rate_limits:
+                    - hits_addend: { format: "%REQ(x-reserve)%" }
+                      actions:
+                      - generic_key: { descriptor_key: rule, descriptor_value: llm }
+                    - apply_on_stream_done: true
+                      hits_addend: { number: 7 }
+                      actions:
+                      - generic_key: { descriptor_key: rule, descriptor_value: llm }
+                      - metadata:
+                          descriptor_key: settle
+                          metadata_key:
+                            key: envoy.filters.http.ratelimit
+                            path: [{ key: settle }, { key: llm }]
+                          source: DYNAMIC
+"#;
+
+#[test]
+fn the_charge_the_sidecar_reports_settles_exactly_and_a_rejected_request_settles_nothing() {
+    let redis = Redis::start();
+    let sidecar = Sidecar::with_policy(&redis.url(), POLICY, &["--redis-timeout-ms", "1000"]);
+    let upstream = Upstream::start();
+    let envoy = Envoy::start(
+        &EnvoyConfig::shipped("envoy-native-ratelimit.yaml", sidecar.port, upstream.port)
+            .replace("timeout: 0.05s", "timeout: 5s")
+            .replace("failure_mode_deny: false", "failure_mode_deny: true")
+            .replace_lines(
+                "                  rate_limits:",
+                "          http_filters:",
+                METADATA_ROUTE,
+            ),
+    );
+    let reserve = |n: u64| {
+        http()
+            .get(envoy.url("/api/x"))
+            .header("x-reserve", n.to_string())
+            .send()
+            .expect("envoy answers")
+            .status()
+            .as_u16()
+    };
+    // Reservations of 30 and 50, each really 7.
+    for (i, r) in [30u64, 50].into_iter().enumerate() {
+        let before = settlements(&sidecar);
+        assert_eq!(reserve(r), 200);
+        wait_until("its settlement", Duration::from_secs(30), || {
+            settlements(&sidecar) == before + 1
+        });
+        assert_tokens(
+            &redis,
+            100.0 - 7.0 * (i + 1) as f64,
+            &format!("reserved {r}"),
+        );
+    }
+    assert_eq!(
+        sidecar.metric("ratelimit_settlements_total{outcome=\"given_back\"}"),
+        2.0
+    );
+    // A reservation above the capacity is refused: nothing charged, so no settle entry, so no
+    // stream-done descriptor, although its "real cost" of 7 is there.
+    let calls = calls_settled(&envoy);
+    assert_eq!(reserve(200), 429);
+    assert_eq!(calls_settled(&envoy), calls + 1, "one call: the decision");
+    assert_tokens(&redis, 86.0, "after the rejected request");
+    assert_eq!(settlements(&sidecar), 2);
+    assert_eq!(upstream.hits(), 2);
+}
