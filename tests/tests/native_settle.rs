@@ -1,14 +1,15 @@
-//! Costs known after the response through Envoy's NATIVE rate limit filter (docs/grpc.md#costs-known-after-the-response):
-//! the route charges a reservation when the request arrives and, with `apply_on_stream_done`,
-//! sends a descriptor `settle=<the reservation>` whose `hits_addend` is the cost the upstream
-//! reported (`%RESP(x-usage-tokens)%`, from `RateLimitPerRoute.rate_limits`: Envoy 1.40 ignores
-//! `hits_addend` in a route's own `rate_limits`); the sidecar
-//! charges or gives back the difference on the same bucket, past zero into a debt. Real Envoys,
-//! one sidecar, one Redis:
+//! Costs known after the response through Envoy's NATIVE rate limit filter
+//! (docs/grpc.md#costs-known-after-the-response): the route charges a reservation when the request
+//! arrives and, with `apply_on_stream_done`, sends a descriptor `settle=<what was charged>` whose
+//! `hits_addend` is the cost the upstream reported (`%RESP(x-usage-tokens)%`), from
+//! `RateLimitPerRoute.rate_limits` (Envoy 1.40 ignores `hits_addend` in a route's own
+//! `rate_limits`); the sidecar charges or gives back the difference on the same bucket, past zero
+//! into a debt. The `settle` value is what the sidecar reported charging (dynamic metadata, the
+//! shipped example) or fixed. Real Envoys, one sidecar, one Redis:
 //!
 //! - after M requests the bucket holds capacity - the sum of their real costs, exactly (a cheap
 //!   response gives back, an expensive one goes into debt and the next request waits for it);
-//! - a request the filter rejected sends no settlement;
+//! - a request the filter rejected sends no settlement, even with a cost that is always there;
 //! - the wasm filter and the native filter on one rule and subject see each other's charges.
 
 use std::time::Duration;
@@ -25,8 +26,9 @@ const KEY: &str = "rl:{ratelimit|rule=llm}";
 const RESERVE: f64 = 10.0;
 
 /// The reservation and its settlement commented in envoy/envoy-native-ratelimit.yaml (the
-/// snippet docs/grpc.md shows), uncommented, reserving 10 instead of 1000: the route's
-/// `typed_per_filter_config`, in place of the shipped per-ip `rate_limits`.
+/// snippet docs/grpc.md shows: the `settle` entry from what the sidecar reports it charged),
+/// uncommented, reserving 10 instead of 1000: the route's `typed_per_filter_config`, in place of
+/// the shipped per-ip `rate_limits`.
 fn route() -> String {
     const COMMENT: &str = "                  #   ";
     let shipped =
@@ -38,18 +40,37 @@ fn route() -> String {
         .take_while(|l| l.starts_with(COMMENT))
         .collect();
     assert!(
-        lines.len() > 5 && lines.last().unwrap().contains("descriptor_key: settle"),
+        lines.iter().any(|l| l.contains("descriptor_key: settle")),
         "envoy-native-ratelimit.yaml no longer comments the settled route: {lines:?}"
     );
     let route: String = lines
         .iter()
         .map(|l| format!("                {}\n", &l[COMMENT.len()..]))
         .collect();
-    assert_eq!(route.matches("1000").count(), 2, "{route}");
+    assert_eq!(route.matches("1000").count(), 1, "{route}");
     route.replace("1000", "10")
 }
 
+/// The same with a fixed `settle` entry: the reservation as configured.
+const FIXED_ROUTE: &str = r#"                typed_per_filter_config:
+                  envoy.filters.http.ratelimit:
+                    "@type": type.googleapis.com/envoy.extensions.filters.http.ratelimit.v3.RateLimitPerRoute
+                    rate_limits:
+                    - hits_addend: { number: 10 }
+                      actions:
+                      - generic_key: { descriptor_key: rule, descriptor_value: llm }
+                    - apply_on_stream_done: true
+                      hits_addend: { format: "%RESP(x-usage-tokens)%" }
+                      actions:
+                      - generic_key: { descriptor_key: rule, descriptor_value: llm }
+                      - generic_key: { descriptor_key: settle, descriptor_value: "10" }
+"#;
+
 fn native(sidecar: &Sidecar, upstream: &Upstream) -> Envoy {
+    native_with(sidecar, upstream, &route())
+}
+
+fn native_with(sidecar: &Sidecar, upstream: &Upstream, route: &str) -> Envoy {
     Envoy::start(
         &EnvoyConfig::shipped("envoy-native-ratelimit.yaml", sidecar.port, upstream.port)
             .replace("timeout: 0.05s", "timeout: 5s")
@@ -57,7 +78,7 @@ fn native(sidecar: &Sidecar, upstream: &Upstream) -> Envoy {
             .replace_lines(
                 "                  rate_limits:",
                 "          http_filters:",
-                &route(),
+                route,
             ),
     )
 }
@@ -218,7 +239,7 @@ fn the_wasm_filter_and_the_native_filter_settle_one_bucket() {
         &["--redis-timeout-ms", "1000", "--lease-max-share", "0"],
     );
     let upstream = Upstream::start();
-    let native = native(&sidecar, &upstream);
+    let native = native_with(&sidecar, &upstream, FIXED_ROUTE);
     let mut plugin = plugin_with_rules(json!([{
         "name": "llm", "match": {"path_prefix": "/usage/"}, "subject": [], "on_error": "deny",
         "cost": {"reserve": 10, "response_header": "x-usage-tokens"},
@@ -277,16 +298,7 @@ fn envoy_ignores_hits_addend_in_a_routes_own_rate_limits() {
         .map(|l| format!("  {l}\n"))
         .collect();
     let own = format!("                  rate_limits:\n{own}");
-    let envoy = Envoy::start(
-        &EnvoyConfig::shipped("envoy-native-ratelimit.yaml", sidecar.port, upstream.port)
-            .replace("timeout: 0.05s", "timeout: 5s")
-            .replace("failure_mode_deny: false", "failure_mode_deny: true")
-            .replace_lines(
-                "                  rate_limits:",
-                "          http_filters:",
-                &own,
-            ),
-    );
+    let envoy = native_with(&sidecar, &upstream, &own);
     assert_eq!(get(&envoy, 25).status, 200);
     assert_eq!(
         calls_settled(&envoy),
@@ -337,16 +349,7 @@ fn the_charge_the_sidecar_reports_settles_exactly_and_a_rejected_request_settles
     let redis = Redis::start();
     let sidecar = Sidecar::with_policy(&redis.url(), POLICY, &["--redis-timeout-ms", "1000"]);
     let upstream = Upstream::start();
-    let envoy = Envoy::start(
-        &EnvoyConfig::shipped("envoy-native-ratelimit.yaml", sidecar.port, upstream.port)
-            .replace("timeout: 0.05s", "timeout: 5s")
-            .replace("failure_mode_deny: false", "failure_mode_deny: true")
-            .replace_lines(
-                "                  rate_limits:",
-                "          http_filters:",
-                METADATA_ROUTE,
-            ),
-    );
+    let envoy = native_with(&sidecar, &upstream, METADATA_ROUTE);
     let reserve = |n: u64| {
         http()
             .get(envoy.url("/api/x"))
