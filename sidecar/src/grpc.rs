@@ -252,8 +252,9 @@ fn settle_charged(value: &str) -> Result<u64, String> {
     match value.parse::<u64>() {
         Ok(n) if (1..=MAX_CAPACITY).contains(&n) && !value.starts_with('+') => Ok(n),
         _ => Err(format!(
-            "the tokens the request path charged, a whole number from 1 to {MAX_CAPACITY}; got \"{}\"",
-            value.escape_debug()
+            "the tokens the request path charged, a whole number from 1 to {MAX_CAPACITY}; got \"{}\"{}",
+            value.chars().take(32).collect::<String>().escape_debug(),
+            if value.chars().count() > 32 { " (cut)" } else { "" }
         )),
     }
 }
@@ -706,6 +707,11 @@ mod tests {
                 "{bad:?}: {e}"
             );
         }
+        let e = settlement(&"9".repeat(MAX_VALUE_BYTES), 5).unwrap_err();
+        assert!(
+            e.len() < 200 && e.ends_with(" (cut)"),
+            "quotes a bounded part: {e}"
+        );
         let e = settlement("10", MAX_CAPACITY + 1).unwrap_err();
         assert!(
             e.starts_with("descriptors[0].hits_addend: must be at most"),
