@@ -13,6 +13,12 @@
 //!   over its limit, none is charged (envoyproxy/ratelimit would still count the others).
 //! - The cost of a descriptor is its own `hits_addend` when set, else the request's `hits_addend`;
 //!   0 means 1. `is_negative_hits` (giving tokens back) is refused: a caller never adds budget.
+//! - A descriptor with an entry `settle=<tokens>` is a settlement, not a decision: the stream-done
+//!   descriptor (`apply_on_stream_done`) of a request the route charged `<tokens>` when it arrived,
+//!   its `hits_addend` (else the request's) the real cost. The entry is left out of the bucket's
+//!   entries, and `cost - tokens` is charged (past zero: a debt) or given back through the wasm
+//!   filter's settle path ([`Decider::settle_items`]); answered OK whatever the bucket holds (the
+//!   response is already sent). A request holds settlements or decisions, never both.
 //! - A limit carried inside a descriptor (`RateLimitDescriptor.limit`, Envoy's `limit` action
 //!   override) is ignored: the policy owns the numbers, a caller never chooses its limit.
 //!
@@ -25,7 +31,9 @@
 //! `limit_remaining` (whole tokens), `duration_until_reset` (OVER_LIMIT: the wait until the cost is
 //! available; OK: until the bucket is full). `response_headers_to_add` carries `RateLimit-Policy`,
 //! `RateLimit` and, over the limit, `Retry-After`, rendered by [`ratelimit_wire::headers`] exactly
-//! as the wasm filter renders them.
+//! as the wasm filter renders them. An admitted request's `dynamic_metadata` says what it charged
+//! each rule of the own format (`settle.<rule>` = tokens, a string: [`charged_metadata`]), for its
+//! stream-done descriptor's `settle` entry.
 //!
 //! # Errors
 //!
@@ -47,7 +55,7 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::{
     RateLimitService, RateLimitServiceServer,
 };
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
-use envoy_types::pb::google::protobuf::Duration;
+use envoy_types::pb::google::protobuf::{value::Kind, Duration, Struct, Value};
 use ratelimit_wire::headers::{self, ceil_s, limiting, retry_after_s, HeaderLimit, Limiting};
 use ratelimit_wire::{
     AppliedLimit, DecisionResult, ErrorCode, Reason, RequestAnswer, MAX_DECISIONS, MAX_NAME_BYTES,
@@ -56,8 +64,9 @@ use ratelimit_wire::{
 use tonic::server::NamedService;
 use tonic::{Request, Response, Status};
 
-use crate::decide::{Caller, Decider, Item};
+use crate::decide::{Caller, Decider, Item, SettleItem};
 use crate::metrics::{CallOutcome, Metrics, RequestOutcome};
+use crate::policy::own_format::RULE_KEY;
 use crate::policy::MAX_CAPACITY;
 use crate::store::BucketStore;
 
@@ -93,11 +102,24 @@ impl<S: BucketStore> RateLimitApi<S> {
     }
 }
 
-/// A request checked and turned into the decider's items.
+/// The descriptor entry that marks a stream-done descriptor as a settlement (docs/grpc.md):
+/// `settle=<the tokens the request path charged>`, its descriptor's `hits_addend` the real cost.
+pub const SETTLE_KEY: &str = "settle";
+
+/// A request checked and turned into the decider's items: decisions, or (a stream-done call of
+/// Envoy's filter) settlements, never both.
 #[derive(Debug, PartialEq)]
 pub struct Checked {
     pub domain: String,
     pub items: Vec<Item>,
+    pub settlements: Vec<SettleItem>,
+}
+
+/// One descriptor, checked.
+#[derive(Debug, PartialEq)]
+enum Checked1 {
+    Decide(Item),
+    Settle(SettleItem),
 }
 
 /// Checks a request; the error names the field (`descriptors[1].entries[0].key: ...`).
@@ -116,16 +138,32 @@ pub fn check(request: RateLimitRequest) -> Result<Checked, String> {
             descriptors.len()
         ));
     }
-    let default_cost = u64::from(hits_addend.max(1));
-    let items = descriptors
-        .into_iter()
-        .enumerate()
-        .map(|(d, descriptor)| item(d, descriptor, default_cost))
-        .collect::<Result<_, _>>()?;
-    Ok(Checked { domain, items })
+    let mut items = Vec::new();
+    let mut settlements = Vec::new();
+    let mut first_settlement = None;
+    for (d, descriptor) in descriptors.into_iter().enumerate() {
+        match item(d, descriptor, hits_addend)? {
+            Checked1::Decide(i) => items.push(i),
+            Checked1::Settle(st) => {
+                first_settlement.get_or_insert(d);
+                settlements.push(st);
+            }
+        }
+    }
+    if let (Some(d), false) = (first_settlement, items.is_empty()) {
+        return Err(format!(
+            "descriptors[{d}]: a settlement (entry \"{SETTLE_KEY}\") cannot share a request with \
+             decisions; its rate limit entry needs apply_on_stream_done: true"
+        ));
+    }
+    Ok(Checked {
+        domain,
+        items,
+        settlements,
+    })
 }
 
-fn item(d: usize, descriptor: RateLimitDescriptor, default_cost: u64) -> Result<Item, String> {
+fn item(d: usize, descriptor: RateLimitDescriptor, request_hits: u32) -> Result<Checked1, String> {
     let RateLimitDescriptor {
         entries,
         limit: _ignored_a_caller_never_chooses_its_limit,
@@ -144,14 +182,13 @@ fn item(d: usize, descriptor: RateLimitDescriptor, default_cost: u64) -> Result<
             "{at}.is_negative_hits: not supported; a caller cannot give tokens back"
         ));
     }
-    let cost = match hits_addend {
-        Some(h) if h.value > MAX_CAPACITY => {
-            return Err(format!("{at}.hits_addend: must be at most {MAX_CAPACITY}"))
+    if let Some(h) = &hits_addend {
+        if h.value > MAX_CAPACITY {
+            return Err(format!("{at}.hits_addend: must be at most {MAX_CAPACITY}"));
         }
-        Some(h) => h.value.max(1),
-        None => default_cost,
-    };
+    }
     let mut checked = Vec::with_capacity(entries.len());
+    let mut charged = None;
     for (e, entry) in entries.into_iter().enumerate() {
         if entry.key.is_empty() || entry.key.len() > MAX_NAME_BYTES {
             return Err(format!(
@@ -163,13 +200,63 @@ fn item(d: usize, descriptor: RateLimitDescriptor, default_cost: u64) -> Result<
                 "{at}.entries[{e}].value: longer than {MAX_VALUE_BYTES} bytes"
             ));
         }
+        if entry.key == SETTLE_KEY {
+            if charged.is_some() {
+                return Err(format!(
+                    "{at}.entries[{e}].key: a second \"{SETTLE_KEY}\" entry"
+                ));
+            }
+            charged = Some(
+                settle_charged(&entry.value)
+                    .map_err(|m| format!("{at}.entries[{e}].value: {m}"))?,
+            );
+            continue;
+        }
         checked.push((entry.key, Some(entry.value)));
     }
-    Ok(Item {
+    let Some(charged) = charged else {
+        let cost = hits_addend.map_or(u64::from(request_hits.max(1)), |h| h.value.max(1));
+        return Ok(Checked1::Decide(Item {
+            entries: checked,
+            cost,
+            lease: None,
+        }));
+    };
+    if checked.is_empty() {
+        return Err(format!(
+            "{at}.entries: a settlement names its bucket besides its \"{SETTLE_KEY}\" entry"
+        ));
+    }
+    // The real cost: the descriptor's own hits_addend (0 is a real cost: all given back), else
+    // the request's; a settlement without one has nothing to settle on.
+    let cost = match (hits_addend, request_hits) {
+        (Some(h), _) => h.value,
+        (None, 0) => {
+            return Err(format!(
+                "{at}.hits_addend: a settlement needs the real cost (set hits_addend on its \
+                 rate limit entry)"
+            ))
+        }
+        (None, n) => u64::from(n),
+    };
+    Ok(Checked1::Settle(SettleItem {
         entries: checked,
-        cost,
-        lease: None,
-    })
+        // Both at most MAX_CAPACITY: the difference fits an i64.
+        delta: cost as i64 - charged as i64,
+    }))
+}
+
+/// The value of a `settle` entry: the tokens the request path charged, a whole number from 1
+/// (a request is charged at least 1) to [`MAX_CAPACITY`].
+fn settle_charged(value: &str) -> Result<u64, String> {
+    match value.parse::<u64>() {
+        Ok(n) if (1..=MAX_CAPACITY).contains(&n) && !value.starts_with('+') => Ok(n),
+        _ => Err(format!(
+            "the tokens the request path charged, a whole number from 1 to {MAX_CAPACITY}; got \"{}\"{}",
+            value.chars().take(32).collect::<String>().escape_debug(),
+            if value.chars().count() > 32 { " (cut)" } else { "" }
+        )),
+    }
 }
 
 #[tonic::async_trait]
@@ -193,11 +280,15 @@ impl<S: BucketStore> RateLimitApi<S> {
             self.metrics.call("grpc", CallOutcome::BadRequest);
             Status::invalid_argument(e)
         })?;
+        if !checked.settlements.is_empty() {
+            return self.settle(checked).await;
+        }
         // The decision runs in a task of its own: a caller that gives up (Envoy's `timeout`
         // resets the stream) cancels neither its Redis calls nor the refunds that follow them.
+        let charges: Vec<Option<(String, u64)>> = checked.items.iter().map(rule_charge).collect();
         let decider = self.decider.clone();
         let task = tokio::spawn(async move {
-            let Checked { domain, items } = checked;
+            let Checked { domain, items, .. } = checked;
             decider
                 .run(
                     &domain,
@@ -234,7 +325,106 @@ impl<S: BucketStore> RateLimitApi<S> {
             return Err(status);
         }
         self.metrics.call("grpc", CallOutcome::Answered);
-        Ok(respond(&answer))
+        let mut response = respond(&answer);
+        response.dynamic_metadata = charged_metadata(&charges, &answer);
+        Ok(response)
+    }
+}
+
+impl<S: BucketStore> RateLimitApi<S> {
+    /// A stream-done call of settlements: applied in one batch (in a task of its own, as a
+    /// decision) and answered OK for every descriptor: the response they belong to is already
+    /// sent, so a settlement never limits anyone, even into a debt.
+    async fn settle(&self, checked: Checked) -> Result<RateLimitResponse, Status> {
+        let Checked {
+            domain,
+            settlements,
+            ..
+        } = checked;
+        let n = settlements.len();
+        let decider = self.decider.clone();
+        match tokio::spawn(async move { decider.settle_items(&domain, None, settlements).await })
+            .await
+        {
+            Ok(Ok(_)) => {
+                self.metrics.call("grpc", CallOutcome::Answered);
+                Ok(settled(n))
+            }
+            Ok(Err(e)) => {
+                let (outcome, status) = if e.is_deterministic() {
+                    (CallOutcome::Error, Status::internal(e.to_string()))
+                } else {
+                    (CallOutcome::Unavailable, Status::unavailable(e.to_string()))
+                };
+                self.metrics.call("grpc", outcome);
+                tracing::warn!("gRPC settlement failed: {e}");
+                Err(status)
+            }
+            Err(e) => {
+                self.metrics.call("grpc", CallOutcome::Error);
+                tracing::error!("settle task failed: {e}");
+                Err(Status::internal("settle failed"))
+            }
+        }
+    }
+}
+
+/// The key of the dynamic metadata that says what an admitted request was charged per rule:
+/// `{"settle": {"<rule>": "<tokens>"}}` in Envoy's filter namespace
+/// (`envoy.filters.http.ratelimit`), for a stream-done descriptor's `settle` entry to read with a
+/// `metadata` action (docs/grpc.md#costs-known-after-the-response).
+pub const CHARGED_METADATA_KEY: &str = SETTLE_KEY;
+
+/// The rule a decision names in this sidecar's own format (first entry `rule=<name>`) and its cost.
+fn rule_charge(item: &Item) -> Option<(String, u64)> {
+    match item.entries.first() {
+        Some((key, Some(rule))) if key == RULE_KEY => Some((rule.clone(), item.cost)),
+        _ => None,
+    }
+}
+
+/// What an admitted request charged each rule of this sidecar's own format, as dynamic metadata
+/// (`None` when nothing was charged: a rejected request, unlimited or shadow-rejected limits, no
+/// own-format rule). The values are strings: Envoy's `metadata` action reads only strings. A rule
+/// named by two descriptors keeps the first one's charge.
+pub fn charged_metadata(
+    charges: &[Option<(String, u64)>],
+    answer: &RequestAnswer,
+) -> Option<Struct> {
+    if !answer.allowed {
+        return None;
+    }
+    let mut fields = std::collections::HashMap::new();
+    for (charge, r) in charges.iter().zip(&answer.results) {
+        let charged = r.allowed && r.reason == Reason::Ok && r.limit.is_some() && r.error.is_none();
+        if let (Some((rule, cost)), true) = (charge, charged) {
+            fields.entry(rule.clone()).or_insert_with(|| Value {
+                kind: Some(Kind::StringValue(cost.to_string())),
+            });
+        }
+    }
+    if fields.is_empty() {
+        return None;
+    }
+    let inner = Value {
+        kind: Some(Kind::StructValue(Struct { fields })),
+    };
+    Some(Struct {
+        fields: [(CHARGED_METADATA_KEY.to_string(), inner)].into(),
+    })
+}
+
+/// The answer to a stream-done call of `n` settlements: OK, no limit, no headers.
+pub fn settled(n: usize) -> RateLimitResponse {
+    RateLimitResponse {
+        overall_code: Code::Ok as i32,
+        statuses: (0..n)
+            .map(|_| DescriptorStatus {
+                code: Code::Ok as i32,
+                ..Default::default()
+            })
+            .collect(),
+        ..Default::default()
     }
 }
 
@@ -447,6 +637,183 @@ mod tests {
         huge.hits_addend = Some(UInt64Value { value: u64::MAX });
         let e = err(request(vec![huge], 0));
         assert!(e.starts_with("descriptors[0].hits_addend:"), "{e}");
+    }
+
+    fn with_hits(mut d: RateLimitDescriptor, hits: u64) -> RateLimitDescriptor {
+        d.hits_addend = Some(UInt64Value { value: hits });
+        d
+    }
+
+    fn entries(pairs: &[(&str, &str)]) -> Vec<(String, Option<String>)> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), Some(v.to_string())))
+            .collect()
+    }
+
+    /// The settlement of a stream-done descriptor that charged `charged` and really cost
+    /// `cost` (its hits_addend).
+    fn settlement(charged: &str, cost: u64) -> Result<Checked, String> {
+        let d = descriptor(&[("rule", "llm"), ("user", "ann"), ("settle", charged)]);
+        check(request(vec![with_hits(d, cost)], 0))
+    }
+
+    #[test]
+    fn a_settle_entry_makes_a_descriptor_a_settlement_of_the_real_cost_less_the_charge() {
+        let bucket = entries(&[("rule", "llm"), ("user", "ann")]);
+        for (charged, cost, delta) in [
+            ("10", 25, 15), // more than charged: the excess charged, into a debt if need be
+            ("10", 3, -7),  // less: given back
+            ("10", 10, 0),  // as charged: nothing to settle
+            ("10", 0, -10), // nothing at all: the whole charge given back
+            ("1", MAX_CAPACITY, MAX_CAPACITY as i64 - 1),
+        ] {
+            let c = settlement(charged, cost).unwrap();
+            assert!(c.items.is_empty(), "a settlement decides nothing");
+            assert_eq!(
+                c.settlements,
+                [SettleItem {
+                    entries: bucket.clone(),
+                    delta
+                }],
+                "charged {charged}, cost {cost}"
+            );
+        }
+        // The bucket is the one the request path charged: the settle entry is left out
+        // wherever it stands, and the other entries keep their order.
+        let d = descriptor(&[("rule", "llm"), ("settle", "4"), ("user", "ann")]);
+        let c = check(request(vec![with_hits(d, 6)], 0)).unwrap();
+        assert_eq!(c.settlements[0].entries, bucket);
+        // Without its own hits_addend, the request's is the real cost.
+        let d = descriptor(&[("rule", "llm"), ("user", "ann"), ("settle", "4")]);
+        let c = check(request(vec![d], 9)).unwrap();
+        assert_eq!(c.settlements[0].delta, 5);
+        // Several settlements of one stream-done call, each its own.
+        let a = with_hits(descriptor(&[("rule", "a"), ("settle", "2")]), 5);
+        let b = with_hits(descriptor(&[("rule", "b"), ("settle", "8")]), 1);
+        let c = check(request(vec![a, b], 0)).unwrap();
+        let deltas: Vec<i64> = c.settlements.iter().map(|s| s.delta).collect();
+        assert_eq!(deltas, [3, -7]);
+    }
+
+    #[test]
+    fn a_malformed_settlement_is_refused_naming_the_field() {
+        for bad in ["0", "-3", "+3", "1.5", "ten", "", " 4", "1000000000000000"] {
+            let e = settlement(bad, 5).unwrap_err();
+            assert!(
+                e.starts_with(
+                    "descriptors[0].entries[2].value: the tokens the request path charged"
+                ),
+                "{bad:?}: {e}"
+            );
+        }
+        let e = settlement(&"9".repeat(MAX_VALUE_BYTES), 5).unwrap_err();
+        assert!(
+            e.len() < 200 && e.ends_with(" (cut)"),
+            "quotes a bounded part: {e}"
+        );
+        let e = settlement("10", MAX_CAPACITY + 1).unwrap_err();
+        assert!(
+            e.starts_with("descriptors[0].hits_addend: must be at most"),
+            "{e}"
+        );
+        let twice = descriptor(&[("rule", "llm"), ("settle", "1"), ("settle", "2")]);
+        let e = check(request(vec![with_hits(twice, 3)], 0)).unwrap_err();
+        assert!(
+            e.starts_with("descriptors[0].entries[2].key: a second \"settle\""),
+            "{e}"
+        );
+        let alone = with_hits(descriptor(&[("settle", "1")]), 3);
+        let e = check(request(vec![alone], 0)).unwrap_err();
+        assert!(
+            e.starts_with("descriptors[0].entries: a settlement names its bucket"),
+            "{e}"
+        );
+        // No real cost: neither the descriptor's hits_addend nor the request's.
+        let no_cost = descriptor(&[("rule", "llm"), ("settle", "10")]);
+        let e = check(request(vec![no_cost], 0)).unwrap_err();
+        assert!(
+            e.starts_with("descriptors[0].hits_addend: a settlement needs the real cost"),
+            "{e}"
+        );
+        // A settlement among decisions: its rate limit entry is not a stream-done one.
+        let decision = descriptor(&[("rule", "llm")]);
+        let settle = with_hits(descriptor(&[("rule", "llm"), ("settle", "10")]), 3);
+        let e = check(request(vec![decision, settle], 0)).unwrap_err();
+        assert!(
+            e.starts_with("descriptors[1]: a settlement (entry \"settle\") cannot share"),
+            "{e}"
+        );
+        let mut negative = with_hits(descriptor(&[("rule", "llm"), ("settle", "10")]), 3);
+        negative.is_negative_hits = true;
+        let e = check(request(vec![negative], 0)).unwrap_err();
+        assert!(e.starts_with("descriptors[0].is_negative_hits:"), "{e}");
+    }
+
+    #[test]
+    fn a_settlement_is_answered_ok_without_limits_or_headers() {
+        let r = settled(2);
+        assert_eq!(r.overall_code, Code::Ok as i32);
+        assert_eq!(r.statuses.len(), 2);
+        for s in &r.statuses {
+            assert_eq!(s.code, Code::Ok as i32);
+            assert_eq!(s.current_limit, None);
+            assert_eq!(s.duration_until_reset, None);
+        }
+        assert!(r.response_headers_to_add.is_empty());
+    }
+
+    #[test]
+    fn an_admitted_request_reports_what_it_charged_each_rule_for_its_settlement() {
+        let item = |entries: &[(&str, &str)], cost: u64| Item {
+            entries: entries
+                .iter()
+                .map(|(k, v)| (k.to_string(), Some(v.to_string())))
+                .collect(),
+            cost,
+            lease: None,
+        };
+        let charges: Vec<_> = [
+            item(&[("rule", "llm"), ("user", "ann")], 1000),
+            item(&[("remote_address", "1.2.3.4")], 3), // not this sidecar's format
+            item(&[("rule", "free")], 2),              // unlimited: nothing charged
+            item(&[("rule", "trial")], 4),             // shadow, would have rejected
+            item(&[("rule", "llm"), ("user", "bob")], 5), // the rule's first charge stands
+        ]
+        .iter()
+        .map(rule_charge)
+        .collect();
+        let mut unlimited = result(true, Reason::Unlimited, 0, 0);
+        unlimited.limit = None;
+        let mut shadow = result(true, Reason::Insufficient, 0, 0);
+        shadow.shadow = true;
+        let mut answer = RequestAnswer {
+            allowed: true,
+            results: vec![
+                result(true, Reason::Ok, 4, 0),
+                result(true, Reason::Ok, 4, 0),
+                unlimited,
+                shadow,
+                result(true, Reason::Ok, 4, 0),
+            ],
+            error: None,
+        };
+        let m = charged_metadata(&charges, &answer).expect("something was charged");
+        let Some(Kind::StructValue(settle)) = &m.fields["settle"].kind else {
+            panic!("{m:?}")
+        };
+        assert_eq!(settle.fields.len(), 1, "{settle:?}");
+        assert_eq!(
+            settle.fields["llm"].kind,
+            Some(Kind::StringValue("1000".into()))
+        );
+        // A rejected request was charged nothing: no metadata, so no settle entry.
+        answer.allowed = false;
+        assert_eq!(charged_metadata(&charges, &answer), None);
+        answer.allowed = true;
+        answer.results[0].reason = Reason::Insufficient;
+        answer.results[4].reason = Reason::Insufficient;
+        assert_eq!(charged_metadata(&charges, &answer), None);
     }
 
     #[test]

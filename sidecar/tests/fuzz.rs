@@ -346,8 +346,19 @@ fn fuzz_grpc_check() {
             Ok(checked) => {
                 note("accepted");
                 prop_assert!(!checked.domain.is_empty() && checked.domain.len() <= MAX_NAME_BYTES);
-                prop_assert_eq!(checked.items.len(), descriptors);
-                prop_assert!((1..=MAX_DECISIONS).contains(&checked.items.len()));
+                // Decisions, or (a stream-done call) settlements, never both.
+                let settlements = checked.settlements.len();
+                prop_assert!(checked.items.is_empty() || settlements == 0);
+                prop_assert_eq!(checked.items.len() + settlements, descriptors);
+                prop_assert!((1..=MAX_DECISIONS).contains(&descriptors));
+                if settlements > 0 {
+                    note("settlements");
+                }
+                for st in &checked.settlements {
+                    prop_assert!(st.delta.unsigned_abs() <= MAX_CAPACITY);
+                    prop_assert!((1..grpc::MAX_DESCRIPTOR_ENTRIES).contains(&st.entries.len()));
+                    prop_assert!(st.entries.iter().all(|(k, _)| k != grpc::SETTLE_KEY));
+                }
                 for item in &checked.items {
                     prop_assert!((1..=MAX_CAPACITY).contains(&item.cost));
                     prop_assert!((1..=grpc::MAX_DESCRIPTOR_ENTRIES).contains(&item.entries.len()));
@@ -549,16 +560,17 @@ const GRPC_PATH: &str = "/envoy.service.ratelimit.v3.RateLimitService/ShouldRate
 
 /// A `RateLimitRequest` as Envoy's rate limit filter might send it, or a hostile one: domains of
 /// the policy and others, 0 to 3 descriptors (sometimes past the 64 allowed), entries of the
-/// policy's keys and values or hostile ones, any `hits_addend`, negative hits, limit overrides.
+/// policy's keys and values (and stream-done `settle` entries) or hostile ones, any
+/// `hits_addend`, negative hits, limit overrides.
 fn rate_limit_request() -> BoxedStrategy<RateLimitRequest> {
     let entry = (
         prop_oneof![
-            5 => prop::sample::select(&["rule", "remote_address", "plan", "user", "app", "header_match"][..])
+            5 => prop::sample::select(&["rule", "remote_address", "plan", "user", "app", "header_match", "settle"][..])
                 .prop_map(str::to_string),
             1 => hostile::string(150),
         ],
         prop_oneof![
-            3 => prop::sample::select(&["per-app", "per-ip", "trial", "per-user", "vip", "alpha", "banned", "post", "10.0.0.1"][..])
+            3 => prop::sample::select(&["per-app", "per-ip", "trial", "per-user", "vip", "alpha", "banned", "post", "10.0.0.1", "10", "0"][..])
                 .prop_map(str::to_string),
             1 => hostile::string(5000),
         ],

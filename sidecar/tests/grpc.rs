@@ -477,3 +477,108 @@ async fn redis_stopped_is_unavailable() {
         1.0
     );
 }
+
+/// A stream-done descriptor of Envoy's filter: the bucket's entries, `settle=<charged>`, and the
+/// real cost as its hits_addend (docs/grpc.md#costs-known-after-the-response).
+fn settle(bucket: &[(&str, &str)], charged: u64, cost: u64) -> RateLimitRequest {
+    let charged = charged.to_string();
+    let mut entries = bucket.to_vec();
+    entries.push(("settle", &charged));
+    let mut d = descriptor(&entries);
+    d.hits_addend = Some(UInt64Value { value: cost });
+    request("ratelimit", vec![d])
+}
+
+/// What an answer's dynamic metadata says `rule` was charged (`settle.<rule>`).
+fn charged(r: &RateLimitResponse, rule: &str) -> Option<String> {
+    use envoy_types::pb::google::protobuf::value::Kind;
+    let settle = r.dynamic_metadata.as_ref()?.fields.get("settle")?;
+    let Some(Kind::StructValue(rules)) = &settle.kind else {
+        return None;
+    };
+    match &rules.fields.get(rule)?.kind {
+        Some(Kind::StringValue(v)) => Some(v.clone()),
+        _ => None,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_settlement_charges_or_gives_back_the_difference_into_a_debt_and_always_answers_ok() {
+    let redis = Redis::start();
+    let sidecar = Sidecar::on_redis_with(&redis, OWN).await;
+    let mut c = client(&sidecar).await;
+    let who = unique("settle");
+    let bucket = [("rule", "ten"), ("id", who.as_str())];
+    let charge = |cost: u32| {
+        let mut r = request("ratelimit", vec![descriptor(&bucket)]);
+        r.hits_addend = cost;
+        r
+    };
+    let remaining = |a: &RateLimitResponse| a.statuses[0].limit_remaining;
+
+    // Reserve 4 of 10, really 2: 2 come back. The answer says what rule "ten" was charged.
+    let a = ask(&mut c, charge(4)).await;
+    assert_eq!(remaining(&a), 6);
+    assert_eq!(charged(&a, "ten").as_deref(), Some("4"));
+    let s = ask(&mut c, settle(&bucket, 4, 2)).await;
+    assert_eq!(s.overall_code, code(Code::Ok));
+    assert_eq!(s.statuses.len(), 1);
+    assert_eq!(s.statuses[0].code, code(Code::Ok));
+    assert!(s.response_headers_to_add.is_empty(), "{s:?}");
+    assert_eq!(
+        remaining(&ask(&mut c, charge(1)).await),
+        7,
+        "8 left, then 1"
+    );
+    // Charged 1, really 1: nothing to settle.
+    ask(&mut c, settle(&bucket, 1, 1)).await;
+    // Charged 1, really 15: 14 more, past zero, and the settlement is still OK.
+    let s = ask(&mut c, settle(&bucket, 1, 15)).await;
+    assert_eq!(s.overall_code, code(Code::Ok));
+    assert_eq!(s.statuses[0].code, code(Code::Ok));
+    // A debt of 7: the next request of cost 1 waits for 8 tokens, a token every 1000 s.
+    let over = ask(&mut c, charge(1)).await;
+    assert_eq!(over.overall_code, code(Code::OverLimit));
+    assert_eq!(
+        over.dynamic_metadata, None,
+        "a rejected request was charged nothing"
+    );
+    let wait = ms(&over.statuses[0]);
+    assert!((7_990_000..=8_000_000).contains(&wait), "waits {wait} ms");
+    assert_eq!(header(&over, "retry-after").as_deref(), Some("8000"));
+    // A settlement that gives back repays the debt: 7 - 10 + 3 = 0 + 3 (charged 10, cost 0).
+    ask(&mut c, settle(&bucket, 10, 0)).await;
+    assert_eq!(remaining(&ask(&mut c, charge(1)).await), 2);
+    // A settlement on a descriptor that matches no limit, or in envoyproxy/ratelimit's format,
+    // settles the bucket its entries name there, or nothing.
+    let s = ask(&mut c, settle(&[("rule", "nowhere")], 1, 5)).await;
+    assert_eq!(s.overall_code, code(Code::Ok));
+    let metric = |o: &str| format!("ratelimit_settlements_total{{outcome=\"{o}\"}}");
+    assert_eq!(sidecar.metric(&metric("given_back")).await, 2.0);
+    assert_eq!(sidecar.metric(&metric("charged")).await, 1.0);
+    assert_eq!(
+        sidecar.metric(&metric("skipped")).await,
+        2.0,
+        "1 = 1, no limit"
+    );
+    // Malformed: refused naming the field, nothing applied.
+    let mut bad = settle(&bucket, 1, 1);
+    bad.descriptors[0].entries[2].value = "x".into();
+    let status = c.should_rate_limit(bad).await.expect_err("refused");
+    assert_eq!(status.code(), tonic::Code::InvalidArgument);
+    assert!(
+        status
+            .message()
+            .starts_with("descriptors[0].entries[2].value:"),
+        "{status:?}"
+    );
+    let mut mixed = settle(&bucket, 1, 1);
+    mixed.descriptors.insert(0, descriptor(&bucket));
+    let status = c.should_rate_limit(mixed).await.expect_err("refused");
+    assert_eq!(status.code(), tonic::Code::InvalidArgument);
+    assert!(
+        status.message().starts_with("descriptors[1]:"),
+        "{status:?}"
+    );
+    assert_eq!(remaining(&ask(&mut c, charge(1)).await), 1);
+}

@@ -51,6 +51,14 @@ pub struct Item {
     pub lease: Option<LeaseAsk>,
 }
 
+/// A settlement in the generic form: the bucket's descriptor entries and the tokens to charge
+/// (`delta > 0`, past zero into a debt) or give back (`delta < 0`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct SettleItem {
+    pub entries: Entries,
+    pub delta: i64,
+}
+
 /// Unused lease tokens given back, in the generic form.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ReturnItem {
@@ -179,15 +187,33 @@ impl<S: BucketStore> Decider<S> {
     /// (`docs/costs.md`). An error is the store's: the caller may send the batch again (its id
     /// keeps a repeat from applying anything twice).
     pub async fn settle(&self, call: SettleRequest) -> Result<SettleResponse, StoreError> {
+        let items = call
+            .settlements
+            .into_iter()
+            .map(|st| SettleItem {
+                entries: rule_entries(st.rule, st.subject),
+                // Both at most MAX_CAPACITY (validated): the difference fits an i64.
+                delta: st.cost as i64 - st.reserved as i64,
+            })
+            .collect();
+        self.settle_items(&call.domain, call.id, items).await
+    }
+
+    /// Applies settlements of generic items in one batch (the wasm filter's `/v1/settle` and
+    /// the stream-done descriptors of Envoy's rate limit filter end here): a delta of 0, or
+    /// entries that name no limited bucket, is skipped.
+    pub async fn settle_items(
+        &self,
+        domain: &str,
+        id: Option<String>,
+        items: Vec<SettleItem>,
+    ) -> Result<SettleResponse, StoreError> {
         let policy = self.policy.current().clone();
         let mut skipped = 0;
-        let mut settlements = Vec::with_capacity(call.settlements.len());
-        for st in call.settlements {
-            // Both at most MAX_CAPACITY (validated): the difference fits an i64.
-            let delta = st.cost as i64 - st.reserved as i64;
-            let entries = rule_entries(st.rule, st.subject);
+        let mut settlements = Vec::with_capacity(items.len());
+        for SettleItem { entries, delta } in items {
             match (delta != 0)
-                .then(|| self.plan_settlement(&policy, &call.domain, &entries, delta))
+                .then(|| self.plan_settlement(&policy, domain, &entries, delta))
                 .flatten()
             {
                 Some(s) => settlements.push(s),
@@ -205,10 +231,7 @@ impl<S: BucketStore> Decider<S> {
         }
         let deltas: Vec<i64> = settlements.iter().map(|s| s.delta).collect();
         let n = deltas.len() as u64;
-        let batch = SettleBatch {
-            id: call.id,
-            settlements,
-        };
+        let batch = SettleBatch { id, settlements };
         match self.store.settle(batch).await {
             Err(e) => {
                 self.metrics.settled(SettleOutcome::Failed, n);
