@@ -797,6 +797,7 @@ mod tests {
                 result(true, Reason::Ok, 4, 0),
             ],
             error: None,
+            slot: None,
         };
         let m = charged_metadata(&charges, &answer).expect("something was charged");
         let Some(Kind::StructValue(settle)) = &m.fields["settle"].kind else {
