@@ -2,6 +2,7 @@
 //! that also carries the gRPC service of [`crate::grpc`] on the same listener (HTTP/1.1 and h2c).
 //! Every error answer of the HTTP API is JSON `{"error":"..."}`.
 
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -17,10 +18,10 @@ use ratelimit_wire::{
     SLOTS_PATH,
 };
 
-use crate::decide::{parse_request, parse_settle, parse_slots, Decider};
+use crate::decide::{parse_request, parse_settle, parse_slots, DecideError, Decider};
 use crate::grpc::RateLimitApi;
 use crate::metrics::{CallOutcome, Metrics, RequestOutcome};
-use crate::store::BucketStore;
+use crate::store::{BucketStore, StoreError};
 
 /// What the handlers share.
 pub struct AppState<S> {
@@ -126,40 +127,10 @@ async fn settle<S: BucketStore>(
     State(s): State<Arc<AppState<S>>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    let call = match body
-        .map_err(|r| (r.status(), r.body_text()))
-        .and_then(|b| parse_settle(&b).map_err(|e| (StatusCode::BAD_REQUEST, e.to_string())))
-    {
-        Ok(call) => call,
-        Err((status, text)) => {
-            s.metrics.call("settle", CallOutcome::BadRequest);
-            return error(status, text);
-        }
-    };
-    // In a task of its own, as a decision: a caller that hangs up does not cancel the script
-    // call in flight (its retry then finds the batch's record).
-    let decider = s.decider.clone();
-    match tokio::spawn(async move { decider.settle(call).await }).await {
-        Ok(Ok(answer)) => {
-            s.metrics.call("settle", CallOutcome::Answered);
-            Json(answer).into_response()
-        }
-        Ok(Err(e)) => {
-            let status = if e.is_deterministic() {
-                s.metrics.call("settle", CallOutcome::Error);
-                StatusCode::INTERNAL_SERVER_ERROR
-            } else {
-                s.metrics.call("settle", CallOutcome::Unavailable);
-                StatusCode::SERVICE_UNAVAILABLE
-            };
-            error(status, e.to_string())
-        }
-        Err(e) => {
-            s.metrics.call("settle", CallOutcome::Error);
-            tracing::error!("settle task failed: {e}");
-            error(StatusCode::INTERNAL_SERVER_ERROR, "settle failed".into())
-        }
-    }
+    applied(&s, "settle", body, parse_settle, |d, call| async move {
+        d.settle(call).await
+    })
+    .await
 }
 
 /// `POST /v1/slots`: 200 with what was renewed and released, 400 for a malformed call, 503 (500
@@ -169,36 +140,57 @@ async fn slots<S: BucketStore>(
     State(s): State<Arc<AppState<S>>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
+    applied(&s, "slots", body, parse_slots, |d, call| async move {
+        d.update_slots(call).await
+    })
+    .await
+}
+
+/// The edge of a call the store applies (`api`: `settle`, `slots`): the body parsed (400), the
+/// call run in a task of its own, as a decision, so that a caller that hangs up does not cancel
+/// the script call in flight (its retry then finds what was applied); 500 when the script
+/// failed, 503 when the store could not be reached; counted per outcome.
+async fn applied<S, C, A, F>(
+    s: &AppState<S>,
+    api: &'static str,
+    body: Result<Bytes, BytesRejection>,
+    parse: fn(&[u8]) -> Result<C, DecideError>,
+    run: impl FnOnce(Arc<Decider<S>>, C) -> F,
+) -> Response
+where
+    S: BucketStore,
+    A: serde::Serialize + Send + 'static,
+    F: Future<Output = Result<A, StoreError>> + Send + 'static,
+{
     let call = match body
         .map_err(|r| (r.status(), r.body_text()))
-        .and_then(|b| parse_slots(&b).map_err(|e| (StatusCode::BAD_REQUEST, e.to_string())))
+        .and_then(|b| parse(&b).map_err(|e| (StatusCode::BAD_REQUEST, e.to_string())))
     {
         Ok(call) => call,
         Err((status, text)) => {
-            s.metrics.call("slots", CallOutcome::BadRequest);
+            s.metrics.call(api, CallOutcome::BadRequest);
             return error(status, text);
         }
     };
-    let decider = s.decider.clone();
-    match tokio::spawn(async move { decider.update_slots(call).await }).await {
+    match tokio::spawn(run(s.decider.clone(), call)).await {
         Ok(Ok(answer)) => {
-            s.metrics.call("slots", CallOutcome::Answered);
+            s.metrics.call(api, CallOutcome::Answered);
             Json(answer).into_response()
         }
         Ok(Err(e)) => {
             let status = if e.is_deterministic() {
-                s.metrics.call("slots", CallOutcome::Error);
+                s.metrics.call(api, CallOutcome::Error);
                 StatusCode::INTERNAL_SERVER_ERROR
             } else {
-                s.metrics.call("slots", CallOutcome::Unavailable);
+                s.metrics.call(api, CallOutcome::Unavailable);
                 StatusCode::SERVICE_UNAVAILABLE
             };
             error(status, e.to_string())
         }
         Err(e) => {
-            s.metrics.call("slots", CallOutcome::Error);
-            tracing::error!("slots task failed: {e}");
-            error(StatusCode::INTERNAL_SERVER_ERROR, "slots failed".into())
+            s.metrics.call(api, CallOutcome::Error);
+            tracing::error!("{api} task failed: {e}");
+            error(StatusCode::INTERNAL_SERVER_ERROR, format!("{api} failed"))
         }
     }
 }

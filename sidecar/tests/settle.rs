@@ -12,16 +12,7 @@ use serde_json::{json, Value};
 use support::{bucket, decision, stored, unique, Sidecar};
 
 async fn settle(sidecar: &Sidecar, body: Value) -> (u16, Value) {
-    let r = sidecar
-        .http
-        .post(format!("{}/v1/settle", sidecar.base))
-        .header("content-type", "application/json")
-        .body(body.to_string())
-        .send()
-        .await
-        .expect("sidecar answers");
-    let status = r.status().as_u16();
-    (status, r.json().await.expect("JSON"))
+    sidecar.post_to("/v1/settle", body.to_string()).await
 }
 
 fn one(rule: &str, id: &str, reserved: u64, cost: u64) -> Value {

@@ -280,16 +280,7 @@ rules:
 "#;
 
 async fn slots_call(sidecar: &Sidecar, body: Value) -> (u16, Value) {
-    let r = sidecar
-        .http
-        .post(format!("{}/v1/slots", sidecar.base))
-        .header("content-type", "application/json")
-        .body(body.to_string())
-        .send()
-        .await
-        .expect("sidecar answers");
-    let status = r.status().as_u16();
-    (status, r.json().await.expect("JSON"))
+    sidecar.post_to("/v1/slots", body.to_string()).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

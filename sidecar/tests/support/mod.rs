@@ -107,9 +107,14 @@ impl Sidecar {
 
     /// POSTs a raw body to /v1/decide: (status, JSON answer).
     pub async fn post_raw(&self, body: impl Into<reqwest::Body>) -> (u16, Value) {
+        self.post_to("/v1/decide", body).await
+    }
+
+    /// POSTs a raw JSON body to `path` (`/v1/settle`, `/v1/slots`): (status, JSON answer).
+    pub async fn post_to(&self, path: &str, body: impl Into<reqwest::Body>) -> (u16, Value) {
         let r = self
             .http
-            .post(format!("{}/v1/decide", self.base))
+            .post(format!("{}{path}", self.base))
             .header("content-type", "application/json")
             .body(body)
             .send()
