@@ -174,11 +174,7 @@ pub fn poll_epoch(vm: &SharedVm, now: u64) {
 
 /// The answer to this worker's policy epoch poll, sent at `sent_ns`: published.
 pub fn epoch_polled(vm: &SharedVm, sent_ns: u64, num_headers: usize, body_size: usize) {
-    let status = if num_headers == 0 {
-        None
-    } else {
-        abi::header_map_value(MapType::HttpCallResponseHeaders, ":status")
-    };
+    let status = call_status(num_headers);
     let body = if body_size == 0 || body_size > 256 {
         Vec::new()
     } else {
@@ -219,11 +215,7 @@ pub fn send_settlements(vm: &SharedVm) {
 /// The answer to the settlements' callout: delivered on a 200, else sent again (bounded); then
 /// the next batch.
 pub fn settlements_answered(vm: &SharedVm, num_headers: usize) {
-    let status = if num_headers == 0 {
-        None
-    } else {
-        abi::header_map_value(MapType::HttpCallResponseHeaders, ":status")
-    };
+    let status = call_status(num_headers);
     let plugin = vm.borrow().plugin.clone();
     let d = {
         let mut v = vm.borrow_mut();
@@ -262,11 +254,7 @@ pub fn send_slots(vm: &SharedVm, now: u64) {
 /// The answer to the slots' callout: applied on a 200 (its counts read), else its releases are
 /// sent again (bounded); then the next call.
 pub fn slots_answered(vm: &SharedVm, num_headers: usize, body_size: usize) {
-    let status = if num_headers == 0 {
-        None
-    } else {
-        abi::header_map_value(MapType::HttpCallResponseHeaders, ":status")
-    };
+    let status = call_status(num_headers);
     let answer = (status.as_deref() == Some(b"200"))
         .then(|| {
             abi::buffer(
@@ -324,16 +312,21 @@ fn read_answer(
     body_size: usize,
     expected: usize,
 ) -> Result<DecideResponse, LimiterError> {
-    // A failed callout (timeout, reset, no healthy host) comes with no headers at all.
-    let status = if num_headers == 0 {
-        None
-    } else {
-        abi::header_map_value(MapType::HttpCallResponseHeaders, ":status")
-    };
+    let status = call_status(num_headers);
     let body = if body_size == 0 || body_size > MAX_ANSWER_BYTES {
         Vec::new()
     } else {
         abi::buffer(BufferType::HttpCallResponseBody, body_size).unwrap_or_default()
     };
     verdict::parse_answer(status.as_deref(), &body, expected)
+}
+
+/// The `:status` of a callout's answer; none for a failed callout (timeout, reset, no healthy
+/// host), which comes with no headers at all.
+fn call_status(num_headers: usize) -> Option<Vec<u8>> {
+    if num_headers == 0 {
+        None
+    } else {
+        abi::header_map_value(MapType::HttpCallResponseHeaders, ":status")
+    }
 }
