@@ -1208,6 +1208,30 @@ fn print_summary(b: &Bench, c: &Components, memory: &BucketMemory) {
         c.decide_batch.cpu_per_decision("sidecar"),
         b.args.batch
     );
+    for (label, name, one, batch) in [
+        ("sidecar", "sidecar", &c.decide_one, &c.decide_batch),
+        (
+            "Redis (long script)",
+            "redis",
+            &c.script_one,
+            &c.script_batch,
+        ),
+    ] {
+        let per_call = one.cpu_per_decision(name);
+        let Some(split) = PerCall::split(per_call, batch.cpu_per_decision(name), b.args.batch)
+        else {
+            continue;
+        };
+        let needed = split
+            .decisions_for(PER_DECISION_GOAL_US)
+            .map_or("none: its marginal cost is above".to_string(), |n| {
+                format!("{n:.0}")
+            });
+        println!(
+            "{label} per call: {:.1} µs fixed + {:.1} µs per decision (from 1 and {} per call at {} caller(s)); decisions per call for {PER_DECISION_GOAL_US} µs per decision: {needed}",
+            split.fixed, split.marginal, b.args.batch, b.args.concurrency
+        );
+    }
     println!(
         "Redis memory per bucket: {:.0} bytes (used_memory grew by that per bucket over {} buckets), {:.0} bytes by MEMORY USAGE ({} sampled); filter module {} KiB",
         memory.used_per_bucket,
@@ -1216,6 +1240,40 @@ fn print_summary(b: &Bench, c: &Components, memory: &BucketMemory) {
         memory.sampled,
         b.wasm_size / 1024
     );
+}
+
+/// The per-decision goal of the sidecar on many keys (the 6 µs), for
+/// [`PerCall::decisions_for`].
+const PER_DECISION_GOAL_US: f64 = 6.0;
+
+/// A process's CPU per call split in two, from a stage of one decision per call and one of `n`:
+/// what every call costs whatever it carries (the HTTP or Redis round trip, the wake-ups) and
+/// what each decision adds, so that `c(b) = fixed / b + marginal` per decision at `b` per call.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct PerCall {
+    fixed: f64,
+    marginal: f64,
+}
+
+impl PerCall {
+    /// From `one` (µs per call of one decision) and `per_decision_at_n` (µs per decision with
+    /// `n` per call); `None` without two distinct sizes.
+    fn split(one: f64, per_decision_at_n: f64, n: usize) -> Option<PerCall> {
+        if n < 2 {
+            return None;
+        }
+        let marginal = ((per_decision_at_n * n as f64 - one) / (n as f64 - 1.0)).max(0.0);
+        Some(PerCall {
+            fixed: (one - marginal).max(0.0),
+            marginal,
+        })
+    }
+
+    /// The decisions per call at which the cost per decision falls to `goal` µs; `None` when
+    /// the marginal cost alone is above it.
+    fn decisions_for(&self, goal: f64) -> Option<f64> {
+        (goal > self.marginal).then(|| (self.fixed / (goal - self.marginal)).ceil().max(1.0))
+    }
 }
 
 /// Each worker count's goals, as ratios from this run, judged on the medians of its rounds.
@@ -1654,6 +1712,17 @@ fn print_rounds(workers: u32, medians: &[Judged], rounds: &[EnvoyRun], script_re
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_call_splits_into_what_it_costs_and_what_each_decision_adds() {
+        // 80 µs for a call of one decision, 9 µs per decision with 11 per call (99 µs a call):
+        // 1.9 µs per further decision, 78.1 fixed; 6 µs per decision at 20 per call.
+        let s = PerCall::split(80.0, 9.0, 11).unwrap();
+        assert!((s.marginal - 1.9).abs() < 1e-9 && (s.fixed - 78.1).abs() < 1e-9);
+        assert_eq!(s.decisions_for(6.0), Some(20.0));
+        assert_eq!(s.decisions_for(1.5), None);
+        assert_eq!(PerCall::split(80.0, 9.0, 1), None);
+    }
 
     /// A stage of `ops` operations in one second, with this CPU per operation by process.
     fn stage(ops: u64, cpu: &[(&str, f64)]) -> StageResult {
