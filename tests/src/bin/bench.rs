@@ -1217,9 +1217,12 @@ fn print_summary(b: &Bench, c: &Components, memory: &BucketMemory) {
             &c.script_batch,
         ),
     ] {
-        let per_call = one.cpu_per_decision(name);
-        let Some(split) = PerCall::split(per_call, batch.cpu_per_decision(name), b.args.batch)
-        else {
+        // One decision per call: its CPU per decision is its CPU per call.
+        let Some(split) = PerCall::split(
+            one.cpu_per_decision(name),
+            batch.cpu_per_decision(name),
+            b.args.batch,
+        ) else {
             continue;
         };
         let needed = split
