@@ -1279,6 +1279,65 @@ impl PerCall {
     }
 }
 
+/// The goal of "the decisions that must leave the gateway" for Envoy's CPU per request above
+/// the no-op filter on many keys, for [`EnvoySplit::callouts_for`].
+const GATEWAY_ENVOY_GOAL_US: f64 = 15.0;
+
+/// Envoy's CPU per request above the no-op filter on many keys split in two, from the stage with
+/// a callout per request and the filter as shipped at `c` callouts per request: what a request
+/// costs whatever its callout carries, and what a callout adds, so that
+/// `added(c) = per_request + c × per_callout`. An estimate: the per-request callout's path is not
+/// the coalesced one (no queue, no hand-over between workers), so it says what fewer callouts
+/// alone could reach.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct EnvoySplit {
+    per_request: f64,
+    per_callout: f64,
+}
+
+impl EnvoySplit {
+    /// From `slow` (µs above the no-op filter with a callout per request) and `fast` (with
+    /// `callouts` per request); `None` unless `callouts` is below 1.
+    fn split(slow: f64, fast: f64, callouts: f64) -> Option<EnvoySplit> {
+        if !(0.0..1.0).contains(&callouts) {
+            return None;
+        }
+        let per_callout = ((slow - fast) / (1.0 - callouts)).max(0.0);
+        Some(EnvoySplit {
+            per_request: (fast - callouts * per_callout).max(0.0),
+            per_callout,
+        })
+    }
+
+    /// The most callouts per request at which Envoy's added CPU is `goal` µs; `None` when the
+    /// per-request part alone is above it.
+    fn callouts_for(&self, goal: f64) -> Option<f64> {
+        if goal <= self.per_request {
+            return None;
+        }
+        Some(if self.per_callout > 0.0 {
+            ((goal - self.per_request) / self.per_callout).min(1.0)
+        } else {
+            1.0
+        })
+    }
+
+    /// The line `make bench` prints for one stage.
+    fn describe(&self, slow: f64, fast: f64, callouts: f64) -> String {
+        let reach = match self.callouts_for(GATEWAY_ENVOY_GOAL_US) {
+            Some(c) => format!(
+                "at most {c:.3} callouts per request ({:.0} requests per callout)",
+                1.0 / c.max(1e-9)
+            ),
+            None => "none: the per-request part alone is above it".to_string(),
+        };
+        format!(
+            "{:.1} µs per request whatever its callout carries + {:.1} µs per callout (an estimate from {slow:.1} µs at 1 callout per request and {fast:.1} at {callouts:.3}); for {GATEWAY_ENVOY_GOAL_US} µs: {reach}",
+            self.per_request, self.per_callout
+        )
+    }
+}
+
 /// Each worker count's goals, as ratios from this run, judged on the medians of its rounds.
 fn print_goals(b: &Bench, c: &Components, runs: &[(EnvoyRun, Vec<EnvoyRun>, AtLimit)]) {
     println!(
@@ -1286,6 +1345,13 @@ fn print_goals(b: &Bench, c: &Components, runs: &[(EnvoyRun, Vec<EnvoyRun>, AtLi
         b.args.rounds.max(1)
     );
     let script_redis = c.script_one.cpu_per_decision("redis");
+    let single = c.single_one.cpu_per_decision("redis");
+    let incr = c.incr.cpu_per_decision("redis");
+    println!(
+        "lone-decision script (single.lua), 1 decision per call, Redis kept busy: {single:.1} µs of Redis per decision (goal <= {PER_DECISION_GOAL_US}: {}); INCR in the same run {incr:.1} µs ({:.2}x of it)",
+        if single <= PER_DECISION_GOAL_US { "met" } else { "NOT met" },
+        single / incr.max(1e-9)
+    );
     for (run, rounds, edge) in runs {
         let w = run.workers;
         let find = |wl: Workload| run.wasm.iter().find(|(x, ..)| *x == wl).expect("workload");
@@ -1311,6 +1377,23 @@ fn print_goals(b: &Bench, c: &Components, runs: &[(EnvoyRun, Vec<EnvoyRun>, AtLi
             added_fast / added_slow.max(1e-9),
             verdict("envoy")
         );
+        println!(
+            "[{w} worker(s)] many keys, Envoy CPU above the no-op filter: {added_fast:.1} µs/request ({})",
+            verdict("gateway envoy")
+        );
+        if let Some(split) = EnvoySplit::split(added_slow, added_fast, *many_callouts) {
+            println!(
+                "[{w} worker(s)] many keys, Envoy's added CPU split: {}",
+                split.describe(added_slow, added_fast, *many_callouts)
+            );
+        }
+        if w >= 2 {
+            println!(
+                "[{w} worker(s)] many keys: {:.2}x the no-op filter's throughput ({})",
+                many.per_second() / run.noop.per_second(),
+                verdict("gateway many")
+            );
+        }
         let redis_real = many.cpu_per_decision("redis");
         println!(
             "[{w} worker(s)] many keys, Redis CPU per decision on the real path: {redis_real:.1} µs vs {script_redis:.1} µs for the 1-decision script ({:.2}; {})",
@@ -1327,8 +1410,13 @@ fn print_goals(b: &Bench, c: &Components, runs: &[(EnvoyRun, Vec<EnvoyRun>, AtLi
         }
         let sidecar_real = many.cpu_per_decision("sidecar");
         println!(
-            "[{w} worker(s)] many keys, sidecar CPU per decision: {sidecar_real:.1} µs ({})",
-            verdict("sidecar")
+            "[{w} worker(s)] many keys, sidecar CPU per decision: {sidecar_real:.1} µs ({}; {})",
+            verdict("sidecar"),
+            verdict("gateway sidecar")
+        );
+        println!(
+            "[{w} worker(s)] many keys, Redis CPU per decision: {redis_real:.1} µs ({})",
+            verdict("gateway redis")
         );
         for (wl, r, callouts) in &run.extra {
             println!(
@@ -1354,6 +1442,12 @@ fn print_goals(b: &Bench, c: &Components, runs: &[(EnvoyRun, Vec<EnvoyRun>, AtLi
                 added_fast / added_slow.max(1e-9),
                 verdict("loaded envoy")
             );
+            if let Some(split) = EnvoySplit::split(added_slow, added_fast, l.callouts) {
+                println!(
+                    "[{w} worker(s), {c} callers] many keys, Envoy's added CPU split: {}",
+                    split.describe(added_slow, added_fast, l.callouts)
+                );
+            }
             let redis_real = l.fast.cpu_per_decision("redis");
             println!(
                 "[{w} worker(s), {c} callers] many keys, Redis CPU per decision on the real path: {redis_real:.1} µs vs {script_redis:.1} µs for the 1-decision script ({:.2}; {})",
@@ -1667,6 +1761,41 @@ fn judge(run: &EnvoyRun, script_redis: f64) -> Vec<Judged> {
     if let Some(l) = &run.loaded {
         many_keys("loaded ", &l.baseline, &l.noop, &l.slow, &l.fast);
     }
+    // The goals of "the decisions that must leave the gateway", on many keys at the light load.
+    let added = many.cpu("envoy") - run.noop.cpu("envoy");
+    add(
+        "gateway envoy",
+        "many keys: Envoy µs above the no-op",
+        "<= 15",
+        format!("{added:.1}"),
+        added <= GATEWAY_ENVOY_GOAL_US,
+    );
+    if run.workers >= 2 {
+        let r = many.per_second() / run.noop.per_second();
+        add(
+            "gateway many",
+            "many keys vs the no-op filter",
+            ">= 0.8",
+            format!("{r:.2}x"),
+            r >= 0.8,
+        );
+    }
+    let sidecar = many.cpu_per_decision("sidecar");
+    add(
+        "gateway sidecar",
+        "many keys: sidecar µs per decision",
+        "<= 6",
+        format!("{sidecar:.1}"),
+        sidecar <= PER_DECISION_GOAL_US,
+    );
+    let redis = many.cpu_per_decision("redis");
+    add(
+        "gateway redis",
+        "many keys: Redis µs per decision",
+        "<= 5",
+        format!("{redis:.1}"),
+        redis <= 5.0,
+    );
     for (wl, native) in &run.native {
         if *wl == Workload::ManyKeys {
             continue;
@@ -1725,6 +1854,23 @@ mod tests {
         assert_eq!(s.decisions_for(6.0), Some(20.0));
         assert_eq!(s.decisions_for(1.5), None);
         assert_eq!(PerCall::split(80.0, 9.0, 1), None);
+    }
+
+    #[test]
+    fn envoys_added_cpu_splits_into_a_part_per_request_and_one_per_callout() {
+        // 90 µs with a callout per request, 27 at 0.1: 70 per callout, 20 per request, so
+        // 15 µs is out of reach by fewer callouts.
+        let s = EnvoySplit::split(90.0, 27.0, 0.1).unwrap();
+        assert!((s.per_callout - 70.0).abs() < 1e-9 && (s.per_request - 20.0).abs() < 1e-9);
+        assert_eq!(s.callouts_for(15.0), None);
+        // 5 per request: 15 µs at 1 callout per 7 requests.
+        let s = EnvoySplit::split(75.0, 12.0, 0.1).unwrap();
+        assert!((s.per_request - 5.0).abs() < 1e-9);
+        assert!((s.callouts_for(15.0).unwrap() - 1.0 / 7.0).abs() < 1e-9);
+        assert!(s
+            .describe(75.0, 12.0, 0.1)
+            .contains("7 requests per callout"));
+        assert_eq!(EnvoySplit::split(90.0, 27.0, 1.0), None);
     }
 
     /// A stage of `ops` operations in one second, with this CPU per operation by process.
@@ -1806,6 +1952,22 @@ mod tests {
         assert!(verdict(&js, "redis"));
         assert!(!verdict(&judge(&run(850, 60.0, false), 11.9), "redis"));
         assert!(verdict(&js, "sidecar"));
+        // The gateway's goals: Envoy 10 µs above the no-op filter (<= 15), the sidecar 9 µs per
+        // decision (> 6), Redis 4 (<= 5); the throughput goal only with two workers.
+        assert!(verdict(&js, "gateway envoy"));
+        assert!(!verdict(
+            &judge(&run(850, 66.0, false), 12.0),
+            "gateway envoy"
+        ));
+        assert!(!verdict(&js, "gateway sidecar"));
+        assert!(verdict(&js, "gateway redis"));
+        assert!(js.iter().all(|j| j.key != "gateway many"));
+        let mut two = run(850, 60.0, false);
+        two.workers = 2;
+        assert!(
+            !verdict(&judge(&two, 12.0), "gateway many"),
+            "0.5x is not 0.8x"
+        );
         assert!(verdict(&js, "native hot key"));
         assert!(
             js.iter().all(|j| j.key != "native many keys"),
