@@ -1,59 +1,81 @@
 #!lua flags=allow-cross-slot-keys
--- single.lua: a call of one decision without a lease ask, a regional share or a record, the common
--- call of a fleet's quiet keys. The same bucket as bucket.lua + apply.lua (docs/bucket.md): its
--- state, rules and reply, in the few steps this case needs; sidecar/src/store/script.rs picks it.
--- KEYS[1]: the bucket. ARGV: the numbers (capacity I8, refill_per_sec d, cost I8, shadow B); the
--- epoch marker's key or "". Reply: doubles: status, allowed, remaining, retry_after_ms, reset_ms,
--- reason, leased (0).
+-- single.lua: a call whose requests are each one decision on a bucket of its own, without a lease
+-- ask, a regional share or a record (a fleet's quiet keys, alone or batched). The same bucket as
+-- bucket.lua + apply.lua (docs/bucket.md): its state, rules and reply, in the few steps this case
+-- needs; sidecar/src/store/script.rs picks it. KEYS[1]: the first bucket. ARGV: the numbers (per
+-- request: capacity I8, refill_per_sec d, cost I8, shadow B); the epoch marker's key or ""; the
+-- other buckets, in order. Reply: doubles, per request: status, allowed, remaining,
+-- retry_after_ms, reset_ms, reason, leased (0).
 local OK, INSUFFICIENT, COST_EXCEEDS_CAPACITY, MAX_INT, MARGIN_MS = 0, 1, 2, 2 ^ 53, 1000
 local floor, ceil, spack, sunpack = math.floor, math.ceil, struct.pack, struct.unpack
-local key, nums, marker = KEYS[1], ARGV[1], ARGV[2]
-local capacity, refill, cost, shadow, q = sunpack('<I8dI8B', nums)
-if #ARGV ~= 2 or q ~= #nums + 1 or capacity < 1 or cost < 1 or not (refill > 0 and refill < 1 / 0) then
-  error({ err = 'ERR usage: numbers, marker; capacity, refill_per_sec and cost > 0 and finite' })
+local nums, marker = ARGV[1], ARGV[2]
+local n = #nums / 25
+if n < 1 or n ~= floor(n) or #ARGV ~= n + 1 then
+  error({ err = 'ERR usage: numbers (25 bytes a request), marker, the other buckets' })
 end
+local function bad(capacity, refill, cost) -- the error below, if the numbers are not a request's
+  return (capacity < 1 or cost < 1 or not (refill > 0 and refill < 1 / 0))
+    and error({ err = 'ERR usage: capacity, refill_per_sec and cost > 0 and finite' })
+end
+for q = 26, #nums, 25 do bad(sunpack('<I8dI8', nums, q)) end -- before anything is written
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local got = marker ~= '' and redis.call('MGET', key, marker) or redis.call('MGET', key)
-local v, epoch = got[1], marker ~= '' and tonumber(got[2] or '')
+local keys, got = n > 1 and { KEYS[1], unpack(ARGV, 3) } -- and the marker
+if keys then
+  if marker ~= '' then keys[n + 1] = marker end
+  got = redis.call('MGET', unpack(keys))
+else
+  got = marker ~= '' and redis.call('MGET', KEYS[1], marker) or redis.call('MGET', KEYS[1])
+end
+local epoch = marker ~= '' and tonumber(got[n + 1] or '')
 local new_epoch = marker ~= '' and not epoch
 epoch = epoch or new_epoch and now
-local n = v and #v % 24 == 0 and #v or 0 -- bytes; another value reads as missing
-local tokens, ts, exp = epoch and 0 or capacity, epoch or now, 0
-if n > 0 then tokens, ts, exp = sunpack('<ddd', v) end
-local leased, last, tail = 0, now, '' -- the unexpired leases: their tokens, last expiry, bytes
-for i = 25, n, 24 do
-  local id, amount, expiry = sunpack('<ddd', v, i)
-  if expiry > now then
-    leased, tail = leased + amount, tail .. spack('<ddd', id, amount, expiry)
-    if expiry > last then last = expiry end
-  end
-end
-if tokens ~= tokens then tokens = 0 end -- below 0: a debt (docs/costs.md)
-tokens = tokens + refill * (now > ts and now - ts or 0) / 1000000
-local top = capacity - leased
-if tokens > top then tokens = top > 0 and top or math.min(tokens, 0) end -- a debt stays one
-local function wait_ms(x) -- ms the refill takes to add x tokens, rounded up less float noise
+local function wait_ms(x, refill) -- ms the refill takes to add x tokens, rounded up less float noise
   x = ceil(x / refill * 1000 - 1e-6)
   return (x ~= x or x <= 0) and 0 or x >= MAX_INT and MAX_INT or x
 end
-local allowed, retry, reason = 0, 0, OK
-if cost > capacity then
-  reason = COST_EXCEEDS_CAPACITY
-elseif tokens < cost then
-  retry, reason = wait_ms(cost - tokens), INSUFFICIENT
-else
-  allowed, tokens = 1, tokens - cost
+local reply = n > 1 and {} -- of a lone decision: its figures
+for i = 1, n do
+  local capacity, refill, cost, shadow = sunpack('<I8dI8B', nums, 25 * i - 24)
+  if i == 1 and (capacity < 1 or cost < 1 or not (refill > 0 and refill < 1 / 0)) then
+    bad(capacity, refill, cost)
+  end
+  local v = got[i]
+  local m = v and #v % 24 == 0 and #v or 0 -- bytes; another value reads as missing
+  local tokens, ts, exp = epoch and 0 or capacity, epoch or now, 0
+  if m > 0 then tokens, ts, exp = sunpack('<ddd', v) end
+  local leased, last, tail = 0, now, '' -- the unexpired leases: their tokens, last expiry, bytes
+  for j = 25, m, 24 do
+    local id, amount, expiry = sunpack('<ddd', v, j)
+    if expiry > now then
+      leased, tail = leased + amount, tail .. spack('<ddd', id, amount, expiry)
+      if expiry > last then last = expiry end
+    end
+  end
+  if tokens ~= tokens then tokens = 0 end -- below 0: a debt (docs/costs.md)
+  tokens = tokens + refill * (now > ts and now - ts or 0) / 1000000
+  local top = capacity - leased
+  if tokens > top then tokens = top > 0 and top or math.min(tokens, 0) end -- a debt stays one
+  local allowed, retry, reason = 0, 0, OK
+  if cost > capacity then
+    reason = COST_EXCEEDS_CAPACITY
+  elseif tokens < cost then
+    retry, reason = wait_ms(cost - tokens, refill), INSUFFICIENT
+  else
+    allowed, tokens = 1, tokens - cost
+  end
+  if allowed == 1 or ts > now then -- written as bucket.lua's finish() writes it
+    local full_us = (capacity - tokens) / refill * 1000000
+    local need = floor(now / 1000) + ceil((full_us + (last - now)) / 1000) + MARGIN_MS
+    local keep = exp >= need and exp <= need + 2 * MARGIN_MS
+    local value = spack('<ddd', tokens, now, keep and exp or need + MARGIN_MS) .. tail
+    if keep then redis.call('SET', keys and keys[i] or KEYS[1], value, 'KEEPTTL')
+    else redis.call('SET', keys and keys[i] or KEYS[1], value, 'PXAT', need + MARGIN_MS) end
+  end
+  local remaining = tokens >= MAX_INT and MAX_INT or tokens > 0 and floor(tokens) or 0
+  local figures = spack('<ddddddd', (allowed == 1 or shadow == 1) and 1 or 0, allowed, remaining,
+    retry, wait_ms(capacity - tokens, refill), reason, 0)
+  if reply then reply[i] = figures else reply = figures end
 end
 if new_epoch then redis.call('SET', marker, t[1] .. string.rep('0', 6 - #t[2]) .. t[2]) end
-if allowed == 1 or ts > now then -- written as bucket.lua's finish() writes it
-  local full_us = (capacity - tokens) / refill * 1000000
-  local need = floor(now / 1000) + ceil((full_us + last - now) / 1000) + MARGIN_MS
-  local keep = exp >= need and exp <= need + 2 * MARGIN_MS
-  local value = spack('<ddd', tokens, now, keep and exp or need + MARGIN_MS) .. tail
-  if keep then redis.call('SET', key, value, 'KEEPTTL')
-  else redis.call('SET', key, value, 'PXAT', need + MARGIN_MS) end
-end
-local remaining = tokens >= MAX_INT and MAX_INT or tokens > 0 and floor(tokens) or 0
-return spack('<ddddddd', (allowed == 1 or shadow == 1) and 1 or 0, allowed, remaining, retry,
-  wait_ms(capacity - tokens), reason, 0)
+return n > 1 and table.concat(reply) or reply

@@ -153,6 +153,80 @@ async fn the_script_refuses_invalid_arguments_by_itself_and_writes_nothing() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_lone_decision_script_refuses_invalid_arguments_and_writes_nothing() {
+    let redis = Redis::start();
+    let mut c = redis.connection();
+    let script = ratelimit_sidecar::store::Script::Single.text();
+    // A request's numbers as lua/single.lua reads them: capacity, refill, cost, shadow.
+    let request = |capacity: u64, refill: f64, cost: u64| {
+        let mut n = Vec::new();
+        n.extend(capacity.to_le_bytes());
+        n.extend(refill.to_le_bytes());
+        n.extend(cost.to_le_bytes());
+        n.push(0);
+        n
+    };
+    let good = request(10, 1.0, 1);
+    let mut torn = good.clone();
+    torn.pop();
+    // Defense in depth: the sidecar never sends these; the script errors, never allows. The
+    // buckets after the first: one per request after the first.
+    for (numbers, others, needle) in [
+        (
+            request(0, 1.0, 1),
+            vec![],
+            "capacity, refill_per_sec and cost",
+        ),
+        (
+            request(10, f64::NAN, 1),
+            vec![],
+            "capacity, refill_per_sec and cost",
+        ),
+        (
+            request(10, f64::INFINITY, 1),
+            vec![],
+            "capacity, refill_per_sec and cost",
+        ),
+        (
+            request(10, 1.0, 0),
+            vec![],
+            "capacity, refill_per_sec and cost",
+        ),
+        (torn, vec![], "25 bytes a request"),
+        // Two requests and one bucket, or one request and two.
+        (
+            [good.clone(), good.clone()].concat(),
+            vec![],
+            "25 bytes a request",
+        ),
+        (good.clone(), vec!["rl:{y}"], "25 bytes a request"),
+        // The second request is bad: the first, valid, is not decided either.
+        (
+            [good.clone(), request(10, -1.0, 1)].concat(),
+            vec!["rl:{y}"],
+            "capacity, refill_per_sec and cost",
+        ),
+    ] {
+        let e = redis::cmd("EVAL")
+            .arg(script)
+            .arg(1)
+            .arg("rl:{x}")
+            .arg(&numbers)
+            .arg("rl:epoch")
+            .arg(&others)
+            .query::<redis::Value>(&mut c)
+            .expect_err("the script must refuse");
+        let text = e.to_string();
+        assert!(text.contains(needle), "{numbers:?}: {text}");
+    }
+    let written: usize = redis::cmd("DBSIZE").query(&mut c).unwrap();
+    assert_eq!(
+        written, 0,
+        "a refused call writes nothing, not even the epoch marker"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_timestamp_in_the_future_counts_as_no_time_passed() {
     let redis = Redis::start();
     let sidecar = Sidecar::on_redis(&redis).await;

@@ -123,6 +123,31 @@ fn step() -> impl Strategy<Value = Step> {
             groups: vec![(None, vec![vec![d]])],
             returns: vec![],
         }),
+        // A batch of lone decisions on buckets of their own: lua/single.lua decides it too.
+        4 => (
+            prop::sample::subsequence((0..KEYS.len()).collect::<Vec<_>>(), 2..=KEYS.len()),
+            prop::collection::vec((1..4u64, prop::bool::weighted(0.15)), KEYS.len()),
+            0..3usize,
+        )
+            .prop_map(|(keys, figures, split)| {
+                let requests: Vec<Vec<Gen>> = keys
+                    .iter()
+                    .zip(&figures)
+                    .map(|(&k, &(cost, shadow))| vec![(k, cost, shadow, None)])
+                    .collect();
+                // In one group or two.
+                let groups = match split {
+                    0 => vec![(None, requests)],
+                    _ => {
+                        let (a, b) = requests.split_at(split.min(requests.len() - 1));
+                        vec![(None, a.to_vec()), (None, b.to_vec())]
+                    }
+                };
+                Step::Apply {
+                    groups,
+                    returns: vec![],
+                }
+            }),
         1 => (0..4usize, prop::collection::vec(0..4usize, 1..3))
             .prop_map(|(group, requests)| Step::Refund { group, requests }),
         2 => (0..KEYS.len(), 0..PPM.len()).prop_map(|(key, ppm)| Step::Share { key, ppm }),

@@ -102,18 +102,24 @@ pub fn one_decision_requests(
     c
 }
 
-/// The `EVALSHA` of [`SINGLE`] for call number `i` on `keys` buckets: the decision of
-/// [`apply_call`] with `n` = 1 (the same limit and cost), as `lua/single.lua` takes it: the
-/// bucket as the one key; capacity (I8), refill (d), cost (I8), shadow (B); no epoch marker.
-pub fn single_call(sha: &str, i: u64, keys: u64) -> redis::Cmd {
-    let mut numbers = Vec::with_capacity(25);
-    numbers.extend_from_slice(&999_999_999_999u64.to_le_bytes());
-    numbers.extend_from_slice(&1e9f64.to_le_bytes());
-    numbers.extend_from_slice(&1u64.to_le_bytes());
-    numbers.push(0);
+/// The `EVALSHA` of [`SINGLE`] for call number `i` on `keys` buckets: the `n` decisions of
+/// [`apply_call`] (the same buckets, limit and cost), as `lua/single.lua` takes them: the first
+/// bucket as the one key; per decision capacity (I8), refill (d), cost (I8), shadow (B); no
+/// epoch marker; the other buckets.
+pub fn single_call(sha: &str, n: usize, i: u64, keys: u64) -> redis::Cmd {
+    let mut numbers = Vec::with_capacity(25 * n);
+    for _ in 0..n {
+        numbers.extend_from_slice(&999_999_999_999u64.to_le_bytes());
+        numbers.extend_from_slice(&1e9f64.to_le_bytes());
+        numbers.extend_from_slice(&1u64.to_le_bytes());
+        numbers.push(0);
+    }
     let mut c = redis::cmd("EVALSHA");
     c.arg(sha).arg(1).arg(bench_bucket(i, 0, keys));
     c.arg(numbers).arg("");
+    for j in 1..n as u64 {
+        c.arg(bench_bucket(i, j, keys));
+    }
     c
 }
 

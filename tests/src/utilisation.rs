@@ -112,7 +112,7 @@ impl Callers {
                         }
                         next = next.max(now) + Duration::from_secs_f64(n / rate);
                         let cmd = match work {
-                            Work::Single => single_call(&sha, i, keys),
+                            Work::Single => single_call(&sha, 1, i, keys),
                             Work::Script => apply_call(&sha, 1, i, keys),
                             Work::Incr => {
                                 let mut c = redis::cmd("INCR");

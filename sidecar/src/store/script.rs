@@ -23,8 +23,9 @@ pub enum Script {
     Apply,
     /// Gives back what recorded requests charged (`lua/refund.lua`).
     Refund,
-    /// An apply call of one decision without a lease ask, a share or a record (`lua/single.lua`,
-    /// standalone): the same bucket in about half of Redis's instructions.
+    /// An apply call whose requests are each one decision on a bucket of its own, without a
+    /// lease ask, a share or a record (`lua/single.lua`, standalone): the same bucket in about
+    /// half of Redis's instructions.
     Single,
 }
 
@@ -71,7 +72,8 @@ pub(crate) struct ScriptArgs {
     pub(crate) routing_key: Arc<str>,
     /// `ARGV[2]`: every number of the call, in the layout `lua/bucket.lua` reads.
     pub(crate) numbers: Vec<u8>,
-    /// The buckets' keys, then a record key (or "") per group.
+    /// The buckets' keys, then a record key (or "") per group; for `lua/single.lua` the buckets
+    /// after the first (the routing key).
     pub(crate) keys: Vec<Arc<str>>,
     /// The last argument: the epoch marker's key, or "" (`--store-reset full`).
     pub(crate) marker: String,
@@ -204,38 +206,56 @@ impl ScriptArgs {
         }
     }
 
-    /// An apply call of one decision without a lease ask, a share or a record, as
-    /// `lua/single.lua` takes it: the bucket as the one key; capacity, refill, cost and shadow.
+    /// An apply call whose requests are each one decision on a bucket of its own, without a
+    /// lease ask, a share or a record, as `lua/single.lua` takes it: the first bucket as the one
+    /// key; per request capacity, refill, cost and shadow; the other buckets after the marker. A
+    /// Cluster's call of several decisions is left to the long script, which reads each key on its
+    /// own (one `MGET` cannot span slots).
     fn single(script: Script, options: &StoreOptions, cluster: bool, work: &Work) -> Option<Self> {
-        let ([group], []) = (&work.groups[..], &work.returns[..]) else {
-            return None;
-        };
-        let ([request], None) = (&group.requests[..], &group.record) else {
-            return None;
-        };
-        let [c] = &request[..] else {
-            return None;
-        };
-        if script != Script::Apply
-            || c.bucket.share.is_some()
-            || c.lease.is_some_and(|l| l.tokens > 0)
-        {
+        if script != Script::Apply || !work.returns.is_empty() {
             return None;
         }
+        let mut charges = Vec::new();
+        for g in &work.groups {
+            if g.record.is_some() {
+                return None;
+            }
+            for request in &g.requests {
+                let [c] = &request[..] else {
+                    return None;
+                };
+                if c.bucket.share.is_some() || c.lease.is_some_and(|l| l.tokens > 0) {
+                    return None;
+                }
+                charges.push(c);
+            }
+        }
+        let (first, rest) = charges.split_first()?;
+        if !rest.is_empty() && cluster {
+            return None;
+        }
+        // A bucket twice in one call: the second sees the first's charge only in the long script.
+        for (i, c) in charges.iter().enumerate() {
+            if charges[..i].iter().any(|d| d.key == c.key) {
+                return None;
+            }
+        }
         let mut numbers = Numbers::default();
-        numbers.int(c.bucket.capacity);
-        numbers.double(c.bucket.refill_per_sec);
-        numbers.int(c.cost);
-        numbers.flag(c.shadow);
+        for c in &charges {
+            numbers.int(c.bucket.capacity);
+            numbers.double(c.bucket.refill_per_sec);
+            numbers.int(c.cost);
+            numbers.flag(c.shadow);
+        }
         let marker = match options.store_reset {
             StoreReset::Full => String::new(),
-            StoreReset::Empty => epoch_marker(&options.key_prefix, cluster, &c.key),
+            StoreReset::Empty => epoch_marker(&options.key_prefix, cluster, &first.key),
         };
         Some(ScriptArgs {
             script: Script::Single,
-            routing_key: c.key.clone(),
+            routing_key: first.key.clone(),
             numbers: numbers.0,
-            keys: Vec::new(),
+            keys: rest.iter().map(|c| c.key.clone()).collect(),
             marker,
         })
     }
@@ -251,6 +271,9 @@ impl ScriptArgs {
         c.arg(script).arg(1).arg(&*self.routing_key);
         if self.script == Script::Single {
             c.arg(&self.numbers[..]).arg(&self.marker);
+            for k in &self.keys {
+                c.arg(&**k);
+            }
             return c;
         }
         c.arg(self.script.mode()).arg(&self.numbers[..]);
@@ -445,6 +468,79 @@ mod tests {
         for w in [one(Some("rec"), 0, 1), one(None, 5, 1), one(None, 0, 2)] {
             assert_eq!(build(&w).script, Script::Apply);
         }
+    }
+
+    #[test]
+    fn a_batch_of_lone_decisions_on_buckets_of_their_own_takes_the_single_script() {
+        let charge = |k: &str, cost: u64| Charge {
+            key: Arc::from(k),
+            bucket: BucketLimits::new(10, 0.5),
+            cost,
+            shadow: false,
+            lease: None,
+            grant_cap: GrantCap::Share,
+        };
+        let work = |requests: Vec<Vec<Charge>>| Work {
+            groups: vec![
+                Group {
+                    record: None,
+                    requests: requests[..1].to_vec(),
+                },
+                Group {
+                    record: None,
+                    requests: requests[1..].to_vec(),
+                },
+            ],
+            returns: vec![],
+        };
+        let build = |w: &Work, cluster| {
+            ScriptArgs::build(Script::Apply, &StoreOptions::default(), cluster, w, None)
+        };
+        let three = work(vec![
+            vec![charge("a", 1)],
+            vec![charge("b", 2)],
+            vec![charge("c", 3)],
+        ]);
+        let args = build(&three, false);
+        assert_eq!(args.script, Script::Single);
+        assert_eq!(&*args.routing_key, "a");
+        let keys: Vec<&str> = args.keys.iter().map(|k| &**k).collect();
+        assert_eq!(
+            keys,
+            ["b", "c"],
+            "the other buckets, in the requests' order"
+        );
+        assert_eq!(args.numbers.len(), 3 * 25);
+        assert_eq!(
+            &args.numbers[25 + 16..25 + 24],
+            &2u64.to_le_bytes(),
+            "b's cost"
+        );
+        let cmd = args.cmd(false);
+        let sent: Vec<Vec<u8>> = cmd
+            .args_iter()
+            .map(|a| match a {
+                redis::Arg::Simple(b) => b.to_vec(),
+                _ => Vec::new(),
+            })
+            .collect();
+        assert_eq!(sent.len(), 8, "EVALSHA sha 1 a numbers marker b c");
+        assert_eq!(
+            (&sent[3][..], &sent[6][..], &sent[7][..]),
+            (&b"a"[..], &b"b"[..], &b"c"[..])
+        );
+        // The long script: on a Cluster, a bucket twice, a request of two decisions.
+        assert_eq!(build(&three, true).script, Script::Apply);
+        let twice = work(vec![vec![charge("a", 1)], vec![charge("a", 2)]]);
+        assert_eq!(build(&twice, false).script, Script::Apply);
+        let pair = work(vec![
+            vec![charge("a", 1)],
+            vec![charge("b", 1), charge("c", 1)],
+        ]);
+        assert_eq!(build(&pair, false).script, Script::Apply);
+        // One decision alone takes it on a Cluster too.
+        let lone = work(vec![vec![charge("a", 1)]]);
+        assert_eq!(build(&lone, true).script, Script::Single);
     }
 
     #[test]

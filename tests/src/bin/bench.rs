@@ -543,11 +543,14 @@ async fn components(b: &Bench, script: &str) -> Components {
     let (script_one, script_batch) = script_stages(b, &conn, "bucket script", script).await;
     print(&script_one, Some(&incr));
     print(&script_batch, Some(&incr));
-    let single_one = single_stage(b, &conn).await;
+    let (single_one, single_batch) = single_stages(b, &conn).await;
     print(&single_one, Some(&incr));
+    print(&single_batch, Some(&incr));
     print_note(&format!(
-        "Redis CPU per decision: the lone-decision script {:.2}x the long script's",
-        single_one.cpu_per_decision("redis") / script_one.cpu_per_decision("redis").max(1e-9)
+        "Redis CPU per decision: the lone-decision script {:.2}x the long script's with 1 per call, {:.2}x with {}",
+        single_one.cpu_per_decision("redis") / script_one.cpu_per_decision("redis").max(1e-9),
+        single_batch.cpu_per_decision("redis") / script_batch.cpu_per_decision("redis").max(1e-9),
+        b.args.batch
     ));
     println!("{}", script_cost::before_and_after(b.args.batch, keys));
 
@@ -645,9 +648,12 @@ async fn script_stages(
     (one, many)
 }
 
-/// `lua/single.lua`, the script a lone decision without a lease ask, a share or a record runs,
-/// called with the decision of the one-decision stage of [`script_stages`].
-async fn single_stage(b: &Bench, conn: &redis::aio::MultiplexedConnection) -> StageResult {
+/// `lua/single.lua`, the script a call of lone decisions without a lease ask, a share or a record
+/// runs, called with the decisions of [`script_stages`]: one per call and `--batch`.
+async fn single_stages(
+    b: &Bench,
+    conn: &redis::aio::MultiplexedConnection,
+) -> (StageResult, StageResult) {
     let sha: String = redis::cmd("SCRIPT")
         .arg("LOAD")
         .arg(script_cost::SINGLE)
@@ -655,20 +661,25 @@ async fn single_stage(b: &Bench, conn: &redis::aio::MultiplexedConnection) -> St
         .await
         .expect("SCRIPT LOAD");
     let keys = b.args.keys as u64;
-    let conn = conn.clone();
-    let op = load::op(move |call| {
-        let mut conn = conn.clone();
-        let cmd = script_cost::single_call(&sha, call.random() >> 16, keys);
-        async move {
-            cmd.query_async::<redis::Value>(&mut conn)
-                .await
-                .map(|_| ())
-                .map_err(|e| e.to_string())
-        }
-    });
+    let op = |n: usize| {
+        let (conn, sha) = (conn.clone(), sha.clone());
+        load::op(move |call| {
+            let mut conn = conn.clone();
+            let cmd = script_cost::single_call(&sha, n, call.random() >> 16, keys);
+            async move {
+                cmd.query_async::<redis::Value>(&mut conn)
+                    .await
+                    .map(|_| ())
+                    .map_err(|e| e.to_string())
+            }
+        })
+    };
+    let (c, batch, redis_only) = (b.args.concurrency, b.args.batch, &b.watched()[..1]);
     let name = "lone-decision script (single.lua), 1 decision per call";
-    b.stage(name, b.args.concurrency, &b.watched()[..1], 1, op)
-        .await
+    let one = b.stage(name, c, redis_only, 1, op(1)).await;
+    let name = format!("lone-decision script (single.lua), {batch} decisions per call");
+    let many = b.stage(&name, c, redis_only, batch, op(batch)).await;
+    (one, many)
 }
 
 /// Buckets written to measure memory.
