@@ -81,6 +81,11 @@ struct Args {
     /// Envoy workers in `--ab-filter`.
     #[arg(long, default_value_t = 1)]
     ab_workers: u32,
+    /// With `--ab-filter`: B's callouts reach the sidecar over HTTP/2 (h2c, which its listener
+    /// also serves) instead of the shipped HTTP/1.1; `--ab-filter` names the same build as A to
+    /// measure the protocol alone.
+    #[arg(long)]
+    ab_b_http2: bool,
     /// Only the RLQS comparison: per worker count, Envoy alone, local_ratelimit, the wasm filter
     /// as shipped and Envoy's quota filter (RLQS), on the hot key and many keys.
     #[arg(long)]
@@ -540,10 +545,14 @@ async fn components(b: &Bench, script: &str) -> Components {
         b.stage(name, b.args.concurrency, redis_only, 1, op).await
     };
     print(&incr, None);
-    let (script_one, script_batch) = script_stages(b, &conn, "bucket script", script).await;
+    let apply = script_cost::apply_call;
+    let (script_one, script_batch) = script_stages(b, &conn, "bucket script", script, apply).await;
     print(&script_one, Some(&incr));
     print(&script_batch, Some(&incr));
-    let (single_one, single_batch) = single_stages(b, &conn).await;
+    // The script a call of lone decisions without a lease ask, a share or a record runs.
+    let (label, single) = ("lone-decision script (single.lua)", script_cost::SINGLE);
+    let (single_one, single_batch) =
+        script_stages(b, &conn, label, single, script_cost::single_call).await;
     print(&single_one, Some(&incr));
     print(&single_batch, Some(&incr));
     print_note(&format!(
@@ -611,14 +620,16 @@ async fn components(b: &Bench, script: &str) -> Components {
     }
 }
 
-/// The bucket script `script` (its text, loaded into Redis) called directly with one decision
-/// per call and with `--batch`, its stages named `<label>, N decision(s) per call`: a second
-/// script measured beside the first is one more call.
+/// A bucket script (`script`, its text, loaded into Redis) called directly by `call` (the
+/// `EVALSHA` of its `n` decisions for call number `i` on `keys` buckets) with one decision per
+/// call and with `--batch`, its stages named `<label>, N decision(s) per call`: a second script
+/// measured beside the first is one more call.
 async fn script_stages(
     b: &Bench,
     conn: &redis::aio::MultiplexedConnection,
     label: &str,
     script: &str,
+    call: fn(&str, usize, u64, u64) -> redis::Cmd,
 ) -> (StageResult, StageResult) {
     let sha: String = redis::cmd("SCRIPT")
         .arg("LOAD")
@@ -629,9 +640,9 @@ async fn script_stages(
     let keys = b.args.keys as u64;
     let script_op = |n: usize| {
         let (conn, sha) = (conn.clone(), sha.clone());
-        load::op(move |call| {
+        load::op(move |c| {
             let mut conn = conn.clone();
-            let cmd = script_cost::apply_call(&sha, n, call.random() >> 16, keys);
+            let cmd = call(&sha, n, c.random() >> 16, keys);
             async move {
                 cmd.query_async::<redis::Value>(&mut conn)
                     .await
@@ -645,40 +656,6 @@ async fn script_stages(
     let one = b.stage(&one, c, redis_only, 1, script_op(1)).await;
     let many = format!("{label}, {batch} decisions per call");
     let many = b.stage(&many, c, redis_only, batch, script_op(batch)).await;
-    (one, many)
-}
-
-/// `lua/single.lua`, the script a call of lone decisions without a lease ask, a share or a record
-/// runs, called with the decisions of [`script_stages`]: one per call and `--batch`.
-async fn single_stages(
-    b: &Bench,
-    conn: &redis::aio::MultiplexedConnection,
-) -> (StageResult, StageResult) {
-    let sha: String = redis::cmd("SCRIPT")
-        .arg("LOAD")
-        .arg(script_cost::SINGLE)
-        .query_async(&mut conn.clone())
-        .await
-        .expect("SCRIPT LOAD");
-    let keys = b.args.keys as u64;
-    let op = |n: usize| {
-        let (conn, sha) = (conn.clone(), sha.clone());
-        load::op(move |call| {
-            let mut conn = conn.clone();
-            let cmd = script_cost::single_call(&sha, n, call.random() >> 16, keys);
-            async move {
-                cmd.query_async::<redis::Value>(&mut conn)
-                    .await
-                    .map(|_| ())
-                    .map_err(|e| e.to_string())
-            }
-        })
-    };
-    let (c, batch, redis_only) = (b.args.concurrency, b.args.batch, &b.watched()[..1]);
-    let name = "lone-decision script (single.lua), 1 decision per call";
-    let one = b.stage(name, c, redis_only, 1, op(1)).await;
-    let name = format!("lone-decision script (single.lua), {batch} decisions per call");
-    let many = b.stage(&name, c, redis_only, batch, op(batch)).await;
     (one, many)
 }
 
@@ -1146,10 +1123,15 @@ async fn at_limit_stage(b: &Bench, workers: u32) -> AtLimit {
 async fn ab_filter(b: &Bench, other: &Path) {
     let (workload, workers) = (b.args.ab_workload, b.args.ab_workers);
     println!(
-        "\n== A/B: {}, filter as shipped, {workers} worker(s): A = {}, B = {}",
+        "\n== A/B: {}, filter as shipped, {workers} worker(s): A = {}, B = {}{}",
         workload.name(),
         b.wasm.display(),
-        other.display()
+        other.display(),
+        if b.args.ab_b_http2 {
+            ", its callouts over HTTP/2"
+        } else {
+            ""
+        }
     );
     print_header();
     // Per build: Envoy CPU above the no-op filter, sidecar and Redis CPU per request,
@@ -1172,7 +1154,13 @@ async fn ab_filter(b: &Bench, other: &Path) {
         for i in order {
             let (label, wasm) = [("A", b.wasm.as_path()), ("B", other)][i];
             let name = format!("round {round}: {label}");
-            let config = b.envoy(Filter::Wasm(wasm), true, workers);
+            let mut config = b.envoy(Filter::Wasm(wasm), true, workers);
+            if i == 1 && b.args.ab_b_http2 {
+                config = config.replace(
+                    "explicit_http_config: { http_protocol_options: {} }",
+                    "explicit_http_config: { http2_protocol_options: {} }",
+                );
+            }
             let (r, callouts) = b.envoy_stage(name, config, workload, c).await;
             print(&r, Some(&floor));
             println!("  {callouts:.4} callouts/request");
