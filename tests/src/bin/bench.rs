@@ -1372,12 +1372,9 @@ fn print_goals(b: &Bench, c: &Components, runs: &[(EnvoyRun, Vec<EnvoyRun>, AtLi
         let added_fast = many.cpu("envoy") - noop_envoy;
         let added_slow = many_slow.cpu("envoy") - noop_envoy;
         println!(
-            "[{w} worker(s)] many keys, Envoy CPU above the no-op filter: {added_fast:.1} µs/request vs {added_slow:.1} with a callout per request ({:.2} of it; {})",
+            "[{w} worker(s)] many keys, Envoy CPU above the no-op filter: {added_fast:.1} µs/request vs {added_slow:.1} with a callout per request ({:.2} of it; {}; {} µs)",
             added_fast / added_slow.max(1e-9),
-            verdict("envoy")
-        );
-        println!(
-            "[{w} worker(s)] many keys, Envoy CPU above the no-op filter: {added_fast:.1} µs/request ({})",
+            verdict("envoy"),
             verdict("gateway envoy")
         );
         if let Some(split) = EnvoySplit::split(added_slow, added_fast, *many_callouts) {
