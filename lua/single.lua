@@ -13,11 +13,12 @@ local n = #nums / 25
 if n < 1 or n ~= floor(n) or #ARGV ~= n + 1 then
   error({ err = 'ERR usage: numbers (25 bytes a request), marker, the other buckets' })
 end
-local function bad(capacity, refill, cost) -- the error below, if the numbers are not a request's
-  return (capacity < 1 or cost < 1 or not (refill > 0 and refill < 1 / 0))
-    and error({ err = 'ERR usage: capacity, refill_per_sec and cost > 0 and finite' })
+local function check(capacity, refill, cost) -- refuses numbers that are not a request's
+  if capacity < 1 or cost < 1 or not (refill > 0 and refill < 1 / 0) then
+    error({ err = 'ERR usage: capacity, refill_per_sec and cost > 0 and finite' })
+  end
 end
-for q = 26, #nums, 25 do bad(sunpack('<I8dI8', nums, q)) end -- before anything is written
+for q = 26, #nums, 25 do check(sunpack('<I8dI8', nums, q)) end -- before anything is written
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local keys, got = n > 1 and { KEYS[1], unpack(ARGV, 3) } -- and the marker
@@ -37,9 +38,7 @@ end
 local reply = n > 1 and {} -- of a lone decision: its figures
 for i = 1, n do
   local capacity, refill, cost, shadow = sunpack('<I8dI8B', nums, 25 * i - 24)
-  if i == 1 and (capacity < 1 or cost < 1 or not (refill > 0 and refill < 1 / 0)) then
-    bad(capacity, refill, cost)
-  end
+  if i == 1 then check(capacity, refill, cost) end
   local v = got[i]
   local m = v and #v % 24 == 0 and #v or 0 -- bytes; another value reads as missing
   local tokens, ts, exp = epoch and 0 or capacity, epoch or now, 0
