@@ -3,7 +3,7 @@
 //! an apply call's reply read back as outcomes ([`parse_apply`]). The convention itself (ARGV
 //! layout, reply layout) is documented in the headers of `lua/bucket.lua` and `lua/apply.lua`.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, LazyLock};
 
 use ratelimit_wire::Reason;
@@ -235,10 +235,10 @@ impl ScriptArgs {
             return None;
         }
         // A bucket twice in one call: the second sees the first's charge only in the long script.
-        for (i, c) in charges.iter().enumerate() {
-            if charges[..i].iter().any(|d| d.key == c.key) {
-                return None;
-            }
+        // (A set, not pairs: a call may carry a thousand decisions.)
+        let mut seen = HashSet::with_capacity(charges.len());
+        if !charges.iter().all(|c| seen.insert(&*c.key)) {
+            return None;
         }
         let mut numbers = Numbers::default();
         for c in &charges {
