@@ -6,7 +6,8 @@
 --   retry_after_ms = ceil((cost - tokens) / refill_per_sec * 1000)
 --   reset_ms       = ceil((capacity - tokens) / refill_per_sec * 1000)
 --   under a regional share m (ppm): capacity, refill_per_sec = floor(x * m) / 1e6
--- now: Redis's TIME (us); leased: the unexpired leases' tokens; a missing bucket: full or empty.
+-- now: Redis's TIME (us); leased: the unexpired leases' tokens; a missing bucket: full, or under an
+-- epoch (--store-reset empty) empty at the epoch, as is a bucket last written before it.
 -- ARGV: mode "apply" | "refund"; the numbers; B bucket keys; G record keys or ""; the epoch marker's
 -- key or "". The numbers, little-endian (struct I4, I8 unsigned, d double, B byte; n x (...): a
 -- count, then n times the bracket; bucket, limit, request: 1-based indices):
@@ -88,6 +89,7 @@ local function bucket(b, limit)
     local n = v and #v % 24 == 0 and #v or 0 -- bytes; another value reads as missing
     local tokens, ts, exp, leases = epoch and 0 or limit.capacity, epoch or now, 0, n > 24 and {} or nil
     if n > 0 then tokens, ts, exp = sunpack('<ddd', v) end
+    if epoch and ts < epoch then tokens, ts, exp, n = 0, epoch, 0, 0 end -- not written since: empty then
     for i = 25, n, 24 do -- the leases, each id, amount, expiry (us): the unexpired ones kept
       local id, amount, expiry = sunpack('<ddd', v, i)
       if expiry > now then leases[#leases + 1] = { id = id, amount = amount, expiry = expiry } end
@@ -120,7 +122,10 @@ local function wait_ms(tokens, refill)
 end
 -- Writes each dirty bucket once, with a new expiry (PXAT) only when it must (docs/bucket.md).
 local function finish()
-  if new_epoch then redis.call('SET', marker, t[1] .. srep('0', 6 - #t[2]) .. t[2]) end
+  if new_epoch then -- the marker, and the server it was made on (lua/fence.lua reads both)
+    redis.call('SET', marker, t[1] .. srep('0', 6 - #t[2]) .. t[2])
+    redis.call('SET', marker .. ':run', string.match(redis.call('INFO', 'server'), 'run_id:(%x+)'))
+  end
   for b, s in pairs(states) do
     if s.dirty then
       local limit, leases, last, tail = s.limit, s.leases, now, '' -- last: the last lease's expiry

@@ -10,7 +10,8 @@
 -- A batch may name a record key: a repeat of the batch within record_ttl_ms changes nothing.
 --
 -- KEYS[1]: the first bucket's key (routing). ARGV, decimal strings:
---   1 record key or ""   2 record_ttl_ms >= 1   3 the epoch marker's key or "" (--store-reset)
+--   1 record key or ""   2 record_ttl_ms >= 1   3 the epoch marker's key or "" (--store-reset;
+--   a bucket not written since the epoch is empty at it, a missing marker is made now)
 --   4 N, then N x (bucket key, capacity > 0, refill_per_sec > 0, delta: a whole number)
 -- Reply: {1 applied | 0 a repeat, then per settlement the bucket's tokens after it, rounded down}
 -- Stored bucket as lua/bucket.lua keeps it: doubles tokens, ts_us, exp_ms, then per lease id,
@@ -44,7 +45,12 @@ if record ~= '' and redis.call('EXISTS', record) == 1 then return { 0 } end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local now_ms = floor(now / 1000)
-local epoch = marker ~= '' and (tonumber(redis.call('GET', marker) or '') or now) or nil
+local epoch = marker ~= '' and tonumber(redis.call('GET', marker) or '')
+if marker ~= '' and not epoch then -- made now, and stamped (lua/fence.lua), as lua/bucket.lua does
+  epoch = now
+  redis.call('SET', marker, t[1] .. string.rep('0', 6 - #t[2]) .. t[2])
+  redis.call('SET', marker .. ':run', string.match(redis.call('INFO', 'server'), 'run_id:(%x+)'))
+end
 local states, reply = {}, { 1 }
 for i = 1, n do
   local key, capacity, refill, delta = ARGV[4 * i + 1], num(4 * i + 2), num(4 * i + 3), num(4 * i + 4)
@@ -60,6 +66,7 @@ for i = 1, n do
         if all[j + 2] > now then s.leases[#s.leases + 1] = { all[j], all[j + 1], all[j + 2] } end
       end
     end
+    if epoch and s.ts < epoch then s.tokens, s.ts, s.leases = 0, epoch, {} end -- empty at the epoch
     if s.tokens ~= s.tokens then s.tokens = 0 end
     states[key] = s
   end

@@ -26,7 +26,8 @@ if keys then
   if marker ~= '' then keys[n + 1] = marker end
   got = redis.call('MGET', unpack(keys))
 else
-  got = marker ~= '' and redis.call('MGET', KEYS[1], marker) or redis.call('MGET', KEYS[1])
+  got = redis.call('MGET', KEYS[1]) -- the marker apart: on a Cluster it is the node's, in another slot
+  if marker ~= '' then got[2] = redis.call('GET', marker) end
 end
 local epoch = marker ~= '' and tonumber(got[n + 1] or '')
 local new_epoch = marker ~= '' and not epoch
@@ -43,6 +44,7 @@ for i = 1, n do
   local m = v and #v % 24 == 0 and #v or 0 -- bytes; another value reads as missing
   local tokens, ts, exp = epoch and 0 or capacity, epoch or now, 0
   if m > 0 then tokens, ts, exp = sunpack('<ddd', v) end
+  if epoch and ts < epoch then tokens, ts, exp, m = 0, epoch, 0, 0 end -- not written since: empty then
   local leased, last, tail = 0, now, '' -- the unexpired leases: their tokens, last expiry, bytes
   for j = 25, m, 24 do
     local id, amount, expiry = sunpack('<ddd', v, j)
@@ -76,5 +78,8 @@ for i = 1, n do
     retry, wait_ms(capacity - tokens, refill), reason, 0)
   if reply then reply[i] = figures else reply = figures end
 end
-if new_epoch then redis.call('SET', marker, t[1] .. string.rep('0', 6 - #t[2]) .. t[2]) end
+if new_epoch then -- the marker, and the server it was made on (lua/fence.lua reads both)
+  redis.call('SET', marker, t[1] .. string.rep('0', 6 - #t[2]) .. t[2])
+  redis.call('SET', marker .. ':run', string.match(redis.call('INFO', 'server'), 'run_id:(%x+)'))
+end
 return n > 1 and table.concat(reply) or reply

@@ -93,11 +93,12 @@ pub struct Args {
     #[arg(long, env = "RATELIMIT_ATTEMPT_TTL_MS", default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(1..))]
     pub attempt_ttl_ms: u64,
 
-    /// What a bucket Redis no longer holds starts with after Redis lost its state (restarted
-    /// empty, flushed): `full` (every missing bucket is full, as for a client never seen) or
-    /// `empty` (a bucket missing since the loss starts empty at the time of the loss and refills
-    /// from there, so for one fill time nothing is admitted that the lost state would not have
-    /// admitted). The loss is seen through the marker key `<prefix>epoch` either way (logged,
+    /// What a bucket starts with after Redis lost its state or may hold an older one (restarted,
+    /// with or without its data, flushed, a replica promoted): `full` (a missing bucket is full,
+    /// as for a client never seen; one it holds is as it holds it) or `empty` (a bucket not
+    /// written since the loss starts empty at the time of the loss and refills from there, so
+    /// nothing is admitted that the lost state would not have admitted). The loss is seen through
+    /// each node's epoch marker `<prefix>epoch` either way (logged,
     /// `ratelimit_store_resets_total`).
     #[arg(long, env = "RATELIMIT_STORE_RESET", value_enum, default_value_t = StoreReset::Full)]
     pub store_reset: StoreReset,

@@ -396,9 +396,10 @@ async fn a_flood_of_rejections_writes_nothing_unless_the_clock_went_back() {
     let (_, a) = sidecar.decide(one.clone()).await;
     assert_eq!(a["allowed"], true, "{a}");
     let mut c = redis.connection();
-    // The sidecar makes the store's epoch marker (one write) once, within a second of starting.
+    // The sidecar makes the store's epoch marker and its stamp (two writes) once, within a second
+    // of starting.
     let started = std::time::Instant::now();
-    while redis.cli(&["EXISTS", "rl:epoch"]) != "1" {
+    while redis.cli(&["EXISTS", "rl:epoch", "rl:epoch:run"]) != "2" {
         assert!(
             started.elapsed() < std::time::Duration::from_secs(10),
             "no epoch marker"
@@ -425,8 +426,8 @@ async fn a_flood_of_rejections_writes_nothing_unless_the_clock_went_back() {
     );
     let keys: u64 = redis.cli(&["DBSIZE"]).parse().unwrap();
     assert_eq!(
-        keys, 2,
-        "the bucket, the epoch marker, no attempt records for rejected calls"
+        keys, 3,
+        "the bucket, the epoch marker and its stamp, no attempt records for rejected calls"
     );
     assert_eq!(
         stored(&mut c, &key).unwrap(),

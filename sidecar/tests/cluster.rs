@@ -251,3 +251,126 @@ async fn a_settle_batch_over_many_slots_is_applied_once_per_node() {
         assert_eq!(tokens(id).floor(), 7.0, "{id}: applied once");
     }
 }
+
+/// Issue 32, case 7: under `--store-reset empty` a Cluster keeps one epoch marker per primary
+/// (not one per client's hash tag, which made every new client's first request a loss): 300 new
+/// clients' first requests are admitted, a client whose bucket is gone (full again) is admitted
+/// behind a new one in the same call, the markers stay three (and their stamps), and a primary
+/// that loses its state costs only its own clients (they start empty at its new epoch).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn under_store_reset_empty_a_cluster_keeps_one_epoch_per_primary() {
+    let cluster = RedisCluster::start();
+    let policy = "rules:\n  r: {capacity: 2, refill_per_sec: 10}\n";
+    let sidecar = Sidecar::with_policy(
+        policy,
+        &[
+            "--redis-cluster",
+            &cluster.seeds(),
+            "--redis-timeout-ms",
+            "2000",
+            "--store-reset",
+            "empty",
+        ],
+    )
+    .await;
+    sidecar.wait_ready("/readyz").await;
+    // The markers, made when the sidecar became ready, get older than the fill time of `r`
+    // (200 ms): a bucket missing since then is full again (not a synchronisation: a wait the
+    // bucket's refill needs).
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let prefix = unique("new");
+    let mut admitted = 0;
+    for batch in 0..30 {
+        let requests: Vec<_> = (0..10)
+            .map(|i| json!({"decisions": [decision("r", &format!("{prefix}-{batch}-{i}"), 1)]}))
+            .collect();
+        let (status, a) = sidecar.call(json!(requests), json!({})).await;
+        assert_eq!(status, 200, "call {batch}: {a}");
+        admitted += a["answers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|x| x["allowed"] == true)
+            .count();
+    }
+    println!("300 new clients' first requests: {admitted} admitted");
+    assert_eq!(admitted, 300, "a new client's bucket is full, not a loss");
+    // A returning client whose bucket is gone (full again), behind a new client in one call.
+    let (returning, fresh) = (unique("returning"), unique("fresh"));
+    let (_, a) = sidecar.decide(json!([decision("r", &returning, 2)])).await;
+    assert_eq!(a["allowed"], true, "{a}");
+    let key = bucket("r", &returning);
+    let node = cluster
+        .nodes
+        .iter()
+        .find(|n| !n.cli(&["EXISTS", &key]).contains("MOVED"))
+        .unwrap();
+    assert_eq!(node.cli(&["DEL", &key]), "1");
+    let both = json!([
+        {"decisions": [decision("r", &fresh, 1)]},
+        {"decisions": [decision("r", &returning, 1)]}
+    ]);
+    let (_, a) = sidecar.call(both, json!({})).await;
+    assert_eq!(a["answers"][0]["allowed"], true, "{a}");
+    assert_eq!(a["answers"][1]["allowed"], true, "{a}");
+    let markers: Vec<String> = cluster
+        .nodes
+        .iter()
+        .flat_map(|n| {
+            n.cli(&["KEYS", "rl:epoch*"])
+                .lines()
+                .filter(|l| !l.is_empty())
+                .map(str::to_string)
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    println!("markers: {markers:?}");
+    assert_eq!(
+        markers.len(),
+        6,
+        "one marker and its stamp per primary: {markers:?}"
+    );
+    // One primary loses its state: its clients start empty at its new epoch, the others' do not.
+    let lost = unique("lost");
+    let (key_lost, node_lost) = (0..)
+        .map(|i| bucket("r", &format!("{lost}-{i}")))
+        .map(|k| {
+            let n = cluster
+                .nodes
+                .iter()
+                .position(|n| !n.cli(&["EXISTS", &k]).contains("MOVED"))
+                .unwrap();
+            (k, n)
+        })
+        .find(|(_, n)| *n == 0)
+        .unwrap();
+    let id_lost = key_lost
+        .trim_start_matches("rl:{ratelimit|rule=r|id=")
+        .trim_end_matches('}')
+        .to_string();
+    assert_eq!(cluster.nodes[node_lost].cli(&["FLUSHALL"]), "OK");
+    let (_, a) = sidecar.decide(json!([decision("r", &id_lost, 1)])).await;
+    assert_eq!(
+        a["allowed"], false,
+        "a bucket of the node that lost its state starts empty: {a}"
+    );
+    let elsewhere = (0..)
+        .map(|i| format!("{}-{i}", unique("kept")))
+        .find(|id| {
+            let k = bucket("r", id);
+            cluster.nodes[1..]
+                .iter()
+                .any(|n| !n.cli(&["EXISTS", &k]).contains("MOVED"))
+        })
+        .unwrap();
+    let (_, a) = sidecar.decide(json!([decision("r", &elsewhere, 1)])).await;
+    assert_eq!(a["allowed"], true, "another node's new client is full: {a}");
+    let started = Instant::now();
+    while sidecar.metric("ratelimit_store_resets_total").await < 1.0 {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "loss not counted"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}

@@ -21,7 +21,7 @@ use ratelimit_e2e::Redis;
 use ratelimit_regions::{Share, ShareHistory};
 use ratelimit_sidecar::metrics::Metrics;
 use ratelimit_sidecar::store::memory::MemoryStore;
-use ratelimit_sidecar::store::redis::{NodeId, Nodes, StoreOptions};
+use ratelimit_sidecar::store::redis::{NodeId, Nodes, StoreOptions, FENCE_SCRIPT};
 use ratelimit_sidecar::store::{
     BucketLimits, BucketStore, Charge, GrantCap, Group, RedisStore, RequestOutcome, Return,
     SettleBatch, Settlement, StoreReset, Work,
@@ -88,6 +88,9 @@ enum Step {
     Share { key: usize, ppm: usize },
     /// The store loses its state (Redis flushed; the model forgets everything).
     Lose,
+    /// A new server holds the store (a restart from a snapshot, a replica promoted): its epoch
+    /// is fenced anew (`lua/fence.lua`), what it holds is kept.
+    Restart,
     /// Settlements (key, delta) of costs known after the response, under a batch id or none:
     /// charged past zero (a debt the next decisions see) or given back (`lua/settle.lua`).
     Settle {
@@ -152,6 +155,7 @@ fn step() -> impl Strategy<Value = Step> {
             .prop_map(|(group, requests)| Step::Refund { group, requests }),
         2 => (0..KEYS.len(), 0..PPM.len()).prop_map(|(key, ppm)| Step::Share { key, ppm }),
         1 => Just(Step::Lose),
+        1 => Just(Step::Restart),
         3 => (
             prop::option::weighted(0.5, 0..2u8),
             prop::collection::vec((0..KEYS.len(), -6..7i64), 1..4)
@@ -320,6 +324,23 @@ fn differential(reset: StoreReset) {
                                 .query(&mut redis.connection())
                                 .unwrap();
                             model.lose_state();
+                        }
+                        Step::Restart => {
+                            // As the stamp another server left: the fence makes the epoch anew.
+                            let mut c = redis.connection();
+                            let _: () = redis::cmd("SET")
+                                .arg("rl:epoch:run")
+                                .arg("another-server")
+                                .query(&mut c)
+                                .unwrap();
+                            let _: redis::Value = redis::cmd("EVAL")
+                                .arg(FENCE_SCRIPT)
+                                .arg(2)
+                                .arg("rl:epoch")
+                                .arg("rl:epoch:run")
+                                .query(&mut c)
+                                .unwrap();
+                            model.fence();
                         }
                         Step::Share { key, ppm } => {
                             if let Some(h) = &shares[*key] {

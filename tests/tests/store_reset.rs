@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use ratelimit_e2e::scenario::spend_across_a_loss;
+use ratelimit_e2e::scenario::{spend_across, spend_across_a_loss, Loss};
 
 /// C = 100, r = 100/s: full again within a second (the issue's bucket refills at 10/s; the
 /// bound is the same formula).
@@ -43,4 +43,38 @@ fn with_store_reset_full_a_client_gets_its_capacity_again_as_documented() {
         run.admitted,
         run.seconds
     );
+}
+
+/// Issue 32, case 6: `SAVE`, spend, kill Redis, restart it on the same directory. The marker
+/// comes back with the snapshot, but the restarted server is a new one: the sidecar fences its
+/// epoch before any bucket script runs there (NOSCRIPT), so the buckets the snapshot brought
+/// back start empty at the new epoch under `empty`, and the loss is counted under both policies.
+#[test]
+fn a_redis_restarted_from_an_older_snapshot_is_a_loss_and_empty_keeps_the_bound() {
+    let run = spend_across(
+        Loss::Snapshot,
+        POLICY,
+        "empty",
+        FILL,
+        Duration::from_millis(500),
+    );
+    let bound = C + R * run.seconds;
+    println!("snapshot, empty: {run:?}, bound C + r·T = {bound:.1}");
+    assert!(run.resets >= 1.0, "the restore was not counted as a loss");
+    assert!(run.admitted >= 100, "the capacity before the loss: {run:?}");
+    assert!(
+        run.admitted as f64 <= bound + 1.0,
+        "{} admitted over {:.2} s against C + r·T = {bound:.1}",
+        run.admitted,
+        run.seconds
+    );
+    let run = spend_across(
+        Loss::Snapshot,
+        POLICY,
+        "full",
+        FILL,
+        Duration::from_millis(500),
+    );
+    println!("snapshot, full: {run:?}");
+    assert!(run.resets >= 1.0, "the restore was not counted as a loss");
 }

@@ -129,7 +129,9 @@ impl Call<'_> {
         let now = self.now;
         let stored = self.inner.buckets.get(key);
         let s = self.states.entry(key.clone()).or_insert_with(|| {
-            let (tokens, ts_us, leases, since_us) = match stored {
+            // Not written since the epoch (missing, or last written before it): empty then.
+            let stale = stored.is_some_and(|b| self.epoch.is_some_and(|e| b.ts_us < e));
+            let (tokens, ts_us, leases, since_us) = match stored.filter(|_| !stale) {
                 Some(b) => (
                     b.tokens,
                     b.ts_us,
@@ -253,6 +255,13 @@ impl MemoryStore {
     /// Forgets everything, as a Redis restarted without its data (the epoch marker included).
     pub fn lose_state(&self) {
         *self.inner.lock().expect("not poisoned") = Inner::default();
+    }
+
+    /// The store's epoch made now whatever it holds, as `lua/fence.lua` makes it after a restart
+    /// or a failover (`--store-reset empty`: what it holds is then taken as empty now).
+    pub fn fence(&self) {
+        let now = self.now_us.load(Ordering::SeqCst) as f64;
+        self.inner.lock().expect("not poisoned").epoch_us = Some(now);
     }
 
     /// A call's epoch under `--store-reset empty`: the marker's time, made `now` when missing
@@ -537,8 +546,7 @@ impl MemoryStore {
         if record.is_some_and(|k| inner.settle_records.contains_key(k)) {
             return None;
         }
-        // The script reads the marker but never makes it: a missing one is "empty now".
-        let epoch = (self.store_reset == StoreReset::Empty).then(|| inner.epoch_us.unwrap_or(now));
+        let epoch = self.epoch(&mut inner, now);
         let mut tokens_after = Vec::with_capacity(settlements.len());
         for st in settlements {
             let (capacity, refill_per_sec) = st.bucket.in_force();
@@ -551,6 +559,10 @@ impl MemoryStore {
                     ts_us: epoch.unwrap_or(now),
                     leases: Vec::new(),
                 });
+            if let Some(e) = epoch.filter(|e| b.ts_us < *e) {
+                // Not written since the epoch: empty then (as a missing bucket).
+                (b.tokens, b.ts_us, b.leases) = (0.0, e, Vec::new());
+            }
             b.leases.retain(|l| l.expiry_us > now);
             if b.tokens.is_nan() {
                 b.tokens = 0.0;
@@ -576,19 +588,26 @@ impl MemoryStore {
     }
 }
 
+/// Whether `slot`'s set is within one ttl of the store's epoch (`--store-reset empty`), when
+/// the requests still running that held slots before a loss are not all known again.
+fn unsure(epoch: Option<f64>, now: f64, slot: &Slot) -> bool {
+    epoch.is_some_and(|e| now < e + slot.ttl_ms as f64 * 1000.0)
+}
+
 /// Concurrency slots, as `lua/slots.lua`: the same passes in the same order.
 impl MemoryStore {
     /// Takes one request's slots, all or none, at the store's clock.
     pub fn take_slots_now(&self, slots: &[Slot]) -> SlotsTaken {
         let now = self.now_us.load(Ordering::SeqCst) as f64;
         let mut inner = self.inner.lock().expect("not poisoned");
+        let epoch = self.epoch(&mut inner, now);
         let mut pending: HashMap<&str, usize> = HashMap::new();
         for (i, slot) in slots.iter().enumerate() {
             let set = inner.slot_sets.entry(slot.key.clone()).or_default();
             set.retain(|_, expiry| *expiry > now);
             if !set.contains_key(&slot.id) {
                 let p = pending.entry(&*slot.key).or_default();
-                if set.len() + *p >= slot.limit as usize {
+                if set.len() + *p >= slot.limit as usize || unsure(epoch, now, slot) {
                     inner.slot_sets.retain(|_, set| !set.is_empty());
                     return SlotsTaken::Full { index: i };
                 }
@@ -606,25 +625,27 @@ impl MemoryStore {
     pub fn update_slots_now(&self, update: SlotUpdate, slots: &[Slot]) -> Vec<bool> {
         let now = self.now_us.load(Ordering::SeqCst) as f64;
         let mut inner = self.inner.lock().expect("not poisoned");
+        let epoch = self.epoch(&mut inner, now);
         let held = slots
             .iter()
             .map(|slot| {
-                let Some(set) = inner.slot_sets.get_mut(&slot.key) else {
-                    return false;
-                };
+                let set = inner.slot_sets.entry(slot.key.clone()).or_default();
                 let alive = set.get(&slot.id).is_some_and(|expiry| *expiry > now);
                 match update {
                     SlotUpdate::Release => {
                         set.remove(&slot.id);
+                        alive
                     }
-                    SlotUpdate::Renew if alive => {
+                    // Held, or maybe lost with the store's state: held again.
+                    SlotUpdate::Renew if alive || unsure(epoch, now, slot) => {
                         set.insert(slot.id.clone(), now + slot.ttl_ms as f64 * 1000.0);
+                        true
                     }
                     SlotUpdate::Renew => {
                         set.remove(&slot.id);
+                        false
                     }
                 }
-                alive
             })
             .collect();
         inner.slot_sets.retain(|_, set| !set.is_empty());

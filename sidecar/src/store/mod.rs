@@ -37,26 +37,6 @@ pub enum StoreReset {
     Empty,
 }
 
-/// The key of the store's epoch marker: `<prefix>epoch`, and on a Cluster one per slot in use,
-/// `<prefix>epoch{<hash tag of the call's first bucket>}`, so it lives (and is lost) with the
-/// buckets of its node. It holds the server's time (µs) when it was created: the time the store
-/// began holding what it holds.
-pub fn epoch_marker(prefix: &str, cluster: bool, first_key: &str) -> String {
-    match (cluster, hash_tag(first_key)) {
-        (true, Some(tag)) => format!("{prefix}epoch{{{tag}}}"),
-        _ => format!("{prefix}epoch"),
-    }
-}
-
-/// The hash tag of `key` as Redis Cluster reads it: what lies between the first `{` and the
-/// next `}`, if not empty.
-fn hash_tag(key: &str) -> Option<&str> {
-    let open = key.find('{')?;
-    let rest = &key[open + 1..];
-    let close = rest.find('}')?;
-    (close > 0).then(|| &rest[..close])
-}
-
 /// How far the script widens the look-back of a regional share, in milliseconds: the share history
 /// is stamped by the clock of the node that holds the share record, a bucket's time by the clock
 /// of its own node (another node of a Cluster, a new primary after a failover). Offsets below this
@@ -471,17 +451,6 @@ pub fn eviction_warning(policies: &[String]) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn the_epoch_marker_lives_in_the_slot_of_the_calls_first_bucket_on_a_cluster() {
-        assert_eq!(epoch_marker("rl:", false, "rl:{a|b}"), "rl:epoch");
-        assert_eq!(epoch_marker("rl:", true, "rl:{a|b}"), "rl:epoch{a|b}");
-        assert_eq!(
-            crate::keys::cluster_slot(b"rl:epoch{a|b}"),
-            crate::keys::cluster_slot(b"rl:{a|b}")
-        );
-        assert_eq!(epoch_marker("rl:", true, "rl:{}x"), "rl:epoch");
-    }
 
     #[test]
     fn script_failures_are_told_from_outages() {

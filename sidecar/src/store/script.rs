@@ -11,8 +11,8 @@ use redis::{Cmd, Value};
 
 use super::redis::StoreOptions;
 use super::{
-    epoch_marker, BucketLimits, BucketOutcome, GrantCap, RequestOutcome, Status, StoreError,
-    StoreReset, Work, SHARE_MARGIN_MS,
+    BucketLimits, BucketOutcome, GrantCap, RequestOutcome, Status, StoreError, Work,
+    SHARE_MARGIN_MS,
 };
 
 /// A bucket script: `lua/bucket.lua` (the bucket function, the arguments, the reads and writes)
@@ -102,14 +102,17 @@ impl Numbers {
 }
 
 impl ScriptArgs {
+    /// The arguments of `script` for `work` on one node; `marker`: the node's epoch marker
+    /// (`--store-reset empty`), or "".
     pub(crate) fn build<'a>(
         script: Script,
         options: &StoreOptions,
         cluster: bool,
         work: &'a Work,
         refunds: Option<&[Vec<usize>]>,
+        marker: &str,
     ) -> ScriptArgs {
-        if let Some(args) = Self::single(script, options, cluster, work) {
+        if let Some(args) = Self::single(script, cluster, work, marker) {
             return args;
         }
         let mut keys: Vec<Arc<str>> = Vec::new();
@@ -193,16 +196,12 @@ impl ScriptArgs {
                 .iter()
                 .map(|g| Arc::from(g.record.as_deref().unwrap_or_default())),
         );
-        let marker = match options.store_reset {
-            StoreReset::Full => String::new(),
-            StoreReset::Empty => epoch_marker(&options.key_prefix, cluster, &routing_key),
-        };
         ScriptArgs {
             script,
             routing_key,
             numbers: numbers.0,
             keys,
-            marker,
+            marker: marker.to_string(),
         }
     }
 
@@ -211,7 +210,7 @@ impl ScriptArgs {
     /// key; per request capacity, refill, cost and shadow; the other buckets after the marker. A
     /// Cluster's call of several decisions is left to the long script, which reads each key on its
     /// own (one `MGET` cannot span slots).
-    fn single(script: Script, options: &StoreOptions, cluster: bool, work: &Work) -> Option<Self> {
+    fn single(script: Script, cluster: bool, work: &Work, marker: &str) -> Option<Self> {
         if script != Script::Apply || !work.returns.is_empty() {
             return None;
         }
@@ -247,16 +246,12 @@ impl ScriptArgs {
             numbers.int(c.cost);
             numbers.flag(c.shadow);
         }
-        let marker = match options.store_reset {
-            StoreReset::Full => String::new(),
-            StoreReset::Empty => epoch_marker(&options.key_prefix, cluster, &first.key),
-        };
         Some(ScriptArgs {
             script: Script::Single,
             routing_key: first.key.clone(),
             numbers: numbers.0,
             keys: rest.iter().map(|c| c.key.clone()).collect(),
-            marker,
+            marker: marker.to_string(),
         })
     }
 
@@ -452,8 +447,9 @@ mod tests {
             }],
             returns: vec![],
         };
-        let build =
-            |w: &Work| ScriptArgs::build(Script::Apply, &StoreOptions::default(), false, w, None);
+        let build = |w: &Work| {
+            ScriptArgs::build(Script::Apply, &StoreOptions::default(), false, w, None, "")
+        };
         let single = build(&one(None, 0, 1));
         assert_eq!(single.script, Script::Single);
         let mut numbers = 10u64.to_le_bytes().to_vec();
@@ -494,7 +490,14 @@ mod tests {
             returns: vec![],
         };
         let build = |w: &Work, cluster| {
-            ScriptArgs::build(Script::Apply, &StoreOptions::default(), cluster, w, None)
+            ScriptArgs::build(
+                Script::Apply,
+                &StoreOptions::default(),
+                cluster,
+                w,
+                None,
+                "",
+            )
         };
         let three = work(vec![
             vec![charge("a", 1)],
@@ -563,7 +566,14 @@ mod tests {
             }],
             returns: vec![],
         };
-        let args = ScriptArgs::build(Script::Apply, &StoreOptions::default(), false, &work, None);
+        let args = ScriptArgs::build(
+            Script::Apply,
+            &StoreOptions::default(),
+            false,
+            &work,
+            None,
+            "",
+        );
         // The numbers read back field by field, as `struct.unpack` would with these formats.
         let layout = [
             ("header", "I8 d B I8 I4 I4 I4 I4"),
@@ -614,16 +624,20 @@ mod tests {
         );
         let keys: Vec<&str> = args.keys.iter().map(|k| &**k).collect();
         assert_eq!(keys, ["a", "b", "rec"], "the buckets, then the record");
-        // The last argument: no epoch marker (--store-reset full).
+        // The last argument: no epoch marker (--store-reset full), or the node's.
         assert_eq!(args.marker, "");
-        let empty = StoreOptions {
-            store_reset: StoreReset::Empty,
-            ..StoreOptions::default()
-        };
-        let on_cluster = ScriptArgs::build(Script::Apply, &empty, true, &work, None);
+        let options = StoreOptions::default();
+        let on_cluster =
+            ScriptArgs::build(Script::Apply, &options, true, &work, None, "rl:epoch{n0}");
+        assert_eq!(on_cluster.marker, "rl:epoch{n0}");
+        let last = on_cluster.cmd(false).args_iter().last().map(|a| match a {
+            redis::Arg::Simple(b) => b.to_vec(),
+            _ => Vec::new(),
+        });
         assert_eq!(
-            on_cluster.marker, "rl:epoch",
-            "a key without a hash tag: the one marker"
+            last.as_deref(),
+            Some(&b"rl:epoch{n0}"[..]),
+            "the last argument"
         );
         assert_eq!(on_cluster.numbers[16], 1, "on a Cluster");
         assert_eq!(&*args.routing_key, "a");

@@ -45,9 +45,9 @@ use self::batch::Batcher;
 use self::connection::{stall_limit, Connection};
 use super::script::{parse_apply, Script, ScriptArgs};
 use super::{
-    epoch_marker, eviction_warning, is_script_failure, BucketStore, Call, Decided, Group,
-    Readiness, RequestOutcome, SettleBatch, Settled, Settlement, ShareStore, Slot, SlotUpdate,
-    SlotsTaken, StoreError, StoreReset, Work,
+    eviction_warning, is_script_failure, BucketStore, Call, Decided, Group, Readiness,
+    RequestOutcome, SettleBatch, Settled, Settlement, ShareStore, Slot, SlotUpdate, SlotsTaken,
+    StoreError, StoreReset, Work,
 };
 use crate::keys::cluster_slot;
 use crate::metrics::Metrics;
@@ -118,7 +118,7 @@ pub struct StoreOptions {
     pub max_call_decisions: usize,
     /// What a bucket missing after the store lost its state starts with (`--store-reset`).
     pub store_reset: StoreReset,
-    /// The key prefix (`--key-prefix`), for the store's epoch marker ([`epoch_marker`]).
+    /// The key prefix (`--key-prefix`), for the store's epoch markers ([`epoch_marker`]).
     pub key_prefix: String,
 }
 
@@ -155,6 +155,10 @@ struct Inner {
     batchers: Mutex<HashMap<NodeId, Batcher>>,
     /// Cluster only: which primary serves which slots.
     slots: ArcSwap<SlotMap>,
+    /// Cluster only: each primary's epoch marker (from the slot map).
+    markers: ArcSwap<HashMap<Arc<str>, String>>,
+    /// Each marker's epoch as last fenced: a change is a loss of state ([`RedisStore::observe`]).
+    epochs_seen: Mutex<HashMap<String, String>>,
     refresh_now: tokio::sync::Notify,
     refresher_started: AtomicBool,
 }
@@ -165,7 +169,41 @@ pub struct SlotMap {
     ranges: Vec<(u16, u16, Arc<str>)>,
 }
 
+/// The key of a node's epoch marker (docs/bucket.md, "a store that lost its state"):
+/// `<prefix>epoch` on one Redis; on a Cluster one per primary, `<prefix>epoch{<tag>}` with a tag
+/// whose slot that primary serves ([`SlotMap::marker_tags`]), so it lives, and is lost, with that
+/// node's buckets. It holds the server's time (µs) when it was made: the store's epoch. Its stamp,
+/// `<marker>:run`, is the run_id of the server it was made on (`lua/fence.lua`).
+pub fn epoch_marker(prefix: &str, tag: Option<&str>) -> String {
+    match tag {
+        Some(tag) => format!("{prefix}epoch{{{tag}}}"),
+        None => format!("{prefix}epoch"),
+    }
+}
+
+/// `lua/fence.lua`: the node's epoch made anew when the server is not the one that made it.
+pub const FENCE_SCRIPT: &str = include_str!("../../../../lua/fence.lua");
+
 impl SlotMap {
+    /// Each primary's marker tag: `n<k>` for the first `k` whose slot the primary serves.
+    pub fn marker_tags(&self) -> HashMap<Arc<str>, String> {
+        let mut nodes: Vec<&Arc<str>> = self.ranges.iter().map(|(_, _, n)| n).collect();
+        nodes.sort();
+        nodes.dedup();
+        let mut tags = HashMap::with_capacity(nodes.len());
+        // Every slot is reached within a few hundred thousand tags (CRC16 spreads them evenly).
+        for k in 0..2_000_000u32 {
+            if tags.len() == nodes.len() {
+                break;
+            }
+            let tag = format!("n{k}");
+            if let Some(node) = self.node(cluster_slot(format!("{{{tag}}}").as_bytes())) {
+                tags.entry(node.clone()).or_insert(tag);
+            }
+        }
+        tags
+    }
+
     fn node(&self, slot: u16) -> Option<&Arc<str>> {
         let i = self.ranges.partition_point(|(start, _, _)| *start <= slot);
         let (start, end, addr) = self.ranges.get(i.checked_sub(1)?)?;
@@ -248,6 +286,8 @@ impl RedisStore {
                 metrics,
                 batchers: Mutex::new(HashMap::new()),
                 slots: ArcSwap::from_pointee(SlotMap::default()),
+                markers: ArcSwap::from_pointee(HashMap::new()),
+                epochs_seen: Mutex::new(HashMap::new()),
                 refresh_now: tokio::sync::Notify::new(),
                 refresher_started: AtomicBool::new(false),
             }),
@@ -307,9 +347,8 @@ impl RedisStore {
         }
         let store = self.clone();
         tokio::spawn(async move {
-            let mut seen = HashMap::new();
             loop {
-                store.check_epoch(&mut seen).await;
+                store.check_epoch().await;
                 tokio::time::sleep(EPOCH_CHECK).await;
             }
         });
@@ -333,95 +372,173 @@ impl RedisStore {
         });
     }
 
-    /// The epoch markers to watch: `<prefix>epoch`, or on a Cluster one per primary, in a slot
-    /// it serves (any: a node loses its slots' keys together).
-    fn epoch_markers(&self) -> Vec<String> {
+    /// The epoch marker of `node`: `<prefix>epoch`, or on a Cluster the primary's (`None` while
+    /// the slot map is not known).
+    fn node_marker(&self, node: &NodeId) -> Option<String> {
         let prefix = &self.inner.options.key_prefix;
         if !self.inner.connection.is_cluster() {
-            return vec![epoch_marker(prefix, false, "")];
+            return Some(epoch_marker(prefix, None));
         }
-        let slots = self.inner.slots.load();
-        let mut nodes: Vec<&Arc<str>> = slots.ranges.iter().map(|(_, _, n)| n).collect();
-        nodes.sort();
-        nodes.dedup();
-        nodes
-            .into_iter()
-            .filter_map(|node| {
-                // A tag per node: the first `{n<k>}` whose slot the node serves (a few tries).
-                (0..100_000u32).find_map(|k| {
-                    let tag = format!("{{n{k}}}");
-                    let served = slots.node(cluster_slot(tag.as_bytes())) == Some(node);
-                    served.then(|| epoch_marker(prefix, true, &tag))
-                })
-            })
-            .collect()
+        self.inner.markers.load().get(&node.0).cloned()
     }
 
-    /// Epoch marker `marker`'s value, made now (the server's `TIME`, "<s><µs, 6 digits>", as the
-    /// bucket script makes it) when missing: the value and whether it was made by this call. Plain
-    /// commands, not a script: a stalled Redis's backlog of script calls stays the decisions'.
-    async fn ensure_marker(&self, marker: &str) -> Result<(String, bool), StoreError> {
-        // Read first: the marker exists on every check but the first, and a read writes nothing
-        // (no write per second in Redis's stats, its AOF or its replicas' streams).
-        if let Some(value) = self.read_marker(marker).await? {
-            return Ok((value, false));
+    /// The marker a script call on `node` reads: the node's under `--store-reset empty`, else
+    /// "". A Cluster node whose marker is not known yet cannot be decided on: no bucket it holds
+    /// could be told from one it lost.
+    fn script_marker(&self, node: &NodeId) -> Result<String, StoreError> {
+        if self.inner.options.store_reset == StoreReset::Full {
+            return Ok(String::new());
         }
-        let time: Vec<String> = self
-            .bounded(self.query(redis::cmd("TIME")))
-            .await
-            .and_then(|v| {
-                redis::from_redis_value(v).map_err(|e| StoreError::Reply(e.to_string()))
-            })?;
-        let [secs, micros] = &time[..] else {
-            return Err(StoreError::Reply(format!("TIME: {time:?}")));
-        };
-        let now = format!("{secs}{micros:0>6}");
-        let mut set = redis::cmd("SET");
-        set.arg(marker).arg(&now).arg("NX");
-        let made = !matches!(self.bounded(self.query(set)).await?, Value::Nil);
-        let value = self.read_marker(marker).await?;
-        Ok((value.unwrap_or(now), made))
-    }
-
-    /// Epoch marker `marker`'s value, if it exists.
-    async fn read_marker(&self, marker: &str) -> Result<Option<String>, StoreError> {
-        let mut get = redis::cmd("GET");
-        get.arg(marker);
-        self.bounded(self.query(get)).await.and_then(|v| {
-            redis::from_redis_value::<Option<String>>(v)
-                .map_err(|e| StoreError::Reply(e.to_string()))
+        self.node_marker(node).ok_or_else(|| {
+            StoreError::Redis(format!(
+                "the epoch marker of node {} is not known yet (the cluster slot map is loading)",
+                node.0
+            ))
         })
     }
 
-    /// Reads (or creates) each epoch marker; a marker gone or changed since the last read means
-    /// its node lost its state: logged at warn and counted (`ratelimit_store_resets_total`).
-    async fn check_epoch(&self, seen: &mut HashMap<String, String>) {
-        for marker in self.epoch_markers() {
-            let (value, created) = match self.ensure_marker(&marker).await {
-                Ok(v) => v,
-                Err(e) => {
-                    tracing::debug!(%marker, "epoch marker not read: {e}");
-                    continue;
-                }
-            };
-            match seen.insert(marker.clone(), value.clone()) {
-                Some(before) if before != value || created => {
-                    self.inner.metrics.store_resets.inc();
-                    tracing::warn!(
-                        %marker,
-                        policy = ?self.inner.options.store_reset,
-                        "redis lost its state (the epoch marker was gone or recreated): buckets it no longer holds start {} (--store-reset)",
-                        match self.inner.options.store_reset {
-                            StoreReset::Full => "full",
-                            StoreReset::Empty => "empty at the loss and refill from there",
-                        }
-                    );
-                }
-                None if created => tracing::info!(
-                    %marker,
-                    "created the store's epoch marker (a new Redis, or one that lost its state before this sidecar started)"
+    /// Every node's epoch marker: `<prefix>epoch`, or on a Cluster one per primary.
+    fn epoch_markers(&self) -> Vec<(NodeId, String)> {
+        if !self.inner.connection.is_cluster() {
+            let node = NodeId::primary();
+            return self
+                .node_marker(&node)
+                .map(|m| (node, m))
+                .into_iter()
+                .collect();
+        }
+        let mut all: Vec<(NodeId, String)> = self
+            .inner
+            .markers
+            .load()
+            .iter()
+            .map(|(n, m)| (NodeId(n.clone()), m.clone()))
+            .collect();
+        all.sort();
+        all
+    }
+
+    /// `lua/fence.lua` on the node of `marker`: its epoch, made now when missing or made by
+    /// another server (a restart, a failover). The epoch and how it came: 0 kept, 1 made, 2 made
+    /// anew over another server's.
+    async fn fence_query(&self, node: &NodeId, marker: &str) -> redis::RedisResult<(String, u8)> {
+        let mut eval = redis::cmd("EVAL");
+        eval.arg(FENCE_SCRIPT)
+            .arg(2)
+            .arg(marker)
+            .arg(format!("{marker}:run"));
+        let v = self.query(eval).await?;
+        let (epoch, kind) = match &v {
+            Value::Array(items) => match &items[..] {
+                [epoch, Value::Int(kind)] => (
+                    redis::from_redis_value::<String>(epoch.clone())?,
+                    u8::try_from(*kind).unwrap_or(0),
                 ),
-                _ => {}
+                _ => return Err(unexpected(&v)),
+            },
+            _ => return Err(unexpected(&v)),
+        };
+        self.observe(node, marker, &epoch, kind);
+        Ok((epoch, kind))
+    }
+
+    /// A node's epoch as a fence found it (`kind`: 0 kept, 1 made, 2 made anew over another
+    /// server's): one gone or changed since the last fence means the node lost its state or may
+    /// hold an older one (a restart, a snapshot, a failover): logged at warn and counted
+    /// (`ratelimit_store_resets_total`).
+    fn observe(&self, node: &NodeId, marker: &str, epoch: &str, kind: u8) {
+        let before = self
+            .inner
+            .epochs_seen
+            .lock()
+            .expect("not poisoned")
+            .insert(marker.to_string(), epoch.to_string());
+        match before {
+            Some(before) if before != epoch || kind != 0 => {
+                self.inner.metrics.store_resets.inc();
+                let what = match kind {
+                    2 => "a new server holds it (restarted, from a snapshot or not, or a replica promoted): what it holds may be older than what was decided",
+                    _ => "its epoch marker was gone or made anew (restarted empty, or flushed)",
+                };
+                tracing::warn!(
+                    %marker,
+                    node = %node.0,
+                    policy = ?self.inner.options.store_reset,
+                    "redis lost its state ({what}); buckets it no longer holds, or last wrote before the new epoch, start {} (--store-reset)",
+                    match self.inner.options.store_reset {
+                        StoreReset::Full => "full (or as it holds them)",
+                        StoreReset::Empty => "empty at the new epoch and refill from there",
+                    }
+                );
+            }
+            None if kind != 0 => tracing::info!(
+                %marker,
+                "made the store's epoch marker (a new Redis, or one that lost its state or restarted before this sidecar started)"
+            ),
+            _ => {}
+        }
+    }
+
+    /// [`Self::fence_query`] on `node`, bounded, and observed.
+    async fn fence(&self, node: &NodeId) -> Result<(String, u8), StoreError> {
+        let marker = self.node_marker(node).ok_or_else(|| {
+            StoreError::Redis(format!(
+                "the epoch marker of node {} is not known yet (the cluster slot map is loading)",
+                node.0
+            ))
+        })?;
+        self.bounded(self.fence_query(node, &marker)).await
+    }
+
+    /// Runs a script call, `cmd(false)` (EVALSHA). A NOSCRIPT answer means the node's process
+    /// is new (restarted, promoted, or its scripts flushed), so what it holds may be older than
+    /// what the scripts last saw: its epoch is fenced first ([`Self::fence_query`]), then
+    /// `cmd(true)` (EVAL) runs the call and caches the script again. No bucket script runs on a
+    /// node before its epoch says what it holds (docs/bucket.md). Bounded by `limit`.
+    async fn run_healed(
+        &self,
+        node: &NodeId,
+        cmd: impl Fn(bool) -> Cmd,
+        limit: Duration,
+    ) -> Result<Value, StoreError> {
+        self.bounded_by(limit, async {
+            match self.query(cmd(false)).await {
+                Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+                    // Built only here: the hot path never copies the script.
+                    self.inner.metrics.script_loads.inc();
+                    tracing::info!(
+                        node = %node.0,
+                        "NOSCRIPT from redis (a restart, a failover or a flush of its scripts): \
+                         fencing the node's epoch, then loading the script by EVAL"
+                    );
+                    match self.node_marker(node) {
+                        Some(marker) => {
+                            self.fence_query(node, &marker).await?;
+                        }
+                        // Under `full` the epoch only counts losses: the watch fences the node
+                        // once the slot map names it.
+                        None if self.inner.options.store_reset == StoreReset::Full => {}
+                        None => {
+                            return Err(RedisError::from((
+                                ErrorKind::Client,
+                                "no epoch marker known for the node yet (slot map loading)",
+                            )))
+                        }
+                    }
+                    self.query(cmd(true)).await
+                }
+                other => other,
+            }
+        })
+        .await
+    }
+
+    /// Fences each node's epoch (`lua/fence.lua`, which also makes a missing marker), so a loss
+    /// is seen within [`EPOCH_CHECK`] whether or not a call ran there ([`Self::observe`]).
+    async fn check_epoch(&self) {
+        for (node, marker) in self.epoch_markers() {
+            if let Err(e) = self.fence(&node).await {
+                tracing::debug!(%marker, "epoch marker not fenced: {e}");
             }
         }
     }
@@ -435,7 +552,14 @@ impl RedisStore {
                 Some(map) if !map.ranges.is_empty() => {
                     if **self.inner.slots.load() != map {
                         tracing::info!(ranges = map.ranges.len(), "cluster slot map loaded");
+                        let prefix = &self.inner.options.key_prefix;
+                        let markers = map
+                            .marker_tags()
+                            .into_iter()
+                            .map(|(node, tag)| (node, epoch_marker(prefix, Some(&tag))))
+                            .collect();
                         self.inner.slots.store(Arc::new(map));
+                        self.inner.markers.store(Arc::new(markers));
                     }
                 }
                 _ => tracing::warn!("unexpected CLUSTER SLOTS reply"),
@@ -450,10 +574,11 @@ impl RedisStore {
             return b.clone();
         }
         let store = self.clone();
+        let at = node.clone();
         let b = Batcher::spawn(
             move |work: Work| {
-                let store = store.clone();
-                async move { store.call(work).await }
+                let (store, node) = (store.clone(), at.clone());
+                async move { store.call(&node, work).await }
             },
             self.inner.options.max_in_flight,
             self.inner.options.max_call_decisions,
@@ -466,38 +591,27 @@ impl RedisStore {
     /// [`stall_limit`], not by `--redis-timeout-ms`: the callers are answered at their deadline
     /// by [`Nodes::apply`], while the call keeps its pipeline slot until Redis answers it,
     /// so a stalled Redis is sent at most `--redis-pipeline` calls (see [`batch`]).
-    async fn call(&self, work: Work) -> Result<Vec<Vec<RequestOutcome>>, StoreError> {
+    async fn call(
+        &self,
+        node: &NodeId,
+        work: Work,
+    ) -> Result<Vec<Vec<RequestOutcome>>, StoreError> {
+        let marker = self.script_marker(node)?;
         let args = ScriptArgs::build(
             Script::Apply,
             &self.inner.options,
             self.inner.connection.is_cluster(),
             &work,
             None,
+            &marker,
         );
         self.inner
             .metrics
             .script_call_decisions
             .observe(work.groups.iter().map(Group::decisions).sum::<usize>() as f64);
         let limit = stall_limit(self.inner.options.timeout_ms);
-        let reply = self.run_script(&args, limit).await?;
+        let reply = self.run_healed(node, |eval| args.cmd(eval), limit).await?;
         parse_apply(reply, &work)
-    }
-
-    /// EVALSHA, healed by EVAL on NOSCRIPT, bounded by `limit`.
-    async fn run_script(&self, args: &ScriptArgs, limit: Duration) -> Result<Value, StoreError> {
-        self.bounded_by(limit, async {
-            match self.query(args.cmd(false)).await {
-                Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
-                    // The node lost its script cache (restart, failover): EVAL caches it again.
-                    // Built only here: the hot path never copies the script.
-                    self.inner.metrics.script_loads.inc();
-                    tracing::info!("NOSCRIPT from redis, reloading the bucket script by EVAL");
-                    self.query(args.cmd(true)).await
-                }
-                other => other,
-            }
-        })
-        .await
     }
 
     /// Checks Redis, loads the scripts where one is missing, reads `maxmemory-policy`.
@@ -519,7 +633,22 @@ impl RedisStore {
                 return r;
             }
         }
-        if !r.script_loaded {
+        // Every node's epoch is fenced first (`lua/fence.lua`: made when missing, made anew on a
+        // new server), so no script is loaded into a node before its epoch says what it holds;
+        // ready also means the markers exist (the watch still sees one made anew as a loss).
+        let markers = self.epoch_markers();
+        let mut fenced = !markers.is_empty() || self.inner.options.store_reset == StoreReset::Full;
+        for (node, marker) in markers {
+            if let Err(e) = self.fence(&node).await {
+                r.error.get_or_insert(format!("epoch marker {marker}: {e}"));
+                fenced = false;
+            }
+        }
+        if !r.script_loaded && !fenced {
+            r.error
+                .get_or_insert("the scripts wait for every node's epoch (lua/fence.lua)".into());
+        }
+        if !r.script_loaded && fenced {
             for script in Script::ALL {
                 let mut load = redis::cmd("SCRIPT");
                 load.arg("LOAD").arg(script.text());
@@ -531,13 +660,6 @@ impl RedisStore {
                 self.inner.metrics.script_loads.inc();
             }
             r.script_loaded = r.error.is_none();
-        }
-        // Ready means the epoch markers exist (made here when missing; the watch still sees a
-        // marker made anew as a loss of state).
-        for marker in self.epoch_markers() {
-            if let Err(e) = self.ensure_marker(&marker).await {
-                r.error.get_or_insert(format!("epoch marker {marker}: {e}"));
-            }
         }
         let mut config = redis::cmd("CONFIG");
         config.arg("GET").arg("maxmemory-policy");
@@ -575,25 +697,14 @@ impl RedisStore {
     /// bounded by `--redis-timeout-ms`.
     async fn settle_part(
         &self,
+        node: &NodeId,
         id: Option<&str>,
         part: &[Settlement],
     ) -> Result<Vec<Option<i64>>, StoreError> {
-        let (options, cluster) = (&self.inner.options, self.inner.connection.is_cluster());
-        let reply = self
-            .bounded(async {
-                match self
-                    .query(settle::settle_cmd(options, cluster, id, part, false))
-                    .await
-                {
-                    Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
-                        self.inner.metrics.script_loads.inc();
-                        self.query(settle::settle_cmd(options, cluster, id, part, true))
-                            .await
-                    }
-                    other => other,
-                }
-            })
-            .await?;
+        let options = &self.inner.options;
+        let marker = self.script_marker(node)?;
+        let cmd = |eval| settle::settle_cmd(options, id, part, &marker, eval);
+        let reply = self.run_healed(node, cmd, self.timeout()).await?;
         settle::parse_settle(reply, part.len())
     }
 }
@@ -601,17 +712,15 @@ impl RedisStore {
 impl RedisStore {
     /// One node's part of a slots call: `lua/slots.lua`, EVALSHA healed by EVAL on NOSCRIPT,
     /// bounded by `--redis-timeout-ms`.
-    async fn slots_part(&self, mode: slots::SlotMode, part: &[&Slot]) -> Result<Value, StoreError> {
-        self.bounded(async {
-            match self.query(slots::slots_cmd(mode, part, false)).await {
-                Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
-                    self.inner.metrics.script_loads.inc();
-                    self.query(slots::slots_cmd(mode, part, true)).await
-                }
-                other => other,
-            }
-        })
-        .await
+    async fn slots_part(
+        &self,
+        node: &NodeId,
+        mode: slots::SlotMode,
+        part: &[&Slot],
+    ) -> Result<Value, StoreError> {
+        let marker = self.script_marker(node)?;
+        let cmd = |eval| slots::slots_cmd(mode, &marker, part, eval);
+        self.run_healed(node, cmd, self.timeout()).await
     }
 
     /// `slots` grouped by the node that holds their sets: (node, indices), in first-seen order.
@@ -636,10 +745,10 @@ impl BucketStore for RedisStore {
         let parts = self.slots_by_node(&slots);
         let mut taken: Vec<&Slot> = Vec::new();
         let mut outcome = Ok(SlotsTaken::Taken);
-        for (_, idx) in &parts {
+        for (node, idx) in &parts {
             let part: Vec<&Slot> = idx.iter().map(|&i| &slots[i]).collect();
             let full = self
-                .slots_part(slots::SlotMode::Take, &part)
+                .slots_part(node, slots::SlotMode::Take, &part)
                 .await
                 .and_then(|v| slots::parse_take(&v, part.len()));
             match full {
@@ -668,11 +777,11 @@ impl BucketStore for RedisStore {
         slots: Vec<Slot>,
     ) -> Result<Vec<bool>, StoreError> {
         let parts = self.slots_by_node(&slots);
-        let calls = parts.iter().map(|(_, idx)| {
+        let calls = parts.iter().map(|(node, idx)| {
             let part: Vec<&Slot> = idx.iter().map(|&i| &slots[i]).collect();
             async move {
                 let v = self
-                    .slots_part(slots::SlotMode::Update(update), &part)
+                    .slots_part(node, slots::SlotMode::Update(update), &part)
                     .await?;
                 slots::parse_update(&v, part.len())
             }
@@ -703,9 +812,9 @@ impl BucketStore for RedisStore {
             }
         }
         let id = batch.id.as_deref();
-        let calls = parts.iter().map(|(_, idx)| {
+        let calls = parts.iter().map(|(node, idx)| {
             let part: Vec<Settlement> = idx.iter().map(|&i| batch.settlements[i].clone()).collect();
-            async move { self.settle_part(id, &part).await }
+            async move { self.settle_part(node, id, &part).await }
         });
         let answers = futures::future::join_all(calls).await;
         let mut tokens = vec![None; batch.settlements.len()];
@@ -762,7 +871,7 @@ impl Nodes for RedisStore {
 
     async fn refund(
         &self,
-        _node: NodeId,
+        node: NodeId,
         group: Group,
         requests: Vec<usize>,
     ) -> Result<bool, StoreError> {
@@ -770,14 +879,18 @@ impl Nodes for RedisStore {
             groups: vec![group],
             returns: Vec::new(),
         };
+        let marker = self.script_marker(&node)?;
         let args = ScriptArgs::build(
             Script::Refund,
             &self.inner.options,
             self.inner.connection.is_cluster(),
             &work,
             Some(&[requests]),
+            &marker,
         );
-        let reply = self.run_script(&args, self.timeout()).await?;
+        let reply = self
+            .run_healed(&node, |eval| args.cmd(eval), self.timeout())
+            .await?;
         match reply {
             Value::Array(v) if v.len() == 1 => Ok(matches!(v[0], Value::Int(1))),
             other => Err(StoreError::Reply(format!("refund reply {other:?}"))),
@@ -819,6 +932,11 @@ fn moved(e: &RedisError) -> bool {
             | ErrorKind::Server(ServerErrorKind::CrossSlot)
     ) || e.detail().is_some_and(|d| d.contains("non local key"))
         || e.to_string().contains("non local key")
+}
+
+/// A reply of an unexpected shape, as an error.
+fn unexpected(v: &Value) -> RedisError {
+    RedisError::from((ErrorKind::Parse, "unexpected reply", format!("{v:?}")))
 }
 
 /// Every integer in a reply, however nested (SCRIPT EXISTS from one or many nodes).

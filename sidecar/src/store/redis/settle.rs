@@ -8,7 +8,7 @@ use redis::{Cmd, Value};
 
 use super::StoreOptions;
 use crate::keys::settle_record_key;
-use crate::store::{epoch_marker, Settlement, StoreError, StoreReset};
+use crate::store::{Settlement, StoreError};
 
 /// The settle script's text.
 pub const SETTLE_SCRIPT: &str = include_str!("../../../../lua/settle.lua");
@@ -22,11 +22,12 @@ pub fn settle_sha1() -> &'static str {
 
 /// The call of `lua/settle.lua` for one node's settlements (at least one): `EVAL` when `eval`
 /// (after a `NOSCRIPT`), else `EVALSHA`.
+/// `marker`: the node's epoch marker (`--store-reset empty`), or "".
 pub fn settle_cmd(
     options: &StoreOptions,
-    cluster: bool,
     id: Option<&str>,
     part: &[Settlement],
+    marker: &str,
     eval: bool,
 ) -> Cmd {
     let first: &Arc<str> = &part[0].key;
@@ -38,12 +39,9 @@ pub fn settle_cmd(
         id.map(|id| settle_record_key(first, id))
             .unwrap_or_default(),
     )
-    .arg(options.record_ttl_ms.max(1));
-    match options.store_reset {
-        StoreReset::Empty => c.arg(epoch_marker(&options.key_prefix, cluster, first)),
-        StoreReset::Full => c.arg(""),
-    };
-    c.arg(part.len());
+    .arg(options.record_ttl_ms.max(1))
+    .arg(marker)
+    .arg(part.len());
     for s in part {
         let (capacity, refill_per_sec) = s.bucket.in_force();
         c.arg(&*s.key)

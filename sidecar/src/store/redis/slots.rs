@@ -36,13 +36,14 @@ impl SlotMode {
 }
 
 /// The call of `lua/slots.lua` for one node's slots (at least one): `EVAL` when `eval` (after a
-/// `NOSCRIPT`), else `EVALSHA`.
-pub fn slots_cmd(mode: SlotMode, part: &[&Slot], eval: bool) -> Cmd {
+/// `NOSCRIPT`), else `EVALSHA`. `marker`: the node's epoch marker (`--store-reset empty`), or "".
+pub fn slots_cmd(mode: SlotMode, marker: &str, part: &[&Slot], eval: bool) -> Cmd {
     let mut c = redis::cmd(if eval { "EVAL" } else { "EVALSHA" });
     c.arg(if eval { SLOTS_SCRIPT } else { slots_sha1() })
         .arg(1)
         .arg(&*part[0].key)
         .arg(mode.arg())
+        .arg(marker)
         .arg(part.len());
     for s in part {
         c.arg(&*s.key)
