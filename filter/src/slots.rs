@@ -35,10 +35,13 @@ struct Release {
     attempts: u32,
 }
 
-/// The releases one call carries (its renewals need no record: the next period renews again).
+/// What one call carries: its releases (to send again if it fails), and the streams it renewed
+/// (their renewal period follows the ttl the answer names: a reload may have changed it).
 #[derive(Debug, Default, PartialEq)]
 struct Flight {
     releases: Vec<Release>,
+    renewed: Vec<u32>,
+    sent_ns: u64,
 }
 
 /// What the answer (or failure) of a slots call did, for the stats.
@@ -118,12 +121,14 @@ impl Slots {
             return None;
         }
         let mut renew = Vec::new();
-        for s in self.streams.values_mut() {
+        let mut renewed = Vec::new();
+        for (ctx, s) in self.streams.iter_mut() {
             if s.renew_at_ns > now_ns || renew.len() + s.slots.len() > MAX_SLOT_UPDATES / 2 {
                 continue;
             }
             s.renew_at_ns = now_ns + period_ns(s.ttl_ms);
             renew.extend(s.slots.iter().cloned());
+            renewed.push(*ctx);
         }
         let room = MAX_SLOT_UPDATES - renew.len();
         let releases: Vec<Release> = self
@@ -147,6 +152,8 @@ impl Slots {
                     ..r
                 })
                 .collect(),
+            renewed,
+            sent_ns: now_ns,
         });
         Some(body)
     }
@@ -158,6 +165,17 @@ impl Slots {
             return SlotDelivery::default();
         };
         if let Some(a) = answer {
+            // The slots were renewed for the ttl in force now: the next renewals within a third
+            // of it (a reload that lowered `slot_ttl_ms` must not let them expire meanwhile).
+            if let Some(ttl_ms) = a.ttl_ms {
+                let ttl_ms = ttl_ms.max(3);
+                for ctx in &flight.renewed {
+                    if let Some(s) = self.streams.get_mut(ctx) {
+                        s.ttl_ms = ttl_ms;
+                        s.renew_at_ns = flight.sent_ns + period_ns(ttl_ms);
+                    }
+                }
+            }
             return SlotDelivery {
                 renewed: a.renewed,
                 released: a.released,
@@ -237,6 +255,7 @@ mod tests {
             renewed: 1,
             released: 0,
             unknown: 0,
+            ttl_ms: Some(3_000),
         }));
         assert_eq!(d.renewed, 1);
         assert_eq!(
@@ -253,8 +272,36 @@ mod tests {
             renewed: 0,
             released: 1,
             unknown: 0,
+            ttl_ms: None,
         }));
         assert_eq!(call(&mut s, 10_000 * MS), None, "nothing left");
+    }
+
+    #[test]
+    fn a_renewal_answered_with_a_shorter_ttl_renews_within_a_third_of_it() {
+        let mut s = Slots::default();
+        s.hold(4, &held("s4", 9_000, vec![0]), &[decision("r")], 0);
+        assert!(call(&mut s, 2_999 * MS).is_none());
+        assert!(call(&mut s, 3_000 * MS).is_some());
+        // A reload lowered slot_ttl_ms to 1000: the sidecar renewed for 1 s and says so.
+        s.answered(Some(SlotsResponse {
+            renewed: 1,
+            released: 0,
+            unknown: 0,
+            ttl_ms: Some(1_000),
+        }));
+        assert!(call(&mut s, 3_332 * MS).is_none());
+        let c = call(&mut s, 3_333 * MS).expect("renewed within a third of the new ttl");
+        assert_eq!(ids(&c.renew), [("r", "s4")]);
+        // Raised again: the period follows.
+        s.answered(Some(SlotsResponse {
+            renewed: 1,
+            released: 0,
+            unknown: 0,
+            ttl_ms: Some(30_000),
+        }));
+        assert!(call(&mut s, 13_332 * MS).is_none());
+        assert!(call(&mut s, 13_333 * MS).is_some());
     }
 
     #[test]

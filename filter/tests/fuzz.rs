@@ -722,7 +722,6 @@ fn check_plan(
             attempt: None,
             requests: vec![RequestDecisions {
                 decisions,
-                slot: None,
             }],
             returns: Vec::new(),
         };

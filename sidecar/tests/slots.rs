@@ -288,18 +288,22 @@ async fn over_http_a_full_set_answers_concurrency_until_a_slot_is_released() {
     let redis = Redis::start();
     let sidecar = Sidecar::on_redis_with(&redis, POLICY).await;
     let app = unique("app");
-    let request = |slot: &str| json!({"slot": slot, "decisions": [{"rule": "pair", "subject": {"app": app}}]});
-    for s in ["s1", "s2"] {
-        let (status, a) = sidecar.call(json!([request(s)]), json!({})).await;
+    let request = json!({"decisions": [{"rule": "pair", "subject": {"app": app}}]});
+    let mut ids = Vec::new();
+    for _ in 0..2 {
+        let (status, a) = sidecar.call(json!([request.clone()]), json!({})).await;
         assert_eq!(status, 200, "{a}");
         let answer = &a["answers"][0];
         assert_eq!(answer["allowed"], json!(true), "{a}");
+        let id = answer["slot"]["id"].as_str().unwrap().to_string();
         assert_eq!(
             answer["slot"],
-            json!({"id": s, "ttl_ms": 5000, "decisions": [0]})
+            json!({"id": id, "ttl_ms": 5000, "decisions": [0]})
         );
+        ids.push(id);
     }
-    let (_, a) = sidecar.call(json!([request("s3")]), json!({})).await;
+    assert_ne!(ids[0], ids[1], "each request holds a slot of its own");
+    let (_, a) = sidecar.call(json!([request.clone()]), json!({})).await;
     let r = &a["answers"][0]["results"][0];
     assert_eq!(a["answers"][0]["allowed"], json!(false), "{a}");
     assert_eq!(
@@ -309,12 +313,15 @@ async fn over_http_a_full_set_answers_concurrency_until_a_slot_is_released() {
     let slot_ref = |s: &str| json!({"rule": "pair", "subject": {"app": app}, "slot": s});
     let (status, u) = slots_call(
         &sidecar,
-        json!({"renew": [slot_ref("s2"), slot_ref("nope")], "release": [slot_ref("s1")]}),
+        json!({"renew": [slot_ref(&ids[1]), slot_ref("nope")], "release": [slot_ref(&ids[0])]}),
     )
     .await;
     assert_eq!(status, 200, "{u}");
-    assert_eq!(u, json!({"renewed": 1, "released": 1, "unknown": 1}));
-    let (_, a) = sidecar.call(json!([request("s3")]), json!({})).await;
+    assert_eq!(
+        u,
+        json!({"renewed": 1, "released": 1, "unknown": 1, "ttl_ms": 5000})
+    );
+    let (_, a) = sidecar.call(json!([request.clone()]), json!({})).await;
     assert_eq!(a["answers"][0]["allowed"], json!(true), "{a}");
     assert_eq!(
         sidecar
@@ -322,6 +329,11 @@ async fn over_http_a_full_set_answers_concurrency_until_a_slot_is_released() {
             .await,
         1.0
     );
+    // Issue 32, case 9: a caller cannot name a slot id, so it cannot share one between requests.
+    let named = json!({"slot": ids[1], "decisions": [{"rule": "pair", "subject": {"app": app}}]});
+    let (status, e) = sidecar.call(json!([named]), json!({})).await;
+    assert_eq!(status, 400, "{e}");
+    assert!(e["error"].as_str().unwrap().contains("slot"), "{e}");
     let (status, e) = slots_call(
         &sidecar,
         json!({"release": [{"rule": "pair", "slot": "a b"}]}),

@@ -84,16 +84,13 @@ pub struct DecideRequest {
     pub returns: Vec<LeaseReturn>,
 }
 
-/// The decisions of one gateway request: it passes only if every decision admits.
+/// The decisions of one gateway request: it passes only if every decision admits. A request of
+/// a rule with `concurrency` holds slots under an id the sidecar chooses for it alone
+/// ([`HeldSlot`]): a caller cannot name one, so a slot is one request's.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RequestDecisions {
     pub decisions: Vec<Decision>,
-    /// The id of this request's concurrency slots (`docs/concurrency.md`): unique per request (1
-    /// to [`MAX_SLOT_ID_BYTES`] of `[A-Za-z0-9_.-]`), chosen by the gateway so that a retry of
-    /// the call holds the same slots. Absent: the sidecar chooses one when a rule needs it.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub slot: Option<String>,
 }
 
 /// The longest slot id, in bytes.
@@ -425,6 +422,11 @@ pub struct SlotsResponse {
     pub renewed: u64,
     pub released: u64,
     pub unknown: u64,
+    /// The shortest `slot_ttl_ms` the renewed slots were held for, under the policy in force
+    /// now (a reload may have changed it since the slot was taken): renew them again within a
+    /// third of it. Absent when nothing was renewed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttl_ms: Option<u64>,
 }
 
 /// Whether `id` is a usable slot id: 1 to [`MAX_SLOT_ID_BYTES`] of `[A-Za-z0-9_.-]`.
@@ -536,6 +538,12 @@ mod tests {
         )
         .unwrap_err();
         assert!(e.to_string().contains("capacity"), "{e}");
+        // A slot id is the sidecar's to choose (a slot is one request's).
+        let e = serde_json::from_str::<DecideRequest>(
+            r#"{"requests":[{"decisions":[{"rule":"r"}],"slot":"shared"}]}"#,
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("slot"), "{e}");
     }
 
     #[test]

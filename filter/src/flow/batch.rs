@@ -228,7 +228,6 @@ impl Queue {
                     context: *c,
                     decisions: RequestDecisions {
                         decisions: w.decisions(config),
-                        slot: None,
                     },
                     returns: w.returns.clone(),
                     deadline_ns: w.deadline_ns,
@@ -343,7 +342,6 @@ fn call_body<'a>(
     for w in own {
         requests.push(RequestDecisions {
             decisions: w.decisions(config),
-            slot: None,
         });
         returns.extend(w.returns.iter().cloned());
     }

@@ -907,7 +907,6 @@ fn forwarded(context: u32, deadline_ns: u64) -> Forwarded {
         context,
         decisions: RequestDecisions {
             decisions: waiting(1, 0, 0).decisions(&config(|_| {})),
-            slot: None,
         },
         returns: Vec::new(),
         deadline_ns,

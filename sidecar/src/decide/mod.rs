@@ -142,7 +142,6 @@ impl<S: BucketStore> Decider<S> {
 
     /// Decides a call that [`validate`] accepted ([`parse_request`] validates).
     pub async fn decide(&self, call: DecideRequest) -> DecideResponse {
-        let slot_ids: Vec<Option<String>> = call.requests.iter().map(|r| r.slot.clone()).collect();
         let requests: Vec<Vec<Item>> = call
             .requests
             .into_iter()
@@ -167,11 +166,10 @@ impl<S: BucketStore> Decider<S> {
             })
             .collect();
         let answers = self
-            .run_with_slots(
+            .run(
                 &call.domain,
                 call.attempt.as_deref(),
                 requests,
-                &slot_ids,
                 returns,
                 Caller::Filter,
             )
@@ -255,29 +253,15 @@ impl<S: BucketStore> Decider<S> {
         }
     }
 
-    /// Decides requests of generic items (both APIs end here); no request takes concurrency
-    /// slots (their rules' rate part alone applies).
+    /// Decides requests of generic items (every API ends here). With the filter as caller, a
+    /// request of a rule with `concurrency` takes its slots (under an id chosen here for it
+    /// alone) before its rate is charged, and gives them back unless admitted ([`slots`]); the
+    /// other callers' requests take none (their rules' rate part alone applies).
     pub async fn run(
         &self,
         domain: &str,
         attempt: Option<&str>,
         requests: Vec<Vec<Item>>,
-        returns: Vec<ReturnItem>,
-        caller: Caller,
-    ) -> Vec<RequestAnswer> {
-        self.run_with_slots(domain, attempt, requests, &[], returns, caller)
-            .await
-    }
-
-    /// Decides requests of generic items; with the filter as caller, a request of a rule with
-    /// `concurrency` takes its slots (under `slot_ids[r]`, or an id chosen here) before its rate
-    /// is charged, and gives them back unless admitted ([`slots`]).
-    pub async fn run_with_slots(
-        &self,
-        domain: &str,
-        attempt: Option<&str>,
-        requests: Vec<Vec<Item>>,
-        slot_ids: &[Option<String>],
         returns: Vec<ReturnItem>,
         caller: Caller,
     ) -> Vec<RequestAnswer> {
@@ -309,8 +293,7 @@ impl<S: BucketStore> Decider<S> {
                 .enumerate()
                 .filter(|(r, plan)| answers[*r].is_none() && !blocked(plan))
                 .filter_map(|(r, plan)| {
-                    let id = slot_ids.get(r).and_then(|id| id.as_deref());
-                    self.request_slots(domain, plan, &requests[r], id)
+                    self.request_slots(domain, plan, &requests[r])
                         .map(|s| (r, s))
                 })
                 .collect();
@@ -489,10 +472,7 @@ rules:
             attempt: None,
             requests: requests
                 .into_iter()
-                .map(|decisions| RequestDecisions {
-                    decisions,
-                    slot: None,
-                })
+                .map(|decisions| RequestDecisions { decisions })
                 .collect(),
             returns: Vec::new(),
         }

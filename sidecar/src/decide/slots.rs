@@ -58,13 +58,12 @@ fn new_slot_id() -> String {
 }
 
 impl<S: BucketStore> Decider<S> {
-    /// The slots a request must take, if any; `id` is the caller's slot id (or one chosen here).
+    /// The slots a request must take, if any, all under one id chosen here for it alone.
     pub(super) fn request_slots(
         &self,
         domain: &str,
         plan: &[Plan],
         items: &[Item],
-        id: Option<&str>,
     ) -> Option<RequestSlots> {
         let mut slots = Vec::new();
         let mut of = Vec::new();
@@ -81,7 +80,7 @@ impl<S: BucketStore> Decider<S> {
                 _ => slots_key(&self.bucket_key_of(domain, &item.entries)),
             };
             let id = shared_id
-                .get_or_insert_with(|| Arc::from(id.map_or_else(new_slot_id, str::to_string)))
+                .get_or_insert_with(|| Arc::from(new_slot_id()))
                 .clone();
             slots.push(Slot {
                 key: Arc::from(key),
@@ -153,8 +152,9 @@ impl<S: BucketStore> Decider<S> {
             if slots.is_empty() {
                 continue;
             }
+            let ttls: Vec<u64> = slots.iter().map(|s| s.ttl_ms).collect();
             let held = self.store.update_slots(update, slots).await?;
-            for (name, was) in names.iter().zip(held) {
+            for ((name, was), ttl_ms) in names.iter().zip(held).zip(ttls) {
                 let outcome = match (was, update) {
                     (false, _) => {
                         answer.unknown += 1;
@@ -162,6 +162,7 @@ impl<S: BucketStore> Decider<S> {
                     }
                     (true, SlotUpdate::Renew) => {
                         answer.renewed += 1;
+                        answer.ttl_ms = Some(answer.ttl_ms.map_or(ttl_ms, |t| t.min(ttl_ms)));
                         SlotOutcome::Renewed
                     }
                     (true, SlotUpdate::Release) => {
@@ -281,16 +282,25 @@ rules:
         }
     }
 
-    fn call(rules: &[&str], slot: &str) -> DecideRequest {
+    fn call(rules: &[&str]) -> DecideRequest {
         DecideRequest {
             domain: "ratelimit".into(),
             attempt: None,
             requests: vec![RequestDecisions {
                 decisions: rules.iter().map(|r| decision(r)).collect(),
-                slot: Some(slot.into()),
             }],
             returns: Vec::new(),
         }
+    }
+
+    /// The slot id an admitted answer holds.
+    fn held_id(a: &ratelimit_wire::DecideResponse) -> String {
+        a.answers[0].slot.as_ref().expect("holds a slot").id.clone()
+    }
+
+    fn sorted(mut ids: Vec<String>) -> Vec<String> {
+        ids.sort();
+        ids
     }
 
     fn set(rule: &str) -> String {
@@ -319,19 +329,21 @@ rules:
     async fn a_request_the_rate_rejects_gives_its_slot_back() {
         let store = Arc::new(MemoryStore::new(T0, 0.1, 10_000));
         let (d, metrics) = decider(&store);
-        for id in ["r1", "r2"] {
-            let a = d.decide(call(&["inflight"], id)).await;
+        let mut ids = Vec::new();
+        for _ in 0..2 {
+            let a = d.decide(call(&["inflight"])).await;
             assert!(a.answers[0].allowed);
             let held = a.answers[0].slot.as_ref().expect("holds a slot");
-            assert_eq!((held.id.as_str(), held.ttl_ms), (id, 10_000));
+            assert_eq!((held.id.len(), held.ttl_ms), (32, 10_000));
             assert_eq!(held.decisions, [0]);
+            ids.push(held.id.clone());
         }
         // The bucket (capacity 2) is empty: the third request took a slot, then gave it back.
-        let a = d.decide(call(&["inflight"], "r3")).await;
+        let a = d.decide(call(&["inflight"])).await;
         assert!(!a.answers[0].allowed);
         assert_eq!(a.answers[0].results[0].reason, Reason::Insufficient);
         assert_eq!(a.answers[0].slot, None);
-        assert_eq!(store.held_slots(&set("inflight")), ["r1", "r2"]);
+        assert_eq!(store.held_slots(&set("inflight")), sorted(ids));
         assert!(slots_total(&metrics, "inflight", "released"));
     }
 
@@ -339,10 +351,11 @@ rules:
     async fn a_full_set_answers_concurrency_and_charges_nothing() {
         let store = Arc::new(MemoryStore::new(T0, 0.1, 10_000));
         let (d, metrics) = decider(&store);
-        assert!(d.decide(call(&["one"], "a")).await.answers[0].allowed);
+        let first = d.decide(call(&["one"])).await;
+        assert!(first.answers[0].allowed);
         let bucket = "rl:{ratelimit|rule=one|app=a}";
         assert_eq!(store.stored_tokens(bucket).map(f64::floor), Some(9.0));
-        let a = d.decide(call(&["one"], "b")).await;
+        let a = d.decide(call(&["one"])).await;
         assert!(!a.answers[0].allowed);
         let r = &a.answers[0].results[0];
         assert_eq!((r.reason, r.retry_after_ms), (Reason::Concurrency, 1000));
@@ -352,68 +365,73 @@ rules:
             "the rate was not charged"
         );
         assert!(slots_total(&metrics, "one", "full"));
-        // The stream of "a" ends: its release frees the slot for the next request.
+        // The first request's stream ends: its release frees the slot for the next request.
         let released = d
             .update_slots(SlotsRequest {
                 domain: "ratelimit".into(),
                 renew: vec![],
-                release: vec![slot_ref("one", "a")],
+                release: vec![slot_ref("one", &held_id(&first))],
             })
             .await
             .unwrap();
         assert_eq!(released.released, 1);
-        assert!(d.decide(call(&["one"], "c")).await.answers[0].allowed);
+        assert!(d.decide(call(&["one"])).await.answers[0].allowed);
     }
 
     #[tokio::test]
     async fn an_unrenewed_slot_expires_after_its_ttl_and_a_renewed_one_does_not() {
         let store = Arc::new(MemoryStore::new(T0, 0.1, 10_000));
         let (d, _) = decider(&store);
-        assert!(d.decide(call(&["many"], "kept")).await.answers[0].allowed);
-        assert!(d.decide(call(&["many"], "dead")).await.answers[0].allowed);
+        let kept = held_id(&d.decide(call(&["many"])).await);
+        let dead = held_id(&d.decide(call(&["many"])).await);
         let renew = |ids: &[&str]| SlotsRequest {
             domain: "ratelimit".into(),
             renew: ids.iter().map(|id| slot_ref("many", id)).collect(),
             release: vec![],
         };
         store.advance_ms(1_500);
-        let r = d.update_slots(renew(&["kept"])).await.unwrap();
-        assert_eq!((r.renewed, r.unknown), (1, 0));
+        let r = d.update_slots(renew(&[&kept])).await.unwrap();
+        assert_eq!((r.renewed, r.unknown, r.ttl_ms), (1, 0, Some(2_000)));
         store.advance_ms(600);
-        // 2100 ms after the take: "dead" (ttl 2000, never renewed) is free again, "kept" is held.
-        assert_eq!(store.held_slots(&set("many")), ["kept"]);
-        let r = d.update_slots(renew(&["kept", "dead"])).await.unwrap();
+        // 2100 ms after the take: `dead` (ttl 2000, never renewed) is free again, `kept` is held.
+        assert_eq!(store.held_slots(&set("many")), std::slice::from_ref(&kept));
+        let r = d.update_slots(renew(&[&kept, &dead])).await.unwrap();
         assert_eq!(
             (r.renewed, r.unknown),
             (1, 1),
             "an expired slot is not revived"
         );
-        assert_eq!(store.held_slots(&set("many")), ["kept"]);
+        assert_eq!(store.held_slots(&set("many")), [kept]);
     }
 
     #[tokio::test]
-    async fn the_slots_of_a_request_are_all_or_none() {
+    async fn the_slots_of_a_request_are_all_or_none_and_each_request_holds_its_own() {
         let store = Arc::new(MemoryStore::new(T0, 0.1, 10_000));
         let (d, _) = decider(&store);
-        assert!(d.decide(call(&["one"], "first")).await.answers[0].allowed);
-        let a = d.decide(call(&["many", "one"], "second")).await;
+        assert!(d.decide(call(&["one"])).await.answers[0].allowed);
+        let a = d.decide(call(&["many", "one"])).await;
         assert!(!a.answers[0].allowed);
         assert_eq!(a.answers[0].results[1].reason, Reason::Concurrency);
         assert!(
             store.held_slots(&set("many")).is_empty(),
             "no slot of the rejected request is held"
         );
-        // A retry of an admitted request (its slot id) holds its slot once.
-        assert!(d.decide(call(&["many"], "x")).await.answers[0].allowed);
-        assert!(d.decide(call(&["many"], "x")).await.answers[0].allowed);
-        assert_eq!(store.held_slots(&set("many")), ["x"]);
+        // Issue 32, case 9: a slot is one request's. 20 requests at concurrency 5 hold 5 slots
+        // of their own (a caller cannot name a slot id to share one).
+        let admitted = futures::future::join_all((0..20).map(|_| d.decide(call(&["many"]))))
+            .await
+            .iter()
+            .filter(|a| a.answers[0].allowed)
+            .count();
+        assert_eq!(admitted, 5);
+        assert_eq!(store.held_slots(&set("many")).len(), 5);
     }
 
     #[tokio::test]
     async fn a_rule_with_concurrency_grants_no_lease_and_the_rate_limit_api_takes_no_slot() {
         let store = Arc::new(MemoryStore::new(T0, 0.5, 10_000));
         let (d, _) = decider(&store);
-        let mut c = call(&["one"], "leased");
+        let mut c = call(&["one"]);
         c.requests[0].decisions[0].lease = Some(LeaseAsk {
             id: 7,
             tokens: 4,
@@ -422,6 +440,7 @@ rules:
         let a = d.decide(c).await;
         assert!(a.answers[0].allowed);
         assert_eq!(a.answers[0].results[0].leased, 0);
+        let leased = held_id(&a);
         let item = Item {
             entries: vec![
                 ("rule".into(), Some("one".into())),
@@ -441,18 +460,75 @@ rules:
             .await;
         assert!(a[0].allowed, "the rate part alone applies");
         assert_eq!(a[0].slot, None);
-        assert_eq!(store.held_slots(&set("one")), ["leased"]);
+        assert_eq!(store.held_slots(&set("one")), [leased]);
     }
 
     #[tokio::test]
-    async fn a_caller_without_a_slot_id_is_given_one() {
-        let store = Arc::new(MemoryStore::new(T0, 0.1, 10_000));
+    async fn after_a_loss_under_store_reset_empty_no_slot_is_taken_for_one_ttl_and_renewals_hold_theirs(
+    ) {
+        use crate::store::StoreReset;
+        let store = Arc::new(MemoryStore::new(T0, 0.1, 10_000).with_store_reset(StoreReset::Empty));
         let (d, _) = decider(&store);
-        let mut c = call(&["many"], "");
-        c.requests[0].slot = None;
-        let a = d.decide(c).await;
-        let held = a.answers[0].slot.clone().expect("a slot");
-        assert_eq!(held.id.len(), 32);
-        assert_eq!(store.held_slots(&set("many")), [held.id]);
+        store.advance_ms(2_000); // past one ttl of the epoch the first call makes
+        let _ = d.decide(call(&["inflight"])).await;
+        store.lose_state();
+        store.advance_ms(3_000);
+        // Two requests held slots before the loss; the store no longer knows them.
+        let a = d.decide(call(&["many"])).await;
+        assert!(!a.answers[0].allowed, "a take within one ttl of the loss");
+        assert_eq!(a.answers[0].results[0].reason, Reason::Concurrency);
+        let renew = |ids: &[&str]| SlotsRequest {
+            domain: "ratelimit".into(),
+            renew: ids.iter().map(|id| slot_ref("many", id)).collect(),
+            release: vec![],
+        };
+        store.advance_ms(500);
+        let r = d
+            .update_slots(renew(&["before-1", "before-2"]))
+            .await
+            .unwrap();
+        assert_eq!(
+            r.renewed, 2,
+            "a renewal within one ttl holds its slot again"
+        );
+        store.advance_ms(1_600);
+        // One ttl (2000 ms) after the loss: the set is whole again, and takes resume.
+        assert_eq!(store.held_slots(&set("many")), ["before-1", "before-2"]);
+        let taken: usize = futures::future::join_all((0..5).map(|_| d.decide(call(&["many"]))))
+            .await
+            .iter()
+            .filter(|a| a.answers[0].allowed)
+            .count();
+        assert_eq!(taken, 3, "5 - the 2 running requests");
+        let r = d.update_slots(renew(&["unknown"])).await.unwrap();
+        assert_eq!(
+            r.unknown, 1,
+            "past the window an unknown slot is not taken again"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_renewal_after_a_reload_that_lowered_slot_ttl_ms_names_the_new_ttl() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("limits.yaml");
+        std::fs::write(&file, "rules:\n  r: {concurrency: 2, slot_ttl_ms: 9000}\n").unwrap();
+        let metrics = Arc::new(Metrics::new());
+        let policy =
+            PolicyHandle::load(vec![file.clone()], Bounds::default(), metrics.clone()).unwrap();
+        let store = Arc::new(MemoryStore::new(T0, 0.1, 10_000));
+        let d = Decider::new(store.clone(), policy.clone(), "rl:", metrics);
+        let a = d.decide(call(&["r"])).await;
+        assert_eq!(a.answers[0].slot.as_ref().map(|h| h.ttl_ms), Some(9_000));
+        std::fs::write(&file, "rules:\n  r: {concurrency: 2, slot_ttl_ms: 1000}\n").unwrap();
+        assert!(policy.reload("test").unwrap());
+        let r = d
+            .update_slots(SlotsRequest {
+                domain: "ratelimit".into(),
+                renew: vec![slot_ref("r", &held_id(&a))],
+                release: vec![],
+            })
+            .await
+            .unwrap();
+        assert_eq!((r.renewed, r.ttl_ms), (1, Some(1_000)));
     }
 }

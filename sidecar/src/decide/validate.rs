@@ -169,9 +169,6 @@ pub fn validate(call: &DecideRequest) -> Result<(), DecideError> {
             ));
         }
         total += n;
-        if let Some(id) = &request.slot {
-            check_slot_id(&format!("requests[{r}].slot"), id)?;
-        }
         for (d, decision) in request.decisions.iter().enumerate() {
             let at = format!("requests[{r}].decisions[{d}]");
             check_rule_and_subject(&at, &decision.rule, &decision.subject)?;
