@@ -1,5 +1,7 @@
 -- apply.lua, after bucket.lua: decides the groups in order, each request all-or-nothing, seeing what
--- the ones before left; a group whose record exists is a repeat: replayed, not charged. Reply:
+-- the ones before left; a group whose record exists is a repeat: replayed, not charged. A charged
+-- decision with a receipt id leaves `<bucket key>:r:<id>` = its cost for receipt_ttl_ms (docs/costs.md).
+-- Reply:
 -- doubles (little-endian), per request: status (0 rejected, 1 charged, 10 + the recorded one), then
 -- per decision: allowed, remaining, retry_after_ms, reset_ms, reason (bucket.lua's codes), leased.
 if mode ~= 'apply' or q ~= #nums + 1 then error({ err = 'ERR usage: apply mode, all numbers read' }) end
@@ -44,6 +46,10 @@ for g = 1, ngroups do
         s.avail = nil
         if admit and reply[o + 1] == 1 then
           tokens, paid = tokens - x[3], x[3]
+          if x[9] > 0 then -- a receipt of the charge: what a settlement may give back, once
+            redis.call('SET', ARGV[2 + x[1]] .. ':r:' .. string.format('%.0f', x[9]), x[3], 'PX',
+              receipt_ttl_ms)
+          end
           if x[6] > 0 and (s.leases and #s.leases or 0) < MAX_LEASES then
             local cap = x[8] == 0 and x[6] or floor(max_share * capacity) -- store/mod.rs GrantCap
             grant = math.max(0, min(x[6], cap, floor(tokens)))

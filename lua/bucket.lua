@@ -11,10 +11,11 @@
 -- ARGV: mode "apply" | "refund"; the numbers; B bucket keys; G record keys or ""; the epoch marker's
 -- key or "". The numbers, little-endian (struct I4, I8 unsigned, d double, B byte; n x (...): a
 -- count, then n times the bracket; bucket, limit, request: 1-based indices):
---   record_ttl_ms I8, max_share d (0..1), cluster B (0 | 1), share_margin_ms I8, B, L, G, N I4
+--   record_ttl_ms I8, max_share d (0..1), cluster B (0 | 1), share_margin_ms I8, receipt_ttl_ms I8,
+--   B, L, G, N I4
 --   limits:  L x (capacity I8, refill_per_sec d, H I4, H x (from_ms I8, share_ppm I4))
 --   groups:  G x (R I4, R x (D I4, D x (bucket I4, limit I4, cost I8, shadow B, share_capped B,
---                                        lease_id I8, lease_want I8, lease_ttl_ms I8)))
+--                                        lease_id I8, lease_want I8, lease_ttl_ms I8, receipt I8)))
 --   returns: N x (bucket I4, limit I4, lease_id I8, tokens I8)
 --   refund.lua only: G x (K I4, K x (request I4))
 local OK, INSUFFICIENT, COST_EXCEEDS_CAPACITY = 0, 1, 2 -- a decision's reason
@@ -22,10 +23,11 @@ local MAX_INT, MAX_LEASES, MARGIN_MS = 2 ^ 53, 64, 1000 -- docs/bucket.md: figur
 local ARGV, tonumber, floor, ceil, min = ARGV, tonumber, math.floor, math.ceil, math.min
 local spack, sunpack, srep = struct.pack, struct.unpack, string.rep
 local mode, nums = ARGV[1], ARGV[2] -- nums: the numbers, read on from byte q; mode: checked after
-local record_ttl_ms, max_share, cluster, share_margin_ms, nkeys, nlimits, ngroups, nreturns, q =
-  sunpack('<I8dBI8I4I4I4I4', nums)
-if #ARGV ~= 3 + nkeys + ngroups or record_ttl_ms < 1 or not (max_share >= 0 and max_share <= 1) then
-  error({ err = 'ERR usage: B + G + 3 arguments, record_ttl_ms >= 1, 0 <= max_share <= 1' })
+local record_ttl_ms, max_share, cluster, share_margin_ms, receipt_ttl_ms, nkeys, nlimits, ngroups,
+  nreturns, q = sunpack('<I8dBI8I8I4I4I4I4', nums)
+if #ARGV ~= 3 + nkeys + ngroups or record_ttl_ms < 1 or receipt_ttl_ms < 1
+  or not (max_share >= 0 and max_share <= 1) then
+  error({ err = 'ERR usage: B + G + 3 arguments, record_ttl_ms and receipt_ttl_ms >= 1, 0 <= max_share <= 1' })
 end
 -- limits[i]: capacity, refill, capacity_now (under the share now), horizon (the fill time, us), shares.
 local limits = {}
@@ -55,12 +57,13 @@ for g = 1, ngroups do
     local nd
     nd, q = sunpack('<I4', nums, q)
     for d = ndec + 1, ndec + nd do
-      local b, l, cost, shadow, capped, id, want, ttl
-      b, l, cost, shadow, capped, id, want, ttl, q = sunpack('<I4I4I8BBI8I8I8', nums, q)
-      if b < 1 or b > nkeys or not limits[l] or cost < 1 then
-        error({ err = 'ERR usage: bad bucket, limit or cost in group ' .. g })
+      local b, l, cost, shadow, capped, id, want, ttl, receipt
+      b, l, cost, shadow, capped, id, want, ttl, receipt, q = sunpack('<I4I4I8BBI8I8I8I8', nums, q)
+      if b < 1 or b > nkeys or not limits[l] or cost < 1 or receipt >= MAX_INT then
+        error({ err = 'ERR usage: bad bucket, limit, cost or receipt in group ' .. g })
       end
-      decs[d], any_want = { b, limits[l], cost, shadow, id, want, ttl, capped }, any_want or want > 0
+      decs[d], any_want = { b, limits[l], cost, shadow, id, want, ttl, capped, receipt },
+        any_want or want > 0
     end
     ndec, rq[r] = ndec + nd, ndec + nd
   end

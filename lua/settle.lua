@@ -1,7 +1,10 @@
 #!lua flags=allow-cross-slot-keys
 -- settle.lua: settlements of costs known after the response (docs/costs.md): each charges its
 -- bucket the difference between the real cost and the reservation admitted, refilled first as
--- lua/bucket.lua refills (sidecar/src/store/memory.rs, `settle`, is this code in Rust):
+-- lua/bucket.lua refills (sidecar/src/store/memory.rs, `settle`, is this code in Rust). What was
+-- charged is known from the decision's receipt (`<bucket key>:r:<receipt>`, lua/apply.lua), used
+-- once; without one held, only a cost above the reservation the caller names is charged:
+--   delta  = cost - charged (the receipt's, deleted)   or   max(0, cost - reserved)
 --   tokens = min(capacity - leased, tokens + refill_per_sec * max(0, now - ts) / 1e6)
 --   delta > 0 (cost above the reservation): tokens -= delta, past zero (a debt: the bucket then
 --             rejects until refill repays it, retry_after = (debt + cost) / refill_per_sec),
@@ -12,8 +15,10 @@
 -- KEYS[1]: the first bucket's key (routing). ARGV, decimal strings:
 --   1 record key or ""   2 record_ttl_ms >= 1   3 the epoch marker's key or "" (--store-reset;
 --   a bucket not written since the epoch is empty at it, a missing marker is made now)
---   4 N, then N x (bucket key, capacity > 0, refill_per_sec > 0, delta: a whole number)
--- Reply: {1 applied | 0 a repeat, then per settlement the bucket's tokens after it, rounded down}
+--   4 N, then N x (bucket key, capacity > 0, refill_per_sec > 0, reserved >= 0, cost >= 0: whole
+--   numbers, the receipt or "")
+-- Reply: {1 applied | 0 a repeat, then per settlement the bucket's tokens after it, rounded down,
+-- and the delta applied}
 -- Stored bucket as lua/bucket.lua keeps it: doubles tokens, ts_us, exp_ms, then per lease id,
 -- amount, expiry_us.
 
@@ -31,13 +36,13 @@ local function num(i)
 end
 
 local record, record_ttl_ms, marker, n = ARGV[1], num(2), ARGV[3], num(4)
-if record_ttl_ms < 1 or n < 0 or n % 1 ~= 0 or #ARGV ~= 4 + 4 * n then
-  fail('usage: record_ttl_ms >= 1 and N settlements of 4 arguments')
+if record_ttl_ms < 1 or n < 0 or n % 1 ~= 0 or #ARGV ~= 4 + 6 * n then
+  fail('usage: record_ttl_ms >= 1 and N settlements of 6 arguments')
 end
 for i = 1, n do
-  local capacity, refill, delta = num(4 * i + 2), num(4 * i + 3), num(4 * i + 4)
-  if capacity <= 0 or refill <= 0 or delta % 1 ~= 0 then
-    fail('usage: settlement ' .. i .. ': capacity and refill_per_sec > 0, a whole delta')
+  local capacity, refill, reserved, cost = num(6 * i), num(6 * i + 1), num(6 * i + 2), num(6 * i + 3)
+  if capacity <= 0 or refill <= 0 or reserved < 0 or reserved % 1 ~= 0 or cost < 0 or cost % 1 ~= 0 then
+    fail('usage: settlement ' .. i .. ': capacity and refill_per_sec > 0, whole reserved and cost')
   end
 end
 if record ~= '' and redis.call('EXISTS', record) == 1 then return { 0 } end
@@ -53,7 +58,16 @@ if marker ~= '' and not epoch then -- made now, and stamped (lua/fence.lua), as 
 end
 local states, reply = {}, { 1 }
 for i = 1, n do
-  local key, capacity, refill, delta = ARGV[4 * i + 1], num(4 * i + 2), num(4 * i + 3), num(4 * i + 4)
+  local key, capacity, refill, reserved, cost, receipt =
+    ARGV[6 * i - 1], num(6 * i), num(6 * i + 1), num(6 * i + 2), num(6 * i + 3), ARGV[6 * i + 4]
+  local charged = receipt ~= '' and tonumber(redis.call('GET', key .. ':r:' .. receipt) or '')
+  local delta = cost - reserved
+  if charged then
+    delta = cost - charged
+    redis.call('DEL', key .. ':r:' .. receipt)
+  elseif delta < 0 then
+    delta = 0 -- nothing is given back that no receipt shows was charged
+  end
   local s = states[key]
   if not s then -- decoded as lua/bucket.lua decodes: another value reads as a missing bucket
     local v = redis.call('GET', key)
@@ -79,7 +93,7 @@ for i = 1, n do
   if tokens < -MAX_DEBT * capacity then tokens = -MAX_DEBT * capacity end
   if delta < 0 and tokens > top then tokens = top > 0 and top or min(tokens, 0) end
   s.tokens, s.ts, s.capacity, s.refill = tokens, now, capacity, refill
-  reply[i + 1] = floor(tokens)
+  reply[2 * i], reply[2 * i + 1] = floor(tokens), delta
 end
 -- Each bucket written once; its key expires once it is full again and every lease expired.
 for key, s in pairs(states) do

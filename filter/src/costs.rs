@@ -11,8 +11,12 @@ use ratelimit_wire::{Settle, SettleRequest, Subject, MAX_SETTLEMENTS};
 use serde::Deserialize;
 
 /// The most body bytes a [`Meter`] keeps to find a JSON field (a non-streamed body, or one
-/// line of an event stream); a longer one settles at the reservation.
+/// line of an event stream); a longer one settles at the rule's `unreported_cost`.
 pub const MAX_METERED_BYTES: usize = 1 << 20;
+
+/// The most body bytes all the meters of one worker keep at once ([`Budget`]): a response that
+/// would go past it is not kept, and settles at its rule's `unreported_cost`.
+pub const MAX_METERED_BYTES_PER_WORKER: usize = 16 << 20;
 
 /// The most settlements a worker holds unsent; more are lost (counted).
 pub const MAX_PENDING: usize = 4096;
@@ -49,15 +53,42 @@ pub struct CostSpec {
     /// the last `data:` event of a `text/event-stream` that carries it.
     #[serde(default)]
     pub response_json: Option<String>,
+    /// What a response whose real cost cannot be read settles at (not reported, compressed, cut
+    /// short, too long to keep). Default: `reserve_max` when the reservation comes from the
+    /// request and is bounded, else `reserve`: a figure the operator set, never one the client
+    /// chose ([`CostSpec::unreported`]).
+    #[serde(default)]
+    pub unreported_cost: Option<u64>,
 }
 
 impl CostSpec {
+    /// The cost a response settles at when its real cost cannot be read: `unreported_cost`, or
+    /// `reserve_max` when the reservation comes from the request, else `reserve` (docs/costs.md).
+    pub fn unreported(&self, max_cost: u64) -> u64 {
+        let from_request =
+            self.reserve_from_request_header.is_some() || self.reserve_from_request_json.is_some();
+        let default = match self.reserve_max {
+            Some(m) if from_request => m,
+            _ => self.reserve,
+        };
+        self.unreported_cost.unwrap_or(default).min(max_cost)
+    }
+
+    /// Whether the real cost is read from the response's body (so the body must come
+    /// uncompressed: the filter asks the upstream for `accept-encoding: identity`).
+    pub fn reads_body(&self) -> bool {
+        self.response_json.is_some()
+    }
+
     /// What is wrong with the spec, each problem with its field (below `at`).
     pub fn problems(&self, at: &str, max_cost: u64) -> Vec<(String, String)> {
         let mut p = Vec::new();
         let mut add = |field: &str, what: String| p.push((format!("{at}.{field}"), what));
         if self.reserve == 0 || self.reserve > max_cost {
             add("reserve", format!("must be 1 to {max_cost}"));
+        }
+        if self.unreported_cost.is_some_and(|c| c > max_cost) {
+            add("unreported_cost", format!("must be 0 to {max_cost}"));
         }
         if let Some(m) = self.reserve_max {
             if m < self.reserve || m > max_cost {
@@ -181,11 +212,40 @@ pub fn json_figure(v: &serde_json::Value, path: &str) -> Option<u64> {
     }
 }
 
+/// What the meters of one worker keep of their responses' bodies, in bytes: at most
+/// [`MAX_METERED_BYTES_PER_WORKER`] together.
+#[derive(Debug, Default)]
+pub struct Budget {
+    held: usize,
+}
+
+impl Budget {
+    /// Takes `n` bytes if the worker has them.
+    fn take(&mut self, n: usize) -> bool {
+        if self.held + n > MAX_METERED_BYTES_PER_WORKER {
+            return false;
+        }
+        self.held += n;
+        true
+    }
+
+    fn give(&mut self, n: usize) {
+        self.held = self.held.saturating_sub(n);
+    }
+
+    /// The bytes the worker's meters keep now.
+    pub fn held(&self) -> usize {
+        self.held
+    }
+}
+
 /// How a response's body is read.
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum BodyMode {
     /// Not read: the cost comes from a header, or the body has no field to look for.
     Ignore,
+    /// Not readable: compressed (`content-encoding` other than `identity`).
+    Unreadable,
     /// A JSON body, kept whole (up to [`MAX_METERED_BYTES`]) and parsed at its end.
     Json { body: Vec<u8>, too_long: bool },
     /// An event stream, read line by line as it passes; the last `data:` event carrying the
@@ -218,13 +278,27 @@ impl Meter {
         self.header.as_deref()
     }
 
-    /// The response's headers: the cost header's value (when the meter reads one) and the
-    /// `content-type`. Decides how the body is read.
-    pub fn headers(&mut self, cost_header: Option<&[u8]>, content_type: Option<&[u8]>) {
+    /// The response's headers: the cost header's value (when the meter reads one), the
+    /// `content-type` and the `content-encoding`. Decides how the body is read: a compressed one
+    /// is not (its cost is then unreported).
+    pub fn headers(
+        &mut self,
+        cost_header: Option<&[u8]>,
+        content_type: Option<&[u8]>,
+        content_encoding: Option<&[u8]>,
+    ) {
         if let Some(n) = cost_header.and_then(whole_number) {
             self.found = Some(n);
         }
         if self.found.is_some() || self.path.is_none() {
+            return;
+        }
+        let identity = content_encoding.is_none_or(|e| {
+            let e = e.trim_ascii();
+            e.is_empty() || e.eq_ignore_ascii_case(b"identity")
+        });
+        if !identity {
+            self.body = BodyMode::Unreadable;
             return;
         }
         let events = content_type
@@ -244,18 +318,23 @@ impl Meter {
 
     /// Whether the body is worth passing to [`Meter::body`].
     pub fn reads_body(&self) -> bool {
-        self.body != BodyMode::Ignore
+        !matches!(self.body, BodyMode::Ignore | BodyMode::Unreadable)
     }
 
-    /// One chunk of the response body, as it passes.
-    pub fn body(&mut self, chunk: &[u8]) {
+    /// One chunk of the response body, as it passes; what the meter keeps is taken from the
+    /// worker's `budget` (a body the budget cannot hold is not kept: its cost is unreported).
+    pub fn body(&mut self, chunk: &[u8], budget: &mut Budget) {
         let path = self.path.as_deref().unwrap_or_default();
         match &mut self.body {
-            BodyMode::Ignore => {}
+            BodyMode::Ignore | BodyMode::Unreadable => {}
             BodyMode::Json { body, too_long } => {
-                if *too_long || body.len() + chunk.len() > MAX_METERED_BYTES {
+                if *too_long
+                    || body.len() + chunk.len() > MAX_METERED_BYTES
+                    || !budget.take(chunk.len())
+                {
                     *too_long = true;
-                    body.clear();
+                    budget.give(body.len());
+                    *body = Vec::new();
                 } else {
                     body.extend_from_slice(chunk);
                 }
@@ -264,8 +343,10 @@ impl Meter {
                 for piece in chunk.split_inclusive(|b| *b == b'\n') {
                     let ends = piece.ends_with(b"\n");
                     if !*too_long {
-                        if line.len() + piece.len() > MAX_METERED_BYTES {
+                        if line.len() + piece.len() > MAX_METERED_BYTES || !budget.take(piece.len())
+                        {
                             *too_long = true;
+                            budget.give(line.len());
                             line.clear();
                         } else {
                             line.extend_from_slice(piece);
@@ -277,6 +358,7 @@ impl Meter {
                                 self.found = Some(n);
                             }
                         }
+                        budget.give(line.len());
                         line.clear();
                         *too_long = false;
                     }
@@ -286,13 +368,17 @@ impl Meter {
     }
 
     /// The real cost, once the response is over: `complete` when its body ended (not reset or
-    /// cancelled). `None`: not reported, or the body was cut short: the request settles at its
-    /// reservation. A header's figure holds however the body ends.
-    pub fn finish(&mut self, complete: bool) -> Option<u64> {
+    /// cancelled); what the meter kept goes back to `budget`. `None`: not reported, compressed,
+    /// too long to keep, or a JSON body cut short: the request settles at its rule's
+    /// `unreported_cost`. A header's figure holds however the body ends, and so does the last
+    /// figure an event stream reported before it was cut short (the client hung up after it).
+    pub fn finish(&mut self, complete: bool, budget: &mut Budget) -> Option<u64> {
         let path = self.path.as_deref().unwrap_or_default();
         match std::mem::replace(&mut self.body, BodyMode::Ignore) {
             BodyMode::Ignore => self.found,
+            BodyMode::Unreadable => None,
             BodyMode::Json { body, too_long } => {
+                budget.give(body.len());
                 if !complete || too_long {
                     return None;
                 }
@@ -301,8 +387,9 @@ impl Meter {
                     .and_then(|v| json_figure(&v, path))
             }
             BodyMode::Events { line, too_long } => {
+                budget.give(line.len());
                 if !complete {
-                    return None;
+                    return self.found;
                 }
                 // A last event without its newline.
                 match (too_long, event_figure(&line, path)) {
@@ -322,13 +409,15 @@ fn event_figure(line: &[u8], path: &str) -> Option<u64> {
     json_figure(&v, path)
 }
 
-/// One settlement to send: a rule's bucket, the reservation, the real cost.
+/// One settlement to send: a rule's bucket, the reservation, the real cost, and the receipt of
+/// the charge (what the sidecar gives back against).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Settlement {
     pub rule: String,
     pub subject: Subject,
     pub reserved: u64,
     pub cost: u64,
+    pub receipt: Option<String>,
 }
 
 /// A batch sent, or to send again under the same id.
@@ -389,6 +478,7 @@ impl Outbox {
             subject: s.subject,
             reserved: s.reserved,
             cost: s.cost,
+            receipt: s.receipt,
         });
         lost
     }
@@ -544,65 +634,94 @@ mod tests {
 
     #[test]
     fn a_header_reports_the_cost_whatever_the_body_does() {
+        let mut b = Budget::default();
         let mut m = Meter::new(&spec(
             r#"{"reserve": 1000, "response_header": "x-usage-tokens"}"#,
         ));
         assert_eq!(m.header_name(), Some("x-usage-tokens"));
-        m.headers(Some(b"312"), Some(b"application/json"));
+        m.headers(Some(b"312"), Some(b"application/json"), None);
         assert!(!m.reads_body());
-        assert_eq!(m.finish(false), Some(312));
+        assert_eq!(m.finish(false, &mut b), Some(312));
         let mut m = Meter::new(&spec(
             r#"{"reserve": 1000, "response_header": "x-usage-tokens"}"#,
         ));
-        m.headers(None, None);
-        assert_eq!(m.finish(true), None, "not reported: the reservation holds");
+        m.headers(None, None, None);
+        assert_eq!(
+            m.finish(true, &mut b),
+            None,
+            "not reported: the reservation holds"
+        );
     }
 
     #[test]
     fn a_json_body_reports_the_field_once_it_is_whole() {
+        let mut b = Budget::default();
         let s = spec(r#"{"reserve": 4096, "response_json": "usage.total_tokens"}"#);
         let mut m = Meter::new(&s);
-        m.headers(None, Some(b"application/json"));
+        m.headers(None, Some(b"application/json"), None);
         assert!(m.reads_body());
-        m.body(br#"{"id":"x","usage":{"prompt_tokens":10,"#);
-        m.body(br#""total_tokens":57}}"#);
-        assert_eq!(m.finish(true), Some(57));
+        m.body(br#"{"id":"x","usage":{"prompt_tokens":10,"#, &mut b);
+        m.body(br#""total_tokens":57}}"#, &mut b);
+        assert_eq!(m.finish(true, &mut b), Some(57));
         let mut m = Meter::new(&s);
-        m.headers(None, Some(b"application/json"));
-        m.body(br#"{"usage":{"total_tokens":57}}"#);
-        assert_eq!(m.finish(false), None, "cut short: the reservation holds");
+        m.headers(None, Some(b"application/json"), None);
+        m.body(br#"{"usage":{"total_tokens":57}}"#, &mut b);
+        assert_eq!(
+            m.finish(false, &mut b),
+            None,
+            "cut short: the reservation holds"
+        );
         let mut m = Meter::new(&s);
-        m.headers(None, None);
-        m.body(br#"{"usage":{"total_tokens":"57"}}"#);
-        assert_eq!(m.finish(true), None, "not a number");
+        m.headers(None, None, None);
+        m.body(br#"{"usage":{"total_tokens":"57"}}"#, &mut b);
+        assert_eq!(m.finish(true, &mut b), None, "not a number");
         let mut m = Meter::new(&s);
-        m.headers(None, None);
-        m.body(&vec![b' '; MAX_METERED_BYTES + 1]);
-        m.body(br#"{"usage":{"total_tokens":57}}"#);
-        assert_eq!(m.finish(true), None, "too long to keep");
+        m.headers(None, None, None);
+        m.body(&vec![b' '; MAX_METERED_BYTES + 1], &mut b);
+        m.body(br#"{"usage":{"total_tokens":57}}"#, &mut b);
+        assert_eq!(m.finish(true, &mut b), None, "too long to keep");
     }
 
     #[test]
     fn an_event_stream_reports_the_last_event_that_carries_the_field() {
+        let mut b = Budget::default();
         let s = spec(r#"{"reserve": 4096, "response_json": "usage.total_tokens"}"#);
         let mut m = Meter::new(&s);
-        m.headers(None, Some(b"text/event-stream; charset=utf-8"));
-        m.body(b"data: {\"choices\":[{\"delta\":\"hi\"}]}\n\ndata: {\"usage\":{\"total_");
-        m.body(b"tokens\":40}}\n\ndata: {\"usage\":{\"total_tokens\":41}}\n\n");
-        m.body(b"data: {\"choices\":[]}\n\ndata: [DONE]\n\n");
-        assert_eq!(m.finish(true), Some(41));
+        m.headers(None, Some(b"text/event-stream; charset=utf-8"), None);
+        m.body(
+            b"data: {\"choices\":[{\"delta\":\"hi\"}]}\n\ndata: {\"usage\":{\"total_",
+            &mut b,
+        );
+        m.body(
+            b"tokens\":40}}\n\ndata: {\"usage\":{\"total_tokens\":41}}\n\n",
+            &mut b,
+        );
+        m.body(b"data: {\"choices\":[]}\n\ndata: [DONE]\n\n", &mut b);
+        assert_eq!(m.finish(true, &mut b), Some(41));
         let mut m = Meter::new(&s);
-        m.headers(None, Some(b"text/event-stream"));
-        m.body(b"data: {\"usage\":{\"total_tokens\":41}}\n\n");
+        m.headers(None, Some(b"text/event-stream"), None);
+        m.body(b"data: {\"usage\":{\"total_tokens\":41}}\n\n", &mut b);
         assert_eq!(
-            m.finish(false),
-            None,
-            "a stream cancelled settles at the reservation"
+            m.finish(false, &mut b),
+            Some(41),
+            "a stream cut short after its usage event settles at that figure"
         );
         let mut m = Meter::new(&s);
-        m.headers(None, Some(b"text/event-stream"));
-        m.body(b"data: {\"usage\":{\"total_tokens\":9}}");
-        assert_eq!(m.finish(true), Some(9), "the last line without its newline");
+        m.headers(None, Some(b"text/event-stream"), None);
+        m.body(b"data: {\"choices\":[]}\n\n", &mut b);
+        assert_eq!(
+            m.finish(false, &mut b),
+            None,
+            "cut short before it: unreported"
+        );
+        let mut m = Meter::new(&s);
+        m.headers(None, Some(b"text/event-stream"), None);
+        m.body(b"data: {\"usage\":{\"total_tokens\":9}}", &mut b);
+        assert_eq!(
+            m.finish(true, &mut b),
+            Some(9),
+            "the last line without its newline"
+        );
     }
 
     fn settlement(reserved: u64, cost: u64) -> Settlement {
@@ -611,6 +730,7 @@ mod tests {
             subject: Subject::new(),
             reserved,
             cost,
+            receipt: None,
         }
     }
 

@@ -56,8 +56,8 @@ pub enum Stat {
     Forwarded,
     /// Responses that reported a real cost other than the reservation (a settlement queued).
     CostsSettled,
-    /// Responses of a rule with a `cost` object that reported no cost (or were cut short): the
-    /// reservation stands.
+    /// Responses of a rule with a `cost` object whose cost could not be read (not reported,
+    /// compressed, cut short): settled at the rule's `unreported_cost`.
     CostsUnreported,
     /// Settlements sent again after their call failed.
     SettlementsRetried,
@@ -196,9 +196,10 @@ pub struct Waiting {
     /// The epoch what it learns from its answer is tagged with: the one its call said it was
     /// decided under, else `epoch`.
     answered_epoch: u64,
-    /// The decisions (indices into `planned`) the sidecar charged for an admitted request: what
-    /// a cost settled from the response may settle ([`Flow::metered`]).
-    charged: Vec<usize>,
+    /// The decisions (indices into `planned`) the sidecar charged for an admitted request, with
+    /// the receipts of their charges: what a cost settled from the response may settle
+    /// ([`Flow::metered`]).
+    charged: Vec<(usize, Option<String>)>,
 }
 
 /// A charged decision whose real cost its response reports ([`crate::costs`]).
@@ -208,6 +209,8 @@ pub struct Metered {
     pub rule: usize,
     pub subject: ratelimit_wire::Subject,
     pub reserved: u64,
+    /// The receipt of the charge, for the settlement to give back against.
+    pub receipt: Option<String>,
     pub meter: Meter,
 }
 
@@ -256,11 +259,14 @@ impl Waiting {
             .iter()
             .map(|d| {
                 let p = &self.planned[d.planned];
+                let rule = &config.rules[p.rule];
                 Decision {
-                    rule: config.rules[p.rule].name.clone(),
+                    rule: rule.name.clone(),
                     subject: p.subject.clone(),
                     cost: p.cost,
                     lease: d.ask,
+                    // A reservation settled from the response: the sidecar keeps what it charged.
+                    receipt: rule.cost.settled().is_some(),
                 }
             })
             .collect()
@@ -299,6 +305,23 @@ impl Flow<'_> {
                     .settled()
                     .is_some_and(|s| s.reserve_from_request_json.is_some())
             })
+    }
+
+    /// Whether a matching rule reads its real cost from the response's body: the upstream is
+    /// then asked for an uncompressed one (`accept-encoding: identity`), since a compressed body
+    /// cannot be read (its cost would be unreported).
+    pub fn reads_response_body(&self, request: &dyn RequestView) -> bool {
+        let config = self.config;
+        let reads = |i: usize| {
+            config.rules[i]
+                .cost
+                .settled()
+                .is_some_and(|s| s.reads_body())
+        };
+        (0..config.rules.len()).any(reads)
+            && rules::matching(config, &self.request_facts(request))
+                .into_iter()
+                .any(reads)
     }
 
     fn request_facts(&self, request: &dyn RequestView) -> RequestFacts {
@@ -566,13 +589,14 @@ impl Flow<'_> {
     pub fn metered(&self, w: &Waiting) -> Vec<Metered> {
         w.charged
             .iter()
-            .filter_map(|&i| {
-                let p = &w.planned[i];
+            .filter_map(|(i, receipt)| {
+                let p = &w.planned[*i];
                 let spec = self.config.rules[p.rule].cost.settled()?;
                 Some(Metered {
                     rule: p.rule,
                     subject: p.subject.clone(),
                     reserved: p.cost,
+                    receipt: receipt.clone(),
                     meter: Meter::new(spec),
                 })
             })
@@ -580,12 +604,22 @@ impl Flow<'_> {
     }
 
     /// A metered decision's response is over (`complete`: its body ended, not cut short): the
-    /// settlement to send, if the real cost differs from the reservation. A response that
-    /// reported no cost settles at the reservation (nothing to send).
-    pub fn settled(&self, mut m: Metered, complete: bool) -> Option<costs::Settlement> {
-        let Some(cost) = m.meter.finish(complete) else {
-            self.stats.count(Stat::CostsUnreported);
-            return None;
+    /// settlement to send, if the real cost differs from the reservation. A response whose cost
+    /// cannot be read (not reported, compressed, cut short) settles at the rule's
+    /// `unreported_cost`, never at what the client chose ([`costs::CostSpec::unreported`]).
+    pub fn settled(
+        &self,
+        mut m: Metered,
+        complete: bool,
+        budget: &mut costs::Budget,
+    ) -> Option<costs::Settlement> {
+        let spec = self.config.rules[m.rule].cost.settled()?;
+        let cost = match m.meter.finish(complete, budget) {
+            Some(cost) => cost,
+            None => {
+                self.stats.count(Stat::CostsUnreported);
+                spec.unreported(config::MAX_CAPACITY)
+            }
         };
         let cost = cost.min(config::MAX_CAPACITY);
         if cost == m.reserved {
@@ -597,6 +631,7 @@ impl Flow<'_> {
             subject: m.subject,
             reserved: m.reserved,
             cost,
+            receipt: m.receipt,
         })
     }
 
@@ -679,7 +714,7 @@ impl Flow<'_> {
                 .iter()
                 .zip(&answer.results)
                 .filter(|(_, r)| r.allowed && r.error.is_none() && r.reason == Reason::Ok)
-                .map(|(d, _)| d.planned)
+                .map(|(d, r)| (d.planned, r.receipt.clone()))
                 .collect();
         }
         let table = self.table(w.epoch);

@@ -297,6 +297,7 @@ mod tests {
             &subject(Some("alpha"), Some("10.0.0.1")),
         );
         let decision = ratelimit_wire::Decision {
+            receipt: false,
             rule: c.rules[p.planned[0].rule].name.clone(),
             subject: p.planned[0].subject.clone(),
             cost: p.planned[0].cost,

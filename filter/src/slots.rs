@@ -214,6 +214,7 @@ mod tests {
         let mut subject = Subject::new();
         subject.push("app", Some("a".into()));
         Decision {
+            receipt: false,
             rule: rule.into(),
             subject,
             cost: 1,

@@ -517,6 +517,7 @@ mod tests {
 
     fn admitted(remaining: u64, reset_ms: u64, limit: Option<AppliedLimit>) -> DecisionResult {
         DecisionResult {
+            receipt: None,
             allowed: true,
             remaining,
             retry_after_ms: 0,

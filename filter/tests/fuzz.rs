@@ -709,6 +709,7 @@ fn check_plan(
             );
         }
         decisions.push(Decision {
+            receipt: false,
             rule: rule.name.clone(),
             subject: p.subject.clone(),
             cost: p.cost,
@@ -720,9 +721,7 @@ fn check_plan(
             domain: config.domain.clone(),
             // Filter callouts carry no attempt id.
             attempt: None,
-            requests: vec![RequestDecisions {
-                decisions,
-            }],
+            requests: vec![RequestDecisions { decisions }],
             returns: Vec::new(),
         };
         let body = serde_json::to_vec(&call).map_err(|e| TestCaseError::fail(e.to_string()))?;

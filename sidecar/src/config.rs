@@ -93,6 +93,12 @@ pub struct Args {
     #[arg(long, env = "RATELIMIT_ATTEMPT_TTL_MS", default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(1..))]
     pub attempt_ttl_ms: u64,
 
+    /// How long the receipt of a charge whose cost is settled from the response is kept, in
+    /// milliseconds: a settlement within it gives back what the decision was charged (once);
+    /// later, nothing is given back (docs/costs.md). Covers the longest response.
+    #[arg(long, env = "RATELIMIT_RECEIPT_TTL_MS", default_value_t = 3_600_000, value_parser = clap::value_parser!(u64).range(1000..=86_400_000))]
+    pub receipt_ttl_ms: u64,
+
     /// What a bucket starts with after Redis lost its state or may hold an older one (restarted,
     /// with or without its data, flushed, a replica promoted): `full` (a missing bucket is full,
     /// as for a client never seen; one it holds is as it holds it) or `empty` (a bucket not

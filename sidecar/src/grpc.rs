@@ -189,6 +189,7 @@ fn item(d: usize, descriptor: RateLimitDescriptor, request_hits: u32) -> Result<
     }
     let mut checked = Vec::with_capacity(entries.len());
     let mut charged = None;
+    let mut receipt = false;
     for (e, entry) in entries.into_iter().enumerate() {
         if entry.key.is_empty() || entry.key.len() > MAX_NAME_BYTES {
             return Err(format!(
@@ -201,10 +202,14 @@ fn item(d: usize, descriptor: RateLimitDescriptor, request_hits: u32) -> Result<
             ));
         }
         if entry.key == SETTLE_KEY {
-            if charged.is_some() {
+            if charged.is_some() || receipt {
                 return Err(format!(
                     "{at}.entries[{e}].key: a second \"{SETTLE_KEY}\" entry"
                 ));
+            }
+            if entry.value == SETTLE_RESERVE {
+                receipt = true;
+                continue;
             }
             charged = Some(
                 settle_charged(&entry.value)
@@ -214,12 +219,18 @@ fn item(d: usize, descriptor: RateLimitDescriptor, request_hits: u32) -> Result<
         }
         checked.push((entry.key, Some(entry.value)));
     }
-    let Some(charged) = charged else {
+    let Some((charged, receipt)) = charged else {
         let cost = hits_addend.map_or(u64::from(request_hits.max(1)), |h| h.value.max(1));
+        if checked.is_empty() {
+            return Err(format!(
+                "{at}.entries: a decision names its bucket besides its \"{SETTLE_KEY}\" entry"
+            ));
+        }
         return Ok(Checked1::Decide(Item {
             entries: checked,
             cost,
             lease: None,
+            receipt,
         }));
     };
     if checked.is_empty() {
@@ -241,21 +252,41 @@ fn item(d: usize, descriptor: RateLimitDescriptor, request_hits: u32) -> Result<
     };
     Ok(Checked1::Settle(SettleItem {
         entries: checked,
-        // Both at most MAX_CAPACITY: the difference fits an i64.
-        delta: cost as i64 - charged as i64,
+        reserved: charged,
+        cost,
+        receipt,
     }))
 }
 
-/// The value of a `settle` entry: the tokens the request path charged, a whole number from 1
-/// (a request is charged at least 1) to [`MAX_CAPACITY`].
-fn settle_charged(value: &str) -> Result<u64, String> {
-    match value.parse::<u64>() {
-        Ok(n) if (1..=MAX_CAPACITY).contains(&n) && !value.starts_with('+') => Ok(n),
-        _ => Err(format!(
-            "the tokens the request path charged, a whole number from 1 to {MAX_CAPACITY}; got \"{}\"{}",
+/// The value of a request-time `settle` entry: the decision is a reservation to be settled, and
+/// the sidecar keeps a receipt of its charge ([`charged_metadata`] reports it).
+pub const SETTLE_RESERVE: &str = "reserve";
+
+/// The value of a stream-done `settle` entry: the tokens the request path charged, a whole number
+/// from 1 (a request is charged at least 1) to [`MAX_CAPACITY`], and after a `:` the receipt of
+/// that charge when the sidecar reported one (`<tokens>:<receipt>`, [`charged_metadata`]).
+fn settle_charged(value: &str) -> Result<(u64, Option<u64>), String> {
+    let (tokens, receipt) = match value.split_once(':') {
+        Some((t, r)) => (t, Some(r)),
+        None => (value, None),
+    };
+    let receipt = match receipt.map(ratelimit_wire::parse_receipt) {
+        Some(None) => None,
+        Some(Some(r)) => Some(Some(r)),
+        None => Some(None),
+    };
+    match (tokens.parse::<u64>(), receipt) {
+        (Ok(n), Some(r)) if (1..=MAX_CAPACITY).contains(&n) && !tokens.starts_with('+') => {
+            Ok((n, r))
+        }
+        _ => {
+            Err(format!(
+            "the tokens the request path charged, a whole number from 1 to {MAX_CAPACITY}, and \
+             after a ':' the receipt the sidecar reported; got \"{}\"{}",
             value.chars().take(32).collect::<String>().escape_debug(),
             if value.chars().count() > 32 { " (cut)" } else { "" }
-        )),
+        ))
+        }
     }
 }
 
@@ -376,7 +407,7 @@ impl<S: BucketStore> RateLimitApi<S> {
 pub const CHARGED_METADATA_KEY: &str = SETTLE_KEY;
 
 /// The rule a decision names in this sidecar's own format (first entry `rule=<name>`) and its cost.
-fn rule_charge(item: &Item) -> Option<(String, u64)> {
+pub fn rule_charge(item: &Item) -> Option<(String, u64)> {
     match item.entries.first() {
         Some((key, Some(rule))) if key == RULE_KEY => Some((rule.clone(), item.cost)),
         _ => None,
@@ -398,8 +429,12 @@ pub fn charged_metadata(
     for (charge, r) in charges.iter().zip(&answer.results) {
         let charged = r.allowed && r.reason == Reason::Ok && r.limit.is_some() && r.error.is_none();
         if let (Some((rule, cost)), true) = (charge, charged) {
+            let value = match &r.receipt {
+                Some(receipt) => format!("{cost}:{receipt}"),
+                None => cost.to_string(),
+            };
             fields.entry(rule.clone()).or_insert_with(|| Value {
-                kind: Some(Kind::StringValue(cost.to_string())),
+                kind: Some(Kind::StringValue(value)),
             });
         }
     }
@@ -659,14 +694,12 @@ mod tests {
     }
 
     #[test]
-    fn a_settle_entry_makes_a_descriptor_a_settlement_of_the_real_cost_less_the_charge() {
+    fn a_settle_entry_makes_a_descriptor_a_settlement_of_the_real_cost_against_the_charge() {
         let bucket = entries(&[("rule", "llm"), ("user", "ann")]);
-        for (charged, cost, delta) in [
-            ("10", 25, 15), // more than charged: the excess charged, into a debt if need be
-            ("10", 3, -7),  // less: given back
-            ("10", 10, 0),  // as charged: nothing to settle
-            ("10", 0, -10), // nothing at all: the whole charge given back
-            ("1", MAX_CAPACITY, MAX_CAPACITY as i64 - 1),
+        for (charged, cost, reserved, receipt) in [
+            ("10", 25, 10, None),         // the reservation as configured, no receipt
+            ("10:77", 3, 10, Some(77)),   // what the sidecar reported: its receipt
+            ("1", MAX_CAPACITY, 1, None), // the largest real cost
         ] {
             let c = settlement(charged, cost).unwrap();
             assert!(c.items.is_empty(), "a settlement decides nothing");
@@ -674,7 +707,9 @@ mod tests {
                 c.settlements,
                 [SettleItem {
                     entries: bucket.clone(),
-                    delta
+                    reserved,
+                    cost,
+                    receipt,
                 }],
                 "charged {charged}, cost {cost}"
             );
@@ -687,18 +722,41 @@ mod tests {
         // Without its own hits_addend, the request's is the real cost.
         let d = descriptor(&[("rule", "llm"), ("user", "ann"), ("settle", "4")]);
         let c = check(request(vec![d], 9)).unwrap();
-        assert_eq!(c.settlements[0].delta, 5);
+        assert_eq!(c.settlements[0].cost, 9);
         // Several settlements of one stream-done call, each its own.
         let a = with_hits(descriptor(&[("rule", "a"), ("settle", "2")]), 5);
         let b = with_hits(descriptor(&[("rule", "b"), ("settle", "8")]), 1);
         let c = check(request(vec![a, b], 0)).unwrap();
-        let deltas: Vec<i64> = c.settlements.iter().map(|s| s.delta).collect();
-        assert_eq!(deltas, [3, -7]);
+        let costs: Vec<(u64, u64)> = c.settlements.iter().map(|s| (s.reserved, s.cost)).collect();
+        assert_eq!(costs, [(2, 5), (8, 1)]);
+        // At request time, `settle=reserve` asks for a receipt and is left out of the bucket.
+        let d = descriptor(&[("rule", "llm"), ("settle", "reserve"), ("user", "ann")]);
+        let c = check(request(vec![with_hits(d, 10)], 0)).unwrap();
+        assert!(c.settlements.is_empty());
+        assert_eq!(
+            (&c.items[0].entries, c.items[0].cost, c.items[0].receipt),
+            (&bucket, 10, true)
+        );
     }
 
     #[test]
     fn a_malformed_settlement_is_refused_naming_the_field() {
-        for bad in ["0", "-3", "+3", "1.5", "ten", "", " 4", "1000000000000000"] {
+        for bad in [
+            "0",
+            "-3",
+            "+3",
+            "1.5",
+            "ten",
+            "",
+            " 4",
+            "1000000000000000",
+            "4:",
+            "4:0",
+            "4:x",
+            ":7",
+            "4:07",
+            "4:9007199254740992",
+        ] {
             let e = settlement(bad, 5).unwrap_err();
             assert!(
                 e.starts_with(
@@ -709,7 +767,7 @@ mod tests {
         }
         let e = settlement(&"9".repeat(MAX_VALUE_BYTES), 5).unwrap_err();
         assert!(
-            e.len() < 200 && e.ends_with(" (cut)"),
+            e.len() < 240 && e.ends_with(" (cut)"),
             "quotes a bounded part: {e}"
         );
         let e = settlement("10", MAX_CAPACITY + 1).unwrap_err();
@@ -766,6 +824,7 @@ mod tests {
     #[test]
     fn an_admitted_request_reports_what_it_charged_each_rule_for_its_settlement() {
         let item = |entries: &[(&str, &str)], cost: u64| Item {
+            receipt: false,
             entries: entries
                 .iter()
                 .map(|(k, v)| (k.to_string(), Some(v.to_string())))
@@ -831,6 +890,7 @@ mod tests {
 
     fn result(allowed: bool, reason: Reason, remaining: u64, wait_ms: u64) -> DecisionResult {
         DecisionResult {
+            receipt: None,
             allowed,
             remaining,
             retry_after_ms: if allowed { 0 } else { wait_ms },

@@ -282,6 +282,7 @@ mod tests {
             results: leased
                 .iter()
                 .map(|&leased| DecisionResult {
+                    receipt: None,
                     allowed,
                     remaining: 0,
                     retry_after_ms: 0,

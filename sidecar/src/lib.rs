@@ -181,6 +181,7 @@ pub async fn serve(
     let options = StoreOptions {
         timeout_ms: args.redis_timeout_ms,
         record_ttl_ms: args.attempt_ttl_ms,
+        receipt_ttl_ms: args.receipt_ttl_ms,
         lease_max_share: args.lease_max_share,
         max_in_flight: args.redis_pipeline as usize,
         max_call_decisions: ratelimit_wire::MAX_CALL_DECISIONS,

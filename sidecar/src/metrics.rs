@@ -78,8 +78,9 @@ pub enum SettleOutcome {
     GivenBack,
     /// A repeat of a batch already applied: nothing changed.
     Repeated,
-    /// Nothing to settle: the cost equal to its reservation, or no bucket (an unknown, unlimited
-    /// or blocked rule, a regional share of 0 or not under lease).
+    /// Nothing to settle: the cost equal to what was charged, a cost below a reservation no
+    /// receipt shows, or no bucket (an unknown, unlimited or blocked rule, a regional share of 0
+    /// or not under lease).
     Skipped,
     /// The store could not apply it (the caller may retry the batch).
     Failed,

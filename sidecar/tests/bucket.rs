@@ -101,6 +101,7 @@ async fn the_script_refuses_invalid_arguments_by_itself_and_writes_nothing() {
         n.extend(0.1f64.to_le_bytes());
         n.push(0);
         n.extend(1000u64.to_le_bytes());
+        n.extend(3_600_000u64.to_le_bytes()); // receipt_ttl_ms
         for count in [1u32, 1, 1, 0] {
             n.extend(count.to_le_bytes());
         }
@@ -116,7 +117,8 @@ async fn the_script_refuses_invalid_arguments_by_itself_and_writes_nothing() {
         }
         n.extend(1u64.to_le_bytes());
         n.extend([0u8, 1]); // not shadow, the grant capped by the share
-        n.extend([0u8; 24]);
+        n.extend([0u8; 24]); // no lease
+        n.extend(0u64.to_le_bytes()); // no receipt
         n
     };
     let mut torn = numbers(10, 1.0, &[]);

@@ -202,12 +202,16 @@ async fn a_settle_batch_over_many_slots_is_applied_once_per_node() {
     let (cluster, sidecar) = cluster_and_sidecar().await;
     let prefix = unique("settle");
     let ids: Vec<String> = (0..30).map(|i| format!("{prefix}-{i}")).collect();
+    let mut receipts = Vec::new();
     for id in &ids {
-        let (_, a) = sidecar.decide(json!([decision("b10", id, 8)])).await;
+        let mut d = decision("b10", id, 8);
+        d["receipt"] = json!(true);
+        let (_, a) = sidecar.decide(json!([d])).await;
         assert_eq!(a["results"][0]["remaining"], 2, "{a}");
+        receipts.push(a["results"][0]["receipt"].as_str().unwrap().to_string());
     }
-    let body = json!({"id": "batch-1", "settlements": ids.iter()
-        .map(|id| json!({"rule": "b10", "subject": {"id": id}, "reserved": 8, "cost": 3}))
+    let body = json!({"id": "batch-1", "settlements": ids.iter().zip(&receipts)
+        .map(|(id, r)| json!({"rule": "b10", "subject": {"id": id}, "reserved": 8, "cost": 3, "receipt": r}))
         .collect::<Vec<_>>()});
     let post = || async {
         let r = sidecar

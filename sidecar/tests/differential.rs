@@ -24,7 +24,7 @@ use ratelimit_sidecar::store::memory::MemoryStore;
 use ratelimit_sidecar::store::redis::{NodeId, Nodes, StoreOptions, FENCE_SCRIPT};
 use ratelimit_sidecar::store::{
     BucketLimits, BucketStore, Charge, GrantCap, Group, RedisStore, RequestOutcome, Return,
-    SettleBatch, Settlement, StoreReset, Work,
+    SettleBatch, Settlement, Status, StoreReset, Work,
 };
 use ratelimit_wire::LeaseAsk;
 
@@ -91,11 +91,12 @@ enum Step {
     /// A new server holds the store (a restart from a snapshot, a replica promoted): its epoch
     /// is fenced anew (`lua/fence.lua`), what it holds is kept.
     Restart,
-    /// Settlements (key, delta) of costs known after the response, under a batch id or none:
-    /// charged past zero (a debt the next decisions see) or given back (`lua/settle.lua`).
+    /// Settlements (key, reserved, cost, receipt of a charge of that cost on that key or none)
+    /// of costs known after the response, under a batch id or none: charged past zero (a debt
+    /// the next decisions see) or given back against a receipt, once (`lua/settle.lua`).
     Settle {
         id: Option<u8>,
-        settlements: Vec<(usize, i64)>,
+        settlements: Vec<(usize, u64, u64, Option<u64>)>,
     },
 }
 
@@ -158,10 +159,19 @@ fn step() -> impl Strategy<Value = Step> {
         1 => Just(Step::Restart),
         3 => (
             prop::option::weighted(0.5, 0..2u8),
-            prop::collection::vec((0..KEYS.len(), -6..7i64), 1..4)
+            prop::collection::vec(
+                (0..KEYS.len(), 1..8u64, 0..9u64, prop::option::weighted(0.7, 1..30u64)),
+                1..4
+            )
         )
             .prop_map(|(id, settlements)| Step::Settle { id, settlements }),
     ]
+}
+
+/// The receipt id a charge of `cost` on key `k` asks for: a repeat of the same charge reuses it
+/// (a receipt the scripts write again), which the model follows too.
+fn receipt_id(k: usize, cost: u64) -> u64 {
+    (k as u64 + 1) * 10 + cost
 }
 
 fn work_of(
@@ -182,6 +192,13 @@ fn work_of(
                         .map(|r| {
                             r.iter()
                                 .map(|&(k, cost, shadow, lease)| Charge {
+                                    // Odd costs ask for a receipt (its id: the key and the cost,
+                                    // so a settle step can name it or one never given).
+                                    receipt: if cost % 2 == 1 {
+                                        receipt_id(k, cost)
+                                    } else {
+                                        0
+                                    },
                                     key: Arc::from(KEYS[k]),
                                     bucket: bucket_of(k, shares),
                                     cost,
@@ -316,6 +333,7 @@ fn differential(reset: StoreReset) {
                 let mut shares: Vec<Option<Arc<ShareHistory>>> =
                     histories.iter().map(|h| history_of(h, start_ms)).collect();
                 let mut recorded: Vec<Group> = Vec::new();
+                let mut issued: Vec<(Arc<str>, u64)> = Vec::new();
                 for step in &steps {
                     model.set_now_us(now_us());
                     match step {
@@ -361,16 +379,45 @@ fn differential(reset: StoreReset) {
                             let slack = started.elapsed().as_millis() as u64 + 1_000;
                             same(&from_redis, &from_model, slack * 1000)
                                 .map_err(|e| TestCaseError::fail(format!("{e}\n{work:#?}")))?;
+                            // The receipts the charged requests hold: what a settle step names.
+                            for (g, outcomes) in work.groups.iter().zip(&from_model) {
+                                for (request, o) in g.requests.iter().zip(outcomes) {
+                                    if o.status == Status::Charged {
+                                        issued.extend(
+                                            request
+                                                .iter()
+                                                .zip(&o.decisions)
+                                                .filter(|(c, d)| c.receipt > 0 && d.allowed)
+                                                .map(|(c, _)| (c.key.clone(), c.receipt)),
+                                        );
+                                    }
+                                }
+                            }
                             recorded.extend(work.groups.into_iter().filter(|g| g.record.is_some()));
                         }
                         Step::Settle { id, settlements } => {
                             // A share of 0 holds no bucket to settle (the decider skips those).
                             let settlements: Vec<Settlement> = settlements
                                 .iter()
-                                .map(|&(k, delta)| Settlement {
-                                    key: Arc::from(KEYS[k]),
-                                    bucket: bucket_of(k, &shares),
-                                    delta,
+                                .map(|&(k, reserved, cost, pick)| {
+                                    // A receipt issued before (on its own key), or one never
+                                    // given (a made-up id), or none.
+                                    let (key, receipt) = match pick {
+                                        Some(p) if !issued.is_empty() && p % 3 != 0 => {
+                                            let (key, r) = &issued[p as usize % issued.len()];
+                                            (key.clone(), Some(*r))
+                                        }
+                                        Some(p) => (Arc::from(KEYS[k]), Some(receipt_id(k, p))),
+                                        None => (Arc::from(KEYS[k]), None),
+                                    };
+                                    let k = KEYS.iter().position(|x| **x == *key).unwrap();
+                                    Settlement {
+                                        key,
+                                        bucket: bucket_of(k, &shares),
+                                        reserved,
+                                        cost,
+                                        receipt,
+                                    }
                                 })
                                 .filter(|s| {
                                     let (c, r) = s.bucket.in_force();

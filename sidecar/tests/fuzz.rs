@@ -355,7 +355,8 @@ fn fuzz_grpc_check() {
                     note("settlements");
                 }
                 for st in &checked.settlements {
-                    prop_assert!(st.delta.unsigned_abs() <= MAX_CAPACITY);
+                    prop_assert!(st.reserved >= 1 && st.reserved <= MAX_CAPACITY);
+                    prop_assert!(st.cost <= MAX_CAPACITY);
                     prop_assert!((1..grpc::MAX_DESCRIPTOR_ENTRIES).contains(&st.entries.len()));
                     prop_assert!(st.entries.iter().all(|(k, _)| k != grpc::SETTLE_KEY));
                 }

@@ -478,12 +478,12 @@ async fn redis_stopped_is_unavailable() {
     );
 }
 
-/// A stream-done descriptor of Envoy's filter: the bucket's entries, `settle=<charged>`, and the
-/// real cost as its hits_addend (docs/grpc.md#costs-known-after-the-response).
-fn settle(bucket: &[(&str, &str)], charged: u64, cost: u64) -> RateLimitRequest {
-    let charged = charged.to_string();
+/// A stream-done descriptor of Envoy's filter: the bucket's entries, `settle=<charged>` (what the
+/// answer's metadata reported: the tokens, and the receipt after a `:`), and the real cost as its
+/// hits_addend (docs/grpc.md#costs-known-after-the-response).
+fn settle(bucket: &[(&str, &str)], charged: &str, cost: u64) -> RateLimitRequest {
     let mut entries = bucket.to_vec();
-    entries.push(("settle", &charged));
+    entries.push(("settle", charged));
     let mut d = descriptor(&entries);
     d.hits_addend = Some(UInt64Value { value: cost });
     request("ratelimit", vec![d])
@@ -503,41 +503,56 @@ fn charged(r: &RateLimitResponse, rule: &str) -> Option<String> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_settlement_charges_or_gives_back_the_difference_into_a_debt_and_always_answers_ok() {
+async fn a_settlement_charges_or_gives_back_against_its_receipt_into_a_debt_and_always_answers_ok()
+{
     let redis = Redis::start();
     let sidecar = Sidecar::on_redis_with(&redis, OWN).await;
     let mut c = client(&sidecar).await;
     let who = unique("settle");
     let bucket = [("rule", "ten"), ("id", who.as_str())];
-    let charge = |cost: u32| {
-        let mut r = request("ratelimit", vec![descriptor(&bucket)]);
+    // A reservation: `settle=reserve` asks for a receipt of the charge.
+    let reserve = |cost: u32| {
+        let mut entries = bucket.to_vec();
+        entries.push(("settle", "reserve"));
+        let mut r = request("ratelimit", vec![descriptor(&entries)]);
         r.hits_addend = cost;
         r
     };
     let remaining = |a: &RateLimitResponse| a.statuses[0].limit_remaining;
 
-    // Reserve 4 of 10, really 2: 2 come back. The answer says what rule "ten" was charged.
-    let a = ask(&mut c, charge(4)).await;
+    // Reserve 4 of 10, really 2: 2 come back. The answer says what rule "ten" was charged, and
+    // the receipt of that charge.
+    let a = ask(&mut c, reserve(4)).await;
     assert_eq!(remaining(&a), 6);
-    assert_eq!(charged(&a, "ten").as_deref(), Some("4"));
-    let s = ask(&mut c, settle(&bucket, 4, 2)).await;
+    let reported = charged(&a, "ten").expect("the charge reported");
+    let (tokens, receipt) = reported.split_once(':').expect("<tokens>:<receipt>");
+    assert_eq!(tokens, "4");
+    assert!(receipt.parse::<u64>().is_ok(), "{reported}");
+    let s = ask(&mut c, settle(&bucket, &reported, 2)).await;
     assert_eq!(s.overall_code, code(Code::Ok));
     assert_eq!(s.statuses.len(), 1);
     assert_eq!(s.statuses[0].code, code(Code::Ok));
     assert!(s.response_headers_to_add.is_empty(), "{s:?}");
-    assert_eq!(
-        remaining(&ask(&mut c, charge(1)).await),
-        7,
-        "8 left, then 1"
-    );
+    let a = ask(&mut c, reserve(1)).await;
+    assert_eq!(remaining(&a), 7, "8 left, then 1");
+    let one = charged(&a, "ten").unwrap();
     // Charged 1, really 1: nothing to settle.
-    ask(&mut c, settle(&bucket, 1, 1)).await;
+    ask(&mut c, settle(&bucket, &one, 1)).await;
+    // Issue 32, case 9: a made-up charge gives nothing back (no receipt, or one never given, or
+    // one used already): 7 left.
+    for forged in [
+        "999999999999999",
+        "999999999999999:12345",
+        reported.as_str(),
+    ] {
+        ask(&mut c, settle(&bucket, forged, 0)).await;
+    }
     // Charged 1, really 15: 14 more, past zero, and the settlement is still OK.
-    let s = ask(&mut c, settle(&bucket, 1, 15)).await;
+    let s = ask(&mut c, settle(&bucket, "1", 15)).await;
     assert_eq!(s.overall_code, code(Code::Ok));
     assert_eq!(s.statuses[0].code, code(Code::Ok));
     // A debt of 7: the next request of cost 1 waits for 8 tokens, a token every 1000 s.
-    let over = ask(&mut c, charge(1)).await;
+    let over = ask(&mut c, reserve(1)).await;
     assert_eq!(over.overall_code, code(Code::OverLimit));
     assert_eq!(
         over.dynamic_metadata, None,
@@ -546,23 +561,20 @@ async fn a_settlement_charges_or_gives_back_the_difference_into_a_debt_and_alway
     let wait = ms(&over.statuses[0]);
     assert!((7_990_000..=8_000_000).contains(&wait), "waits {wait} ms");
     assert_eq!(header(&over, "retry-after").as_deref(), Some("8000"));
-    // A settlement that gives back repays the debt: 7 - 10 + 3 = 0 + 3 (charged 10, cost 0).
-    ask(&mut c, settle(&bucket, 10, 0)).await;
-    assert_eq!(remaining(&ask(&mut c, charge(1)).await), 2);
     // A settlement on a descriptor that matches no limit, or in envoyproxy/ratelimit's format,
     // settles the bucket its entries name there, or nothing.
-    let s = ask(&mut c, settle(&[("rule", "nowhere")], 1, 5)).await;
+    let s = ask(&mut c, settle(&[("rule", "nowhere")], "1", 5)).await;
     assert_eq!(s.overall_code, code(Code::Ok));
     let metric = |o: &str| format!("ratelimit_settlements_total{{outcome=\"{o}\"}}");
-    assert_eq!(sidecar.metric(&metric("given_back")).await, 2.0);
+    assert_eq!(sidecar.metric(&metric("given_back")).await, 1.0);
     assert_eq!(sidecar.metric(&metric("charged")).await, 1.0);
     assert_eq!(
         sidecar.metric(&metric("skipped")).await,
-        2.0,
-        "1 = 1, no limit"
+        5.0,
+        "1 = 1, the three made up, no limit"
     );
     // Malformed: refused naming the field, nothing applied.
-    let mut bad = settle(&bucket, 1, 1);
+    let mut bad = settle(&bucket, "1", 1);
     bad.descriptors[0].entries[2].value = "x".into();
     let status = c.should_rate_limit(bad).await.expect_err("refused");
     assert_eq!(status.code(), tonic::Code::InvalidArgument);
@@ -572,7 +584,7 @@ async fn a_settlement_charges_or_gives_back_the_difference_into_a_debt_and_alway
             .starts_with("descriptors[0].entries[2].value:"),
         "{status:?}"
     );
-    let mut mixed = settle(&bucket, 1, 1);
+    let mut mixed = settle(&bucket, "1", 1);
     mixed.descriptors.insert(0, descriptor(&bucket));
     let status = c.should_rate_limit(mixed).await.expect_err("refused");
     assert_eq!(status.code(), tonic::Code::InvalidArgument);
@@ -580,5 +592,6 @@ async fn a_settlement_charges_or_gives_back_the_difference_into_a_debt_and_alway
         status.message().starts_with("descriptors[1]:"),
         "{status:?}"
     );
-    assert_eq!(remaining(&ask(&mut c, charge(1)).await), 1);
+    let over = ask(&mut c, reserve(1)).await;
+    assert_eq!(over.overall_code, code(Code::OverLimit), "still in debt");
 }

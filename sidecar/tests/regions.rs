@@ -45,6 +45,7 @@ async fn store(redis: &Redis) -> RedisStore {
 /// `history`; how many were admitted.
 async fn take(store: &RedisStore, key: &str, history: &ShareHistory, n: usize) -> usize {
     let charge = Charge {
+        receipt: 0,
         key: Arc::from(key),
         bucket: BucketLimits {
             capacity: 100,

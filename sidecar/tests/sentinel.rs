@@ -182,6 +182,7 @@ fn call(key: &str) -> ratelimit_sidecar::store::Work {
         groups: vec![Group {
             record: None,
             requests: vec![vec![Charge {
+                receipt: 0,
                 key: std::sync::Arc::from(bucket("b10", key)),
                 bucket: BucketLimits::new(10, 1.0),
                 cost: 1,

@@ -96,32 +96,54 @@ async fn a_debt_past_zero_rejects_until_refill_repays_it() {
     );
 }
 
+/// A decision that asks for a receipt of its charge, and the receipt its answer holds.
+async fn reserve(sidecar: &Sidecar, rule: &str, id: &str, cost: u64) -> (Value, Option<String>) {
+    let mut d = decision(rule, id, cost);
+    d["receipt"] = json!(true);
+    let (s, a) = sidecar.decide(json!([d])).await;
+    assert_eq!(s, 200, "{a}");
+    let receipt = a["results"][0]["receipt"].as_str().map(str::to_string);
+    (a, receipt)
+}
+
+fn with_receipt(rule: &str, id: &str, reserved: u64, cost: u64, receipt: &str) -> Value {
+    let mut v = one(rule, id, reserved, cost);
+    v["receipt"] = json!(receipt);
+    v
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_cheap_response_gives_its_reservation_back_up_to_the_capacity() {
+async fn a_cheap_response_gives_back_what_its_receipt_charged() {
     let redis = Redis::start();
     let sidecar = Sidecar::on_redis(&redis).await;
     let id = unique("cheap");
     // b10: capacity 10, almost no refill. Reserve 8, the response says 2: 6 come back.
-    let (_, a) = sidecar.decide(json!([decision("b10", &id, 8)])).await;
+    let (a, receipt) = reserve(&sidecar, "b10", &id, 8).await;
     assert_eq!(a["results"][0]["remaining"], 2);
-    let (s, a) = settle(&sidecar, json!({"settlements": [one("b10", &id, 8, 2)]})).await;
+    let receipt = receipt.expect("an admitted decision that asked has a receipt");
+    let (s, a) = settle(
+        &sidecar,
+        json!({"settlements": [with_receipt("b10", &id, 8, 2, &receipt)]}),
+    )
+    .await;
     assert_eq!((s, a["applied"].clone()), (200, json!(1)), "{a}");
-    let (_, a) = sidecar.decide(json!([decision("b10", &id, 8)])).await;
+    let (a, second) = reserve(&sidecar, "b10", &id, 8).await;
     assert_eq!(
         (a["allowed"].clone(), a["results"][0]["remaining"].clone()),
         (json!(true), json!(0))
     );
-    // A give-back never passes the capacity; the same cost as reserved changes nothing.
+    // The receipt of 8, settled at 0, gives back those 8; a cost equal to its reservation
+    // without a receipt changes nothing, nor does an unknown rule.
     let (_, a) = settle(
         &sidecar,
-        json!({"settlements": [one("b10", &id, 100, 0), one("b10", &id, 5, 5), one("nope", &id, 5, 1)]}),
+        json!({"settlements": [with_receipt("b10", &id, 8, 0, &second.unwrap()), one("b10", &id, 5, 5), one("nope", &id, 5, 1)]}),
     )
     .await;
     assert_eq!(a, json!({"applied": 1, "repeated": 0, "skipped": 2}));
     let tokens = stored(&mut redis.connection(), &bucket("b10", &id))
         .unwrap()
         .tokens;
-    assert_eq!(tokens.floor(), 10.0, "{tokens}");
+    assert_eq!(tokens.floor(), 8.0, "{tokens}");
     assert_eq!(
         sidecar
             .metric("ratelimit_settlements_total{outcome=\"given_back\"}")
@@ -134,6 +156,64 @@ async fn a_cheap_response_gives_its_reservation_back_up_to_the_capacity() {
             .await,
         2.0
     );
+}
+
+async fn admitted(sidecar: &Sidecar, id: &str) -> bool {
+    sidecar.decide(json!([decision("b10", id, 1)])).await.1["allowed"] == true
+}
+
+/// Issue 32, case 9: an authenticated caller cannot create budget. A settlement gives back at
+/// most what the sidecar charged the decision its receipt names, once; without a receipt it
+/// holds (none, made up, used already, or another bucket's) nothing is given back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_settlement_gives_back_at_most_what_its_receipt_charged_once() {
+    let redis = Redis::start();
+    let sidecar = Sidecar::on_redis(&redis).await;
+    let (id, other) = (unique("spent"), unique("other"));
+    // b10: capacity 10, almost no refill; spent down to 0.
+    let (_, receipt) = reserve(&sidecar, "b10", &id, 1).await;
+    let receipt = receipt.unwrap();
+    let (_, a) = sidecar.decide(json!([decision("b10", &id, 9)])).await;
+    assert_eq!(a["allowed"], true);
+    let (_, other_receipt) = reserve(&sidecar, "b10", &other, 5).await;
+    assert!(!admitted(&sidecar, &id).await, "spent");
+    let huge = 999_999_999_999_999;
+    for forged in [
+        one("b10", &id, huge, 0),
+        with_receipt("b10", &id, huge, 0, "12345"),
+        with_receipt("b10", &id, huge, 0, &other_receipt.unwrap()),
+    ] {
+        let (s, a) = settle(&sidecar, json!({ "settlements": [forged] })).await;
+        assert_eq!(s, 200, "{a}");
+        assert!(
+            !admitted(&sidecar, &id).await,
+            "budget made from nothing by {forged}"
+        );
+    }
+    // Its own receipt gives back what that decision was charged (1), not what the call claims.
+    let (_, a) = settle(
+        &sidecar,
+        json!({"settlements": [with_receipt("b10", &id, huge, 0, &receipt)]}),
+    )
+    .await;
+    assert_eq!(a["applied"], 1, "{a}");
+    assert!(admitted(&sidecar, &id).await, "the 1 charged, back");
+    assert!(!admitted(&sidecar, &id).await, "and no more");
+    // Once: the same receipt again gives nothing.
+    let (_, a) = settle(
+        &sidecar,
+        json!({"settlements": [with_receipt("b10", &id, huge, 0, &receipt)]}),
+    )
+    .await;
+    assert_eq!(a["applied"], 1, "{a}");
+    assert!(!admitted(&sidecar, &id).await, "a receipt gives back once");
+    // A cost above the reservation is charged with or without a receipt.
+    let (_, a) = settle(&sidecar, json!({"settlements": [one("b10", &other, 1, 4)]})).await;
+    assert_eq!(a["applied"], 1, "{a}");
+    let tokens = stored(&mut redis.connection(), &bucket("b10", &other))
+        .unwrap()
+        .tokens;
+    assert_eq!(tokens.floor(), 2.0, "10 - 5 - 3 more: {tokens}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -165,6 +245,10 @@ async fn a_malformed_settle_call_is_refused_naming_the_field_and_changes_nothing
         (
             json!({"id": "", "settlements": [one("b10", "x", 1, 2)]}),
             "id",
+        ),
+        (
+            json!({"settlements": [with_receipt("b10", "x", 1, 2, "0x1f")]}),
+            "settlements[0].receipt",
         ),
     ] {
         let (s, a) = settle(&sidecar, body.clone()).await;

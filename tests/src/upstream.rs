@@ -4,7 +4,10 @@
 //! Under `/usage/` it reports a cost as an LLM API reports its tokens ([`usage_response`]):
 //! `/usage/header?tokens=N` in the `x-usage-tokens` header, `/usage/json?tokens=N` in the JSON
 //! body's `usage.total_tokens`, `/usage/sse?tokens=N&events=K&gap_ms=G` as a `text/event-stream`
-//! of K chunks G ms apart whose last `data:` event carries `usage.total_tokens`.
+//! of K chunks G ms apart whose last `data:` event carries `usage.total_tokens`. As an LLM API
+//! does, it compresses the body when the request accepts `gzip` or `deflate`; and, to test what
+//! a gateway cannot read: `usage=0` leaves the usage out, `compress=gzip|deflate` compresses
+//! whatever the request accepts, `cut=1` resets the stream half way through the body.
 //!
 //! Under `/hold/<key>?ms=N` it holds the request open N ms before answering, and counts the
 //! requests of `<key>` in flight now and at most ([`Upstream::in_flight`],
@@ -16,6 +19,7 @@ use std::sync::{Arc, Mutex};
 
 use axum::http::{HeaderMap, Uri};
 use axum::response::IntoResponse;
+use futures::StreamExt;
 use tokio::sync::oneshot;
 
 /// Requests in flight per key under `/hold/`: (now, at most).
@@ -55,7 +59,7 @@ impl Upstream {
                         if let Some(r) = hold(&uri, &held).await {
                             return r;
                         }
-                        if let Some(r) = usage_response(&uri) {
+                        if let Some(r) = usage_response(&uri, &headers) {
                             return r;
                         }
                         let echoed: serde_json::Map<String, serde_json::Value> = headers
@@ -142,7 +146,7 @@ async fn hold(uri: &Uri, counts: &InFlight) -> Option<axum::response::Response> 
 }
 
 /// The answer of a `/usage/` path (see the module's header), `None` for another path.
-pub fn usage_response(uri: &Uri) -> Option<axum::response::Response> {
+pub fn usage_response(uri: &Uri, headers: &HeaderMap) -> Option<axum::response::Response> {
     let mode = uri.path().strip_prefix("/usage/")?;
     let query: std::collections::HashMap<String, String> = uri
         .query()
@@ -153,41 +157,103 @@ pub fn usage_response(uri: &Uri) -> Option<axum::response::Response> {
         .collect();
     let num = |k: &str, default: u64| query.get(k).and_then(|v| v.parse().ok()).unwrap_or(default);
     let tokens = num("tokens", 1);
-    let body =
-        serde_json::json!({"id": "x", "usage": {"prompt_tokens": 1, "total_tokens": tokens}});
-    Some(match mode {
-        "header" => (
-            [("x-usage-tokens", tokens.to_string())],
-            axum::Json(serde_json::json!({"upstream": "ok"})),
-        )
-            .into_response(),
-        "json" => axum::Json(body).into_response(),
-        "sse" => {
-            let (events, gap_ms) = (num("events", 3), num("gap_ms", 0));
-            let stream = futures::stream::unfold(0u64, move |i| async move {
-                if i > events {
-                    return None;
-                }
-                if gap_ms > 0 && i > 0 {
-                    tokio::time::sleep(std::time::Duration::from_millis(gap_ms)).await;
-                }
-                let event = if i + 1 < events {
-                    format!("data: {{\"choices\":[{{\"delta\":\"chunk {i}\"}}]}}\n\n")
-                } else if i + 1 == events {
-                    format!("data: {{\"choices\":[],\"usage\":{{\"total_tokens\":{tokens}}}}}\n\n")
-                } else {
-                    "data: [DONE]\n\n".to_string()
-                };
-                Some((Ok::<_, std::io::Error>(event), i + 1))
-            });
-            (
-                [("content-type", "text/event-stream")],
-                axum::body::Body::from_stream(stream),
+    let with_usage = num("usage", 1) == 1;
+    let cut = num("cut", 0) == 1;
+    let accepts = headers
+        .get("accept-encoding")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_ascii_lowercase();
+    let encoding: Option<&'static str> = match query.get("compress").map(String::as_str) {
+        Some("gzip") => Some("gzip"),
+        Some("deflate") => Some("deflate"),
+        _ if accepts.contains("gzip") => Some("gzip"),
+        _ if accepts.contains("deflate") => Some("deflate"),
+        _ => None,
+    };
+    let usage = serde_json::json!({"prompt_tokens": 1, "total_tokens": tokens});
+    let mut body = serde_json::json!({"id": "x"});
+    if with_usage {
+        body["usage"] = usage;
+    }
+    let (content_type, chunks): (&str, Vec<Vec<u8>>) = match mode {
+        "header" => {
+            return Some(
+                (
+                    [("x-usage-tokens", tokens.to_string())],
+                    axum::Json(serde_json::json!({"upstream": "ok"})),
+                )
+                    .into_response(),
             )
-                .into_response()
         }
-        _ => axum::http::StatusCode::NOT_FOUND.into_response(),
-    })
+        "json" => ("application/json", vec![body.to_string().into_bytes()]),
+        "sse" => {
+            let events = num("events", 3);
+            let mut chunks: Vec<Vec<u8>> = (0..events.saturating_sub(1))
+                .map(|i| {
+                    format!("data: {{\"choices\":[{{\"delta\":\"chunk {i}\"}}]}}\n\n").into_bytes()
+                })
+                .collect();
+            if with_usage {
+                chunks.push(
+                    format!("data: {{\"choices\":[],\"usage\":{{\"total_tokens\":{tokens}}}}}\n\n")
+                        .into_bytes(),
+                );
+            }
+            chunks.push(b"data: [DONE]\n\n".to_vec());
+            ("text/event-stream", chunks)
+        }
+        _ => return Some(axum::http::StatusCode::NOT_FOUND.into_response()),
+    };
+    // Compressed as one body (a stream compressed as it goes is the same to a gateway: unread).
+    let chunks = match encoding {
+        None => chunks,
+        Some(e) => vec![compress(e, &chunks.concat())],
+    };
+    let mut chunks: Vec<Option<Vec<u8>>> = chunks.into_iter().map(Some).collect();
+    if cut {
+        // Half the last chunk, then an error: the stream is reset mid-body.
+        let last = chunks.pop().flatten().unwrap_or_default();
+        chunks.push(Some(last[..last.len() / 2].to_vec()));
+        chunks.push(None);
+    }
+    let gap_ms = num("gap_ms", 0);
+    let stream =
+        futures::stream::iter(chunks.into_iter().enumerate()).then(move |(i, c)| async move {
+            if gap_ms > 0 && i > 0 {
+                tokio::time::sleep(std::time::Duration::from_millis(gap_ms)).await;
+            }
+            if c.is_none() {
+                // Past the headers and the first half, on the wire before the reset.
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            }
+            c.ok_or_else(|| std::io::Error::other("cut short on purpose"))
+        });
+    let mut response = (
+        [("content-type", content_type)],
+        axum::body::Body::from_stream(stream),
+    )
+        .into_response();
+    if let Some(e) = encoding {
+        response
+            .headers_mut()
+            .insert("content-encoding", axum::http::HeaderValue::from_static(e));
+    }
+    Some(response)
+}
+
+/// `body` compressed as `encoding` (`gzip` or `deflate`, zlib-wrapped as HTTP's deflate is).
+fn compress(encoding: &str, body: &[u8]) -> Vec<u8> {
+    use std::io::Write;
+    if encoding == "gzip" {
+        let mut e = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+        e.write_all(body).expect("in memory");
+        e.finish().expect("in memory")
+    } else {
+        let mut e = flate2::write::ZlibEncoder::new(Vec::new(), flate2::Compression::default());
+        e.write_all(body).expect("in memory");
+        e.finish().expect("in memory")
+    }
 }
 
 impl Drop for Upstream {

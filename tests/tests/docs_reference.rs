@@ -602,6 +602,7 @@ fn every_field_of_a_decide_call_and_its_answer_is_documented() {
         answers: vec![RequestAnswer {
             allowed: true,
             results: vec![DecisionResult {
+                receipt: Some("1".into()),
                 allowed: true,
                 remaining: 1,
                 retry_after_ms: 1,

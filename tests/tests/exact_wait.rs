@@ -102,6 +102,7 @@ impl Clocked for EmergencyBucket {
 /// One request of one decision, as the script and its model take it.
 fn work(key: &str, limits: &BucketLimits, cost: u64) -> Work {
     let charge = Charge {
+        receipt: 0,
         key: Arc::from(key),
         bucket: limits.clone(),
         cost,

@@ -194,3 +194,128 @@ fn a_user_past_the_minutes_budget_waits_for_refill_to_repay_the_debt_and_no_one_
     assert_eq!(g.upstream.hits(), hits);
     println!("alice in debt: Retry-After {retry_after} s (want {least} to {most}); bob admitted");
 }
+
+impl Gateway {
+    /// POST `path` as `user` with `max_tokens` and an `accept-encoding` (none: none sent): the
+    /// status, or 0 when the answer was cut short.
+    fn ask_raw(&self, user: &str, path: &str, max_tokens: u64, accept: Option<&str>) -> u16 {
+        let exp = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs()
+            + 600;
+        let token = signed_jwt(&json!({"iss": JWT_ISSUER, "sub": user, "exp": exp}));
+        // Not reqwest's own decompression: the client asks for what it asks, as a client would.
+        let client = reqwest::blocking::Client::builder()
+            .no_gzip()
+            .no_deflate()
+            .build()
+            .unwrap();
+        let mut req = client
+            .post(self.envoy.url(path))
+            .header("content-type", "application/json")
+            .bearer_auth(token)
+            .body(json!({"model": "m", "max_tokens": max_tokens}).to_string());
+        if let Some(a) = accept {
+            req = req.header("accept-encoding", a);
+        }
+        let Ok(mut resp) = req.send() else {
+            return 0;
+        };
+        let status = resp.status().as_u16();
+        let mut body = Vec::new();
+        match resp.read_to_end(&mut body) {
+            Ok(_) => status,
+            Err(_) => 0,
+        }
+    }
+}
+
+/// Issue 32, case 2: the client does not decide whether its cost is counted. A client asking
+/// for 1 token (`max_tokens: 1`) whose answers really cost 5,000 (a long prompt): a compressed
+/// answer is not offered (the filter asks the API for `accept-encoding: identity`, so it reads
+/// the real cost), and an answer whose cost cannot be read (compressed anyway, no usage, no
+/// field, cut short) settles at the rule's `reserve_max` (32,768), never at the client's 1.
+#[test]
+fn whatever_the_client_sends_its_answers_settle_at_their_real_cost_or_the_operators_figure() {
+    let g = Gateway::start();
+    let mut settled = g.settled();
+    for (user, path, accept, charged) in [
+        ("gzip", "/v1/json?tokens=5000", Some("gzip"), 5_000.0),
+        ("deflate", "/v1/json?tokens=5000", Some("deflate"), 5_000.0),
+        (
+            "sse-gzip",
+            "/v1/sse?tokens=5000&events=3",
+            Some("gzip, br"),
+            5_000.0,
+        ),
+        (
+            "forced",
+            "/v1/json?tokens=5000&compress=gzip",
+            None,
+            32_768.0,
+        ),
+        (
+            "no-usage",
+            "/v1/sse?tokens=5000&events=3&usage=0",
+            None,
+            32_768.0,
+        ),
+        ("no-field", "/v1/json?tokens=5000&usage=0", None, 32_768.0),
+        ("cut", "/v1/json?tokens=5000&cut=1", None, 32_768.0),
+    ] {
+        let start = Instant::now();
+        let status = g.ask_raw(user, path, 1, accept);
+        assert!(
+            status == 200 || (status == 0 && user == "cut"),
+            "{user}: {status}"
+        );
+        settled += 2;
+        let day = g.day_tokens_after(user, settled);
+        let refilled = DAY_REFILL * start.elapsed().as_secs_f64();
+        let want = DAY_CAPACITY - charged;
+        println!("{user}: per-day bucket {day:.1}, want {want} (+ at most {refilled:.1})");
+        assert!(
+            day >= want - 1e-6 && day <= want + refilled + 1e-6,
+            "{user}: per-day bucket {day}, want {want}: the answer settled at {}",
+            DAY_CAPACITY - day
+        );
+    }
+    // A prompt is at most 32 KiB (the listener's buffer limit): what one request in flight can
+    // add beyond its reservation is bounded (docs/costs.md, "The bound").
+    let hits = g.upstream.hits();
+    let exp = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+        + 600;
+    let token = signed_jwt(&json!({"iss": JWT_ISSUER, "sub": "long", "exp": exp}));
+    let long = json!({"model": "m", "max_tokens": 1, "prompt": "x".repeat(40 * 1024)});
+    let status = http()
+        .post(g.envoy.url("/v1/json?tokens=1"))
+        .header("content-type", "application/json")
+        .bearer_auth(token)
+        .body(long.to_string())
+        .send()
+        .map(|r| r.status().as_u16())
+        .unwrap_or(0);
+    assert_eq!(status, 413, "a 40 KiB prompt");
+    assert_eq!(g.upstream.hits(), hits);
+    // The issue's figures: 40 requests of max_tokens 1 that really cost 5,000 each, asking for
+    // gzip, one after the other: what is admitted costs at most C + r·T plus the one request in
+    // flight's excess (5,000 - 1), where before the fix all 40 were (200,000 tokens).
+    let start = Instant::now();
+    let admitted = (0..40)
+        .filter(|_| g.ask_raw("many", "/v1/json?tokens=5000", 1, Some("gzip")) == 200)
+        .count();
+    let bound = MINUTE_CAPACITY + MINUTE_REFILL * start.elapsed().as_secs_f64() + 4_999.0;
+    println!(
+        "40 requests of 5,000 real tokens asking for gzip: {admitted} admitted ({} tokens, bound {bound:.0})",
+        admitted * 5_000
+    );
+    assert!(
+        admitted as f64 * 5_000.0 <= bound,
+        "{admitted} admitted: {} tokens against a bound of {bound:.0}",
+        admitted * 5_000
+    );
+}

@@ -321,10 +321,10 @@ fn envoy_ignores_hits_addend_in_a_routes_own_rate_limits() {
 }
 
 /// The settle entry read from what the sidecar says it charged (dynamic metadata
-/// `envoy.filters.http.ratelimit` / `settle` / `<rule>`, set on an admitted request's answer): a
-/// reservation that differs per request (here from a request header) settles exactly, and a
-/// request nothing was charged for produces no stream-done descriptor, even with a cost that is
-/// always there (a fixed 7).
+/// `envoy.filters.http.ratelimit` / `settle` / `<rule>`, `<tokens>:<receipt>`, set on an admitted
+/// request's answer when its descriptor said `settle=reserve`): a reservation that differs per
+/// request (here from a request header) settles exactly, and a request nothing was charged for
+/// produces no stream-done descriptor, even with a cost that is always there (a fixed 7).
 const METADATA_ROUTE: &str = r#"                typed_per_filter_config:
                   envoy.filters.http.ratelimit:
                     "@type": type.googleapis.com/envoy.extensions.filters.http.ratelimit.v3.RateLimitPerRoute
@@ -332,6 +332,7 @@ const METADATA_ROUTE: &str = r#"                typed_per_filter_config:
                     - hits_addend: { format: "%REQ(x-reserve)%" }
                       actions:
                       - generic_key: { descriptor_key: rule, descriptor_value: llm }
+                      - generic_key: { descriptor_key: settle, descriptor_value: reserve }
                     - apply_on_stream_done: true
                       hits_addend: { number: 7 }
                       actions:

@@ -207,6 +207,7 @@ mod tests {
     #[test]
     fn the_rejection_is_named_by_a_decision_that_never_admits_else_the_longest_wait() {
         let r = |allowed: bool, reason: Reason, retry_after_ms: u64| DecisionResult {
+            receipt: None,
             allowed,
             remaining: 0,
             retry_after_ms,

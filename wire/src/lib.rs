@@ -112,6 +112,10 @@ pub struct Decision {
     /// Ask for a lease of tokens beyond the cost, when the request is admitted.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lease: Option<LeaseAsk>,
+    /// Ask for a receipt of the charge ([`DecisionResult::receipt`]): the cost is a reservation
+    /// a settlement may give back (`docs/costs.md`).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub receipt: bool,
 }
 
 /// A lease ask: up to `tokens` more tokens, deducted now and held by the gateway for `ttl_ms`
@@ -315,6 +319,11 @@ pub struct DecisionResult {
     /// Tokens granted under the decision's lease ask (beyond its cost).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub leased: u64,
+    /// The receipt of the charge, when the decision asked for one and its request was admitted
+    /// and charged: a settlement names it to give back what this decision was charged, once
+    /// (`docs/costs.md`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub receipt: Option<String>,
     /// Why this decision was not decided: its rule is not in the policy (`unknown_rule`, a
     /// configuration error of this decision alone). `allowed` is then `true` and says nothing
     /// (nothing was charged for it): the request's verdict is its other decisions', which were
@@ -370,6 +379,27 @@ pub struct Settle {
     pub reserved: u64,
     /// What the request really cost, as its response reported it.
     pub cost: u64,
+    /// The receipt of the decision that charged the reservation ([`DecisionResult::receipt`]).
+    /// With it, the bucket is charged the real cost less what that decision was charged (given
+    /// back when below), once; without it (or with one settled already, or expired), nothing is
+    /// given back: only a cost above `reserved` is charged.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub receipt: Option<String>,
+}
+
+/// The largest receipt id: receipts travel through Redis as doubles.
+pub const MAX_RECEIPT: u64 = (1 << 53) - 1;
+
+/// A receipt as the sidecar hands it out: the decimal digits of a number from 1 to
+/// [`MAX_RECEIPT`], without leading zeros.
+pub fn parse_receipt(text: &str) -> Option<u64> {
+    if text.is_empty() || text.len() > 16 || text.starts_with('0') {
+        return None;
+    }
+    if !text.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    text.parse().ok().filter(|n| (1..=MAX_RECEIPT).contains(n))
 }
 
 /// The answer to a settle call: how many settlements changed a bucket now, how many were a

@@ -226,6 +226,7 @@ fn admitted(leased: u64) -> DecisionResult {
         limit: limit(),
         shadow: false,
         leased,
+        receipt: None,
         error: None,
     }
 }
@@ -307,6 +308,7 @@ fn a_quiet_bucket_asks_the_sidecar_without_a_lease_and_an_admission_writes_nothi
             subject: WireSubject(vec![("app".into(), Some("alpha".into()))]),
             cost: 1,
             lease: None,
+            receipt: false,
         }]
     );
     let v = g.settle(&mut w, answer(vec![admitted(0)]), T0, T0 + MS);
@@ -640,6 +642,7 @@ fn undecided(rule: &str) -> DecisionResult {
         limit: None,
         shadow: false,
         leased: 0,
+        receipt: None,
         error: Some(RequestError {
             code: ErrorCode::UnknownRule,
             message: format!("unknown rule {rule:?} in domain \"test\""),
@@ -756,12 +759,26 @@ fn an_admitted_request_reserves_what_it_names_and_settles_the_difference() {
     let call = w.decisions(&g.config);
     assert_eq!(call[0].cost, 300, "the reservation");
     assert_eq!(call[0].lease, None, "a settled cost never asks for a lease");
-    admitted_with(g.settle(&mut w, answer(vec![admitted(0)]), T0, T0 + MS));
+    assert!(
+        call[0].receipt,
+        "a reservation asks for a receipt of its charge"
+    );
+    let with_receipt = DecisionResult {
+        receipt: Some("77".into()),
+        ..admitted(0)
+    };
+    admitted_with(g.settle(&mut w, answer(vec![with_receipt]), T0, T0 + MS));
     let mut m = g.flow().metered(&w);
     assert_eq!((m.len(), m[0].reserved), (1, 300));
-    m[0].meter.headers(Some(b"120"), None);
-    let s = g.flow().settled(m.remove(0), false).unwrap();
+    m[0].meter.headers(Some(b"120"), None, None);
+    let mut budget = costs::Budget::default();
+    let s = g.flow().settled(m.remove(0), false, &mut budget).unwrap();
     assert_eq!((s.rule.as_str(), s.reserved, s.cost), ("per-app", 300, 120));
+    assert_eq!(
+        s.receipt.as_deref(),
+        Some("77"),
+        "settled against its receipt"
+    );
     assert_eq!(g.count(Stat::CostsSettled), 1);
 
     // Without the header: the fallback, bounded when named.
@@ -803,21 +820,49 @@ fn only_a_charged_decision_settles() {
 }
 
 #[test]
-fn a_response_without_its_cost_settles_at_the_reservation() {
+fn a_response_without_its_cost_settles_at_the_operators_figure_never_the_clients() {
+    // Issue 32, case 2: the client names a reservation of 1; a response whose cost cannot be
+    // read settles at the rule's `unreported_cost`, by default its `reserve_max` (8192).
     let mut g = Gateway::new(config(metered));
-    let mut w = waits(g.start(&alpha(), T0));
+    let mut r = alpha();
+    r.headers.insert("x-max-tokens".into(), b"1".to_vec());
+    let mut w = waits(g.start(&r, T0));
     admitted_with(g.settle(&mut w, answer(vec![admitted(0)]), T0, T0 + MS));
+    let mut budget = costs::Budget::default();
     let mut m = g.flow().metered(&w);
-    m[0].meter.headers(None, None);
-    assert_eq!(g.flow().settled(m.remove(0), true), None);
+    m[0].meter.headers(None, None, None);
+    let s = g.flow().settled(m.remove(0), true, &mut budget).unwrap();
+    assert_eq!((s.reserved, s.cost), (1, 8192), "not reported");
     assert_eq!(g.count(Stat::CostsUnreported), 1);
     let mut m = g.flow().metered(&w);
-    m[0].meter.headers(Some(b"4096"), None);
+    m[0].meter.headers(Some(b"1"), None, None);
     assert_eq!(
-        g.flow().settled(m.remove(0), true),
+        g.flow().settled(m.remove(0), true, &mut budget),
         None,
         "the cost reserved"
     );
+    // An operator's own figure.
+    let mut g = Gateway::new(config(|v| {
+        metered(v);
+        v["rules"][0]["cost"]["unreported_cost"] = json!(500);
+    }));
+    let mut w = waits(g.start(&r, T0));
+    admitted_with(g.settle(&mut w, answer(vec![admitted(0)]), T0, T0 + MS));
+    let mut m = g.flow().metered(&w);
+    m[0].meter.headers(None, None, None);
+    let s = g.flow().settled(m.remove(0), false, &mut budget).unwrap();
+    assert_eq!(s.cost, 500, "cut short: unreported");
+}
+
+#[test]
+fn a_response_whose_cost_is_in_its_body_is_asked_for_uncompressed() {
+    let g = Gateway::new(config(|v| {
+        v["rules"][0]["cost"] = json!({"reserve": 100, "response_json": "usage.total_tokens"});
+    }));
+    assert!(g.flow().reads_response_body(&alpha()));
+    assert!(!g.flow().reads_response_body(&request("/health", None)));
+    let by_header = Gateway::new(config(metered));
+    assert!(!by_header.flow().reads_response_body(&alpha()));
 }
 
 #[test]

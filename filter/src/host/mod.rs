@@ -92,6 +92,8 @@ struct Vm {
     /// Requests decided once their body is in (a reservation from its JSON), by context: the
     /// deadline after which they are decided without it.
     awaiting_body: HashMap<u32, u64>,
+    /// What this worker's meters keep of response bodies.
+    meter_budget: costs::Budget,
     /// The concurrency slots of this worker's streams, and the token of the call renewing or
     /// releasing some.
     slots: Slots,
@@ -213,6 +215,7 @@ impl RootContext for Root {
             outbox: Outbox::new(nonce),
             settle_flight: None,
             awaiting_body: HashMap::new(),
+            meter_budget: costs::Budget::default(),
             slots: Slots::default(),
             slots_flight: None,
         })));
@@ -393,6 +396,14 @@ impl HttpContext for Request {
             return Action::Pause;
         };
         let plugin = vm.borrow().plugin.clone();
+        if plugin.flow().reads_response_body(&HostRequest) {
+            // The real cost is read from the response's body: it must come uncompressed.
+            if let Err(status) =
+                abi::replace_header(MapType::HttpRequestHeaders, "accept-encoding", "identity")
+            {
+                debug!("ratelimit filter: cannot set accept-encoding: status {status}");
+            }
+        }
         if !end_of_stream && plugin.flow().wants_request_body(&HostRequest) {
             // Envoy delivers the body to a paused filter only with the Wasm filter's
             // `allow_on_headers_stop_iteration: true` (docs/costs.md); without it the request is
@@ -454,8 +465,9 @@ impl HttpContext for Request {
         // The chunk passing now (the body is never held back for metering).
         if body_size > 0 {
             if let Some(chunk) = abi::buffer(BufferType::HttpResponseBody, body_size) {
+                let mut v = vm.borrow_mut();
                 for m in &mut metered {
-                    m.meter.body(&chunk);
+                    m.meter.body(&chunk, &mut v.meter_budget);
                 }
             }
         }
@@ -512,12 +524,17 @@ fn meter_headers(vm: &SharedVm, ctx: u32, end_of_stream: bool) {
         return;
     };
     let content_type = abi::header_map_value(MapType::HttpResponseHeaders, "content-type");
+    let encoding = abi::header_map_value(MapType::HttpResponseHeaders, "content-encoding");
     for m in &mut metered {
         let header = m
             .meter
             .header_name()
             .and_then(|h| abi::header_map_value(MapType::HttpResponseHeaders, h));
-        m.meter.headers(header.as_deref(), content_type.as_deref());
+        m.meter.headers(
+            header.as_deref(),
+            content_type.as_deref(),
+            encoding.as_deref(),
+        );
     }
     let (open, done): (Vec<Metered>, Vec<Metered>) = metered
         .into_iter()
@@ -537,7 +554,8 @@ fn settle_costs(vm: &SharedVm, metered: Vec<Metered>, complete: bool) {
     let plugin = vm.borrow().plugin.clone();
     let flow = plugin.flow();
     for m in metered {
-        if let Some(s) = flow.settled(m, complete) {
+        let settled = flow.settled(m, complete, &mut vm.borrow_mut().meter_budget);
+        if let Some(s) = settled {
             let lost = vm.borrow_mut().outbox.push(s);
             flow.count_delivery(costs::Delivery { retried: 0, lost });
         }

@@ -60,6 +60,7 @@ impl<S> Decider<S> {
                 limit: None,
                 shadow: false,
                 leased: 0,
+                receipt: None,
                 error: Some(error.clone()),
             },
             Plan::Unlimited { limit } => {
@@ -75,6 +76,7 @@ impl<S> Decider<S> {
                     limit: None,
                     shadow: false,
                     leased: 0,
+                    receipt: None,
                     error: None,
                 }
             }
@@ -100,10 +102,16 @@ impl<S> Decider<S> {
                     }),
                     shadow: limit.shadow,
                     leased: 0,
+                    receipt: None,
                     error: None,
                 }
             }
-            Plan::Charge { limit, bucket, .. } => {
+            Plan::Charge {
+                limit,
+                bucket,
+                receipt,
+                ..
+            } => {
                 // A regional limit applies the region's part: the numbers under the share in
                 // force.
                 let (capacity, refill_per_sec) = bucket.in_force();
@@ -124,6 +132,7 @@ impl<S> Decider<S> {
                         limit: applied,
                         shadow: limit.shadow,
                         leased: 0,
+                        receipt: None,
                         error: None,
                     };
                 };
@@ -153,6 +162,9 @@ impl<S> Decider<S> {
                     limit: applied,
                     shadow: limit.shadow,
                     leased: if request_allowed { o.leased } else { 0 },
+                    // Charged under its receipt only when the request was admitted.
+                    receipt: (request_allowed && o.allowed && *receipt > 0)
+                        .then(|| receipt.to_string()),
                     error: None,
                 }
             }

@@ -49,14 +49,20 @@ pub struct Item {
     pub entries: Entries,
     pub cost: u64,
     pub lease: Option<LeaseAsk>,
+    /// Ask for a receipt of the charge: the cost is a reservation a settlement may give back.
+    pub receipt: bool,
 }
 
-/// A settlement in the generic form: the bucket's descriptor entries and the tokens to charge
-/// (`delta > 0`, past zero into a debt) or give back (`delta < 0`).
+/// A settlement in the generic form: the bucket's descriptor entries, the reservation the caller
+/// names, the real cost, and the receipt of the decision that charged the reservation. Charged
+/// `cost` less what the receipt says was charged (past zero into a debt, below it given back),
+/// once; without a receipt held, only `cost - reserved` when positive (`docs/costs.md`).
 #[derive(Debug, Clone, PartialEq)]
 pub struct SettleItem {
     pub entries: Entries,
-    pub delta: i64,
+    pub reserved: u64,
+    pub cost: u64,
+    pub receipt: Option<u64>,
 }
 
 /// Unused lease tokens given back, in the generic form.
@@ -152,6 +158,7 @@ impl<S: BucketStore> Decider<S> {
                         entries: rule_entries(d.rule, d.subject),
                         cost: d.cost,
                         lease: d.lease,
+                        receipt: d.receipt,
                     })
                     .collect()
             })
@@ -180,18 +187,22 @@ impl<S: BucketStore> Decider<S> {
         }
     }
 
-    /// Applies a settle call that [`validate_settle`] accepted: each settlement's difference
-    /// (`cost - reserved`) charged to or given back to its bucket in one batch
-    /// (`docs/costs.md`). An error is the store's: the caller may send the batch again (its id
-    /// keeps a repeat from applying anything twice).
+    /// Applies a settle call that [`validate_settle`] accepted: each settlement charged to or
+    /// given back to its bucket in one batch ([`SettleItem`], `docs/costs.md`). An error is the
+    /// store's: the caller may send the batch again (its id keeps a repeat from applying anything
+    /// twice, and a receipt gives back once).
     pub async fn settle(&self, call: SettleRequest) -> Result<SettleResponse, StoreError> {
         let items = call
             .settlements
             .into_iter()
             .map(|st| SettleItem {
                 entries: rule_entries(st.rule, st.subject),
-                // Both at most MAX_CAPACITY (validated): the difference fits an i64.
-                delta: st.cost as i64 - st.reserved as i64,
+                reserved: st.reserved,
+                cost: st.cost,
+                receipt: st
+                    .receipt
+                    .as_deref()
+                    .and_then(ratelimit_wire::parse_receipt),
             })
             .collect();
         self.settle_items(&call.domain, call.id, items).await
@@ -209,9 +220,11 @@ impl<S: BucketStore> Decider<S> {
         let policy = self.policy.current().clone();
         let mut skipped = 0;
         let mut settlements = Vec::with_capacity(items.len());
-        for SettleItem { entries, delta } in items {
-            match (delta != 0)
-                .then(|| self.plan_settlement(&policy, domain, &entries, delta))
+        for item in items {
+            // Without a receipt, a cost at or below the reservation changes nothing.
+            let anything = item.receipt.is_some() || item.cost > item.reserved;
+            match anything
+                .then(|| self.plan_settlement(&policy, domain, &item))
                 .flatten()
             {
                 Some(s) => settlements.push(s),
@@ -227,8 +240,7 @@ impl<S: BucketStore> Decider<S> {
         if settlements.is_empty() {
             return Ok(answer);
         }
-        let deltas: Vec<i64> = settlements.iter().map(|s| s.delta).collect();
-        let n = deltas.len() as u64;
+        let n = settlements.len() as u64;
         let batch = SettleBatch { id, settlements };
         match self.store.settle(batch).await {
             Err(e) => {
@@ -237,13 +249,14 @@ impl<S: BucketStore> Decider<S> {
             }
             Ok(settled) => {
                 let mut repeated = 0;
-                for (delta, tokens) in deltas.iter().zip(&settled.tokens) {
-                    let outcome = match tokens {
+                for applied in &settled.applied {
+                    let outcome = match applied {
                         None => SettleOutcome::Repeated,
-                        Some(_) if *delta > 0 => SettleOutcome::Charged,
-                        Some(_) => SettleOutcome::GivenBack,
+                        Some(a) if a.delta > 0 => SettleOutcome::Charged,
+                        Some(a) if a.delta < 0 => SettleOutcome::GivenBack,
+                        Some(_) => SettleOutcome::Skipped,
                     };
-                    repeated += u64::from(tokens.is_none());
+                    repeated += u64::from(applied.is_none());
                     self.metrics.settled(outcome, 1);
                 }
                 answer.applied = n - repeated;
@@ -459,6 +472,7 @@ rules:
             subject.push(*k, v.map(String::from));
         }
         Decision {
+            receipt: false,
             rule: rule.into(),
             subject,
             cost: 1,
@@ -763,6 +777,7 @@ rules:
         assert_eq!(
             rejected.results[1],
             DecisionResult {
+                receipt: None,
                 allowed: false,
                 remaining: 0,
                 retry_after_ms: 0,

@@ -19,9 +19,9 @@ use std::collections::HashSet;
 use std::sync::Arc;
 
 use ratelimit_regions::ShareHistory;
-use ratelimit_wire::{ErrorCode, RequestError};
+use ratelimit_wire::{ErrorCode, RequestError, MAX_RECEIPT};
 
-use super::{Caller, Decider, Item, ReturnItem};
+use super::{Caller, Decider, Item, ReturnItem, SettleItem};
 use crate::keys::bucket_key;
 use crate::policy::own_format::RULE_KEY;
 use crate::policy::{Limit, LimitKind, Policy, Resolution};
@@ -34,6 +34,8 @@ pub(super) enum Plan {
         limit: Arc<Limit>,
         key: Arc<str>,
         bucket: BucketLimits,
+        /// The receipt id its charge is kept under, when the decision asked for one (0: none).
+        receipt: u64,
     },
     /// Answered here: unlimited (or not limited at all, for Envoy's API).
     Unlimited { limit: Option<Arc<Limit>> },
@@ -75,6 +77,7 @@ impl<S> Decider<S> {
                                 share: self.share_for(&limit)?,
                             },
                             limit,
+                            receipt: if item.receipt { new_receipt() } else { 0 },
                         },
                         LimitKind::Unlimited => Plan::Unlimited { limit: Some(limit) },
                         LimitKind::Blocked => Plan::Blocked { limit },
@@ -194,12 +197,17 @@ impl<S> Decider<S> {
         &self,
         policy: &Policy,
         domain: &str,
-        entries: &[(String, Option<String>)],
-        delta: i64,
+        item: &SettleItem,
     ) -> Option<Settlement> {
-        let (key, bucket) = self.bucket_of(policy, domain, entries)?;
+        let (key, bucket) = self.bucket_of(policy, domain, &item.entries)?;
         let (capacity_now, refill_now) = bucket.in_force();
-        (capacity_now > 0 && refill_now > 0.0).then_some(Settlement { key, bucket, delta })
+        (capacity_now > 0 && refill_now > 0.0).then_some(Settlement {
+            key,
+            bucket,
+            reserved: item.reserved,
+            cost: item.cost,
+            receipt: item.receipt,
+        })
     }
 
     /// The key and limits of the bucket `entries` name under the policy in force: `None` for an
@@ -237,9 +245,20 @@ impl<S> Decider<S> {
     }
 }
 
+/// A receipt id: random, 1 to [`MAX_RECEIPT`] (a caller cannot guess another's).
+fn new_receipt() -> u64 {
+    rand::random::<u64>() % MAX_RECEIPT + 1
+}
+
 /// What the store charges for a planned decision, if anything.
 pub(super) fn charge(plan: &Plan, item: &Item, caller: Caller) -> Option<Charge> {
-    let Plan::Charge { limit, key, bucket } = plan else {
+    let Plan::Charge {
+        limit,
+        key,
+        bucket,
+        receipt,
+    } = plan
+    else {
         return None;
     };
     Some(Charge {
@@ -257,6 +276,7 @@ pub(super) fn charge(plan: &Plan, item: &Item, caller: Caller) -> Option<Charge>
         } else {
             GrantCap::Share
         },
+        receipt: *receipt,
     })
 }
 
@@ -312,6 +332,7 @@ mod tests {
             entries: entries(rule),
             cost: 1,
             lease: None,
+            receipt: false,
         };
         let plan = |items: &[Item]| d.plan(&policy, "ratelimit", items, Caller::Filter);
         let e = plan(&[item("local"), item("global")])

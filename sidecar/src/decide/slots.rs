@@ -275,6 +275,7 @@ rules:
         let mut subject = Subject::new();
         subject.push("app", Some("a".into()));
         Decision {
+            receipt: false,
             rule: rule.into(),
             subject,
             cost: 1,
@@ -442,6 +443,7 @@ rules:
         assert_eq!(a.answers[0].results[0].leased, 0);
         let leased = held_id(&a);
         let item = Item {
+            receipt: false,
             entries: vec![
                 ("rule".into(), Some("one".into())),
                 ("app".into(), Some("a".into())),

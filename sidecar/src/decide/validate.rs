@@ -136,6 +136,14 @@ pub fn validate_settle(call: &SettleRequest) -> Result<(), DecideError> {
         if st.cost > MAX_CAPACITY {
             return invalid(format!("{at}.cost: must be 0 to {MAX_CAPACITY}"));
         }
+        if let Some(r) = &st.receipt {
+            if ratelimit_wire::parse_receipt(r).is_none() {
+                return invalid(format!(
+                    "{at}.receipt: must be a receipt the sidecar gave (1 to {} in decimal digits)",
+                    ratelimit_wire::MAX_RECEIPT
+                ));
+            }
+        }
     }
     Ok(())
 }

@@ -354,6 +354,7 @@ impl<S: BucketStore> Session<S> {
                     items.push(vec![Item {
                         entries: entries.clone(),
                         cost: 1,
+                        receipt: false,
                         // The grant is taken now and never returned; the lease record lives
                         // 1 ms, so it does not lower the bucket's ceiling (docs/rlqs.md, "The
                         // bound": the tokens are Envoy's future refill, not tokens held now).

@@ -19,9 +19,9 @@ use ratelimit_bucket::{lease_ceiling, refill, scaled, wait_ms, whole};
 use ratelimit_wire::Reason;
 
 use super::{
-    BucketLimits, BucketOutcome, BucketStore, Decided, GrantCap, Group, Readiness, RequestOutcome,
-    SettleBatch, Settled, Settlement, ShareStore, Slot, SlotUpdate, SlotsTaken, Status, StoreError,
-    StoreReset, Work, SHARE_MARGIN_MS,
+    Applied, BucketLimits, BucketOutcome, BucketStore, Decided, GrantCap, Group, Readiness,
+    RequestOutcome, SettleBatch, Settled, Settlement, ShareStore, Slot, SlotUpdate, SlotsTaken,
+    Status, StoreError, StoreReset, Work, SHARE_MARGIN_MS,
 };
 use crate::keys::{record_key, settle_record_key};
 use crate::regional::record;
@@ -89,6 +89,8 @@ struct Inner {
     run_id: String,
     /// Settle batches' records: key -> expiry (ms).
     settle_records: HashMap<String, u64>,
+    /// Receipts of charges (`<bucket key>:r:<id>`): key -> (the cost charged, expiry in ms).
+    receipts: HashMap<String, (u64, u64)>,
     /// Concurrency slots (`lua/slots.lua`): set key -> slot id -> expiry (µs).
     slot_sets: HashMap<Arc<str>, HashMap<Arc<str>, f64>>,
 }
@@ -99,6 +101,8 @@ pub struct MemoryStore {
     now_us: AtomicU64,
     max_share: f64,
     record_ttl_ms: u64,
+    /// How long a receipt is kept (`--receipt-ttl-ms`).
+    receipt_ttl_ms: u64,
     /// Fails every call with this error while set (outage tests).
     pub fail: Mutex<Option<StoreError>>,
     /// What a bucket missing after a loss of state starts with (`--store-reset`).
@@ -229,6 +233,11 @@ impl Call<'_> {
     }
 }
 
+/// The key a receipt is kept under: `<bucket key>:r:<id>` (`lua/apply.lua`).
+fn receipt_key(bucket_key: &str, id: u64) -> String {
+    format!("{bucket_key}:r:{id}")
+}
+
 /// The fill time of a limit, in microseconds: how far a regional share looks back.
 fn horizon_us(b: &BucketLimits) -> f64 {
     b.capacity as f64 / b.refill_per_sec * 1_000_000.0
@@ -241,6 +250,7 @@ impl MemoryStore {
             now_us: AtomicU64::new(now_us),
             max_share,
             record_ttl_ms,
+            receipt_ttl_ms: 3_600_000,
             fail: Mutex::new(None),
             store_reset: StoreReset::Full,
         }
@@ -343,6 +353,7 @@ impl MemoryStore {
             }
         }
         let mut out = Vec::with_capacity(work.groups.len());
+        let mut receipts = Vec::new(); // the charges' receipts, kept as lua/apply.lua keeps them
         let mut r = 0; // the request, numbered across the call
         for g in &work.groups {
             if let Some(recorded) = call.unpack_record(g) {
@@ -385,6 +396,9 @@ impl MemoryStore {
                     if admit && x[0] == 1.0 {
                         tokens -= c.cost as f64;
                         charged = c.cost as f64;
+                        if c.receipt > 0 {
+                            receipts.push((receipt_key(&c.key, c.receipt), c.cost));
+                        }
                         if let Some(ask) = c.lease.filter(|a| a.tokens > 0) {
                             if s.leases.len() < MAX_LEASES {
                                 let cap = match c.grant_cap {
@@ -441,6 +455,10 @@ impl MemoryStore {
                 }
             }
             out.push(answers);
+        }
+        for (key, cost) in receipts {
+            let expires_ms = now_ms + self.receipt_ttl_ms;
+            call.inner.receipts.insert(key, (cost, expires_ms));
         }
         call.finish();
         out
@@ -538,7 +556,11 @@ impl MemoryStore {
     /// refilled as the bucket function refills it (under the share in force now), then charged
     /// the delta, past zero, or given it back, up to the lease ceiling. With a `record` that
     /// exists, a repeat: nothing changes (`None`).
-    pub fn settle_now(&self, record: Option<&str>, settlements: &[Settlement]) -> Option<Vec<i64>> {
+    pub fn settle_now(
+        &self,
+        record: Option<&str>,
+        settlements: &[Settlement],
+    ) -> Option<Vec<Applied>> {
         let now = self.now_us.load(Ordering::SeqCst) as f64;
         let now_ms = (now / 1000.0).floor() as u64;
         let mut inner = self.inner.lock().expect("not poisoned");
@@ -547,8 +569,17 @@ impl MemoryStore {
             return None;
         }
         let epoch = self.epoch(&mut inner, now);
-        let mut tokens_after = Vec::with_capacity(settlements.len());
+        inner.receipts.retain(|_, (_, exp)| *exp > now_ms);
+        let mut applied = Vec::with_capacity(settlements.len());
         for st in settlements {
+            // What was charged, by the receipt (used once); without one, no give-back.
+            let charged = st
+                .receipt
+                .and_then(|r| inner.receipts.remove(&receipt_key(&st.key, r)));
+            let delta = match charged {
+                Some((charged, _)) => st.cost as i64 - charged as i64,
+                None => (st.cost as i64 - st.reserved as i64).max(0),
+            };
             let (capacity, refill_per_sec) = st.bucket.in_force();
             let capacity = capacity as f64;
             let b = inner
@@ -569,22 +600,25 @@ impl MemoryStore {
             }
             let top = lease_ceiling(capacity, b.leases.iter().map(|l| l.amount));
             let mut tokens = refill(b.tokens, refill_per_sec, now - b.ts_us, top);
-            tokens -= st.delta as f64;
+            tokens -= delta as f64;
             if tokens < -MAX_DEBT * capacity {
                 tokens = -MAX_DEBT * capacity;
             }
-            if st.delta < 0 {
+            if delta < 0 {
                 tokens = refill(tokens, refill_per_sec, 0.0, top);
             }
             (b.tokens, b.ts_us) = (tokens, now);
-            tokens_after.push(tokens.floor() as i64);
+            applied.push(Applied {
+                tokens: tokens.floor() as i64,
+                delta,
+            });
         }
         if let Some(k) = record {
             inner
                 .settle_records
                 .insert(k.to_string(), now_ms + self.record_ttl_ms);
         }
-        Some(tokens_after)
+        Some(applied)
     }
 }
 
@@ -701,11 +735,11 @@ impl BucketStore for MemoryStore {
             .id
             .as_deref()
             .map(|id| settle_record_key(&first.key, id));
-        let tokens = match self.settle_now(record.as_deref(), &batch.settlements) {
-            Some(t) => t.into_iter().map(Some).collect(),
+        let applied = match self.settle_now(record.as_deref(), &batch.settlements) {
+            Some(a) => a.into_iter().map(Some).collect(),
             None => vec![None; batch.settlements.len()],
         };
-        Ok(Settled { tokens })
+        Ok(Settled { applied })
     }
 
     async fn decide(&self, call: super::Call) -> Vec<Result<Decided, StoreError>> {
@@ -790,6 +824,7 @@ mod tests {
 
     fn charge(key: &str, capacity: u64, refill: f64, cost: u64) -> Charge {
         Charge {
+            receipt: 0,
             key: Arc::from(key),
             bucket: BucketLimits::new(capacity, refill),
             cost,

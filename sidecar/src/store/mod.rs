@@ -93,6 +93,10 @@ pub struct Charge {
     pub lease: Option<ratelimit_wire::LeaseAsk>,
     /// What caps the lease's grant besides the ask and what the bucket holds.
     pub grant_cap: GrantCap,
+    /// A receipt id (1 to [`ratelimit_wire::MAX_RECEIPT`]; 0: none): when the request is charged,
+    /// the store keeps what this decision was charged under it, for a settlement to give back
+    /// once (`docs/costs.md`).
+    pub receipt: u64,
 }
 
 /// What caps a lease's grant besides its ask and what the bucket holds after the cost.
@@ -283,14 +287,19 @@ impl From<RequestOutcome> for Decided {
     }
 }
 
-/// One settlement: the real cost of an admitted request, known after its response, less the
-/// reservation it was admitted with (`docs/costs.md`). Positive: charged, past zero (a debt);
-/// negative: given back, up to the bucket's ceiling.
+/// One settlement: the real cost of an admitted request, known after its response, against what
+/// it was charged (`docs/costs.md`). The store charges `cost` less what the decision's receipt
+/// says it was charged (past zero: a debt; below: given back, up to the bucket's ceiling), and
+/// forgets the receipt; without a receipt it holds, only `cost - reserved` when positive.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Settlement {
     pub key: Arc<str>,
     pub bucket: BucketLimits,
-    pub delta: i64,
+    /// The reservation the caller names (trusted only to charge more).
+    pub reserved: u64,
+    pub cost: u64,
+    /// The decision's receipt id, if the caller has one.
+    pub receipt: Option<u64>,
 }
 
 /// Settlements applied together (`lua/settle.lua`, one script call per node). With a record id,
@@ -304,11 +313,20 @@ pub struct SettleBatch {
     pub settlements: Vec<Settlement>,
 }
 
-/// What a settle batch did: per settlement, in order, the bucket's tokens after it (rounded down,
-/// below 0 for a debt), or `None` when its node's part was a repeat (applied before).
+/// What a settle batch did: per settlement, in order, what it applied, or `None` when its node's
+/// part was a repeat (applied before).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Settled {
-    pub tokens: Vec<Option<i64>>,
+    pub applied: Vec<Option<Applied>>,
+}
+
+/// What one settlement did to its bucket.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Applied {
+    /// The bucket's tokens after it, rounded down (below 0: a debt).
+    pub tokens: i64,
+    /// The tokens charged (positive) or given back (negative).
+    pub delta: i64,
 }
 
 /// One concurrency slot of a request, as `lua/slots.lua` takes it (`docs/concurrency.md`).

@@ -151,6 +151,7 @@ impl ScriptArgs {
                     body.int(id);
                     body.int(want);
                     body.int(ttl);
+                    body.int(c.receipt);
                 }
             }
         }
@@ -171,6 +172,7 @@ impl ScriptArgs {
         numbers.double(options.lease_max_share);
         numbers.flag(cluster);
         numbers.int(SHARE_MARGIN_MS);
+        numbers.int(options.receipt_ttl_ms.max(1));
         numbers.count(keys.len());
         numbers.count(limits.len());
         numbers.count(work.groups.len());
@@ -223,7 +225,10 @@ impl ScriptArgs {
                 let [c] = &request[..] else {
                     return None;
                 };
-                if c.bucket.share.is_some() || c.lease.is_some_and(|l| l.tokens > 0) {
+                if c.bucket.share.is_some()
+                    || c.lease.is_some_and(|l| l.tokens > 0)
+                    || c.receipt > 0
+                {
                     return None;
                 }
                 charges.push(c);
@@ -370,6 +375,7 @@ mod tests {
     #[test]
     fn replies_parse_by_the_shape_of_the_work_and_odd_ones_are_errors() {
         let charge = |k: &str| Charge {
+            receipt: 0,
             key: Arc::from(k),
             bucket: BucketLimits::new(10, 1.0),
             cost: 1,
@@ -432,6 +438,7 @@ mod tests {
                 record: record.map(String::from),
                 requests: vec![(0..decisions)
                     .map(|_| Charge {
+                        receipt: 0,
                         key: Arc::from("rl:{a}"),
                         bucket: BucketLimits::new(10, 0.5),
                         cost: 3,
@@ -469,6 +476,7 @@ mod tests {
     #[test]
     fn a_batch_of_lone_decisions_on_buckets_of_their_own_takes_the_single_script() {
         let charge = |k: &str, cost: u64| Charge {
+            receipt: 0,
             key: Arc::from(k),
             bucket: BucketLimits::new(10, 0.5),
             cost,
@@ -549,6 +557,7 @@ mod tests {
     #[test]
     fn arguments_name_each_bucket_and_limit_once() {
         let charge = |k: &str, capacity: u64| Charge {
+            receipt: 0,
             key: Arc::from(k),
             bucket: BucketLimits::new(capacity, 0.5),
             cost: 2,
@@ -576,14 +585,14 @@ mod tests {
         );
         // The numbers read back field by field, as `struct.unpack` would with these formats.
         let layout = [
-            ("header", "I8 d B I8 I4 I4 I4 I4"),
+            ("header", "I8 d B I8 I8 I4 I4 I4 I4"),
             ("limits", "I8 d I4 I8 d I4"),
             ("group", "I4"),
             (
                 "request 1",
-                "I4 I4 I4 I8 B B I8 I8 I8 I4 I4 I8 B B I8 I8 I8",
+                "I4 I4 I4 I8 B B I8 I8 I8 I8 I4 I4 I8 B B I8 I8 I8 I8",
             ),
-            ("request 2", "I4 I4 I4 I8 B B I8 I8 I8"),
+            ("request 2", "I4 I4 I4 I8 B B I8 I8 I8 I8"),
         ];
         let mut at = 0;
         let read: Vec<String> = layout
@@ -615,11 +624,11 @@ mod tests {
         assert_eq!(
             read,
             [
-                "10000 0.1 0 1000 2 2 1 0",
+                "10000 0.1 0 1000 3600000 2 2 1 0",
                 "10 0.5 0 20 0.5 0",
                 "2",
-                "2 1 1 2 1 1 0 0 0 2 1 2 1 1 0 0 0",
-                "1 1 2 2 1 1 0 0 0"
+                "2 1 1 2 1 1 0 0 0 0 2 1 2 1 1 0 0 0 0",
+                "1 1 2 2 1 1 0 0 0 0"
             ]
         );
         let keys: Vec<&str> = args.keys.iter().map(|k| &**k).collect();

@@ -175,6 +175,7 @@ mod tests {
             groups: vec![Group {
                 record: None,
                 requests: vec![vec![Charge {
+                    receipt: 0,
                     key: Arc::from(key),
                     bucket: BucketLimits::new(1, 1.0),
                     cost: 1,

@@ -45,7 +45,7 @@ use self::batch::Batcher;
 use self::connection::{stall_limit, Connection};
 use super::script::{parse_apply, Script, ScriptArgs};
 use super::{
-    eviction_warning, is_script_failure, BucketStore, Call, Decided, Group, Readiness,
+    eviction_warning, is_script_failure, Applied, BucketStore, Call, Decided, Group, Readiness,
     RequestOutcome, SettleBatch, Settled, Settlement, ShareStore, Slot, SlotUpdate, SlotsTaken,
     StoreError, StoreReset, Work,
 };
@@ -110,6 +110,8 @@ pub struct StoreOptions {
     pub timeout_ms: u64,
     /// How long a record (deduplication, refunds) is kept (`--attempt-ttl-ms`).
     pub record_ttl_ms: u64,
+    /// How long a receipt of a charge is kept for its settlement (`--receipt-ttl-ms`).
+    pub receipt_ttl_ms: u64,
     /// The largest lease, as a fraction of the bucket's capacity (`--lease-max-share`).
     pub lease_max_share: f64,
     /// Script calls in flight per node (`--redis-pipeline`).
@@ -127,6 +129,7 @@ impl Default for StoreOptions {
         StoreOptions {
             timeout_ms: 50,
             record_ttl_ms: 10_000,
+            receipt_ttl_ms: 3_600_000,
             lease_max_share: 0.1,
             max_in_flight: 4,
             max_call_decisions: 512,
@@ -700,7 +703,7 @@ impl RedisStore {
         node: &NodeId,
         id: Option<&str>,
         part: &[Settlement],
-    ) -> Result<Vec<Option<i64>>, StoreError> {
+    ) -> Result<Vec<Option<Applied>>, StoreError> {
         let options = &self.inner.options;
         let marker = self.script_marker(node)?;
         let cmd = |eval| settle::settle_cmd(options, id, part, &marker, eval);
@@ -817,13 +820,13 @@ impl BucketStore for RedisStore {
             async move { self.settle_part(node, id, &part).await }
         });
         let answers = futures::future::join_all(calls).await;
-        let mut tokens = vec![None; batch.settlements.len()];
+        let mut applied = vec![None; batch.settlements.len()];
         for ((_, idx), answer) in parts.iter().zip(answers) {
-            for (&i, t) in idx.iter().zip(answer?) {
-                tokens[i] = t;
+            for (&i, a) in idx.iter().zip(answer?) {
+                applied[i] = a;
             }
         }
-        Ok(Settled { tokens })
+        Ok(Settled { applied })
     }
 
     async fn readiness(&self) -> Readiness {

@@ -8,7 +8,7 @@ use redis::{Cmd, Value};
 
 use super::StoreOptions;
 use crate::keys::settle_record_key;
-use crate::store::{Settlement, StoreError};
+use crate::store::{Applied, Settlement, StoreError};
 
 /// The settle script's text.
 pub const SETTLE_SCRIPT: &str = include_str!("../../../../lua/settle.lua");
@@ -47,24 +47,29 @@ pub fn settle_cmd(
         c.arg(&*s.key)
             .arg(capacity)
             .arg(format_float(refill_per_sec))
-            .arg(s.delta);
+            .arg(s.reserved)
+            .arg(s.cost)
+            .arg(s.receipt.map(|r| r.to_string()).unwrap_or_default());
     }
     c
 }
 
-/// The script's reply for a part of `n` settlements: the tokens after each, or `None` each for a
-/// repeat of the part.
-pub fn parse_settle(v: Value, n: usize) -> Result<Vec<Option<i64>>, StoreError> {
+/// The script's reply for a part of `n` settlements: what each applied (the tokens after it and
+/// its delta), or `None` each for a repeat of the part.
+pub fn parse_settle(v: Value, n: usize) -> Result<Vec<Option<Applied>>, StoreError> {
     let bad = |v: &Value| StoreError::Reply(format!("settle reply {v:?}"));
     let Value::Array(items) = &v else {
         return Err(bad(&v));
     };
     match items.first() {
         Some(Value::Int(0)) if items.len() == 1 => Ok(vec![None; n]),
-        Some(Value::Int(1)) if items.len() == n + 1 => items[1..]
-            .iter()
-            .map(|i| match i {
-                Value::Int(t) => Ok(Some(*t)),
+        Some(Value::Int(1)) if items.len() == 2 * n + 1 => items[1..]
+            .chunks(2)
+            .map(|pair| match pair {
+                [Value::Int(tokens), Value::Int(delta)] => Ok(Some(Applied {
+                    tokens: *tokens,
+                    delta: *delta,
+                })),
                 _ => Err(bad(&v)),
             })
             .collect(),
@@ -84,14 +89,14 @@ mod tests {
 
     #[test]
     fn a_reply_is_read_per_settlement_or_as_a_repeat() {
-        let r = parse_settle(
-            Value::Array(vec![Value::Int(1), Value::Int(-40), Value::Int(7)]),
-            2,
-        );
-        assert_eq!(r.unwrap(), vec![Some(-40), Some(7)]);
-        let r = parse_settle(Value::Array(vec![Value::Int(0)]), 2);
+        let ints = |v: &[i64]| Value::Array(v.iter().map(|i| Value::Int(*i)).collect());
+        let r = parse_settle(ints(&[1, -40, 50, 7, -3]), 2);
+        let applied = |tokens, delta| Some(Applied { tokens, delta });
+        assert_eq!(r.unwrap(), vec![applied(-40, 50), applied(7, -3)]);
+        let r = parse_settle(ints(&[0]), 2);
         assert_eq!(r.unwrap(), vec![None, None]);
-        assert!(parse_settle(Value::Array(vec![Value::Int(1)]), 2).is_err());
+        assert!(parse_settle(ints(&[1]), 2).is_err());
+        assert!(parse_settle(ints(&[1, 7, -3]), 2).is_err());
         assert!(parse_settle(Value::Nil, 1).is_err());
     }
 }

@@ -34,6 +34,7 @@ pub(super) fn node(name: &str) -> NodeId {
 /// A charge of `cost` on `key`, a bucket of `capacity` refilled at 1 token a second.
 pub(super) fn charge(key: &str, capacity: u64, cost: u64) -> Charge {
     Charge {
+        receipt: 0,
         key: Arc::from(key),
         bucket: BucketLimits::new(capacity, 1.0),
         cost,
