@@ -874,6 +874,62 @@ impl Config {
                 (_, None) => {}
             }
         }
+        self.validate_call_bytes(p);
+    }
+
+    /// An upper bound of the bytes a decision of `rule` spends in a call, each subject value at
+    /// its longest: a claim or route name [`crate::identity::MAX_IDENTITY_BYTES`] (no control
+    /// characters: 2 bytes a byte escaped at worst), an application its longest configured name,
+    /// an address an IPv6 network.
+    fn worst_decision_bytes(&self, rule: &Rule) -> usize {
+        use crate::identity::MAX_IDENTITY_BYTES;
+        use ratelimit_wire::budget::str_bytes;
+        let apps = self
+            .identity
+            .api_key
+            .as_ref()
+            .map(|k| k.keys.values().map(|n| str_bytes(n)).max().unwrap_or(4))
+            .unwrap_or(4);
+        let subject: usize = rule
+            .subject
+            .iter()
+            .map(|d| {
+                let value = match d {
+                    Dimension::User | Dimension::Tenant | Dimension::Route => {
+                        2 + 2 * MAX_IDENTITY_BYTES
+                    }
+                    Dimension::App => apps,
+                    Dimension::Ip => 2 + "ffff:ffff:ffff:ffff:ffff:ffff:ffff:ffff/128".len(),
+                };
+                str_bytes(d.as_str()) + 2 + value
+            })
+            .sum();
+        // The largest cost, a lease ask and a receipt.
+        128 + str_bytes(&rule.name) + 2 + subject
+    }
+
+    /// One request can match every rule, and its decisions must fit a call on their own (a
+    /// batch of that one request: [`ratelimit_wire::budget`]).
+    fn validate_call_bytes(&self, p: &mut Problems) {
+        use ratelimit_wire::budget::{ITEMS_BYTES, MAX_BODY_BYTES};
+        let worst: usize = 16
+            + self
+                .rules
+                .iter()
+                .map(|r| self.worst_decision_bytes(r))
+                .sum::<usize>();
+        if worst > ITEMS_BYTES {
+            p.add(
+                "rules",
+                format!(
+                    "a request matching every rule would carry up to {worst} bytes of decisions, \
+                     more than a call to the sidecar holds ({ITEMS_BYTES} of its \
+                     {MAX_BODY_BYTES}-byte body): use fewer rules, or fewer user, tenant and \
+                     route dimensions (each up to {} bytes)",
+                    crate::identity::MAX_IDENTITY_BYTES
+                ),
+            );
+        }
     }
 
     fn validate_match(&self, m: &Match, at: &str, p: &mut Problems) {
@@ -1353,6 +1409,25 @@ pub(crate) mod tests {
                 .rules
                 .len(),
             MAX_RULES
+        );
+    }
+
+    #[test]
+    fn a_request_matching_every_rule_must_fit_a_call() {
+        // Issue 32, case 3: each rule on a user and a tenant, each up to 1,024 bytes escaped to
+        // 2,048: about 4.2 KB a decision, so 15 fit the call's 64 KiB and 16 do not.
+        let rules = |n: usize| {
+            (0..n)
+                .map(|i| json!({"name": format!("r{i}"), "subject": ["user", "tenant"]}))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(accepted(|v| v["rules"] = rules(15).into()).rules.len(), 15);
+        let p = problems(&edited(|v| v["rules"] = rules(16).into()));
+        assert_eq!(p.len(), 1, "{p:?}");
+        assert!(
+            p[0].starts_with("rules: a request matching every rule would carry up to ")
+                && p[0].contains("more than a call to the sidecar holds"),
+            "{p:?}"
         );
     }
 

@@ -7,7 +7,7 @@
 
 use std::collections::VecDeque;
 
-use ratelimit_wire::{Settle, SettleRequest, Subject, MAX_SETTLEMENTS};
+use ratelimit_wire::{budget, Settle, SettleRequest, Subject, MAX_SETTLEMENTS};
 use serde::Deserialize;
 
 /// The most body bytes a [`Meter`] keeps to find a JSON field (a non-streamed body, or one
@@ -23,6 +23,11 @@ pub const MAX_PENDING: usize = 4096;
 
 /// How many times a batch is sent before its settlements are counted lost.
 pub const MAX_ATTEMPTS: u32 = 3;
+
+/// How long a settlement call waits for its answer at least (`sidecar.timeout_ms` when longer):
+/// no request waits on it, and a short stall of the sidecar (a pause, a restart) then delays its
+/// settlements instead of losing them.
+pub const SEND_TIMEOUT_MS: u64 = 1_000;
 
 /// The most segments of a JSON field's path (`usage.total_tokens` has two).
 pub const MAX_PATH_SEGMENTS: usize = 8;
@@ -429,7 +434,8 @@ struct Batch {
 }
 
 /// The settlements of one worker waiting for the sidecar: sent in batches of at most
-/// [`MAX_SETTLEMENTS`], one batch in flight; a batch whose call failed is sent again under the
+/// [`MAX_SETTLEMENTS`] within the call's byte budget ([`budget::MAX_BODY_BYTES`]), one batch in
+/// flight; a batch whose call failed is sent again under the
 /// same id (the sidecar applies a repeat once) up to [`MAX_ATTEMPTS`] times, then lost.
 #[derive(Debug)]
 pub struct Outbox {
@@ -501,7 +507,19 @@ impl Outbox {
             None if self.queue.is_empty() => return None,
             None => {
                 self.counter += 1;
-                let n = self.queue.len().min(MAX_SETTLEMENTS);
+                // At most MAX_SETTLEMENTS, within the call's byte budget (the first always fits:
+                // one settlement is far below it).
+                let mut bytes = 0;
+                let n = self
+                    .queue
+                    .iter()
+                    .take(MAX_SETTLEMENTS)
+                    .take_while(|s| {
+                        bytes += budget::settle_bytes(s);
+                        bytes <= budget::ITEMS_BYTES
+                    })
+                    .count()
+                    .max(1);
                 Batch {
                     id: format!("{:x}-{}", self.nonce, self.counter),
                     settlements: self.queue.drain(..n).collect(),
@@ -732,6 +750,32 @@ mod tests {
             cost,
             receipt: None,
         }
+    }
+
+    #[test]
+    fn every_batch_fits_the_sidecars_body_limit_with_the_longest_subjects() {
+        // Issue 32, case 3: 600 settlements of 1,024-byte subjects (the longest claim taken as
+        // an identity) are 600 KiB: sent in batches that each fit a call.
+        let mut o = Outbox::new(1);
+        for i in 0..600 {
+            let mut subject = Subject::new();
+            subject.push("user", Some(format!("{i:04}{}", "\"".repeat(1020))));
+            o.push(Settlement {
+                subject,
+                receipt: Some(ratelimit_wire::MAX_RECEIPT.to_string()),
+                ..settlement(999_999_999_999_999, 3)
+            });
+        }
+        let (mut sent, mut calls) = (0, 0);
+        while let Some(body) = o.next_call(&"d".repeat(128)) {
+            assert!(body.len() <= budget::MAX_BODY_BYTES, "{} bytes", body.len());
+            let req: SettleRequest = serde_json::from_slice(&body).unwrap();
+            sent += req.settlements.len();
+            calls += 1;
+            o.answered(true);
+        }
+        assert_eq!(sent, 600, "every settlement sent");
+        assert!(calls > 10, "{calls} calls");
     }
 
     #[test]

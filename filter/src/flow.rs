@@ -253,6 +253,24 @@ impl Waiting {
         &self.returns
     }
 
+    /// An upper bound of the bytes its call's body spends on it: its decisions and lease
+    /// returns ([`ratelimit_wire::budget`]).
+    pub fn wire_bytes(&self, config: &Config) -> usize {
+        use ratelimit_wire::budget;
+        let decisions: usize = self
+            .remote
+            .iter()
+            .map(|d| {
+                let p = &self.planned[d.planned];
+                let rule = &config.rules[p.rule];
+                let receipt = rule.cost.settled().is_some();
+                budget::decision_bytes_of(&rule.name, &p.subject, p.cost, d.ask.as_ref(), receipt)
+            })
+            .sum();
+        let returns: usize = self.returns.iter().map(budget::return_bytes).sum();
+        16 + decisions + returns
+    }
+
     /// The wire decisions of its call.
     pub fn decisions(&self, config: &Config) -> Vec<Decision> {
         self.remote

@@ -32,8 +32,9 @@ pub fn jwt_claim_property<'a>(provider: &'a str, claim: &'a str) -> [&'a str; 5]
     ]
 }
 
-/// The longest claim or route name taken as an identity, in bytes; longer is unknown.
-pub const MAX_IDENTITY_BYTES: usize = 4096;
+/// The longest claim or route name taken as an identity, in bytes; longer is unknown. It bounds
+/// what one decision spends in a call to the sidecar (`Config::validate`).
+pub const MAX_IDENTITY_BYTES: usize = 1024;
 
 /// What the host read for one request; `None` when absent or unreadable.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

@@ -8,7 +8,9 @@
 
 use std::collections::{HashMap, VecDeque};
 
-use ratelimit_wire::{Decision, HeldSlot, SlotRef, SlotsRequest, SlotsResponse, MAX_SLOT_UPDATES};
+use ratelimit_wire::{
+    budget, Decision, HeldSlot, SlotRef, SlotsRequest, SlotsResponse, MAX_SLOT_UPDATES,
+};
 
 /// The tick that sends renewals and releases: well within a third of the shortest ttl (1000 ms).
 pub const TICK_MS: u64 = 100;
@@ -120,21 +122,37 @@ impl Slots {
         if self.in_flight.is_some() {
             return None;
         }
+        // At most MAX_SLOT_UPDATES slots (renewals up to half of them), within the call's byte
+        // budget: half of it for renewals, the rest for releases.
         let mut renew = Vec::new();
         let mut renewed = Vec::new();
+        let mut bytes = 0;
         for (ctx, s) in self.streams.iter_mut() {
-            if s.renew_at_ns > now_ns || renew.len() + s.slots.len() > MAX_SLOT_UPDATES / 2 {
+            let size: usize = s.slots.iter().map(budget::slot_bytes).sum();
+            // (The first stream always fits: one request's slots are fewer than its decisions,
+            // which fit a call: `Config::validate`.)
+            if s.renew_at_ns > now_ns
+                || renew.len() + s.slots.len() > MAX_SLOT_UPDATES / 2
+                || (!renew.is_empty() && bytes + size > budget::ITEMS_BYTES / 2)
+            {
                 continue;
             }
             s.renew_at_ns = now_ns + period_ns(s.ttl_ms);
             renew.extend(s.slots.iter().cloned());
             renewed.push(*ctx);
+            bytes += size;
         }
         let room = MAX_SLOT_UPDATES - renew.len();
-        let releases: Vec<Release> = self
+        let n = self
             .releases
-            .drain(..self.releases.len().min(room))
-            .collect();
+            .iter()
+            .take(room)
+            .take_while(|r| {
+                bytes += budget::slot_bytes(&r.slot);
+                bytes <= budget::ITEMS_BYTES
+            })
+            .count();
+        let releases: Vec<Release> = self.releases.drain(..n).collect();
         if renew.is_empty() && releases.is_empty() {
             return None;
         }
@@ -303,6 +321,38 @@ mod tests {
         }));
         assert!(call(&mut s, 13_332 * MS).is_none());
         assert!(call(&mut s, 13_333 * MS).is_some());
+    }
+
+    #[test]
+    fn every_call_fits_the_sidecars_body_limit_with_the_longest_subjects() {
+        // Issue 32, case 3: 1,000 streams' slots of 1,024-byte subjects, renewed and released.
+        let mut s = Slots::default();
+        let long = |i: u32| {
+            let mut subject = Subject::new();
+            subject.push("user", Some(format!("{i:04}{}", "\\".repeat(1020))));
+            Decision {
+                rule: "r".into(),
+                subject,
+                cost: 1,
+                lease: None,
+                receipt: false,
+            }
+        };
+        for ctx in 0..1_000 {
+            let id = format!("{ctx:064}");
+            s.hold(ctx, &held(&id, 3_000, vec![0]), &[long(ctx)], 0);
+        }
+        for ctx in 0..500 {
+            s.end(ctx);
+        }
+        let (mut renewed, mut released) = (0, 0);
+        while let Some(body) = s.next_call(&"d".repeat(128), 1_000 * MS) {
+            assert!(body.len() <= budget::MAX_BODY_BYTES, "{} bytes", body.len());
+            let c: SlotsRequest = serde_json::from_slice(&body).unwrap();
+            (renewed, released) = (renewed + c.renew.len(), released + c.release.len());
+            s.answered(Some(SlotsResponse::default()));
+        }
+        assert_eq!((renewed, released), (500, 500));
     }
 
     #[test]

@@ -110,8 +110,9 @@ pub struct Args {
     pub store_reset: StoreReset,
 
     /// Largest accepted request body, in bytes: a larger `POST /v1/decide` body is answered 413,
-    /// a larger gRPC request message OUT_OF_RANGE.
-    #[arg(long, env = "RATELIMIT_MAX_BODY_BYTES", default_value_t = 65_536)]
+    /// a larger gRPC request message OUT_OF_RANGE. At least 65536, the most a gateway puts in
+    /// one call (the Wasm filter packs its batches within it).
+    #[arg(long, env = "RATELIMIT_MAX_BODY_BYTES", default_value_t = ratelimit_wire::budget::MAX_BODY_BYTES, value_parser = body_bytes)]
     pub max_body_bytes: usize,
 
     /// How long a connection may take to send a request's headers, in milliseconds; an idle
@@ -249,6 +250,17 @@ pub struct Args {
         value_name = "PASSWORD"
     )]
     pub redis_password: Option<Secret>,
+}
+
+/// `--max-body-bytes`: at least what a gateway sends in one call.
+fn body_bytes(s: &str) -> Result<usize, String> {
+    let min = ratelimit_wire::budget::MAX_BODY_BYTES;
+    match s.parse::<usize>() {
+        Ok(n) if n >= min => Ok(n),
+        _ => Err(format!(
+            "must be a whole number of at least {min}: the most a gateway sends in one call"
+        )),
+    }
 }
 
 /// A value that must never be shown: its `Debug` says `<redacted>`.

@@ -348,3 +348,78 @@ fn two_envoys_under_load_admit_at_most_the_bound_with_in_flight_excess() {
         .sum();
     assert_eq!(lost, 0);
 }
+
+/// Issue 32, case 3: settlements of the longest subjects the configuration allows (a user claim
+/// of 1,024 bytes) finishing together while the sidecar is paused (120 ms): their batches fit what
+/// the sidecar accepts (`MAX_BODY_BYTES`), and none is lost (before: one batch of 150, 413, lost
+/// after 3 sends).
+#[test]
+fn settlements_of_the_longest_subjects_fit_the_sidecars_body_limit_and_none_is_lost() {
+    use nix::sys::signal::Signal;
+    use ratelimit_e2e::{signed_jwt, JWT_ISSUER};
+    const N: usize = 150;
+    let redis = Redis::start();
+    let upstream = Upstream::start();
+    let policy = "rules:\n  llm: {capacity: 1000000000, refill_per_sec: 1000000}\n";
+    let sidecar = Sidecar::with_policy(&redis.url(), policy, &["--redis-timeout-ms", "1000"]);
+    let mut plugin = plugin_with_rules(json!([{
+        "name": "llm", "match": {"path_prefix": "/usage/"}, "subject": ["user"],
+        "on_error": "deny", "cost": {"reserve": 10, "response_json": "usage.total_tokens"},
+    }]));
+    plugin["identity"] = json!({"jwt": {"provider": "example", "user_claim": "sub"}});
+    plugin["sidecar"]["timeout_ms"] = json!(2000);
+    let envoy = Envoy::start(
+        &EnvoyConfig::shipped("envoy-jwt.yaml", sidecar.port, upstream.port)
+            .plugin(&plugin.to_string())
+            .concurrency(1),
+    );
+    let exp = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+        + 600;
+    let tokens: Vec<String> = (0..N)
+        .map(|i| {
+            let sub = format!("{i:04}{}", "u".repeat(1020));
+            signed_jwt(&json!({"iss": JWT_ISSUER, "sub": sub, "exp": exp}))
+        })
+        .collect();
+    let url = envoy.url("/usage/sse?tokens=3&events=2&gap_ms=1500");
+    let clients: Vec<_> = tokens
+        .into_iter()
+        .map(|t| {
+            let url = url.clone();
+            std::thread::spawn(move || {
+                let mut r = http()
+                    .get(&url)
+                    .bearer_auth(t)
+                    .send()
+                    .expect("envoy answers");
+                let mut body = String::new();
+                r.read_to_string(&mut body).expect("the stream to its end");
+                r.status().as_u16()
+            })
+        })
+        .collect();
+    wait_until("every stream admitted", Duration::from_secs(30), || {
+        upstream.hits() == N as u64
+    });
+    // The streams end (their usage event comes 1.5 s after they began) while the sidecar is
+    // paused: their settlements queue together.
+    sidecar.process.signal(Signal::SIGSTOP);
+    let statuses: Vec<u16> = clients.into_iter().map(|c| c.join().unwrap()).collect();
+    std::thread::sleep(Duration::from_millis(120)); // the pause itself, not a synchronisation
+    sidecar.process.signal(Signal::SIGCONT);
+    assert!(statuses.iter().all(|s| *s == 200), "{statuses:?}");
+    wait_until("every settlement applied", Duration::from_secs(30), || {
+        settled(&sidecar, "given_back") == N as u64
+            || envoy.counter("ratelimit.settlements_lost") > 0
+    });
+    let lost = envoy.counter("ratelimit.settlements_lost");
+    println!(
+        "{N} settlements of 1,024-byte subjects after a 120 ms pause: {} given back, {lost} lost",
+        settled(&sidecar, "given_back")
+    );
+    assert_eq!(lost, 0, "settlements lost");
+    assert_eq!(settled(&sidecar, "given_back"), N as u64);
+}

@@ -705,6 +705,11 @@ fn the_bounds_table_gives_the_constants() {
         ),
         ("MAX_LEASE_ID", ratelimit_wire::MAX_LEASE_ID),
         (
+            "MAX_BODY_BYTES",
+            ratelimit_wire::budget::MAX_BODY_BYTES as u64,
+        ),
+        ("MAX_RECEIPT", ratelimit_wire::MAX_RECEIPT),
+        (
             "MAX_LEASE_TTL_MS",
             ratelimit_sidecar::decide::MAX_LEASE_TTL_MS,
         ),

@@ -20,6 +20,7 @@
 
 use std::fmt;
 
+pub mod budget;
 pub mod headers;
 
 use serde::de::{MapAccess, Visitor};

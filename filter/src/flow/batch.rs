@@ -1,12 +1,14 @@
 //! The requests of one worker waiting for the sidecar, and the batcher that picks what each
 //! callout carries: at most `fast_paths.max_batch` requests, within the wire's bounds on
-//! decisions ([`MAX_CALL_DECISIONS`]) and lease returns ([`MAX_RETURNS`]) per call, other workers'
+//! decisions ([`MAX_CALL_DECISIONS`]), lease returns ([`MAX_RETURNS`]) and bytes
+//! ([`ratelimit_wire::budget`]) per call, other workers'
 //! requests (as the courier) up to half the batch first, so neither side waits behind the other.
 //! Also which waiting requests are past their deadline (in the queue, or forwarded to a courier
 //! that has not answered). How coalescing works: docs/fast-paths.md#coalesced-callouts.
 
 use std::collections::{HashMap, VecDeque};
 
+use ratelimit_wire::budget::{self, ITEMS_BYTES};
 use ratelimit_wire::{DecideRequest, RequestDecisions, MAX_CALL_DECISIONS, MAX_RETURNS};
 
 use super::courier::{Forward, Forwarded};
@@ -60,25 +62,49 @@ pub struct Flight {
     pub dispatched_ns: u64,
 }
 
-/// Decisions and returns taken into one call so far, against the wire's bounds.
+/// Decisions, returns and bytes taken into one call so far, against the wire's bounds.
 #[derive(Debug, Default)]
 struct Budget {
     requests: usize,
     decisions: usize,
     returns: usize,
+    bytes: usize,
+}
+
+/// What one request adds to a call.
+#[derive(Debug, Clone, Copy)]
+struct Size {
+    decisions: usize,
+    returns: usize,
+    /// An upper bound of its JSON bytes ([`ratelimit_wire::budget`]).
+    bytes: usize,
 }
 
 impl Budget {
-    /// Whether a request of `d` decisions and `r` returns still fits (the first always does).
-    fn admits(&self, d: usize, r: usize) -> bool {
+    /// Whether a request of `size` still fits (the first always does: the configuration's
+    /// largest request fits a call on its own, `Config::validate`).
+    fn admits(&self, size: Size) -> bool {
         self.requests == 0
-            || (self.decisions + d <= MAX_CALL_DECISIONS && self.returns + r <= MAX_RETURNS)
+            || (self.decisions + size.decisions <= MAX_CALL_DECISIONS
+                && self.returns + size.returns <= MAX_RETURNS
+                && self.bytes + size.bytes <= ITEMS_BYTES)
     }
 
-    fn add(&mut self, d: usize, r: usize) {
+    fn add(&mut self, size: Size) {
         self.requests += 1;
-        self.decisions += d;
-        self.returns += r;
+        self.decisions += size.decisions;
+        self.returns += size.returns;
+        self.bytes += size.bytes;
+    }
+}
+
+/// The size of a forwarded request.
+fn carried_size(c: &Forwarded) -> Size {
+    let returns: usize = c.returns.iter().map(budget::return_bytes).sum();
+    Size {
+        decisions: c.decisions.decisions.len(),
+        returns: c.returns.len(),
+        bytes: budget::request_bytes(&c.decisions.decisions) + returns,
     }
 }
 
@@ -142,21 +168,21 @@ impl Queue {
         self.carried.retain(|c| c.request.deadline_ns > now_ns);
         let mut budget = Budget::default();
         let reserved = self.carried.len().min(fp.max_batch / 2);
-        let mut own = self.take_queued(fp.max_batch - reserved, &mut budget);
+        let mut own = self.take_queued(config, fp.max_batch - reserved, &mut budget);
         let mut carried = Vec::new();
         while own.len() + carried.len() < fp.max_batch {
             let Some(c) = self.carried.front() else {
                 break;
             };
-            let (d, r) = (c.request.decisions.decisions.len(), c.request.returns.len());
-            if !budget.admits(d, r) {
+            let size = carried_size(&c.request);
+            if !budget.admits(size) {
                 break;
             }
-            budget.add(d, r);
+            budget.add(size);
             carried.extend(self.carried.pop_front());
         }
         let room = fp.max_batch - own.len() - carried.len();
-        own.extend(self.take_queued(room, &mut budget));
+        own.extend(self.take_queued(config, room, &mut budget));
         if own.is_empty() && carried.is_empty() {
             return None;
         }
@@ -219,7 +245,8 @@ impl Queue {
         if !self.forwarded.is_empty() || self.queued.is_empty() {
             return None;
         }
-        let contexts = self.take_queued(config.fast_paths.max_batch, &mut Budget::default());
+        let contexts =
+            self.take_queued(config, config.fast_paths.max_batch, &mut Budget::default());
         let requests = contexts
             .iter()
             .filter_map(|c| {
@@ -296,7 +323,7 @@ impl Queue {
 
     /// Takes up to `max` requests from the front of the queue, within `budget` (a request that
     /// would pass it waits for the next call).
-    fn take_queued(&mut self, max: usize, budget: &mut Budget) -> Vec<u32> {
+    fn take_queued(&mut self, config: &Config, max: usize, budget: &mut Budget) -> Vec<u32> {
         let mut taken = Vec::new();
         while taken.len() < max {
             let Some(&ctx) = self.queued.front() else {
@@ -306,13 +333,17 @@ impl Queue {
                 self.queued.pop_front();
                 continue;
             };
-            let (d, r) = (w.remote.len(), w.returns.len());
-            if !budget.admits(d, r) {
+            let size = Size {
+                decisions: w.remote.len(),
+                returns: w.returns.len(),
+                bytes: w.wire_bytes(config),
+            };
+            if !budget.admits(size) {
                 break;
             }
             self.queued.pop_front();
             taken.push(ctx);
-            budget.add(d, r);
+            budget.add(size);
         }
         taken
     }

@@ -1014,6 +1014,34 @@ fn a_callout_stays_within_the_wires_bounds_on_decisions_and_returns() {
 }
 
 #[test]
+fn a_callout_stays_within_the_wires_byte_budget_with_the_longest_subjects() {
+    // Issue 32, case 3: requests whose subjects are the longest identities (1,024 bytes, each
+    // escaped to 2): each body fits what the sidecar accepts, and every request goes.
+    let c = batching(256, 64);
+    let mut q = Queue::default();
+    for ctx in 0..200 {
+        let mut w = waiting(2, 0, T0 + S);
+        let mut subject = WireSubject::new();
+        subject.push("user", Some(format!("{ctx:04}{}", "\"".repeat(1020))));
+        w.planned[0].subject = subject;
+        q.enqueue(ctx, w, 64);
+    }
+    let mut sent = 0;
+    while let Some(b) = q.next_batch(&c, T0) {
+        assert!(
+            b.body.len() <= ratelimit_wire::budget::MAX_BODY_BYTES,
+            "{} bytes",
+            b.body.len()
+        );
+        sent += b.own.len();
+        let token = sent as u32;
+        q.dispatched(token, b, T0);
+        q.landed(token);
+    }
+    assert_eq!(sent, 200);
+}
+
+#[test]
 fn other_workers_requests_get_up_to_half_the_batch_first() {
     let c = batching(8, 8);
     let mut q = Queue::default();

@@ -201,7 +201,11 @@ pub fn send_settlements(vm: &SharedVm) {
         };
         (plugin, body)
     };
-    let timeout_ms = plugin.config.sidecar.timeout_ms;
+    let timeout_ms = plugin
+        .config
+        .sidecar
+        .timeout_ms
+        .max(crate::costs::SEND_TIMEOUT_MS);
     match dispatch(&plugin, ratelimit_wire::SETTLE_PATH, &body, timeout_ms) {
         Ok(token) => vm.borrow_mut().settle_flight = Some(token),
         Err(e) => {
