@@ -291,6 +291,39 @@ impl Waiting {
     }
 }
 
+/// How often a worker warns of configuration errors (a rule the sidecar's policy lacks) at most:
+/// a line per request would bury the log, and `ratelimit.config_error` counts each anyway.
+const CONFIG_ERROR_WARN_INTERVAL_NS: u64 = 60_000_000_000;
+
+std::thread_local! {
+    /// This worker's configuration-error warnings (a VM runs on one thread).
+    static CONFIG_ERRORS_WARNED: std::cell::RefCell<WarnEvery> =
+        const { std::cell::RefCell::new(WarnEvery { last_ns: None, since: 0 }) };
+}
+
+/// A warning given at once, then at most once per [`CONFIG_ERROR_WARN_INTERVAL_NS`], with how
+/// many occurrences it stands for.
+#[derive(Debug)]
+struct WarnEvery {
+    last_ns: Option<u64>,
+    since: u64,
+}
+
+impl WarnEvery {
+    /// Notes one occurrence at `now_ns`; the number to warn of (this one included) when due.
+    fn met(&mut self, now_ns: u64) -> Option<u64> {
+        self.since += 1;
+        let due = self
+            .last_ns
+            .is_none_or(|at| now_ns.saturating_sub(at) >= CONFIG_ERROR_WARN_INTERVAL_NS);
+        if !due {
+            return None;
+        }
+        self.last_ns = Some(now_ns);
+        Some(std::mem::take(&mut self.since))
+    }
+}
+
 /// The request flow of one plugin configuration, over one Envoy's shared data.
 pub struct Flow<'a> {
     pub config: &'a Config,
@@ -797,7 +830,7 @@ impl Flow<'_> {
             message: ratelimit_wire::elide_middle(e.message.clone(), verdict::MAX_ERROR_TEXT_BYTES),
         };
         if !answer.allowed {
-            self.count_limiter_error(&e);
+            self.count_limiter_error(&e, now_ns);
             return decided;
         }
         match self.on_limiter_error(&undecided, e, now_ns) {
@@ -904,7 +937,7 @@ impl Flow<'_> {
         // answers.
         let unpaid = self.pay_renewals(w, now_ns);
         if unpaid.is_empty() {
-            self.count_limiter_error(&e);
+            self.count_limiter_error(&e, now_ns);
             let entries = taken_entries(&self.table(w.epoch), w);
             return self.admit_from_leases(w, &leased_admits(&entries));
         }
@@ -945,10 +978,16 @@ impl Flow<'_> {
         verdict::from_leases(self.config, leased)
     }
 
-    fn count_limiter_error(&self, e: &LimiterError) {
+    fn count_limiter_error(&self, e: &LimiterError, now_ns: u64) {
         if e.is_config_error() {
             self.stats.count(Stat::ConfigError);
-            warn!("ratelimit filter: configuration error: {e}");
+            if let Some(n) = CONFIG_ERRORS_WARNED.with(|w| w.borrow_mut().met(now_ns)) {
+                warn!(
+                    "ratelimit filter: configuration error: {e}: {n} decision(s) since the last \
+                     warning (warned at most once a minute per worker; ratelimit.config_error \
+                     counts each)"
+                );
+            }
         } else {
             self.stats.count(Stat::LimiterError);
             debug!("ratelimit filter: limiter error: {e}");
@@ -958,7 +997,7 @@ impl Flow<'_> {
     /// The verdict when the sidecar could not decide `remote`: the rules' `on_error` policies.
     fn on_limiter_error(&self, remote: &[Planned], e: LimiterError, now_ns: u64) -> Verdict {
         let config = self.config;
-        self.count_limiter_error(&e);
+        self.count_limiter_error(&e, now_ns);
         match verdict::on_error(config, remote) {
             FailurePlan::Deny => {
                 self.stats.count(Stat::FailedClosed);

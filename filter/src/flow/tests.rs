@@ -1136,3 +1136,18 @@ fn without_coalescing_a_request_is_a_batch_of_one_built_like_any_batch() {
     );
     assert!(alone.take(1).is_some(), "it waits for its answer");
 }
+
+#[test]
+fn a_configuration_error_warns_at_once_then_once_a_minute_with_the_count_since() {
+    let mut w = WarnEvery {
+        last_ns: None,
+        since: 0,
+    };
+    assert_eq!(w.met(5), Some(1), "the first one warns");
+    for i in 1..150 {
+        assert_eq!(w.met(5 + i * 1_000_000), None);
+    }
+    let later = 5 + CONFIG_ERROR_WARN_INTERVAL_NS;
+    assert_eq!(w.met(later), Some(150), "149 quiet ones and this one");
+    assert_eq!(w.met(later + 1), None);
+}

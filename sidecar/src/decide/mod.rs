@@ -18,7 +18,7 @@ mod plan;
 mod slots;
 mod validate;
 
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use ratelimit_wire::{
@@ -89,9 +89,10 @@ pub struct Decider<S> {
     policy: Arc<PolicyHandle>,
     key_prefix: String,
     metrics: Arc<Metrics>,
-    /// Unknown (domain, rule) pairs already logged, so a misconfigured gateway does not flood the
-    /// log (bounded; every occurrence is still counted).
-    logged_unknown: Mutex<HashSet<(String, String)>>,
+    /// When each unknown (domain, rule) was last logged and how often it was met since, so a
+    /// misconfigured gateway warns once a minute with a count instead of a line per request
+    /// (bounded; every occurrence is still counted in the metrics).
+    logged_unknown: Mutex<HashMap<(String, String), plan::UnknownSeen>>,
     /// This region's shares of the regional rules (with `--region`).
     regional: Option<Arc<RegionalShares>>,
 }
@@ -108,7 +109,7 @@ impl<S: BucketStore> Decider<S> {
             policy,
             key_prefix: key_prefix.into(),
             metrics,
-            logged_unknown: Mutex::new(HashSet::new()),
+            logged_unknown: Mutex::new(HashMap::new()),
             regional: None,
         }
     }

@@ -17,6 +17,7 @@
 
 use std::collections::HashSet;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use ratelimit_regions::ShareHistory;
 use ratelimit_wire::{ErrorCode, RequestError, MAX_RECEIPT};
@@ -115,8 +116,9 @@ impl<S> Decider<S> {
         Ok(plans)
     }
 
-    /// The error of a decision whose rule (or domain) the policy lacks: counted, and logged the
-    /// first time for each (domain, rule).
+    /// The error of a decision whose rule (or domain) the policy lacks: counted, and warned the
+    /// first time for each (domain, rule), then at most once per [`UNKNOWN_WARN_INTERVAL`] with
+    /// how many decisions named it since.
     fn unknown(
         &self,
         policy: &Policy,
@@ -129,18 +131,23 @@ impl<S> Decider<S> {
             .and_then(|(_, v)| *v)
             .unwrap_or("");
         self.metrics.unknown_rule();
-        let first = self
-            .logged_unknown
-            .lock()
-            .map(|mut seen| seen.len() < 1000 && seen.insert((domain.into(), rule.into())))
-            .unwrap_or(false);
+        let due = self.logged_unknown.lock().ok().and_then(|mut seen| {
+            let key = (domain.to_string(), rule.to_string());
+            if !seen.contains_key(&key) && seen.len() >= 1000 {
+                return None;
+            }
+            seen.entry(key).or_default().met(Instant::now())
+        });
         let message = if matches!(policy.resolve(domain, &[]), Resolution::UnknownDomain) {
             format!("unknown domain {domain:?}: no policy file defines it")
         } else {
             format!("unknown rule {rule:?} in domain {domain:?} (or no limit matches its subject)")
         };
-        if first {
-            tracing::error!("configuration error: {message}");
+        if let Some(decisions) = due {
+            tracing::warn!(
+                "configuration error: {message}: {decisions} decision(s) since the last warning \
+                 (warned at most once a minute; ratelimit_unknown_rule_total counts each)"
+            );
         }
         RequestError {
             code: ErrorCode::UnknownRule,
@@ -294,6 +301,32 @@ pub(super) fn blocked(plan: &[Plan]) -> bool {
         .any(|p| matches!(p, Plan::Blocked { limit } if !limit.shadow))
 }
 
+/// How often an unknown rule is warned at most, per (domain, rule).
+pub const UNKNOWN_WARN_INTERVAL: Duration = Duration::from_secs(60);
+
+/// One unknown (domain, rule): when it was last warned, and how often it was met since.
+#[derive(Debug, Default)]
+pub struct UnknownSeen {
+    warned: Option<Instant>,
+    since: u64,
+}
+
+impl UnknownSeen {
+    /// Notes one decision at `now`; the number to warn of (this one included) when a warning
+    /// is due: the first time, then once per [`UNKNOWN_WARN_INTERVAL`].
+    pub fn met(&mut self, now: Instant) -> Option<u64> {
+        self.since += 1;
+        let due = self
+            .warned
+            .is_none_or(|at| now.saturating_duration_since(at) >= UNKNOWN_WARN_INTERVAL);
+        if !due {
+            return None;
+        }
+        self.warned = Some(now);
+        Some(std::mem::take(&mut self.since))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -374,5 +407,18 @@ mod tests {
             .map(|c| charge(&local[0], &ask, c).expect("a charge").grant_cap)
             .collect();
         assert_eq!(caps, [GrantCap::Share, GrantCap::Share, GrantCap::Ask]);
+    }
+
+    #[test]
+    fn an_unknown_rule_warns_at_once_then_once_an_interval_with_the_count_since() {
+        let t0 = Instant::now();
+        let mut seen = UnknownSeen::default();
+        assert_eq!(seen.met(t0), Some(1), "the first one warns");
+        for i in 1..150 {
+            assert_eq!(seen.met(t0 + Duration::from_millis(i)), None);
+        }
+        let later = t0 + UNKNOWN_WARN_INTERVAL;
+        assert_eq!(seen.met(later), Some(150), "149 quiet ones and this one");
+        assert_eq!(seen.met(later + Duration::from_secs(1)), None);
     }
 }

@@ -457,6 +457,27 @@ pub enum Connection {
 }
 
 impl Connection {
+    /// For one Redis (`--redis`) that did not answer within `within`: whether it refuses
+    /// connections (nothing listens there: a wrong port, Redis not started), said so rather
+    /// than as a timeout. One TCP connection attempt; `None` for anything else.
+    pub async fn refused(&self, within: Duration) -> Option<String> {
+        let Connection::Single(node) = self else {
+            return None;
+        };
+        let (host, port) = match node.client.get_connection_info().addr() {
+            redis::ConnectionAddr::Tcp(host, port) => (host.clone(), *port),
+            redis::ConnectionAddr::TcpTls { host, port, .. } => (host.clone(), *port),
+            _ => return None,
+        };
+        let attempt = tokio::net::TcpStream::connect((host.as_str(), port));
+        match tokio::time::timeout(within, attempt).await {
+            Ok(Err(e)) if e.kind() == std::io::ErrorKind::ConnectionRefused => {
+                Some(format!("{}: connection refused", node.shown))
+            }
+            _ => None,
+        }
+    }
+
     /// A connection to one Redis. Connects lazily: this succeeds while Redis is down.
     pub fn single(url: &str, connections: usize, timeout_ms: u64) -> Result<Self, StoreError> {
         Self::single_with(url, &RedisAccess::default(), connections, timeout_ms)

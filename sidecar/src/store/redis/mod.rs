@@ -632,7 +632,15 @@ impl RedisStore {
                 r.script_loaded = !flags.is_empty() && flags.iter().all(|f| *f == 1);
             }
             Err(e) => {
-                r.error = Some(e.to_string());
+                let refused = match e {
+                    StoreError::Timeout { .. } => {
+                        self.inner.connection.refused(self.timeout()).await
+                    }
+                    _ => None,
+                };
+                r.error = Some(
+                    refused.map_or_else(|| e.to_string(), |r| format!("redis unavailable: {r}")),
+                );
                 return r;
             }
         }
