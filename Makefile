@@ -1,5 +1,6 @@
 # The two commands an operator needs:
-#   make run    build everything, then start Redis, the sidecar, Envoy with the filter and a demo upstream
+#   make run    build everything, then start Redis, the sidecar, Envoy with the filter and a demo
+#               upstream: EXAMPLE=api-key (the default), jwt, llm, rlqs or native (README, "The examples")
 #   make test   install what is missing, build, and run every test (unit, wasm32, Redis, Envoy end to
 #               end, and the compose files started in containers: compose-test below)
 # Both install what is missing first (scripts/install-deps.sh: redis-server, wasm targets,
@@ -10,7 +11,6 @@ CARGO        ?= cargo
 WASM         := target/wasm32-wasip1/release/ratelimit_filter.wasm
 SIDECAR      := target/release/ratelimit-sidecar
 REBALANCER   := target/release/ratelimit-rebalancer
-ENVOY_CONFIG ?= envoy/envoy.yaml
 export ENVOY_BIN ?= $(CURDIR)/.venv/bin/envoy
 
 .PHONY: all deps build test test-native test-wasm run bench reliability simulate lint fmt clean
@@ -39,8 +39,10 @@ test-wasm:
 	CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUNNER=wasm-bindgen-test-runner \
 		$(CARGO) test -p ratelimit-filter --target wasm32-unknown-unknown --lib
 
+# EXAMPLE, ENVOY_CONFIG, LIMITS and REDIS_URL reach the script from make's command line or the
+# environment.
 run: build
-	ENVOY_CONFIG=$(ENVOY_CONFIG) scripts/run-local.sh
+	scripts/run-local.sh
 
 bench: build
 	$(CARGO) build --release -p ratelimit-noop-filter --target wasm32-wasip1
