@@ -229,7 +229,7 @@ fn the_sidecar_reads_its_policy_file_authenticates_callers_and_is_probed_on_its_
     let sidecar = &compose["services"]["sidecar"];
     let command = strings(sidecar, "command").join(" ");
     assert!(
-        command.contains("--limits /etc/ratelimit/limits.yaml"),
+        command.contains("--limits /etc/ratelimit/${POLICY_FILE:-limits.yaml}"),
         "{command}"
     );
     // A reload is `docker compose kill -s HUP sidecar`, which Docker counts as a manual stop:
@@ -238,12 +238,12 @@ fn the_sidecar_reads_its_policy_file_authenticates_callers_and_is_probed_on_its_
     assert_eq!(sidecar["restart"], "always");
     let dockerfile = std::fs::read_to_string(workspace_root().join("sidecar/Dockerfile")).unwrap();
     assert!(dockerfile.lines().any(|l| l == "STOPSIGNAL SIGTERM"));
+    // The policy file's directory, not the file: an editor or `git checkout` replaces the file,
+    // and a single-file bind mount would keep showing the container the one it first saw.
     assert!(
-        mounts(sidecar).contains(&(
-            "./limits.yaml".to_string(),
-            "/etc/ratelimit/limits.yaml".to_string()
-        )),
-        "envoy/limits.yaml is mounted where --limits reads it"
+        mounts(sidecar).contains(&(".".to_string(), "/etc/ratelimit".to_string())),
+        "envoy/ (the directory of limits.yaml) is mounted where --limits reads it: {:?}",
+        mounts(sidecar)
     );
     assert!(command.contains("--admin-listen 0.0.0.0:9090"), "{command}");
     let check = sidecar["healthcheck"]["test"].to_string();
@@ -334,7 +334,15 @@ fn envoys_config_names_the_services_ports_and_paths_of_the_compose_file() {
 
     // The published ports are the listener's and the admin's (the admin on loopback only).
     let ports = strings(envoy_service, "ports");
-    assert!(ports.contains(&"10000:10000".to_string()), "{ports:?}");
+    assert!(
+        ports.contains(&"127.0.0.1:10000:10000".to_string()),
+        "the listener on the host's loopback, as `make run` listens: {ports:?}"
+    );
+    // And the sidecar's /metrics where `make run`'s sidecar serves it.
+    assert_eq!(
+        strings(&compose["services"]["sidecar"], "ports"),
+        ["127.0.0.1:8081:9090"]
+    );
     assert!(
         ports.contains(&"127.0.0.1:9901:9901".to_string()),
         "{ports:?}"

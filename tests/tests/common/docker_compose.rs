@@ -5,7 +5,7 @@
 //! before it runs these tests (they are `#[ignore]`d in a plain `cargo test`).
 //!
 //! A [`Project`] is one compose file with a token of its own in the environment, as the files'
-//! headers tell a user, and its own copy of the policy file (`LIMITS_FILE`). It is brought down
+//! headers tell a user, and its own copy of the policy file, in a directory of its own (`POLICY_DIR`). It is brought down
 //! on drop (containers, networks, volumes), and when the test is failing the end of every
 //! service's log is printed first.
 
@@ -62,7 +62,7 @@ impl Project {
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect();
         env.push(("RATELIMIT_AUTH_TOKEN".into(), token.clone()));
-        env.push(("LIMITS_FILE".into(), policy.display().to_string()));
+        env.push(("POLICY_DIR".into(), dir.path().display().to_string()));
         Project {
             name,
             file: path,
@@ -164,10 +164,17 @@ impl Project {
         self.inspect(service, "{{.State.StartedAt}}")
     }
 
-    /// Writes the policy file in place (the same inode: a single-file bind mount keeps showing
-    /// the file the container first saw if the file is replaced, as an editor may do).
+    /// Writes the policy file in place (the same inode).
     pub fn write_policy(&self, policy: &str) {
         std::fs::write(&self.policy, policy).expect("write the policy file");
+    }
+
+    /// Replaces the policy file as many editors and `git checkout` do: a new file renamed over
+    /// it (a new inode, which a single-file bind mount would never show the container).
+    pub fn replace_policy(&self, policy: &str) {
+        let next = self.policy.with_extension("yaml.new");
+        std::fs::write(&next, policy).expect("write the new policy file");
+        std::fs::rename(&next, &self.policy).expect("rename it over the policy file");
     }
 
     /// `redis-cli <args>` inside a service's container.
