@@ -356,6 +356,7 @@ impl Background {
         ] {
             cmd.env_remove(var);
         }
+        without_cargos_test_env(&mut cmd);
         let mut child = cmd
             .spawn()
             .unwrap_or_else(|e| panic!("start `{command}`: {e}"));
@@ -442,6 +443,32 @@ impl Drop for Background {
     }
 }
 
+/// Removes what `cargo test` sets for the test process (`CARGO_PKG_NAME`, `CARGO_MANIFEST_DIR`,
+/// ...): some crates' build scripts rerun when those change, so a `make run` that saw them would
+/// rebuild the release binaries, and `make build` after it would rebuild them again.
+fn without_cargos_test_env(cmd: &mut Command) {
+    for (name, _) in std::env::vars_os() {
+        let Some(name) = name.to_str() else { continue };
+        let set_by_cargo_test = name == "CARGO"
+            || name == "OUT_DIR"
+            || name.starts_with("CARGO_PKG_")
+            || name.starts_with("CARGO_BIN_EXE_")
+            || matches!(
+                name,
+                "CARGO_MANIFEST_DIR"
+                    | "CARGO_MANIFEST_PATH"
+                    | "CARGO_CRATE_NAME"
+                    | "CARGO_BIN_NAME"
+                    | "CARGO_PRIMARY_PACKAGE"
+                    | "CARGO_TARGET_TMPDIR"
+                    | "CARGO_RUSTC_CURRENT_DIR"
+            );
+        if set_by_cargo_test {
+            cmd.env_remove(name);
+        }
+    }
+}
+
 /// One bash session for a block's commands: variables set by one are seen by the next.
 struct Shell {
     child: Child,
@@ -454,15 +481,15 @@ const END: &str = "\u{1e}end-of-command";
 impl Shell {
     fn start() -> Shell {
         use std::os::unix::process::CommandExt;
-        let mut child = Command::new("bash")
-            .args(["--norc", "--noprofile"])
+        let mut cmd = Command::new("bash");
+        cmd.args(["--norc", "--noprofile"])
             .current_dir(workspace_root())
             .process_group(0)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("start bash");
+            .stderr(Stdio::piped());
+        without_cargos_test_env(&mut cmd);
+        let mut child = cmd.spawn().expect("start bash");
         let mut stdin = child.stdin.take().unwrap();
         writeln!(stdin, "exec 2>&1").unwrap();
         let stdout = child.stdout.take().unwrap();
