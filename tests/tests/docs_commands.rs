@@ -421,6 +421,7 @@ impl Background {
         }
         // Whatever the group left behind (a stack's processes) goes with it.
         let _ = nix::sys::signal::killpg(pgid, nix::sys::signal::Signal::SIGKILL);
+        group_gone(pgid);
     }
 }
 
@@ -553,6 +554,15 @@ impl Drop for Shell {
         let pgid = nix::unistd::Pid::from_raw(self.child.id() as i32);
         let _ = nix::sys::signal::killpg(pgid, nix::sys::signal::Signal::SIGKILL);
         let _ = self.child.wait();
+        group_gone(pgid);
+    }
+}
+
+/// Waits until no process of a killed group is left (a signal is delivered, not awaited).
+fn group_gone(pgid: nix::unistd::Pid) {
+    let start = Instant::now();
+    while nix::sys::signal::killpg(pgid, None).is_ok() && start.elapsed() < PATIENCE {
+        std::thread::sleep(Duration::from_millis(20));
     }
 }
 
@@ -566,8 +576,13 @@ fn read_only(command: &str) -> bool {
         || c.starts_with("tail")
 }
 
+/// The fixed ports free: a stack stopped just before may still be closing its listeners.
 fn ports_free() {
     for port in PORTS {
+        let start = Instant::now();
+        while port_open(*port) && start.elapsed() < Duration::from_secs(20) {
+            std::thread::sleep(Duration::from_millis(50));
+        }
         assert!(
             !port_open(*port),
             "port {port} is in use: `make run` needs it (stop what holds it, a `make run` of yours?)"
