@@ -753,6 +753,31 @@ mod tests {
     }
 
     #[test]
+    fn a_worker_keeps_at_most_its_budget_of_metered_bodies_at_once() {
+        let s = spec(r#"{"reserve": 4096, "response_json": "usage.total_tokens"}"#);
+        let mut b = Budget::default();
+        let chunk = vec![b' '; MAX_METERED_BYTES - 64];
+        let mut meters: Vec<Meter> = (0..20)
+            .map(|_| {
+                let mut m = Meter::new(&s);
+                m.headers(None, Some(b"application/json"), None);
+                m.body(&chunk, &mut b);
+                m
+            })
+            .collect();
+        assert!(b.held() <= MAX_METERED_BYTES_PER_WORKER, "{}", b.held());
+        let kept = MAX_METERED_BYTES_PER_WORKER / chunk.len();
+        assert_eq!(b.held(), kept * chunk.len(), "{kept} bodies kept whole");
+        for m in &mut meters {
+            m.body(br#"{"usage":{"total_tokens":7}}"#, &mut b);
+        }
+        let read: Vec<Option<u64>> = meters.iter_mut().map(|m| m.finish(true, &mut b)).collect();
+        assert_eq!(read.iter().filter(|r| **r == Some(7)).count(), kept);
+        assert_eq!(read.iter().filter(|r| r.is_none()).count(), 20 - kept, "unreported");
+        assert_eq!(b.held(), 0, "every byte given back");
+    }
+
+    #[test]
     fn every_batch_fits_the_sidecars_body_limit_with_the_longest_subjects() {
         // Issue 32, case 3: 600 settlements of 1,024-byte subjects (the longest claim taken as
         // an identity) are 600 KiB: sent in batches that each fit a call.
