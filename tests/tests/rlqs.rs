@@ -300,15 +300,14 @@ fn a_bucket_of_a_rule_the_policy_lacks_is_refused_never_admitted() {
     let sidecar = Sidecar::with_policy(&redis.url(), POLICY, SIDECAR_ARGS);
     let upstream = Upstream::start();
     let envoy = rlqs_envoy(sidecar.port, &upstream);
-    // `x-tenant` names a bucket of rule `per-tenant`, which this policy does not define.
+    // The route /admin has a bucket of rule `per-route`, which this policy does not define.
     let client = http();
-    let url = envoy.url("/api/orders");
+    let url = envoy.url("/admin/users");
     let started = Instant::now();
     let mut statuses = Vec::new();
     while started.elapsed() < Duration::from_secs(3) {
         let status = client
             .get(&url)
-            .header("x-tenant", "acme")
             .send()
             .map(|r| r.status().as_u16())
             .unwrap_or(0);
@@ -363,4 +362,67 @@ fn the_quota_stream_is_authenticated_like_the_other_apis() {
     // With it, the bucket is assigned and requests pass.
     let admitted = statuses(&with);
     assert!(admitted.contains(&200), "{admitted:?}");
+}
+
+/// envoy-rlqs.yaml once named a tenant's bucket from an `x-tenant` header at the edge: a client
+/// rotating 100 values from one address was admitted by 100 buckets. Identity comes from
+/// verified facts only: such a client stays in its address's bucket.
+#[test]
+fn rotating_a_tenant_header_from_one_address_does_not_escape_its_bucket() {
+    let redis = Redis::start();
+    // Both rules one would reach: the address's, and the tenants' (C = 100, r = 20/s each).
+    let policy = "domain: ratelimit\nrules:\n  per-ip: {capacity: 100, refill_per_sec: 20}\n  \
+                  per-tenant: {capacity: 100, refill_per_sec: 20}\n";
+    let sidecar = Sidecar::with_policy(&redis.url(), policy, SIDECAR_ARGS);
+    let upstream = Upstream::start();
+    let envoy = rlqs_envoy(sidecar.port, &upstream);
+    let url = envoy.url("/api/orders");
+    let started = Instant::now();
+    let threads: Vec<_> = (0..2)
+        .map(|t| {
+            let url = url.clone();
+            thread::spawn(move || {
+                let client = http();
+                let (mut admitted, mut other) = (0u64, Vec::new());
+                let mut i = t;
+                while started.elapsed() < Duration::from_secs(6) {
+                    let status = client
+                        .get(&url)
+                        .header("x-tenant", format!("tenant-{}", i % 100))
+                        .send()
+                        .map(|r| r.status().as_u16())
+                        .unwrap_or(0);
+                    match status {
+                        200 => admitted += 1,
+                        429 => {}
+                        s => other.push(s),
+                    }
+                    i += 2;
+                }
+                (admitted, other)
+            })
+        })
+        .collect();
+    let mut admitted = 0;
+    for t in threads {
+        let (a, other) = t.join().unwrap();
+        assert!(
+            other.is_empty(),
+            "answers other than 200 and 429: {other:?}"
+        );
+        admitted += a;
+    }
+    let elapsed = started.elapsed();
+    println!(
+        "100 x-tenant values from one address, {:.1} s: admitted {admitted}, bound C + r·T = {:.0}",
+        elapsed.as_secs_f64(),
+        bound(elapsed)
+    );
+    assert_eq!(upstream.hits(), admitted);
+    assert!(admitted > 0, "the address's bucket admits");
+    assert!(
+        admitted as f64 <= bound(elapsed),
+        "admitted {admitted} > C + r·T = {:.0}: the header named buckets",
+        bound(elapsed)
+    );
 }

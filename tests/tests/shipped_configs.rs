@@ -304,3 +304,266 @@ fn the_compose_config_is_the_local_one_but_for_addresses() {
     );
     // The hardening is compared for every edge config above.
 }
+
+// ---------------------------------------------------------------------------------------------
+// Identity from verified facts only, in every file under envoy/: a client names itself neither
+// by a request header nor by a query parameter it sent (README, "Identity: what names a client").
+
+/// The matcher input a bucket id or a descriptor may take its value from at the edge: the
+/// address Envoy computed. (Dynamic metadata, where jwt_authn puts verified claims, is no string
+/// to Envoy 1.40's matcher inputs: no id is built and the request passes unlimited, docs/rlqs.md
+/// fact 10; Envoy's rate limit filter reads claims with its `metadata` action instead.)
+const TRUSTED_INPUTS: [&str; 1] =
+    ["type.googleapis.com/envoy.extensions.matching.common_inputs.network.v3.SourceIPInput"];
+const METADATA_INPUT: &str =
+    "type.googleapis.com/envoy.extensions.matching.common_inputs.network.v3.DynamicMetadataInput";
+
+/// Filters whose dynamic metadata may name a client or carry a cost: jwt_authn's verified claims,
+/// and what the sidecar answered (Envoy's rate limit filter, for a settlement).
+const TRUSTED_METADATA: [&str; 2] = [
+    "envoy.filters.http.jwt_authn",
+    "envoy.filters.http.ratelimit",
+];
+
+/// Actions of Envoy's rate limit filter (`rate_limits[].actions[]`) whose descriptor values come
+/// from no client input, or only a fixed value chosen by a match (the rest are checked below).
+const FIXED_OR_VERIFIED_ACTIONS: [&str; 7] = [
+    "generic_key",
+    "remote_address",
+    "masked_remote_address",
+    "destination_cluster",
+    "source_cluster",
+    "header_value_match",
+    "query_parameter_value_match",
+];
+
+/// What one walk over the files checked, and what it found wrong.
+#[derive(Default)]
+struct IdentityCheck {
+    bucket_ids: usize,
+    actions: usize,
+    plugins: usize,
+    problems: Vec<String>,
+}
+
+impl IdentityCheck {
+    fn walk(&mut self, at: &str, v: &Value) {
+        match v {
+            Value::Array(items) => {
+                for (i, item) in items.iter().enumerate() {
+                    self.walk(&format!("{at}[{i}]"), item);
+                }
+            }
+            Value::Object(fields) => {
+                if fields.get("kind") == Some(&json!("WasmPlugin")) {
+                    self.plugin(
+                        &format!("{at}.spec.pluginConfig"),
+                        &v["spec"]["pluginConfig"],
+                    );
+                }
+                if fields.get("@type")
+                    == Some(&json!(
+                        "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm"
+                    ))
+                {
+                    let value = &v["config"]["configuration"]["value"];
+                    let at = format!("{at}.config.configuration.value");
+                    match value.as_str().map(serde_json::from_str::<Value>) {
+                        Some(Ok(plugin)) => self.plugin(&at, &plugin),
+                        _ => self.problems.push(format!("{at}: not a plugin JSON")),
+                    }
+                }
+                for (k, field) in fields {
+                    let here = format!("{at}.{k}");
+                    match k.as_str() {
+                        "bucket_id_builder" if field.get("bucket_id_builder").is_some() => {
+                            self.bucket_id(&here, &field["bucket_id_builder"])
+                        }
+                        "rate_limits" => {
+                            for (i, entry) in field.as_array().into_iter().flatten().enumerate() {
+                                self.actions(&format!("{here}[{i}].actions"), &entry["actions"]);
+                            }
+                        }
+                        _ => {}
+                    }
+                    self.walk(&here, field);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// An RLQS bucket id: each `custom_value` from a trusted input.
+    fn bucket_id(&mut self, at: &str, builder: &Value) {
+        for (key, value) in builder.as_object().into_iter().flatten() {
+            self.bucket_ids += 1;
+            if let Some(input) = value.get("custom_value") {
+                self.input(&format!("{at}.{key}.custom_value"), input);
+            }
+        }
+    }
+
+    /// A matcher input (`{name, typed_config}`) used as identity.
+    fn input(&mut self, at: &str, input: &Value) {
+        let kind = input["typed_config"]["@type"].as_str().unwrap_or_default();
+        if kind == METADATA_INPUT {
+            self.problems.push(format!(
+                "{at}: dynamic metadata is no string to Envoy 1.40's matcher inputs: no id is \
+                 built, and the request passes unlimited"
+            ));
+        } else if !TRUSTED_INPUTS.contains(&kind) {
+            self.problems.push(format!(
+                "{at}: identity from {kind:?}, which a client can set (only {TRUSTED_INPUTS:?})"
+            ));
+        }
+    }
+
+    fn metadata(&mut self, at: &str, filter: Option<&str>) {
+        if !filter.is_some_and(|f| TRUSTED_METADATA.contains(&f)) {
+            self.problems.push(format!(
+                "{at}: metadata of {filter:?}, not of {TRUSTED_METADATA:?}"
+            ));
+        }
+    }
+
+    /// The actions of one `rate_limits` entry of Envoy's rate limit filter.
+    fn actions(&mut self, at: &str, actions: &Value) {
+        for (i, action) in actions.as_array().into_iter().flatten().enumerate() {
+            for (kind, config) in action.as_object().into_iter().flatten() {
+                self.actions += 1;
+                let at = format!("{at}[{i}].{kind}");
+                match kind.as_str() {
+                    k if FIXED_OR_VERIFIED_ACTIONS.contains(&k) => {}
+                    "metadata" | "dynamic_metadata" => {
+                        self.metadata(&at, config["metadata_key"]["key"].as_str())
+                    }
+                    "extension" => self.input(&at, config),
+                    _ => self.problems.push(format!(
+                        "{at}: a descriptor from what the client sent (request_headers, \
+                         query_parameters) or from an action this check does not know"
+                    )),
+                }
+            }
+        }
+    }
+
+    /// The wasm filter's configuration: the filter itself accepts it, and its only identity from
+    /// a header is an API key checked against configured hashes.
+    fn plugin(&mut self, at: &str, plugin: &Value) {
+        self.plugins += 1;
+        if let Err(e) = ratelimit_filter::config::Config::from_json(plugin.to_string().as_bytes()) {
+            self.problems
+                .push(format!("{at}: the filter refuses it: {e}"));
+        }
+        for (source, config) in plugin["identity"].as_object().into_iter().flatten() {
+            match source.as_str() {
+                "jwt" | "ip" | "ipv6_prefix_len" => {}
+                "api_key" if config["keys"].as_object().is_some_and(|k| !k.is_empty()) => {}
+                _ => self.problems.push(format!(
+                    "{at}.identity.{source}: not a verified source (jwt, ip, api_key with keys)"
+                )),
+            }
+        }
+    }
+}
+
+/// The YAML documents of a file (Kubernetes manifests hold several).
+fn documents(text: &str) -> Vec<Value> {
+    serde_yaml_ng::Deserializer::from_str(text)
+        .map(|doc| serde::Deserialize::deserialize(doc).expect("YAML"))
+        .collect()
+}
+
+/// Every YAML file under `dir`, relative to the workspace root.
+fn yaml_files(dir: &std::path::Path, out: &mut Vec<std::path::PathBuf>) {
+    for entry in std::fs::read_dir(dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display())) {
+        let path = entry.unwrap().path();
+        if path.is_dir() {
+            yaml_files(&path, out);
+        } else if path.extension().is_some_and(|e| e == "yaml" || e == "yml") {
+            out.push(path);
+        }
+    }
+}
+
+/// The problems of `text`, a file of one or more YAML documents.
+fn identity_problems(name: &str, text: &str) -> IdentityCheck {
+    let mut check = IdentityCheck::default();
+    for (i, doc) in documents(text).iter().enumerate() {
+        check.walk(&format!("{name}#{i}"), doc);
+    }
+    check
+}
+
+#[test]
+fn no_shipped_config_takes_identity_from_what_the_client_sent() {
+    let root = workspace_root();
+    let mut files = Vec::new();
+    yaml_files(&root.join("envoy"), &mut files);
+    files.sort();
+    let mut all = IdentityCheck::default();
+    for path in &files {
+        let name = path.strip_prefix(&root).unwrap().display().to_string();
+        let check = identity_problems(&name, &read(&name));
+        all.bucket_ids += check.bucket_ids;
+        all.actions += check.actions;
+        all.plugins += check.plugins;
+        all.problems.extend(check.problems);
+    }
+    println!(
+        "{} files: {} bucket id entries, {} rate limit actions, {} plugin configurations",
+        files.len(),
+        all.bucket_ids,
+        all.actions,
+        all.plugins
+    );
+    assert!(files.iter().any(|f| f.ends_with("istio/wasmplugin.yaml")));
+    assert!(all.bucket_ids > 0 && all.actions > 0 && all.plugins >= 5);
+    assert!(all.problems.is_empty(), "{}", all.problems.join("\n"));
+}
+
+#[test]
+fn the_identity_check_finds_each_way_a_client_could_name_itself() {
+    let header = "type.googleapis.com/envoy.type.matcher.v3.HttpRequestHeaderMatchInput";
+    let hostile = [
+        // An RLQS bucket id from jwt_authn's metadata (envoy-rlqs.yaml once had it: never built).
+        format!(
+            "bucket_id_builder:\n  bucket_id_builder:\n    tenant:\n      custom_value:\n        \
+             name: t\n        typed_config:\n          \"@type\": {METADATA_INPUT}\n          \
+             filter: envoy.filters.http.jwt_authn\n          path: [{{key: example}}, {{key: tenant}}]\n"
+        ),
+        // An RLQS bucket id from a header (the x-tenant matcher envoy-rlqs.yaml once had).
+        format!(
+            "bucket_id_builder:\n  bucket_id_builder:\n    rule: {{string_value: r}}\n    \
+             tenant:\n      custom_value:\n        name: t\n        typed_config:\n          \
+             \"@type\": {header}\n          header_name: x-tenant\n"
+        ),
+        // Envoy's rate limit filter: a raw header, a query parameter, a header input.
+        "rate_limits:\n- actions:\n  - request_headers: {header_name: x-user, descriptor_key: user}\n"
+            .to_string(),
+        "rate_limits:\n- actions:\n  - query_parameters: {query_parameter_name: u, descriptor_key: u}\n"
+            .to_string(),
+        format!(
+            "rate_limits:\n- actions:\n  - extension:\n      name: u\n      typed_config:\n        \
+             \"@type\": {header}\n        header_name: x-user\n"
+        ),
+        // Metadata another filter may have copied from a header.
+        "rate_limits:\n- actions:\n  - metadata: {descriptor_key: u, metadata_key: {key: \
+         envoy.filters.http.header_to_metadata, path: [{key: u}]}}\n"
+            .to_string(),
+        // The wasm filter's configuration with an identity it does not know.
+        "kind: WasmPlugin\nspec:\n  pluginConfig:\n    sidecar: {cluster: s}\n    identity: \
+         {header: x-user}\n    rules: []\n"
+            .to_string(),
+    ];
+    for yaml in &hostile {
+        let check = identity_problems("hostile", yaml);
+        assert!(!check.problems.is_empty(), "not found:\n{yaml}");
+    }
+    // And what the shipped configs do is accepted.
+    let verified = "rate_limits:\n- actions:\n  - generic_key: {descriptor_key: rule, \
+                    descriptor_value: per-ip}\n  - remote_address: {}\n  - metadata: \
+                    {descriptor_key: user, metadata_key: {key: envoy.filters.http.jwt_authn, \
+                    path: [{key: example}, {key: sub}]}}\n";
+    assert!(identity_problems("verified", verified).problems.is_empty());
+}
