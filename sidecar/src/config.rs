@@ -110,8 +110,10 @@ pub struct Args {
     pub store_reset: StoreReset,
 
     /// Largest accepted request body, in bytes: a larger `POST /v1/decide` body is answered 413,
-    /// a larger gRPC request message OUT_OF_RANGE. At least 65536, the most a gateway puts in
-    /// one call (the Wasm filter packs its batches within it).
+    /// a larger gRPC request message OUT_OF_RANGE, but for the quota (RLQS) stream's usage
+    /// reports, read in reports of at most this size (and answered in messages within it). At
+    /// least 65536, the most a gateway puts in one call (the Wasm filter packs its batches
+    /// within it).
     #[arg(long, env = "RATELIMIT_MAX_BODY_BYTES", default_value_t = ratelimit_wire::budget::MAX_BODY_BYTES, value_parser = body_bytes)]
     pub max_body_bytes: usize,
 

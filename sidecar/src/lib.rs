@@ -99,6 +99,8 @@ pub fn rlqs_settings(args: &Args) -> Result<rlqs::RlqsSettings, ServeError> {
         timing,
         renew_ms: args.rlqs_renew_ms,
         max_buckets: usize::try_from(args.rlqs_max_buckets).unwrap_or(usize::MAX),
+        max_message_bytes: args.max_body_bytes,
+        store_calls_in_flight: usize::try_from(args.redis_pipeline).unwrap_or(1),
     })
 }
 
@@ -223,10 +225,8 @@ pub async fn serve(
         decider: Arc::new(decider),
         metrics,
     });
-    let app = http::router(state.clone(), args.max_body_bytes).merge(
-        rlqs::RlqsApi::new(state.decider.clone(), rlqs_settings(&args)?)
-            .into_router(args.max_body_bytes),
-    );
+    let app = http::router(state.clone(), args.max_body_bytes)
+        .merge(rlqs::RlqsApi::new(state.decider.clone(), rlqs_settings(&args)?).into_router());
     let token_watch = auth
         .clone()
         .and_then(|a| a.watch_token_file(auth::TOKEN_FILE_CHECK_INTERVAL));

@@ -161,6 +161,17 @@ pub struct StrategyLabels {
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReadLabels {
+    /// `whole` (within `--max-body-bytes`) or `split` (sent on as several reports).
+    pub read: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabels {
+    pub reason: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RuleLabels {
     /// `<domain>/<rule>`, a name from the policy.
     pub rule: String,
@@ -270,6 +281,11 @@ const DURATION_BUCKETS_S: [f64; 13] = [
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 ];
 
+/// Quota (RLQS) round durations, seconds: 1 ms to 5 s (the delivery margin is 500 ms as shipped).
+const RLQS_ROUND_BUCKETS_S: [f64; 12] = [
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+];
+
 /// Decisions per script call: 1 to 512.
 const BATCH_BUCKETS: [f64; 10] = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0];
 
@@ -324,6 +340,21 @@ pub struct Metrics {
     /// `ratelimit_rlqs_assignments_total{strategy}`: bucket assignments sent to Envoys, by
     /// strategy (`token_bucket`, `allow_all`, `deny_all`).
     pub rlqs_assignments: Family<StrategyLabels, Counter>,
+    /// `ratelimit_rlqs_streams_opened_total`: quota streams accepted (a stream Envoy had to
+    /// reopen counts again).
+    pub rlqs_streams_opened: Counter,
+    /// `ratelimit_rlqs_reports_total{read}`: usage reports (gRPC messages) received, `whole` or
+    /// `split` into reports within `--max-body-bytes`.
+    pub rlqs_reports: Family<ReadLabels, Counter>,
+    /// `ratelimit_rlqs_usages_dropped_total{reason}`: bucket usages that get no assignment:
+    /// `too_large`, `max_buckets`, `unreadable` (counted once per report).
+    pub rlqs_usages_dropped: Family<ReasonLabels, Counter>,
+    /// `ratelimit_rlqs_round_duration_seconds`: from planning a round to its assignments ready
+    /// to send (the store's calls included).
+    pub rlqs_round_duration: Histogram,
+    /// `ratelimit_rlqs_late_rounds_total`: rounds that took longer than
+    /// `--rlqs-delivery-margin-ms` and were settled again at their end.
+    pub rlqs_late_rounds: Counter,
     limit_log: LimitLog,
 }
 
@@ -356,6 +387,11 @@ impl Metrics {
         let slots = Family::<SlotLabels, Counter>::default();
         let rlqs_streams = Gauge::default();
         let rlqs_assignments = Family::<StrategyLabels, Counter>::default();
+        let rlqs_streams_opened = Counter::default();
+        let rlqs_reports = Family::<ReadLabels, Counter>::default();
+        let rlqs_usages_dropped = Family::<ReasonLabels, Counter>::default();
+        let rlqs_round_duration = Histogram::new(RLQS_ROUND_BUCKETS_S);
+        let rlqs_late_rounds = Counter::default();
         registry.register(
             "ratelimit_decisions",
             "Decisions answered, by limit name and verdict",
@@ -448,6 +484,33 @@ impl Metrics {
             rlqs_assignments.clone(),
         );
         registry.register(
+            "ratelimit_rlqs_streams_opened",
+            "Quota (RLQS) streams accepted; a stream an Envoy had to reopen counts again",
+            rlqs_streams_opened.clone(),
+        );
+        registry.register(
+            "ratelimit_rlqs_reports",
+            "Quota (RLQS) usage reports received, whole or split into reports within \
+             --max-body-bytes",
+            rlqs_reports.clone(),
+        );
+        registry.register(
+            "ratelimit_rlqs_usages_dropped",
+            "Quota (RLQS) bucket usages that get no assignment, by reason (too_large, \
+             max_buckets, unreadable: once per report)",
+            rlqs_usages_dropped.clone(),
+        );
+        registry.register(
+            "ratelimit_rlqs_round_duration_seconds",
+            "Quota (RLQS) rounds: from planning to the assignments ready to send",
+            rlqs_round_duration.clone(),
+        );
+        registry.register(
+            "ratelimit_rlqs_late_rounds",
+            "Quota (RLQS) rounds longer than --rlqs-delivery-margin-ms, settled again at their end",
+            rlqs_late_rounds.clone(),
+        );
+        registry.register(
             "ratelimit_settlements",
             "Settlements of costs known after the response, by outcome (charged, given_back, \
              repeated, skipped, failed)",
@@ -469,6 +532,12 @@ impl Metrics {
         }
         for strategy in ["token_bucket", "allow_all", "deny_all"] {
             let _ = rlqs_assignments.get_or_create(&StrategyLabels { strategy });
+        }
+        for read in ["whole", "split"] {
+            let _ = rlqs_reports.get_or_create(&ReadLabels { read });
+        }
+        for reason in ["too_large", "max_buckets", "unreadable"] {
+            let _ = rlqs_usages_dropped.get_or_create(&ReasonLabels { reason });
         }
         Self {
             registry,
@@ -492,6 +561,11 @@ impl Metrics {
             slots,
             rlqs_streams,
             rlqs_assignments,
+            rlqs_streams_opened,
+            rlqs_reports,
+            rlqs_usages_dropped,
+            rlqs_round_duration,
+            rlqs_late_rounds,
             limit_log: LimitLog::default(),
         }
     }
@@ -533,6 +607,24 @@ impl Metrics {
                     rule: rule.to_string(),
                     outcome: outcome.label(),
                 })
+                .inc_by(n);
+        }
+    }
+
+    /// Counts `n` quota usage reports read `read` (`whole` or `split`).
+    pub fn count_rlqs_reports(&self, read: &'static str, n: u64) {
+        if n > 0 {
+            self.rlqs_reports
+                .get_or_create(&ReadLabels { read })
+                .inc_by(n);
+        }
+    }
+
+    /// Counts `n` quota bucket usages dropped for `reason`.
+    pub fn count_rlqs_usages_dropped(&self, reason: &'static str, n: u64) {
+        if n > 0 {
+            self.rlqs_usages_dropped
+                .get_or_create(&ReasonLabels { reason })
                 .inc_by(n);
         }
     }
@@ -698,6 +790,11 @@ mod tests {
             "ratelimit_settlements_total{outcome=\"given_back\"} 0",
             "ratelimit_rlqs_streams 0",
             "ratelimit_rlqs_assignments_total{strategy=\"deny_all\"} 0",
+            "ratelimit_rlqs_streams_opened_total 0",
+            "ratelimit_rlqs_reports_total{read=\"split\"} 0",
+            "ratelimit_rlqs_usages_dropped_total{reason=\"too_large\"} 0",
+            "ratelimit_rlqs_round_duration_seconds_bucket{le=\"0.5\"} 0",
+            "ratelimit_rlqs_late_rounds_total 0",
         ] {
             assert!(text.contains(name), "{name} missing in\n{text}");
         }

@@ -3,13 +3,16 @@
 //! from several Envoys and checks the global bound of docs/rlqs.md: over a run of T seconds from
 //! a full bucket, everything admitted is at most C + r·T.
 
+use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use ratelimit_e2e::{http, Envoy, EnvoyConfig, Redis, Sidecar, Upstream};
+use futures::StreamExt;
+use ratelimit_e2e::{http, wait_until, Envoy, EnvoyConfig, Redis, Sidecar, Upstream};
 use serde_json::json;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const CAPACITY: f64 = 100.0;
 const REFILL: f64 = 20.0;
@@ -362,6 +365,176 @@ fn the_quota_stream_is_authenticated_like_the_other_apis() {
     // With it, the bucket is assigned and requests pass.
     let admitted = statuses(&with);
     assert!(admitted.contains(&200), "{admitted:?}");
+}
+
+/// `GET /api/orders` through Envoy on `port` from the source address `source` (loopback takes
+/// any 127.x.y.z as a client's address): the status, 0 without an answer.
+async fn get_from(source: Ipv4Addr, port: u16) -> u16 {
+    let exchange = async {
+        let socket = tokio::net::TcpSocket::new_v4()?;
+        socket.bind(SocketAddr::from((source, 0)))?;
+        let mut stream = socket
+            .connect(SocketAddr::from((Ipv4Addr::LOCALHOST, port)))
+            .await?;
+        stream
+            .write_all(b"GET /api/orders HTTP/1.1\r\nhost: rlqs\r\nconnection: close\r\n\r\n")
+            .await?;
+        // The status line is enough (Envoy may hold a closing connection open for a second).
+        let mut answer = Vec::new();
+        let mut buf = [0u8; 256];
+        while !answer.windows(2).any(|w| w == b"\r\n") {
+            let n = stream.read(&mut buf).await?;
+            if n == 0 {
+                break;
+            }
+            answer.extend_from_slice(&buf[..n]);
+        }
+        std::io::Result::Ok(answer)
+    };
+    match tokio::time::timeout(Duration::from_secs(10), exchange).await {
+        Ok(Ok(answer)) => std::str::from_utf8(answer.get(9..12).unwrap_or_default())
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(0),
+        _ => 0,
+    }
+}
+
+/// One request from each of `sources`, 32 at a time: their statuses, in order.
+fn one_request_each(
+    runtime: &tokio::runtime::Runtime,
+    sources: &[Ipv4Addr],
+    port: u16,
+) -> Vec<u16> {
+    runtime.block_on(
+        futures::stream::iter(sources.iter().map(|s| get_from(*s, port)))
+            .buffered(32)
+            .collect(),
+    )
+}
+
+/// Envoy reports every bucket it tracks in one message (about 470 KiB for 10,000 buckets by
+/// address; the sidecar reads 64 KiB messages): the stream must live on, and every bucket hold
+/// an assignment. Before the report splitter, 1,400 buckets made the stream die at every
+/// report and no assignment was sent again.
+#[test]
+fn ten_thousand_buckets_of_one_envoy_all_hold_assignments_on_one_stream() {
+    const BUCKETS: usize = 10_000;
+    let redis = Redis::start();
+    // Generous, so that every bucket's assignment is a token bucket whatever the others take.
+    let policy = "domain: ratelimit\nrules:\n  per-ip: {capacity: 1000, refill_per_sec: 100}\n";
+    let sidecar = Sidecar::with_policy(&redis.url(), policy, SIDECAR_ARGS);
+    let upstream = Upstream::start();
+    // An assignment that expired is DENY_ALL here (the shipped fallback, 10 + 1/s, would still
+    // admit): a 200 says the bucket holds a live assignment.
+    let envoy = Envoy::start(
+        &EnvoyConfig::shipped("envoy-rlqs.yaml", sidecar.port, upstream.port).replace(
+            "token_bucket: { max_tokens: 10, tokens_per_fill: 1, fill_interval: 1s }",
+            "blanket_rule: DENY_ALL",
+        ),
+    );
+    let sources: Vec<Ipv4Addr> = (0..BUCKETS)
+        .map(|i| Ipv4Addr::new(127, 1, (i / 250) as u8, (i % 250 + 1) as u8))
+        .collect();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let metric = |name: &str| sidecar.metric(name);
+    // Each address's first request makes its bucket (refused: no assignment yet).
+    let started = Instant::now();
+    let first = one_request_each(&runtime, &sources, envoy.listen_port);
+    assert!(first.iter().all(|s| *s == 200 || *s == 429), "{:?}", {
+        let mut odd: Vec<u16> = first
+            .iter()
+            .copied()
+            .filter(|s| *s != 200 && *s != 429)
+            .collect();
+        odd.dedup();
+        odd
+    });
+    let made_in = started.elapsed();
+    // Each bucket is assigned: requests from the addresses not admitted yet, until each was
+    // (polled as `wait_until` does, up to 2 minutes).
+    let mut waiting = sources.clone();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let mut pause = Duration::from_millis(2);
+    while !waiting.is_empty() && Instant::now() < deadline {
+        let statuses = one_request_each(&runtime, &waiting, envoy.listen_port);
+        waiting = waiting
+            .iter()
+            .zip(statuses)
+            .filter(|(_, s)| *s != 200)
+            .map(|(a, _)| *a)
+            .collect();
+        thread::sleep(pause);
+        pause = (pause * 2).min(Duration::from_millis(50));
+    }
+    let assigned_in = started.elapsed();
+    if waiting.is_empty() {
+        // Two more reports of every bucket (each over 64 KiB, one every 5 s), so that the
+        // assignments live on by their renewals, past a TTL (3 s).
+        let split = || metric("ratelimit_rlqs_reports_total{read=\"split\"}");
+        let after_assigned = split();
+        wait_until(
+            "two reports of every bucket",
+            Duration::from_secs(120),
+            || split() >= after_assigned + 2.0,
+        );
+    }
+    let second = one_request_each(&runtime, &sources, envoy.listen_port);
+    let admitted = second.iter().filter(|s| **s == 200).count();
+    println!(
+        "{BUCKETS} buckets made in {:.1} s, {} of them assigned by {:.1} s; two reports later \
+         {admitted} of {BUCKETS} admitted; streams opened \
+         {}, reports {} whole and {} split, usages dropped {}/{}/{} (too large, max buckets, \
+         unreadable); assignments {} token buckets, {} DENY_ALL; rounds {} ({:.3} s on average), \
+         late {}",
+        made_in.as_secs_f64(),
+        BUCKETS - waiting.len(),
+        assigned_in.as_secs_f64(),
+        metric("ratelimit_rlqs_streams_opened_total"),
+        metric("ratelimit_rlqs_reports_total{read=\"whole\"}"),
+        metric("ratelimit_rlqs_reports_total{read=\"split\"}"),
+        metric("ratelimit_rlqs_usages_dropped_total{reason=\"too_large\"}"),
+        metric("ratelimit_rlqs_usages_dropped_total{reason=\"max_buckets\"}"),
+        metric("ratelimit_rlqs_usages_dropped_total{reason=\"unreadable\"}"),
+        metric("ratelimit_rlqs_assignments_total{strategy=\"token_bucket\"}"),
+        metric("ratelimit_rlqs_assignments_total{strategy=\"deny_all\"}"),
+        metric("ratelimit_rlqs_round_duration_seconds_count"),
+        metric("ratelimit_rlqs_round_duration_seconds_sum")
+            / metric("ratelimit_rlqs_round_duration_seconds_count").max(1.0),
+        metric("ratelimit_rlqs_late_rounds_total"),
+    );
+    let lines = |log: String, needle: &str| -> Vec<String> {
+        log.lines()
+            .filter(|l| l.contains(needle))
+            .map(String::from)
+            .collect()
+    };
+    assert_eq!(
+        metric("ratelimit_rlqs_streams_opened_total"),
+        1.0,
+        "the stream was never reset:\n{:#?}\n{:#?}",
+        lines(sidecar.process.log(), "rlqs stream"),
+        lines(envoy.process.log(), "RLQS")
+    );
+    assert!(
+        waiting.is_empty(),
+        "{} buckets never assigned",
+        waiting.len()
+    );
+    assert_eq!(admitted, BUCKETS, "every bucket holds a live assignment");
+    for reason in ["too_large", "max_buckets", "unreadable"] {
+        assert_eq!(
+            metric(&format!(
+                "ratelimit_rlqs_usages_dropped_total{{reason=\"{reason}\"}}"
+            )),
+            0.0,
+            "{reason}"
+        );
+    }
 }
 
 /// envoy-rlqs.yaml once named a tenant's bucket from an `x-tenant` header at the edge: a client

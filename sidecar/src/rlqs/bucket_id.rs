@@ -4,7 +4,12 @@
 //! same Redis bucket).
 
 use std::collections::HashMap;
+use std::sync::LazyLock;
 
+use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_usage_reports::BucketQuotaUsage;
+use envoy_types::pb::envoy::service::rate_limit_quota::v3::BucketId;
+use envoy_types::pb::google::protobuf::Duration;
+use prost::Message;
 use ratelimit_wire::{MAX_NAME_BYTES, MAX_SUBJECT_ENTRIES, MAX_VALUE_BYTES};
 
 use crate::decide::Entries;
@@ -46,6 +51,32 @@ pub fn entries(bucket: &HashMap<String, String>) -> Result<Entries, String> {
         out.push((k.clone(), Some(v.clone())));
     }
     Ok(out)
+}
+
+/// The encoded size of the largest usage report of one bucket whose id is within the limits
+/// [`entries`] checks (`rule` and 8 subject keys of 128 bytes, values of 4096 bytes, the largest
+/// counts and elapsed time): 34,054 bytes. A usage larger than this names no valid bucket, so the
+/// quota service drops it unread rather than hold it (docs/rlqs.md, "Reports of any size").
+pub fn max_usage_bytes() -> usize {
+    static MAX: LazyLock<usize> = LazyLock::new(|| {
+        // Keys of 128 bytes, distinct in their last 3 bytes; the rule's value is a name.
+        let key = |i: usize| format!("{i:0>width$}", width = MAX_NAME_BYTES);
+        let mut bucket: HashMap<String, String> = (0..MAX_SUBJECT_ENTRIES)
+            .map(|i| (key(i), "v".repeat(MAX_VALUE_BYTES)))
+            .collect();
+        bucket.insert(RULE_KEY.to_string(), "r".repeat(MAX_NAME_BYTES));
+        BucketQuotaUsage {
+            bucket_id: Some(BucketId { bucket }),
+            time_elapsed: Some(Duration {
+                seconds: i64::MIN,
+                nanos: i32::MIN,
+            }),
+            num_requests_allowed: u64::MAX,
+            num_requests_denied: u64::MAX,
+        }
+        .encoded_len()
+    });
+    *MAX
 }
 
 /// The bucket id as one string, the same for the same map whatever its order (the key under
@@ -116,6 +147,27 @@ mod tests {
         assert!(entries(&id(&[("rule", "r"), ("k", &long)]))
             .unwrap_err()
             .contains("bucket_id.k"));
+    }
+
+    #[test]
+    fn the_largest_valid_usage_bounds_every_valid_bucket_id() {
+        // The figure docs/rlqs.md states.
+        assert_eq!(max_usage_bytes(), 34_054);
+        let mut bucket: HashMap<String, String> = (0..MAX_SUBJECT_ENTRIES)
+            .map(|i| (format!("k{i:0>127}"), "v".repeat(MAX_VALUE_BYTES)))
+            .collect();
+        bucket.insert(RULE_KEY.into(), "per-ip".into());
+        assert!(entries(&bucket).is_ok());
+        let usage = BucketQuotaUsage {
+            bucket_id: Some(BucketId { bucket }),
+            time_elapsed: Some(Duration {
+                seconds: 5,
+                nanos: 0,
+            }),
+            num_requests_allowed: 1 << 40,
+            num_requests_denied: 1 << 40,
+        };
+        assert!(usage.encoded_len() <= max_usage_bytes());
     }
 
     #[test]

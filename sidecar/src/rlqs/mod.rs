@@ -16,11 +16,18 @@
 //! - Redis unavailable: no assignment is sent; what was sent stays live until its TTL, then
 //!   Envoy's `expired_assignment_behavior` applies (and for a new bucket its
 //!   `no_assignment_behavior`).
+//!
+//! # Size
+//!
+//! Envoy's reports grow with its buckets: [`split`] re-frames them into reports within
+//! `--max-body-bytes` before the service decodes them, and the answers are split the same way.
 
+pub mod body;
 pub mod bucket_id;
 pub mod plan;
+pub mod split;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -41,15 +48,22 @@ use envoy_types::pb::envoy::service::rate_limit_quota::v3::{
     BucketId, RateLimitQuotaResponse, RateLimitQuotaUsageReports,
 };
 use envoy_types::pb::google::protobuf::{Duration as PbDuration, UInt32Value};
-use futures::Stream;
-use ratelimit_wire::{ErrorCode, LeaseAsk, Reason, MAX_LEASE_ID, MAX_NAME_BYTES, MAX_REQUESTS};
+use axum::extract::State;
+use futures::future::BoxFuture;
+use futures::{FutureExt, Stream, StreamExt};
+use prost::Message;
+use ratelimit_wire::{
+    ErrorCode, LeaseAsk, Reason, RequestAnswer, MAX_LEASE_ID, MAX_NAME_BYTES, MAX_REQUESTS,
+};
 use tokio::sync::mpsc;
 use tonic::server::NamedService;
 use tonic::{Request, Response, Status, Streaming};
 
+use self::body::SplitReports;
 use self::plan::{Demand, Holding, Proposal, Strategy, Target, Timing};
+use self::split::Splitter;
 use crate::decide::{Caller, Decider, Entries, Item};
-use crate::metrics::StrategyLabels;
+use crate::metrics::{Metrics, StrategyLabels};
 use crate::policy::{LimitKind, Resolution};
 use crate::store::BucketStore;
 
@@ -61,6 +75,12 @@ pub struct RlqsSettings {
     pub renew_ms: u64,
     /// The most buckets one stream may hold; reports of further buckets are not answered.
     pub max_buckets: usize,
+    /// The largest message read or sent (`--max-body-bytes`): larger reports are split
+    /// ([`split`]), answers are sent in messages within it.
+    pub max_message_bytes: usize,
+    /// A round's store calls in flight at once (`--redis-pipeline`): each is within
+    /// `--redis-timeout-ms` of being sent, not of the round's start.
+    pub store_calls_in_flight: usize,
 }
 
 /// The quota service over a [`Decider`].
@@ -90,17 +110,44 @@ impl<S: BucketStore> RlqsApi<S> {
         }
     }
 
-    /// The service as routes of the sidecar's router (as [`crate::grpc::RateLimitApi`]'s).
-    pub fn into_router(self, max_message_bytes: usize) -> axum::Router {
+    /// The service as routes of the sidecar's router (as [`crate::grpc::RateLimitApi`]'s), its
+    /// request bodies through the report splitter.
+    pub fn into_router(self) -> axum::Router {
         let path = format!(
             "/{}/{{*method}}",
             <RateLimitQuotaServiceServer<Self> as NamedService>::NAME
         );
-        axum::Router::new().route_service(
-            &path,
-            RateLimitQuotaServiceServer::new(self).max_decoding_message_size(max_message_bytes),
+        let limit = ReportLimit {
+            max_message_bytes: self.shared.settings.max_message_bytes,
+            metrics: self.shared.decider.metrics().clone(),
+        };
+        let server = RateLimitQuotaServiceServer::new(self)
+            .max_decoding_message_size(limit.max_message_bytes);
+        axum::Router::new().route_service(&path, server).layer(
+            axum::middleware::map_request_with_state(limit, split_reports),
         )
     }
+}
+
+/// What the report splitter of each stream needs.
+#[derive(Clone)]
+struct ReportLimit {
+    max_message_bytes: usize,
+    metrics: Arc<Metrics>,
+}
+
+/// The request with its body through a [`Splitter`].
+async fn split_reports(
+    State(limit): State<ReportLimit>,
+    request: axum::extract::Request,
+) -> axum::extract::Request {
+    request.map(|body| {
+        axum::body::Body::new(SplitReports::new(
+            body,
+            Splitter::new(limit.max_message_bytes, bucket_id::max_usage_bytes()),
+            limit.metrics,
+        ))
+    })
 }
 
 type Assignments = Pin<Box<dyn Stream<Item = Result<RateLimitQuotaResponse, Status>> + Send>>;
@@ -116,6 +163,7 @@ impl<S: BucketStore> RateLimitQuotaService for RlqsApi<S> {
         let reports = request.into_inner();
         let (tx, rx) = mpsc::channel(8);
         let id = self.shared.next_stream.fetch_add(1, Ordering::Relaxed);
+        self.shared.decider.metrics().rlqs_streams_opened.inc();
         let session = Session {
             shared: self.shared.clone(),
             id,
@@ -123,13 +171,11 @@ impl<S: BucketStore> RateLimitQuotaService for RlqsApi<S> {
             domain: String::new(),
             buckets: HashMap::new(),
             warned_full: false,
+            warned_too_large: false,
         };
         tokio::spawn(session.run(reports));
         let out =
-            futures::stream::unfold(
-                rx,
-                |mut rx| async move { rx.recv().await.map(|m| (Ok(m), rx)) },
-            );
+            futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|m| (m, rx)) });
         Ok(Response::new(Box::pin(out)))
     }
 }
@@ -147,10 +193,12 @@ struct Tracked {
 struct Session<S> {
     shared: Arc<Shared<S>>,
     id: u64,
-    tx: mpsc::Sender<RateLimitQuotaResponse>,
+    /// Assignments out; an error ends the stream with that status.
+    tx: mpsc::Sender<Result<RateLimitQuotaResponse, Status>>,
     domain: String,
     buckets: HashMap<String, Tracked>,
     warned_full: bool,
+    warned_too_large: bool,
 }
 
 /// What one bucket is told this round, before the store is asked.
@@ -170,28 +218,69 @@ impl<S: BucketStore> Session<S> {
         ticker.tick().await;
         let metrics = self.shared.decider.metrics().clone();
         metrics.rlqs_streams.inc();
+        tracing::info!("rlqs stream {} opened", self.id);
+        // The reports are read as they come, also while a round's store calls are out: Envoy
+        // sends each new bucket's report alone, and unread small messages pile up in the HTTP/2
+        // connection until its flood protection closes it (h2: GOAWAY "too_many_data_frames").
+        let mut round: Option<(Planned, BoxFuture<'static, Vec<RequestAnswer>>)> = None;
+        let mut fresh: Vec<String> = Vec::new();
+        let mut renewal_due = false;
+        // The answers of the last round not yet taken by the stream; no round starts before.
+        let mut outbox: VecDeque<RateLimitQuotaResponse> = VecDeque::new();
+        let tx = self.tx.clone();
+        // Envoy closed its side: what it reported is still answered, then the stream ends.
+        let mut reports_ended = false;
         loop {
-            tokio::select! {
-                message = reports.message() => match message {
-                    Ok(Some(report)) => {
-                        let fresh = self.on_report(report);
-                        if !fresh.is_empty() {
-                            self.assign(fresh, false).await;
-                        }
+            if reports_ended && round.is_none() && fresh.is_empty() && outbox.is_empty() {
+                break;
+            }
+            if round.is_none() && outbox.is_empty() {
+                // A renewal round plans every bucket, the new ones included.
+                if renewal_due {
+                    renewal_due = false;
+                    fresh.clear();
+                    let all: Vec<String> = self.buckets.keys().cloned().collect();
+                    if !all.is_empty() {
+                        round = Some(self.plan(all, true));
                     }
-                    Ok(None) => break,
+                } else if !fresh.is_empty() {
+                    round = Some(self.plan(std::mem::take(&mut fresh), false));
+                }
+            }
+            tokio::select! {
+                message = reports.message(), if !reports_ended => match message {
+                    Ok(Some(report)) => fresh.extend(self.on_report(report)),
+                    Ok(None) => {
+                        tracing::info!("rlqs stream {}: Envoy closed it", self.id);
+                        reports_ended = true;
+                    }
                     Err(e) => {
-                        tracing::debug!("rlqs stream {} ended: {e}", self.id);
+                        tracing::info!("rlqs stream {} ended: {e}", self.id);
                         break;
                     }
                 },
-                _ = ticker.tick() => {
-                    let all: Vec<String> = self.buckets.keys().cloned().collect();
-                    if !all.is_empty() {
-                        self.assign(all, true).await;
+                _ = ticker.tick(), if !reports_ended => renewal_due = true,
+                answers = async {
+                    match round.as_mut() {
+                        Some((_, calls)) => calls.await,
+                        None => std::future::pending().await,
+                    }
+                }, if round.is_some() => {
+                    if let Some((planned, _)) = round.take() {
+                        outbox.extend(self.settle(planned, answers));
                     }
                 }
-                _ = self.tx.closed() => break,
+                permit = tx.reserve(), if !outbox.is_empty() => match (permit, outbox.pop_front()) {
+                    (Ok(permit), Some(response)) => permit.send(Ok(response)),
+                    _ => {
+                        tracing::info!("rlqs stream {}: Envoy went away", self.id);
+                        break;
+                    }
+                },
+                _ = tx.closed(), if outbox.is_empty() => {
+                    tracing::info!("rlqs stream {}: Envoy went away", self.id);
+                    break;
+                }
             }
         }
         metrics.rlqs_streams.dec();
@@ -222,8 +311,25 @@ impl<S: BucketStore> Session<S> {
         {
             self.domain = report.domain.clone();
         }
+        let metrics = self.shared.decider.metrics().clone();
         let mut fresh = Vec::new();
+        let mut malformed: Option<(usize, String)> = None;
         for usage in report.bucket_quota_usages {
+            // A report within the limit reached the service whole: its usages are bounded here
+            // as the splitter bounds those of a larger one.
+            if usage.encoded_len() > bucket_id::max_usage_bytes() {
+                metrics.count_rlqs_usages_dropped("too_large", 1);
+                if !self.warned_too_large {
+                    self.warned_too_large = true;
+                    tracing::warn!(
+                        "rlqs stream {}: a bucket usage larger than any valid bucket id: it gets \
+                         no assignment (ratelimit_rlqs_usages_dropped_total; logged once per \
+                         stream)",
+                        self.id
+                    );
+                }
+                continue;
+            }
             let Some(id) = usage.bucket_id else { continue };
             let key = bucket_id::canonical(&id.bucket);
             let requests = usage
@@ -231,11 +337,13 @@ impl<S: BucketStore> Session<S> {
                 .saturating_add(usage.num_requests_denied);
             if !self.buckets.contains_key(&key) {
                 if self.buckets.len() >= self.shared.settings.max_buckets {
+                    metrics.count_rlqs_usages_dropped("max_buckets", 1);
                     if !self.warned_full {
                         self.warned_full = true;
                         tracing::warn!(
                             "rlqs stream {}: more than --rlqs-max-buckets {} buckets; further \
-                             buckets get no assignment",
+                             buckets get no assignment (ratelimit_rlqs_usages_dropped_total; \
+                             logged once per stream)",
                             self.id,
                             self.shared.settings.max_buckets
                         );
@@ -244,7 +352,8 @@ impl<S: BucketStore> Session<S> {
                 }
                 let entries = bucket_id::entries(&id.bucket);
                 if let Err(e) = &entries {
-                    tracing::warn!("rlqs stream {}: {e}: assigned DENY_ALL", self.id);
+                    let (n, _) = malformed.get_or_insert_with(|| (0, e.clone()));
+                    *n += 1;
                 }
                 self.buckets.insert(
                     key.clone(),
@@ -269,14 +378,25 @@ impl<S: BucketStore> Session<S> {
                 }
             }
         }
+        // Once per report: the message names keys and limits, never a value.
+        if let Some((n, first)) = malformed {
+            tracing::warn!(
+                "rlqs stream {}: {n} new bucket id(s) beyond the wire's limits ({first}): \
+                 assigned DENY_ALL",
+                self.id
+            );
+        }
         fresh
     }
 
-    /// What each bucket's rule says, under the policy in force.
-    fn classify(&self, keys: &[String]) -> Vec<Round> {
+    /// What each bucket's rule says, under the policy in force; and how many buckets never
+    /// assigned before are refused for naming no limit (each counted once).
+    fn classify(&self, keys: &[String]) -> (Vec<Round>, usize) {
         let policy = self.shared.decider.policy().current();
         let demand = self.shared.demand.lock().ok();
-        keys.iter()
+        let mut unknown = 0;
+        let rounds = keys
+            .iter()
             .map(|key| {
                 let Some(t) = self.buckets.get(key) else {
                     return Round::Skip;
@@ -310,26 +430,44 @@ impl<S: BucketStore> Session<S> {
                     Resolution::NoLimit | Resolution::UnknownDomain => {
                         // Once per bucket and stream: renewals repeat it every second.
                         if t.holding.strategy().is_none() {
-                            tracing::warn!(
-                            "rlqs: unknown rule in domain {:?} for bucket {:?} (or no limit matches \
-                             its subject): assigned DENY_ALL",
-                            self.domain,
-                            t.id.bucket
-                        );
+                            unknown += 1;
+                            tracing::debug!(
+                                "rlqs stream {}: no limit for bucket {:?} in domain {:?}: \
+                                 assigned DENY_ALL",
+                                self.id,
+                                t.id.bucket,
+                                self.domain
+                            );
                         }
                         Round::Send(Strategy::DenyAll)
                     }
                 }
             })
-            .collect()
+            .collect();
+        (rounds, unknown)
     }
 
-    /// Assigns `keys`: takes what their plans need from the store, then sends one response. A
+    /// Plans a round of `keys`: what each is told, and the store calls that take the tokens
+    /// their plans need (a future that borrows nothing: the reports are read meanwhile). A
     /// `renewal` round (the timer's) leaves out the renewals that can wait for the next round.
-    async fn assign(&mut self, keys: Vec<String>, renewal: bool) {
+    fn plan(
+        &mut self,
+        keys: Vec<String>,
+        renewal: bool,
+    ) -> (Planned, BoxFuture<'static, Vec<RequestAnswer>>) {
         let timing = self.shared.settings.timing;
+        let started = Instant::now();
         let now = self.now_ms();
-        let mut rounds = self.classify(&keys);
+        let (mut rounds, unknown) = self.classify(&keys);
+        if unknown > 0 {
+            // Once per round, with a count: a bucket id carries what clients sent.
+            tracing::warn!(
+                "rlqs stream {}: {unknown} bucket(s) of a rule or domain {:?} the policy lacks (or \
+                 whose subject no limit matches): assigned DENY_ALL (the ids at debug level)",
+                self.id,
+                self.domain
+            );
+        }
         if renewal {
             let next_ms = now.saturating_add(self.shared.settings.renew_ms);
             for (key, round) in keys.iter().zip(rounds.iter_mut()) {
@@ -370,23 +508,67 @@ impl<S: BucketStore> Session<S> {
             };
             asks.push(Some((ask, request)));
         }
-        let mut answers = Vec::with_capacity(items.len());
-        for chunk in items.chunks(MAX_REQUESTS) {
-            answers.extend(
-                self.shared
-                    .decider
-                    .run(
-                        &self.domain,
-                        None,
-                        chunk.to_vec(),
-                        Vec::new(),
-                        Caller::Quota,
-                    )
-                    .await,
-            );
+        // The round's store calls (10,000 buckets are 40 calls) go out `--redis-pipeline` at a
+        // time, not one after the other: the round must reach Envoy within the delivery margin
+        // of its planning. Not all at once either: a call's Redis timeout counts from when it
+        // is sent, and the last of 40 would wait behind the others.
+        let calls: Vec<Vec<Vec<Item>>> = items.chunks(MAX_REQUESTS).map(<[_]>::to_vec).collect();
+        let (decider, domain) = (self.shared.decider.clone(), self.domain.clone());
+        let in_flight = self.shared.settings.store_calls_in_flight.max(1);
+        let answers = async move {
+            futures::stream::iter(calls.into_iter().map(|chunk| {
+                let (decider, domain) = (decider.clone(), domain.clone());
+                async move {
+                    decider
+                        .run(&domain, None, chunk, Vec::new(), Caller::Quota)
+                        .await
+                }
+            }))
+            .buffered(in_flight)
+            .collect::<Vec<_>>()
+            .await
+            .into_iter()
+            .flatten()
+            .collect()
         }
+        .boxed();
+        let planned = Planned {
+            keys,
+            rounds,
+            asks,
+            now,
+            started,
+        };
+        (planned, answers)
+    }
+
+    /// Settles a round with its store calls' `answers`: what each bucket is sent, in responses
+    /// of at most `--max-body-bytes` each (one action larger than that goes alone).
+    fn settle(
+        &mut self,
+        planned: Planned,
+        answers: Vec<RequestAnswer>,
+    ) -> Vec<RateLimitQuotaResponse> {
+        let timing = self.shared.settings.timing;
+        let metrics = self.shared.decider.metrics().clone();
+        let Planned {
+            keys,
+            rounds,
+            asks,
+            now,
+            started,
+        } = planned;
         // Settled at the planning time: the margin covers the store's answer and the sending
-        // (docs/rlqs.md), and the grant was sized for that time.
+        // (docs/rlqs.md), and the grant was sized for that time. A round whose store calls took
+        // more than half the margin is settled at their end instead, leaving the other half for
+        // the sending: that can only send less (what the tokens taken cover from then on).
+        let at = if started.elapsed().as_millis() > u128::from(timing.margin_ms / 2) {
+            metrics.rlqs_late_rounds.inc();
+            self.now_ms()
+        } else {
+            now
+        };
+        let mut failed: Option<(usize, String)> = None;
         let mut actions = Vec::with_capacity(keys.len());
         for ((key, round), asked) in keys.iter().zip(rounds).zip(asks) {
             let Some(t) = self.buckets.get_mut(key) else {
@@ -398,7 +580,7 @@ impl<S: BucketStore> Session<S> {
                     t.holding = Holding::default();
                     Strategy::AllowAll
                 }
-                Round::Send(_) => deny(&mut t.holding, now, timing),
+                Round::Send(_) => deny(&mut t.holding, at, timing),
                 Round::Plan(target) => {
                     let Some((ask, request)) = asked else {
                         continue;
@@ -408,11 +590,8 @@ impl<S: BucketStore> Session<S> {
                         Some(answer) => match &answer.error {
                             Some(e) if e.code == ErrorCode::UnknownRule => None,
                             Some(e) => {
-                                tracing::warn!(
-                                    "rlqs: no assignment for {:?}: {}",
-                                    t.id.bucket,
-                                    e.message
-                                );
+                                let (n, _) = failed.get_or_insert_with(|| (0, e.message.clone()));
+                                *n += 1;
                                 continue;
                             }
                             None => match answer.results.first() {
@@ -428,8 +607,8 @@ impl<S: BucketStore> Session<S> {
                         },
                     };
                     match granted {
-                        Some(granted) => t.holding.settle(now, ask, granted, target, timing),
-                        None => deny(&mut t.holding, now, timing),
+                        Some(granted) => t.holding.settle(at, ask, granted, target, timing),
+                        None => deny(&mut t.holding, at, timing),
                     }
                 }
             };
@@ -442,7 +621,13 @@ impl<S: BucketStore> Session<S> {
             );
             actions.push(action(&t.id, strategy, timing));
         }
-        let metrics = self.shared.decider.metrics();
+        if let Some((n, first)) = failed {
+            // Once per round, with a count (a Redis outage fails every bucket of every round).
+            tracing::warn!(
+                "rlqs stream {}: no assignment for {n} bucket(s) this round: {first}",
+                self.id
+            );
+        }
         for a in &actions {
             metrics
                 .rlqs_assignments
@@ -451,15 +636,45 @@ impl<S: BucketStore> Session<S> {
                 })
                 .inc();
         }
-        if !actions.is_empty() {
-            let _ = self
-                .tx
-                .send(RateLimitQuotaResponse {
-                    bucket_action: actions,
-                })
-                .await;
-        }
+        metrics
+            .rlqs_round_duration
+            .observe(started.elapsed().as_secs_f64());
+        responses(actions, self.shared.settings.max_message_bytes)
     }
+}
+
+/// A round between its plan and the store's answers.
+struct Planned {
+    keys: Vec<String>,
+    rounds: Vec<Round>,
+    asks: Vec<Option<(plan::Ask, Option<usize>)>>,
+    /// The planning time (ms on the stream's clock) and instant.
+    now: u64,
+    started: Instant,
+}
+
+/// `actions` in responses of at most `limit` bytes each (one action larger than that goes
+/// alone).
+fn responses(actions: Vec<BucketAction>, limit: usize) -> Vec<RateLimitQuotaResponse> {
+    let mut out = Vec::new();
+    let mut bucket_action = Vec::new();
+    let mut size = 0;
+    for a in actions {
+        let n = a.encoded_len();
+        let field = 1 + prost::encoding::encoded_len_varint(n as u64) + n;
+        if !bucket_action.is_empty() && size + field > limit {
+            out.push(RateLimitQuotaResponse {
+                bucket_action: std::mem::take(&mut bucket_action),
+            });
+            size = 0;
+        }
+        size += field;
+        bucket_action.push(a);
+    }
+    if !bucket_action.is_empty() {
+        out.push(RateLimitQuotaResponse { bucket_action });
+    }
+    out
 }
 
 /// Whether this round can leave `round` out: it would renew what was sent (the same token

@@ -528,16 +528,19 @@ mod tests {
         envoy: usize,
         rate: u32,
         burst: u32,
+        /// The store's answer came this late: settled then (a late round, docs/rlqs.md).
+        late_ms: u64,
     }
 
     fn steps() -> impl proptest::strategy::Strategy<Value = Vec<Step>> {
         proptest::collection::vec(
-            (0u64..2500, 0usize..3, 0u32..40, 0u32..40).prop_map(
-                |(after_ms, envoy, rate, burst)| Step {
+            (0u64..2500, 0usize..3, 0u32..40, 0u32..40, 0u64..3000).prop_map(
+                |(after_ms, envoy, rate, burst, late_ms)| Step {
                     after_ms,
                     envoy,
                     rate,
                     burst,
+                    late_ms: late_ms.saturating_sub(1500),
                 },
             ),
             1..60,
@@ -548,7 +551,8 @@ mod tests {
         /// The global bound: a bucket of capacity C and refill r hands out at most C + r·t over
         /// a run of t; the planner keeps every Envoy's worst case within the tokens it took, so
         /// the sum of what the Envoys may admit under their assignments, up to the last horizon,
-        /// never exceeds what the bucket handed out (and so C + r·t).
+        /// never exceeds what the bucket handed out (and so C + r·t). Also when the store
+        /// answers late and the plan is settled at the answer's time.
         #[test]
         fn envoys_never_may_admit_more_than_the_bucket_handed_out(run in steps()) {
             let capacity = 100.0;
@@ -566,6 +570,7 @@ mod tests {
                 let granted = (ask.tokens as f64).min(tokens.floor()).max(0.0) as u64;
                 tokens -= granted as f64;
                 handed_out += granted as f64;
+                now += step.late_ms;
                 h.settle(now, ask, granted, target, TIMING);
                 for h in &holdings {
                     prop_assert!(h.committed() <= h.reserved() + 1e-6, "{h:?}");
