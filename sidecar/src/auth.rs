@@ -10,7 +10,8 @@
 //!
 //! [`Auth::check`] takes the request's headers and is the whole API a server needs (the gRPC
 //! service on the same listener reads the same `authorization` header); [`protect`] wraps an axum
-//! router with it.
+//! router with it, and leaves the accepted token's [`Credential`] in the request's extensions, so
+//! that a call that outlives a rotation (a quota stream) can ask whether it is still accepted.
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
@@ -101,6 +102,28 @@ impl IntoResponse for AuthError {
             HeaderValue::from_static(self.challenge()),
         );
         r
+    }
+}
+
+/// The token a request was accepted with, as its digest: whether it is still one of the tokens
+/// can be asked later (a rotation of `--auth-token-file` removes it). Never shows the token.
+#[derive(Clone)]
+pub struct Credential {
+    auth: Arc<Auth>,
+    digest: TokenDigest,
+}
+
+impl Credential {
+    /// Whether the token is still accepted: the token file's last reload (every
+    /// [`TOKEN_FILE_CHECK_INTERVAL`]) still holds it, or it is `RATELIMIT_AUTH_TOKEN`.
+    pub fn still_accepted(&self) -> bool {
+        self.auth.accepts_digest(&self.digest)
+    }
+}
+
+impl std::fmt::Debug for Credential {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Credential(<redacted>)")
     }
 }
 
@@ -215,6 +238,19 @@ impl Auth {
 
     /// Accepts the request when its `authorization` header is `Bearer <one of the tokens>`.
     pub fn check(&self, headers: &HeaderMap) -> Result<(), AuthError> {
+        self.presented(headers).map(|_| ())
+    }
+
+    /// [`Auth::check`], and the credential the request was accepted with.
+    pub fn authenticate(self: &Arc<Self>, headers: &HeaderMap) -> Result<Credential, AuthError> {
+        Ok(Credential {
+            auth: self.clone(),
+            digest: self.presented(headers)?,
+        })
+    }
+
+    /// The digest of the presented token, when it is one of the tokens.
+    fn presented(&self, headers: &HeaderMap) -> Result<TokenDigest, AuthError> {
         let value = headers
             .get(header::AUTHORIZATION)
             .ok_or(AuthError::Missing)?;
@@ -223,25 +259,25 @@ impl Auth {
         if !scheme.eq_ignore_ascii_case("bearer") {
             return Err(AuthError::NotBearer);
         }
-        if self.accepts(token.trim().as_bytes()) {
-            Ok(())
+        let presented = digest(token.trim().as_bytes());
+        if self.accepts_digest(&presented) {
+            Ok(presented)
         } else {
             Err(AuthError::Invalid)
         }
     }
 
-    /// Whether `token` is one of the tokens: every configured digest is compared, in constant
-    /// time, whatever matched before.
-    fn accepts(&self, token: &[u8]) -> bool {
-        let presented = digest(token);
+    /// Whether `presented` is the digest of one of the tokens: every configured digest is
+    /// compared, in constant time, whatever matched before.
+    fn accepts_digest(&self, presented: &TokenDigest) -> bool {
         let mut ok = subtle::Choice::from(0u8);
         if let Some(d) = &self.inline {
-            ok |= d.ct_eq(&presented);
+            ok |= d.ct_eq(presented);
         }
         if let Some(f) = &self.file {
             let digests = f.state.read().expect("not poisoned").digests.clone();
             for d in digests.iter() {
-                ok |= d.ct_eq(&presented);
+                ok |= d.ct_eq(presented);
             }
         }
         ok.into()
@@ -325,12 +361,19 @@ async fn only_open_paths(request: Request, next: Next) -> Response {
         .into_response()
 }
 
-async fn require_bearer(State(auth): State<Arc<Auth>>, request: Request, next: Next) -> Response {
+async fn require_bearer(
+    State(auth): State<Arc<Auth>>,
+    mut request: Request,
+    next: Next,
+) -> Response {
     if OPEN_PATHS.contains(&request.uri().path()) {
         return next.run(request).await;
     }
-    match auth.check(request.headers()) {
-        Ok(()) => next.run(request).await,
+    match auth.authenticate(request.headers()) {
+        Ok(credential) => {
+            request.extensions_mut().insert(credential);
+            next.run(request).await
+        }
         Err(e) if is_grpc(request.headers()) => grpc_unauthenticated(e),
         Err(e) => {
             tracing::debug!(path = request.uri().path(), "refused: {e}");
@@ -482,6 +525,33 @@ mod tests {
             Err(AuthError::Invalid)
         );
         assert_eq!(auth.check(&headers(Some("Bearer third"))), Ok(()));
+    }
+
+    #[test]
+    fn a_credential_is_no_longer_accepted_once_its_token_is_rotated_out() {
+        let f = file("old-token\nnew-token\n");
+        let auth = Auth::load(Some(f.path()), Some(&Secret::new("inline-token")))
+            .unwrap()
+            .unwrap();
+        let old = auth
+            .authenticate(&headers(Some("Bearer old-token")))
+            .unwrap();
+        let new = auth
+            .authenticate(&headers(Some("Bearer new-token")))
+            .unwrap();
+        let inline = auth
+            .authenticate(&headers(Some("Bearer inline-token")))
+            .unwrap();
+        assert!(old.still_accepted() && new.still_accepted() && inline.still_accepted());
+        assert!(!format!("{old:?}").contains("old-token"));
+        std::fs::write(f.path(), "new-token\n").unwrap();
+        assert!(auth.reload_if_changed().unwrap());
+        assert!(!old.still_accepted(), "rotated out");
+        assert!(new.still_accepted() && inline.still_accepted());
+        // A rotation caught half-written keeps the tokens read before, credentials too.
+        std::fs::write(f.path(), "# emptied by mistake\n").unwrap();
+        assert!(auth.reload_if_changed().is_err());
+        assert!(new.still_accepted());
     }
 
     #[test]

@@ -1,5 +1,6 @@
 //! The quota stream in-process (the router over a `MemoryStore`): a usage report of any size is
-//! read. The same through real Envoys: tests/tests/rlqs.rs.
+//! read, and a stream whose bearer token was rotated out ends. The same through real Envoys:
+//! tests/tests/rlqs.rs.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -16,6 +17,7 @@ use envoy_types::pb::envoy::service::rate_limit_quota::v3::{
 use envoy_types::pb::envoy::r#type::v3::rate_limit_strategy::Strategy;
 use http_body_util::BodyExt;
 use prost::Message;
+use ratelimit_sidecar::auth::{self, Auth};
 use ratelimit_sidecar::decide::Decider;
 use ratelimit_sidecar::metrics::Metrics;
 use ratelimit_sidecar::policy::reload::PolicyHandle;
@@ -215,4 +217,50 @@ async fn ten_thousand_reports_of_one_new_bucket_each_are_all_assigned() {
         .and_then(|v| v.parse().ok())
         .unwrap();
     assert!(rounds < 10_000.0, "{rounds} rounds");
+}
+
+#[tokio::test]
+async fn a_stream_ends_unauthenticated_once_its_token_is_rotated_out() {
+    let dir = tempfile::tempdir().unwrap();
+    let tokens = dir.path().join("tokens");
+    std::fs::write(&tokens, "old-token\nnew-token\n").unwrap();
+    let auth = Auth::load(Some(&tokens), None).unwrap().unwrap();
+    let (app, _) = app(20);
+    let app = auth::protect(app, auth.clone());
+    // The report, then a body that stays open: only the rotation can end the stream.
+    let (tx, rx) = futures::channel::mpsc::unbounded::<Result<Bytes, std::io::Error>>();
+    tx.unbounded_send(Ok(report(3))).unwrap();
+    let response = app
+        .clone()
+        .oneshot(stream_request(Body::from_stream(rx), Some("old-token")))
+        .await
+        .expect("infallible");
+    let mut body = response.into_body();
+    // Its first assignment, before the rotation.
+    let first = tokio::time::timeout(Duration::from_secs(60), body.frame())
+        .await
+        .expect("an answer")
+        .expect("a frame")
+        .expect("not an error");
+    assert!(first.is_data(), "an assignment first");
+    // The other token's stream is not touched (it ends when its body does).
+    let (_, other) = answers(
+        app,
+        stream_request(Body::from(report(2)), Some("new-token")),
+    )
+    .await;
+    assert_eq!(other, "0");
+    std::fs::write(&tokens, "new-token\n").unwrap();
+    assert!(auth.reload_if_changed().unwrap());
+    let rest = tokio::time::timeout(Duration::from_secs(60), body.collect())
+        .await
+        .expect("the stream ended")
+        .expect("a body");
+    let status = rest.trailers().and_then(|t| t.get("grpc-status")).cloned();
+    assert_eq!(
+        status.as_ref().map(|s| s.to_str().unwrap()),
+        Some("16"),
+        "UNAUTHENTICATED"
+    );
+    drop(tx);
 }

@@ -599,3 +599,87 @@ fn rotating_a_tenant_header_from_one_address_does_not_escape_its_bucket() {
         bound(elapsed)
     );
 }
+
+/// A token rotated out of `--auth-token-file` ends the quota streams opened with it (the file
+/// is checked every 2 s, the stream at its next report or round): before, such a stream went on
+/// receiving assignments while `/v1/decide` refused the same token.
+#[test]
+fn a_stream_whose_token_was_rotated_out_ends_and_the_others_go_on() {
+    let redis = Redis::start();
+    let dir = tempfile::tempdir().unwrap();
+    let tokens = dir.path().join("tokens");
+    std::fs::write(&tokens, "old-token-7c1e\nnew-token-2b9f\n").unwrap();
+    let mut args = SIDECAR_ARGS.to_vec();
+    let path = tokens.display().to_string();
+    args.extend(["--auth-token-file", &path]);
+    let sidecar = Sidecar::with_policy(&redis.url(), POLICY, &args);
+    let upstream = Upstream::start();
+    let with_token = |token: &str| {
+        let grpc = "                envoy_grpc: { cluster_name: ratelimit_sidecar }";
+        Envoy::start(
+            &EnvoyConfig::shipped("envoy-rlqs.yaml", sidecar.port, upstream.port).replace(
+                grpc,
+                &format!(
+                    "{grpc}\n                initial_metadata: [{{ key: authorization, value: \"Bearer {token}\" }}]"
+                ),
+            ),
+        )
+    };
+    let old = with_token("old-token-7c1e");
+    let new = with_token("new-token-2b9f");
+    let clients = [
+        Clients::start(&old, 1, Duration::from_millis(50)),
+        Clients::start(&new, 1, Duration::from_millis(50)),
+    ];
+    wait_until("both streams assigned", Duration::from_secs(60), || {
+        sidecar.metric("ratelimit_rlqs_streams") == 2.0 && clients.iter().all(|c| c.admitted() > 0)
+    });
+    let opened = sidecar.metric("ratelimit_rlqs_streams_opened_total");
+    // The rotation: the new file is swapped in whole, as an operator's tooling does.
+    let next = dir.path().join("tokens.new");
+    std::fs::write(&next, "new-token-2b9f\n").unwrap();
+    std::fs::rename(&next, &tokens).unwrap();
+    let rotated = Instant::now();
+    wait_until("the revoked stream to end", Duration::from_secs(60), || {
+        sidecar.metric("ratelimit_rlqs_streams") == 1.0
+    });
+    let ended_after = rotated.elapsed();
+    // Envoy opens the stream again (at its next report) with the same token: refused.
+    let attempts = || old.counter("cluster.ratelimit_sidecar.upstream_rq_total");
+    let ended_at = attempts();
+    wait_until(
+        "the old Envoy to try again",
+        Duration::from_secs(60),
+        || attempts() > ended_at,
+    );
+    // The stream of the token still accepted goes on being assigned.
+    let assigned = || sidecar.metric("ratelimit_rlqs_assignments_total{strategy=\"token_bucket\"}");
+    let before = assigned();
+    wait_until(
+        "assignments on the other stream",
+        Duration::from_secs(60),
+        || assigned() > before,
+    );
+    println!(
+        "the revoked stream ended {:.1} s after the rotation; the old Envoy tried {} streams in \
+         all; streams open {}, opened {} (before the rotation {opened})",
+        ended_after.as_secs_f64(),
+        attempts(),
+        sidecar.metric("ratelimit_rlqs_streams"),
+        sidecar.metric("ratelimit_rlqs_streams_opened_total"),
+    );
+    assert_eq!(sidecar.metric("ratelimit_rlqs_streams"), 1.0);
+    assert_eq!(
+        sidecar.metric("ratelimit_rlqs_streams_opened_total"),
+        opened,
+        "the old token opens no stream again"
+    );
+    assert!(sidecar
+        .process
+        .log()
+        .contains("its bearer token is no longer accepted"));
+    for c in clients {
+        let (_, _, failed) = c.finish();
+        assert_eq!(failed, 0);
+    }
+}

@@ -17,10 +17,12 @@
 //!   Envoy's `expired_assignment_behavior` applies (and for a new bucket its
 //!   `no_assignment_behavior`).
 //!
-//! # Size
+//! # Size and trust
 //!
 //! Envoy's reports grow with its buckets: [`split`] re-frames them into reports within
 //! `--max-body-bytes` before the service decodes them, and the answers are split the same way.
+//! A stream accepted with a bearer token ends (UNAUTHENTICATED) once a rotation removed that
+//! token: it is checked on every report and every round.
 
 pub mod body;
 pub mod bucket_id;
@@ -62,6 +64,7 @@ use tonic::{Request, Response, Status, Streaming};
 use self::body::SplitReports;
 use self::plan::{Demand, Holding, Proposal, Strategy, Target, Timing};
 use self::split::Splitter;
+use crate::auth::Credential;
 use crate::decide::{Caller, Decider, Entries, Item};
 use crate::metrics::{Metrics, StrategyLabels};
 use crate::policy::{LimitKind, Resolution};
@@ -160,6 +163,9 @@ impl<S: BucketStore> RateLimitQuotaService for RlqsApi<S> {
         &self,
         request: Request<Streaming<RateLimitQuotaUsageReports>>,
     ) -> Result<Response<Assignments>, Status> {
+        // Set by the authentication in front (`crate::auth::protect`) when a bearer token was
+        // presented.
+        let credential = request.extensions().get::<Credential>().cloned();
         let reports = request.into_inner();
         let (tx, rx) = mpsc::channel(8);
         let id = self.shared.next_stream.fetch_add(1, Ordering::Relaxed);
@@ -168,6 +174,7 @@ impl<S: BucketStore> RateLimitQuotaService for RlqsApi<S> {
             shared: self.shared.clone(),
             id,
             tx,
+            credential,
             domain: String::new(),
             buckets: HashMap::new(),
             warned_full: false,
@@ -195,6 +202,8 @@ struct Session<S> {
     id: u64,
     /// Assignments out; an error ends the stream with that status.
     tx: mpsc::Sender<Result<RateLimitQuotaResponse, Status>>,
+    /// The bearer token the stream was accepted with, if any.
+    credential: Option<Credential>,
     domain: String,
     buckets: HashMap<String, Tracked>,
     warned_full: bool,
@@ -249,7 +258,13 @@ impl<S: BucketStore> Session<S> {
             }
             tokio::select! {
                 message = reports.message(), if !reports_ended => match message {
-                    Ok(Some(report)) => fresh.extend(self.on_report(report)),
+                    Ok(Some(report)) => {
+                        if self.revoked() {
+                            self.end_unauthenticated().await;
+                            break;
+                        }
+                        fresh.extend(self.on_report(report));
+                    }
                     Ok(None) => {
                         tracing::info!("rlqs stream {}: Envoy closed it", self.id);
                         reports_ended = true;
@@ -259,7 +274,13 @@ impl<S: BucketStore> Session<S> {
                         break;
                     }
                 },
-                _ = ticker.tick(), if !reports_ended => renewal_due = true,
+                _ = ticker.tick(), if !reports_ended => {
+                    if self.revoked() {
+                        self.end_unauthenticated().await;
+                        break;
+                    }
+                    renewal_due = true;
+                }
                 answers = async {
                     match round.as_mut() {
                         Some((_, calls)) => calls.await,
@@ -296,6 +317,27 @@ impl<S: BucketStore> Session<S> {
                 }
             }
         }
+    }
+
+    /// Whether the token the stream was accepted with was rotated out since.
+    fn revoked(&self) -> bool {
+        !self
+            .credential
+            .as_ref()
+            .is_none_or(Credential::still_accepted)
+    }
+
+    /// Ends the stream with UNAUTHENTICATED (Envoy reopens it, and the authentication refuses
+    /// it); a stream Envoy does not read ends without the status.
+    async fn end_unauthenticated(&self) {
+        tracing::info!(
+            "rlqs stream {}: its bearer token is no longer accepted (--auth-token-file \
+             changed): ending it",
+            self.id
+        );
+        let status =
+            Status::unauthenticated("the bearer token of this stream is no longer accepted");
+        let _ = tokio::time::timeout(Duration::from_secs(1), self.tx.send(Err(status))).await;
     }
 
     fn now_ms(&self) -> u64 {
