@@ -143,6 +143,13 @@ pub fn tls_acceptor(
     Ok(TlsAcceptor::from(Arc::new(config)))
 }
 
+/// The HTTP/2 connection window (hyper's default: 1 MiB; a stream's stays 1 MiB). h2 closes a
+/// connection whose unread small DATA frames cost more than half of it in framing overhead
+/// (GOAWAY `too_many_data_frames`): Envoy reports each new RLQS bucket in a frame of its own, and
+/// a burst of new clients on a sidecar short of CPU reached the default's ~2,700 frames; 4 MiB
+/// holds ~11,000 (docs/rlqs.md, "Reports of any size").
+const HTTP2_CONNECTION_WINDOW_BYTES: u32 = 4 << 20;
+
 /// What one listener allows a client connection (`--header-timeout-ms`, `--max-connections`).
 #[derive(Debug, Clone, Copy)]
 pub struct ConnectionLimits {
@@ -203,6 +210,9 @@ pub async fn serve(
                 .http1()
                 .timer(TokioTimer::new())
                 .header_read_timeout(limits.header_timeout);
+            builder
+                .http2()
+                .initial_connection_window_size(HTTP2_CONNECTION_WINDOW_BYTES);
             let result = match tls {
                 None => {
                     let conn =

@@ -61,7 +61,7 @@ use tokio::sync::mpsc;
 use tonic::server::NamedService;
 use tonic::{Request, Response, Status, Streaming};
 
-use self::body::SplitReports;
+use self::body::{read_ahead, SplitReports};
 use self::plan::{Demand, Holding, Proposal, Strategy, Target, Timing};
 use self::split::Splitter;
 use crate::auth::Credential;
@@ -69,6 +69,10 @@ use crate::decide::{Caller, Decider, Entries, Item};
 use crate::metrics::{Metrics, StrategyLabels};
 use crate::policy::{LimitKind, Resolution};
 use crate::store::BucketStore;
+
+/// A stream's reports are read ahead of its session up to this many messages of
+/// `--max-body-bytes` (16 MiB as shipped; [`body`] says why).
+const READ_AHEAD_MESSAGES: usize = 256;
 
 /// How the sidecar assigns quota (`--rlqs-*`, docs/configuration.md).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -146,7 +150,7 @@ async fn split_reports(
 ) -> axum::extract::Request {
     request.map(|body| {
         axum::body::Body::new(SplitReports::new(
-            body,
+            read_ahead(body, READ_AHEAD_MESSAGES * limit.max_message_bytes),
             Splitter::new(limit.max_message_bytes, bucket_id::max_usage_bytes()),
             limit.metrics,
         ))
@@ -294,12 +298,12 @@ impl<S: BucketStore> Session<S> {
                 permit = tx.reserve(), if !outbox.is_empty() => match (permit, outbox.pop_front()) {
                     (Ok(permit), Some(response)) => permit.send(Ok(response)),
                     _ => {
-                        tracing::info!("rlqs stream {}: Envoy went away", self.id);
+                        went_away(self.id, &mut reports);
                         break;
                     }
                 },
                 _ = tx.closed(), if outbox.is_empty() => {
-                    tracing::info!("rlqs stream {}: Envoy went away", self.id);
+                    went_away(self.id, &mut reports);
                     break;
                 }
             }
@@ -683,6 +687,16 @@ impl<S: BucketStore> Session<S> {
             .observe(started.elapsed().as_secs_f64());
         responses(actions, self.shared.settings.max_message_bytes)
     }
+}
+
+/// Logs that stream `id`'s answers are no longer read, and why if its reports say.
+fn went_away(id: u64, reports: &mut Streaming<RateLimitQuotaUsageReports>) {
+    let why = match reports.message().now_or_never() {
+        Some(Err(e)) => e.to_string(),
+        Some(Ok(None)) => "its reports ended".into(),
+        Some(Ok(Some(_))) | None => "its reports still open".into(),
+    };
+    tracing::info!("rlqs stream {id}: Envoy went away ({why})");
 }
 
 /// A round between its plan and the store's answers.
