@@ -147,7 +147,7 @@ TXT
   ;;
   rlqs) cat <<'TXT'
 Try (Envoy's quota filter; a new bucket's first request is refused while its assignment is on its way):
-  curl -s -o /dev/null -w '%{http_code}\n' -H 'x-tenant: acme' http://127.0.0.1:10000/
+  curl -s -o /dev/null -w '%{http_code}\n' http://127.0.0.1:10000/admin
 TXT
   ;;
   native) cat <<'TXT'
