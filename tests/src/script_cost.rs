@@ -64,11 +64,12 @@ pub fn one_decision_requests(
 ) -> redis::Cmd {
     let mut numbers = Vec::new();
     let mut put = |v: u64, width: usize| numbers.extend_from_slice(&v.to_le_bytes()[..width]);
-    // Record ttl, lease share (a double), cluster 0, share margin; B, L, G, N.
+    // Record ttl, lease share (a double), cluster 0, share margin, receipt ttl; B, L, G, N.
     put(10_000, 8);
     put(0.1f64.to_bits(), 8);
     put(0, 1);
     put(1000, 8);
+    put(10_000, 8);
     for count in [buckets.len() as u64, 1, 1, 0] {
         put(count, 4);
     }
@@ -77,7 +78,7 @@ pub fn one_decision_requests(
     put(refill_per_sec.to_bits(), 8);
     put(0, 4);
     // The group's requests, each one decision: bucket j, limit 1, the cost, no shadow, the grant
-    // capped by the share, no lease.
+    // capped by the share, no lease, no receipt.
     put(buckets.len() as u64, 4);
     for j in 1..=buckets.len() as u64 {
         for (v, width) in [
@@ -87,6 +88,7 @@ pub fn one_decision_requests(
             (cost, 8),
             (0, 1),
             (1, 1),
+            (0, 8),
             (0, 8),
             (0, 8),
             (0, 8),
