@@ -773,7 +773,11 @@ mod tests {
         }
         let read: Vec<Option<u64>> = meters.iter_mut().map(|m| m.finish(true, &mut b)).collect();
         assert_eq!(read.iter().filter(|r| **r == Some(7)).count(), kept);
-        assert_eq!(read.iter().filter(|r| r.is_none()).count(), 20 - kept, "unreported");
+        assert_eq!(
+            read.iter().filter(|r| r.is_none()).count(),
+            20 - kept,
+            "unreported"
+        );
         assert_eq!(b.held(), 0, "every byte given back");
     }
 
