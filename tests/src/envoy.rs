@@ -264,8 +264,12 @@ impl Envoy {
 
     /// Starts Envoy and returns the process without waiting for readiness.
     pub fn spawn(config: &EnvoyConfig) -> Envoy {
+        Envoy::spawn_on(config, free_port(), free_port())
+    }
+
+    /// [`Envoy::spawn`] on given ports (a restart keeps its clients' port).
+    pub fn spawn_on(config: &EnvoyConfig, listen_port: u16, admin_port: u16) -> Envoy {
         let dir = tempfile::tempdir().expect("temp dir");
-        let (listen_port, admin_port) = (free_port(), free_port());
         // Only a config that loads the filter needs it built.
         let wasm = match &config.wasm {
             _ if !config.loads_wasm() => String::new(),
@@ -292,7 +296,18 @@ impl Envoy {
 
     /// Starts Envoy and waits until its admin says LIVE and the listener accepts connections.
     pub fn start(config: &EnvoyConfig) -> Envoy {
-        let mut envoy = Envoy::spawn(config);
+        Envoy::started(Envoy::spawn(config))
+    }
+
+    /// Stops this Envoy and starts `config` again on the same ports, waiting until it is ready.
+    pub fn restart(&mut self, config: &EnvoyConfig) {
+        self.process.stop();
+        let (listen, admin) = (self.listen_port, self.admin_port);
+        *self = Envoy::started(Envoy::spawn_on(config, listen, admin));
+    }
+
+    /// Waits until `envoy`'s admin says LIVE and its listener accepts connections.
+    fn started(mut envoy: Envoy) -> Envoy {
         let client = http();
         let ready = format!("http://127.0.0.1:{}/ready", envoy.admin_port);
         let port = envoy.listen_port;

@@ -13,6 +13,7 @@
 //! - `ENVOY_BIN` (default `.venv/bin/envoy`, installed by `scripts/install-deps.sh`)
 //! - `REDIS_SERVER_BIN` (default `redis-server` on the PATH)
 
+pub mod chaos;
 pub mod envoy;
 pub mod fault_proxy;
 pub mod load;

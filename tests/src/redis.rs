@@ -203,6 +203,15 @@ impl Redis {
             .unwrap_or_else(|| panic!("port {} was taken meanwhile", self.port));
     }
 
+    /// Starts a fresh process on the same port without any data: a snapshot [`Redis::snapshot`]
+    /// or a replica's full sync left on disk is removed first (Redis loads one at start).
+    pub fn restart_empty(&mut self) {
+        self.stop();
+        let _ = std::fs::remove_file(self.dir.path().join("dump.rdb"));
+        self.process = Redis::spawn(self.port, &self.options, &self.dir)
+            .unwrap_or_else(|| panic!("port {} was taken meanwhile", self.port));
+    }
+
     /// An RDB snapshot of the data now (`SAVE`), as Redis's default persistence takes them.
     pub fn snapshot(&self) -> Vec<u8> {
         assert_eq!(self.cli(&["SAVE"]), "OK");

@@ -29,13 +29,29 @@ pub struct Upstream {
     pub port: u16,
     hits: Arc<AtomicU64>,
     in_flight: InFlight,
+    served: Arc<Mutex<Vec<Served>>>,
     shutdown: Option<oneshot::Sender<()>>,
     thread: Option<std::thread::JoinHandle<()>>,
+}
+
+/// A request that reached the upstream with an `x-chaos-id` header (the generated-faults run,
+/// [`crate::chaos`]): what the gateways admitted, the ground truth its checker reads.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Served {
+    /// The `x-chaos-id` the load generator set.
+    pub id: u64,
+    pub path: String,
+    /// When it arrived and when its handler was done (a `/hold/` request: when it let go), in
+    /// nanoseconds of [`crate::chaos::clock_ns`].
+    pub arrival_ns: u64,
+    pub done_ns: u64,
 }
 
 impl Upstream {
     pub fn start() -> Upstream {
         let hits = Arc::new(AtomicU64::new(0));
+        let served = Arc::new(Mutex::new(Vec::new()));
+        let record = served.clone();
         let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind upstream");
         listener.set_nonblocking(true).expect("nonblocking");
         let port = listener.local_addr().expect("addr").port();
@@ -54,11 +70,28 @@ impl Upstream {
                 let app = axum::Router::new().fallback(move |uri: Uri, headers: HeaderMap| {
                     let counter = counter.clone();
                     let held = held.clone();
+                    let record = record.clone();
                     async move {
                         counter.fetch_add(1, Ordering::SeqCst);
+                        let chaos_id = headers
+                            .get("x-chaos-id")
+                            .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+                        let arrival_ns = crate::chaos::clock_ns();
+                        let served = |done_ns| {
+                            if let Some(id) = chaos_id {
+                                record.lock().unwrap().push(Served {
+                                    id,
+                                    path: uri.path().to_string(),
+                                    arrival_ns,
+                                    done_ns,
+                                });
+                            }
+                        };
                         if let Some(r) = hold(&uri, &held).await {
+                            served(crate::chaos::clock_ns());
                             return r;
                         }
+                        served(arrival_ns);
                         if let Some(r) = usage_response(&uri, &headers) {
                             return r;
                         }
@@ -87,9 +120,15 @@ impl Upstream {
             port,
             hits,
             in_flight,
+            served,
             shutdown: Some(tx),
             thread: Some(thread),
         }
+    }
+
+    /// The requests with an `x-chaos-id` that reached it so far.
+    pub fn served(&self) -> Vec<Served> {
+        self.served.lock().unwrap().clone()
     }
 
     /// How many requests reached the upstream so far.

@@ -1,0 +1,209 @@
+//! Carries a [`Plan`] out on a [`Topology`], step by step at its times, and logs what it did:
+//! each fault with when it began and ended (and whether Sentinel failed over meanwhile), each
+//! policy in force from when its file was written. The checker reads only this log: an
+//! allowance is granted for a fault the nemesis caused, never for one it only planned.
+
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::Signal;
+
+use super::clock_ns;
+use super::schedule::{Action, Fault, Plan, Reload};
+use super::topology::{policy_yaml, Policy, Topology};
+use crate::wait_until;
+
+/// One fault as it happened.
+#[derive(Debug, Clone)]
+pub struct Caused {
+    pub fault: Fault,
+    pub start_ns: u64,
+    /// When the fault itself ended (the process resumed, started again, the path mended).
+    pub end_ns: u64,
+    /// When every sidecar answered ready again and Redis had its replica back.
+    pub recovered_ns: u64,
+    /// The Sentinels named another primary afterwards.
+    pub failover: bool,
+}
+
+/// What the nemesis did, for the checker.
+#[derive(Debug, Clone, Default)]
+pub struct Log {
+    pub faults: Vec<Caused>,
+    /// The policy in force from each instant (the first from the start).
+    pub policies: Vec<(u64, Policy)>,
+    /// Logs of processes the nemesis replaced (killed sidecars, restarted Envoys), by name.
+    pub replaced_logs: Vec<(String, String)>,
+    /// Filter counters of Envoys read just before they were restarted, summed by name.
+    pub envoy_counters: Vec<(String, u64)>,
+}
+
+/// How long recovery may take before the run is declared broken (not a finding: the harness's).
+const RECOVERY: Duration = Duration::from_secs(60);
+
+/// The Envoy counters the checker sums across restarts.
+pub const ENVOY_COUNTERS: [&str; 4] = [
+    "costs_settled",
+    "costs_unreported",
+    "settlements_lost",
+    "settlements_retried",
+];
+
+/// Runs `plan` from `started` until its end, then returns the log.
+pub fn carry_out(plan: &Plan, topology: &mut Topology, started: Instant) -> Log {
+    let mut log = Log {
+        policies: vec![(clock_ns(), topology.policy.clone())],
+        ..Log::default()
+    };
+    let mut snapshot: Option<Vec<u8>> = None;
+    for step in &plan.steps {
+        let at = started + Duration::from_millis(step.at_ms);
+        if let Some(wait) = at.checked_duration_since(Instant::now()) {
+            std::thread::sleep(wait);
+        }
+        match &step.action {
+            Action::Snapshot => {
+                let p = topology.primary();
+                snapshot = Some(topology.nodes[p].snapshot());
+            }
+            Action::Reload(r) => {
+                let mut policy = topology.policy.clone();
+                match *r {
+                    Reload::PerApp {
+                        capacity,
+                        refill_per_sec,
+                    } => policy.per_app = (capacity, refill_per_sec),
+                    Reload::Block(b) => policy.hot_blocked = b,
+                    Reload::SlotTtl(ms) => policy.slot_ttl_ms = ms,
+                }
+                topology.write_policy(policy.clone());
+                log.policies.push((clock_ns(), policy));
+            }
+            Action::Fault(f) => {
+                let caused = cause(f, topology, snapshot.as_deref(), &mut log);
+                log.faults.push(caused);
+            }
+        }
+    }
+    let end = started + Duration::from_secs(plan.seconds);
+    if let Some(wait) = end.checked_duration_since(Instant::now()) {
+        std::thread::sleep(wait);
+    }
+    log
+}
+
+fn cause(fault: &Fault, t: &mut Topology, snapshot: Option<&[u8]>, log: &mut Log) -> Caused {
+    let primary_before = t.primary();
+    let start_ns = clock_ns();
+    let sleep = |ms: u64| std::thread::sleep(Duration::from_millis(ms));
+    match *fault {
+        Fault::SidecarPause { sidecar, ms } => {
+            let p = &t.sidecars[sidecar].sidecar.process;
+            p.signal(Signal::SIGSTOP);
+            sleep(ms);
+            p.signal(Signal::SIGCONT);
+        }
+        Fault::SidecarRestart { sidecar, down_ms } => {
+            let s = &mut t.sidecars[sidecar];
+            s.sidecar.process.stop();
+            log.replaced_logs
+                .push((format!("sidecar {sidecar}"), s.sidecar.process.log()));
+            sleep(down_ms);
+            s.start_again(&policy_yaml(&t.policy));
+        }
+        Fault::PrimaryPause { ms } => {
+            let p = &t.nodes[primary_before].process;
+            p.signal(Signal::SIGSTOP);
+            sleep(ms);
+            p.signal(Signal::SIGCONT);
+        }
+        Fault::PrimaryKill { down_ms } => {
+            t.nodes[primary_before].stop();
+            sleep(down_ms);
+            t.nodes[primary_before].restart_empty();
+        }
+        Fault::StoreFlush => {
+            t.nodes[primary_before].cli(&["FLUSHALL"]);
+        }
+        Fault::StoreRestartEmpty => t.nodes[primary_before].restart_empty(),
+        Fault::StoreSnapshotRestore { .. } => match snapshot {
+            Some(s) => t.nodes[primary_before].restart_from(s),
+            None => t.nodes[primary_before].restart_empty(),
+        },
+        Fault::EnvoyRestart { envoy } => {
+            for (name, v) in envoy_counters(t, envoy) {
+                add(&mut log.envoy_counters, &name, v);
+            }
+            log.replaced_logs
+                .push((format!("envoy {envoy}"), t.envoys[envoy].process.log()));
+            let config = t.configs[envoy].clone();
+            t.envoys[envoy].restart(&config);
+        }
+        Fault::GatewayCut { envoy, ms } => {
+            t.relays[envoy].set_cut(true);
+            sleep(ms);
+            t.relays[envoy].set_cut(false);
+        }
+        Fault::GatewayDelay {
+            envoy,
+            ms,
+            delay_ms,
+        } => {
+            t.relays[envoy].set_delay_ms(delay_ms);
+            sleep(ms);
+            t.relays[envoy].set_delay_ms(0);
+        }
+    }
+    let end_ns = clock_ns();
+    recover(t);
+    Caused {
+        fault: fault.clone(),
+        start_ns,
+        end_ns,
+        recovered_ns: clock_ns(),
+        failover: t.primary() != primary_before,
+    }
+}
+
+/// Waits until the Sentinels agree on a primary that answers, its replica is linked, and every
+/// sidecar is ready.
+fn recover(t: &mut Topology) {
+    wait_until("a primary with its replica", RECOVERY, || {
+        let p = t.primary();
+        let replica = &t.nodes[1 - p];
+        // An old primary back on its own is made a replica at once (the Sentinels would, after
+        // their next 10 s look at it): the orchestrator's part, not the fault's.
+        if replica.cli(&["ROLE"]).starts_with("master") {
+            replica.cli(&["REPLICAOF", "127.0.0.1", &t.nodes[p].port.to_string()]);
+        }
+        t.nodes[p].cli(&["ROLE"]).starts_with("master")
+            && replica
+                .cli(&["INFO", "replication"])
+                .contains("master_link_status:up")
+    });
+    let client = crate::http();
+    for s in &t.sidecars {
+        let url = format!("{}/readyz", s.sidecar.base_url());
+        wait_until("the sidecars ready", RECOVERY, || {
+            client
+                .get(&url)
+                .send()
+                .is_ok_and(|r| r.status().is_success())
+        });
+    }
+}
+
+/// The filter's counters of Envoy `i` now ([`ENVOY_COUNTERS`]).
+pub fn envoy_counters(t: &Topology, i: usize) -> Vec<(String, u64)> {
+    ENVOY_COUNTERS
+        .iter()
+        .map(|c| (c.to_string(), t.envoys[i].counter(c)))
+        .collect()
+}
+
+/// Adds `v` to the counter `name` of `into`.
+pub fn add(into: &mut Vec<(String, u64)>, name: &str, v: u64) {
+    match into.iter_mut().find(|(n, _)| n == name) {
+        Some((_, total)) => *total += v,
+        None => into.push((name.to_string(), v)),
+    }
+}

@@ -1,0 +1,355 @@
+//! A run's plan, drawn from its seed: which store policy the sidecars run, and when each fault
+//! and each policy reload happens. The same seed always gives the same plan (the processes' own
+//! timing does not repeat: the plan does). Faults do not overlap, so each has recovered before
+//! the next and the checker can name the fault an excess happened under.
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+/// How many sidecars and Envoys the topology has (the nemesis picks among them).
+pub const SIDECARS: usize = 2;
+pub const ENVOYS: usize = 2;
+
+/// The apps the workload names (API keys): one hot, the rest quiet.
+pub const HOT: &str = "hot";
+pub const QUIET: [&str; 6] = ["q0", "q1", "q2", "q3", "q4", "q5"];
+
+/// `--store-reset` of the run's sidecars.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StoreReset {
+    Full,
+    Empty,
+}
+
+impl StoreReset {
+    pub fn arg(self) -> &'static str {
+        match self {
+            StoreReset::Full => "full",
+            StoreReset::Empty => "empty",
+        }
+    }
+}
+
+/// Something the nemesis breaks, for a while.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Fault {
+    /// A sidecar frozen (SIGSTOP) for `ms`.
+    SidecarPause { sidecar: usize, ms: u64 },
+    /// A sidecar killed (SIGKILL), started again after `down_ms`.
+    SidecarRestart { sidecar: usize, down_ms: u64 },
+    /// The Redis primary frozen for `ms` (from 1 s on, Sentinel may fail over meanwhile).
+    PrimaryPause { ms: u64 },
+    /// The Redis primary killed: Sentinel promotes the replica; the old primary comes back as a
+    /// replica after `down_ms`.
+    PrimaryKill { down_ms: u64 },
+    /// Every key of the primary flushed (`FLUSHALL`).
+    StoreFlush,
+    /// The primary restarted without its data.
+    StoreRestartEmpty,
+    /// The primary restarted from a snapshot taken `age_ms` before.
+    StoreSnapshotRestore { age_ms: u64 },
+    /// An Envoy stopped and started again on its ports.
+    EnvoyRestart { envoy: usize },
+    /// The path from an Envoy to its sidecar cut for `ms` (connections dropped, new ones
+    /// refused).
+    GatewayCut { envoy: usize, ms: u64 },
+    /// The path from an Envoy to its sidecar delayed by `delay_ms` each way for `ms`.
+    GatewayDelay {
+        envoy: usize,
+        ms: u64,
+        delay_ms: u64,
+    },
+}
+
+impl Fault {
+    /// The fault's class, as the run's table names it.
+    pub fn class(&self) -> &'static str {
+        match self {
+            Fault::SidecarPause { .. } => "sidecar paused",
+            Fault::SidecarRestart { .. } => "sidecar killed",
+            Fault::PrimaryPause { .. } => "primary paused",
+            Fault::PrimaryKill { .. } => "primary killed (failover)",
+            Fault::StoreFlush => "store flushed",
+            Fault::StoreRestartEmpty => "store restarted empty",
+            Fault::StoreSnapshotRestore { .. } => "store restored from a snapshot",
+            Fault::EnvoyRestart { .. } => "Envoy restarted",
+            Fault::GatewayCut { .. } => "gateway cut from its sidecar",
+            Fault::GatewayDelay { .. } => "gateway delayed to its sidecar",
+        }
+    }
+
+    /// Every class, in table order.
+    pub const CLASSES: [&'static str; 10] = [
+        "sidecar paused",
+        "sidecar killed",
+        "primary paused",
+        "primary killed (failover)",
+        "store flushed",
+        "store restarted empty",
+        "store restored from a snapshot",
+        "Envoy restarted",
+        "gateway cut from its sidecar",
+        "gateway delayed to its sidecar",
+    ];
+
+    /// How long the fault itself lasts, in ms (its recovery comes after).
+    pub fn lasts_ms(&self) -> u64 {
+        match *self {
+            Fault::SidecarPause { ms, .. }
+            | Fault::PrimaryPause { ms }
+            | Fault::GatewayCut { ms, .. }
+            | Fault::GatewayDelay { ms, .. } => ms,
+            Fault::SidecarRestart { down_ms, .. } | Fault::PrimaryKill { down_ms } => down_ms,
+            Fault::StoreFlush
+            | Fault::StoreRestartEmpty
+            | Fault::StoreSnapshotRestore { .. }
+            | Fault::EnvoyRestart { .. } => 0,
+        }
+    }
+
+    /// Whether the store may afterwards hold less than it was charged: the bucket then gets
+    /// the README's allowance for a store that lost its state, or for a failover.
+    pub fn loses_store_state(&self) -> bool {
+        matches!(
+            self,
+            Fault::PrimaryPause { .. }
+                | Fault::PrimaryKill { .. }
+                | Fault::StoreFlush
+                | Fault::StoreRestartEmpty
+                | Fault::StoreSnapshotRestore { .. }
+        )
+    }
+
+    /// A failover (asynchronous replication): each client may get back what it spent in the
+    /// replication lag, at most its capacity, under either store policy.
+    pub fn is_failover(&self) -> bool {
+        matches!(self, Fault::PrimaryPause { ms } if *ms >= 1_000)
+            || matches!(self, Fault::PrimaryKill { .. })
+    }
+}
+
+/// A change of the policy file (written to every sidecar's copy).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Reload {
+    /// `per-app`'s capacity and refill.
+    PerApp { capacity: u64, refill_per_sec: f64 },
+    /// The hot app blocked (`blocked: true` override), or not.
+    Block(bool),
+    /// `inflight`'s `slot_ttl_ms`.
+    SlotTtl(u64),
+}
+
+/// One thing the nemesis does.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Action {
+    Fault(Fault),
+    Reload(Reload),
+    /// A snapshot of the primary, for a later [`Fault::StoreSnapshotRestore`].
+    Snapshot,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Step {
+    pub at_ms: u64,
+    pub action: Action,
+}
+
+/// A run's plan.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Plan {
+    pub seed: u64,
+    pub seconds: u64,
+    pub store_reset: StoreReset,
+    /// In time order.
+    pub steps: Vec<Step>,
+}
+
+/// The policy `per-app` starts with.
+pub const PER_APP: (u64, f64) = (20, 10.0);
+
+impl Plan {
+    /// The plan of `seed` for a run of `seconds`.
+    pub fn draw(seed: u64, seconds: u64) -> Plan {
+        let mut rng = StdRng::seed_from_u64(seed);
+        let store_reset = if rng.random_bool(0.5) {
+            StoreReset::Empty
+        } else {
+            StoreReset::Full
+        };
+        let end_ms = seconds * 1000;
+        let mut steps = Vec::new();
+        // Faults one after the other, each given time to recover (a failover takes seconds).
+        let mut at = 3_000 + rng.random_range(0..2_000);
+        while at + 4_000 < end_ms {
+            let fault = draw_fault(&mut rng);
+            if let Fault::StoreSnapshotRestore { age_ms } = fault {
+                steps.push(Step {
+                    at_ms: at.saturating_sub(age_ms),
+                    action: Action::Snapshot,
+                });
+            }
+            let gap = fault.lasts_ms() + if fault.is_failover() { 6_000 } else { 3_000 };
+            steps.push(Step {
+                at_ms: at,
+                action: Action::Fault(fault),
+            });
+            at += gap + rng.random_range(0..2_000);
+        }
+        // Reloads, independent of the faults.
+        let mut at = 2_000 + rng.random_range(0..3_000);
+        while at + 2_000 < end_ms {
+            let reload = match rng.random_range(0..4) {
+                0 => Reload::PerApp {
+                    capacity: rng.random_range(5..=40),
+                    refill_per_sec: f64::from(rng.random_range(2u32..=20)),
+                },
+                1 => Reload::Block(true),
+                2 => Reload::Block(false),
+                _ => Reload::SlotTtl(*[1_000, 3_000, 9_000].get(rng.random_range(0..3)).unwrap()),
+            };
+            steps.push(Step {
+                at_ms: at,
+                action: Action::Reload(reload),
+            });
+            at += 4_000 + rng.random_range(0..4_000);
+        }
+        steps.sort_by_key(|s| s.at_ms);
+        Plan {
+            seed,
+            seconds,
+            store_reset,
+            steps,
+        }
+    }
+
+    /// The faults of the plan, with their index among the steps.
+    pub fn faults(&self) -> impl Iterator<Item = (usize, &Fault)> {
+        self.steps
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| match &s.action {
+                Action::Fault(f) => Some((i, f)),
+                _ => None,
+            })
+    }
+
+    /// The plan without step `i` (and, for a snapshot restore, the snapshot it needs).
+    pub fn without(&self, i: usize) -> Plan {
+        let mut steps = self.steps.clone();
+        let removed = steps.remove(i);
+        if let Action::Fault(Fault::StoreSnapshotRestore { age_ms }) = removed.action {
+            let at = removed.at_ms.saturating_sub(age_ms);
+            if let Some(j) = steps
+                .iter()
+                .position(|s| s.at_ms == at && s.action == Action::Snapshot)
+            {
+                steps.remove(j);
+            }
+        }
+        Plan {
+            steps,
+            ..self.clone()
+        }
+    }
+
+    /// The plan as lines, for the report (and to re-run it by eye).
+    pub fn describe(&self) -> String {
+        let mut out = format!(
+            "seed {} ({} s, --store-reset {})\n",
+            self.seed,
+            self.seconds,
+            self.store_reset.arg()
+        );
+        for s in &self.steps {
+            out += &format!("  {:>6} ms  {:?}\n", s.at_ms, s.action);
+        }
+        out
+    }
+}
+
+fn draw_fault(rng: &mut StdRng) -> Fault {
+    let sidecar = rng.random_range(0..SIDECARS);
+    let envoy = rng.random_range(0..ENVOYS);
+    match rng.random_range(0..10) {
+        0 => Fault::SidecarPause {
+            sidecar,
+            ms: rng.random_range(100..1_500),
+        },
+        1 => Fault::SidecarRestart {
+            sidecar,
+            down_ms: rng.random_range(200..2_000),
+        },
+        2 => Fault::PrimaryPause {
+            ms: rng.random_range(100..2_500),
+        },
+        3 => Fault::PrimaryKill {
+            down_ms: rng.random_range(1_000..3_000),
+        },
+        4 => Fault::StoreFlush,
+        5 => Fault::StoreRestartEmpty,
+        6 => Fault::StoreSnapshotRestore {
+            age_ms: rng.random_range(500..3_000),
+        },
+        7 => Fault::EnvoyRestart { envoy },
+        8 => Fault::GatewayCut {
+            envoy,
+            ms: rng.random_range(100..2_000),
+        },
+        _ => Fault::GatewayDelay {
+            envoy,
+            ms: rng.random_range(500..2_000),
+            delay_ms: rng.random_range(5..80),
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_seed_always_draws_the_same_plan_and_faults_never_overlap() {
+        for seed in 0..50 {
+            let a = Plan::draw(seed, 60);
+            assert_eq!(a, Plan::draw(seed, 60), "seed {seed}");
+            let faults: Vec<(u64, u64)> = a
+                .steps
+                .iter()
+                .filter_map(|s| match &s.action {
+                    Action::Fault(f) => Some((s.at_ms, s.at_ms + f.lasts_ms())),
+                    _ => None,
+                })
+                .collect();
+            assert!(!faults.is_empty(), "seed {seed}: no fault");
+            for w in faults.windows(2) {
+                assert!(w[0].1 + 3_000 <= w[1].0, "seed {seed}: {w:?}");
+            }
+            assert!(faults.last().unwrap().1 <= 60_000);
+        }
+        assert_ne!(Plan::draw(1, 60), Plan::draw(2, 60));
+    }
+
+    #[test]
+    fn a_step_dropped_takes_its_snapshot_with_it() {
+        let plan = (0..200)
+            .map(|s| Plan::draw(s, 120))
+            .find(|p| {
+                p.faults()
+                    .any(|(_, f)| matches!(f, Fault::StoreSnapshotRestore { .. }))
+            })
+            .expect("some seed restores a snapshot");
+        let (i, _) = plan
+            .faults()
+            .find(|(_, f)| matches!(f, Fault::StoreSnapshotRestore { .. }))
+            .unwrap();
+        let snapshots = |p: &Plan| {
+            p.steps
+                .iter()
+                .filter(|s| s.action == Action::Snapshot)
+                .count()
+        };
+        let fewer = plan.without(i);
+        assert_eq!(fewer.steps.len(), plan.steps.len() - 2);
+        assert_eq!(snapshots(&fewer), snapshots(&plan) - 1);
+    }
+}

@@ -1,0 +1,247 @@
+//! The processes of a run, and the hands the nemesis breaks them with: a Redis primary with a
+//! replica and three Sentinels; two sidecars on the Sentinels; two Envoys with the wasm filter
+//! (one and two workers), each to its own sidecar through a [`Relay`]; the recording upstream.
+//! The plugin names clients by API key (`<app>-key`), the policy file is the run's
+//! ([`policy_yaml`]).
+
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+
+use super::relay::Relay;
+use super::schedule::{StoreReset, ENVOYS, HOT, PER_APP, QUIET, SIDECARS};
+use crate::{wait_until, Envoy, EnvoyConfig, Redis, Sentinel, Sidecar, Upstream};
+
+/// The apps the plugin knows, beyond [`HOT`] and [`QUIET`].
+pub const LLM: &str = "llm";
+pub const HOLD: &str = "hold";
+
+/// `llm`'s reservation bounds: the most a request may reserve, and what an answer whose cost
+/// cannot be read settles at (the rule's `reserve_max`, `unreported_cost` by default).
+pub const LLM_RESERVE_MAX: u64 = 50;
+/// `inflight`'s concurrency.
+pub const CONCURRENCY: u64 = 2;
+/// The lease share the sidecars grant (`--lease-max-share`), as shipped.
+pub const LEASE_SHARE: f64 = 0.1;
+
+/// The policy in force: what a reload writes.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Policy {
+    pub per_app: (u64, f64),
+    pub hot_blocked: bool,
+    pub slot_ttl_ms: u64,
+}
+
+impl Default for Policy {
+    fn default() -> Self {
+        Policy {
+            per_app: PER_APP,
+            hot_blocked: false,
+            slot_ttl_ms: 3_000,
+        }
+    }
+}
+
+/// The policy file of `p`.
+pub fn policy_yaml(p: &Policy) -> String {
+    let block = if p.hot_blocked {
+        format!("    overrides:\n      - when: {{app: {HOT}}}\n        blocked: true\n")
+    } else {
+        String::new()
+    };
+    format!(
+        "rules:\n  per-app:\n    capacity: {}\n    refill_per_sec: {}\n{block}  llm: {{capacity: 200, refill_per_sec: 50}}\n  inflight: {{concurrency: {CONCURRENCY}, slot_ttl_ms: {}}}\n  direct: {{capacity: 10, refill_per_sec: 5}}\n",
+        p.per_app.0, p.per_app.1, p.slot_ttl_ms
+    )
+}
+
+/// The API key of `app`.
+pub fn key_of(app: &str) -> String {
+    format!("{app}-key")
+}
+
+/// The filter's configuration: every app by its API key, three rules.
+fn plugin() -> Value {
+    let apps = [HOT, LLM, HOLD].into_iter().chain(QUIET);
+    let keys: serde_json::Map<String, Value> = apps
+        .map(|app| {
+            let digest = Sha256::digest(key_of(app).as_bytes());
+            let hex: String = digest.iter().map(|b| format!("{b:02x}")).collect();
+            (hex, json!(app))
+        })
+        .collect();
+    json!({
+        "domain": "ratelimit",
+        "sidecar": {"cluster": "ratelimit_sidecar", "timeout_ms": 200},
+        "identity": {"api_key": {"header": "x-api-key", "keys": keys}},
+        "rules": [
+            {"name": "per-app", "match": {"path_prefix": "/api/"}, "subject": ["app"],
+             "on_error": "deny"},
+            {"name": "llm", "match": {"path_prefix": "/usage/"}, "subject": ["app"],
+             "on_error": "deny",
+             "cost": {"reserve": 10, "reserve_from_request_header": "x-max-tokens",
+                      "reserve_max": LLM_RESERVE_MAX, "response_json": "usage.total_tokens"}},
+            {"name": "inflight", "match": {"path_prefix": "/hold/"}, "subject": ["app"],
+             "on_error": "deny"},
+        ]
+    })
+}
+
+/// A sidecar the nemesis can kill and start again on its port.
+pub struct Restartable {
+    pub sidecar: Sidecar,
+    args: Vec<String>,
+}
+
+impl Restartable {
+    fn start(policy: &str, args: Vec<String>) -> Restartable {
+        let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+        Restartable {
+            sidecar: Sidecar::start_with_args(policy, &refs),
+            args,
+        }
+    }
+
+    /// Starts it again on its port with `policy` (the old process must be gone).
+    pub fn start_again(&mut self, policy: &str) {
+        let refs: Vec<&str> = self.args.iter().map(String::as_str).collect();
+        let mut s = Sidecar::spawn_with_args(self.sidecar.port, policy, &refs);
+        s.wait_ready();
+        self.sidecar = s;
+    }
+}
+
+/// Every process of a run.
+pub struct Topology {
+    pub store_reset: StoreReset,
+    /// The two Redis data nodes; which is the primary changes with failovers
+    /// ([`Topology::primary`]).
+    pub nodes: [Redis; 2],
+    pub sentinels: Vec<Sentinel>,
+    pub sidecars: Vec<Restartable>,
+    pub relays: Vec<Relay>,
+    pub envoys: Vec<Envoy>,
+    pub configs: Vec<EnvoyConfig>,
+    pub upstream: Upstream,
+    pub policy: Policy,
+}
+
+impl Topology {
+    pub fn start(store_reset: StoreReset) -> Topology {
+        // A full sync starts at once (diskless, Redis waits 5 s by default for more replicas).
+        let node = [
+            "--maxmemory-policy",
+            "noeviction",
+            "--repl-diskless-sync-delay",
+            "0",
+        ];
+        let primary = Redis::start_with(&node);
+        // Linked by a command, not an argument: a node the nemesis restarts comes back as a
+        // primary of its own, and the Sentinels make it a replica again, as in production.
+        let replica = Redis::start_with(&node);
+        replica.cli(&["REPLICAOF", "127.0.0.1", &primary.port.to_string()]);
+        wait_until("the replica's link", Duration::from_secs(30), || {
+            replica
+                .cli(&["INFO", "replication"])
+                .contains("master_link_status:up")
+        });
+        let sentinels: Vec<Sentinel> = (0..3)
+            .map(|_| Sentinel::start("mymaster", primary.port, 2))
+            .collect();
+        let urls: Vec<String> = sentinels.iter().map(Sentinel::url).collect();
+        let policy = Policy::default();
+        let text = policy_yaml(&policy);
+        let sidecars: Vec<Restartable> = (0..SIDECARS)
+            .map(|_| {
+                Restartable::start(
+                    &text,
+                    vec![
+                        "--redis-sentinel".into(),
+                        urls.join(","),
+                        "--sentinel-master".into(),
+                        "mymaster".into(),
+                        "--redis-timeout-ms".into(),
+                        "100".into(),
+                        "--store-reset".into(),
+                        store_reset.arg().into(),
+                    ],
+                )
+            })
+            .collect();
+        let upstream = Upstream::start();
+        let relays: Vec<Relay> = (0..ENVOYS)
+            .map(|i| Relay::start(sidecars[i % SIDECARS].sidecar.port))
+            .collect();
+        let configs: Vec<EnvoyConfig> = (0..ENVOYS)
+            .map(|i| {
+                EnvoyConfig::shipped("envoy.yaml", relays[i].port, upstream.port)
+                    .plugin(&plugin().to_string())
+                    .concurrency(i as u32 + 1)
+            })
+            .collect();
+        let envoys = configs.iter().map(Envoy::start).collect();
+        Topology {
+            store_reset,
+            nodes: [primary, replica],
+            sentinels,
+            sidecars,
+            relays,
+            envoys,
+            configs,
+            upstream,
+            policy,
+        }
+    }
+
+    /// The index in [`Topology::nodes`] of the node the Sentinels name primary now.
+    pub fn primary(&self) -> usize {
+        let port = self
+            .sentinels
+            .iter()
+            .find_map(Sentinel::master_port)
+            .unwrap_or(self.nodes[0].port);
+        self.nodes.iter().position(|n| n.port == port).unwrap_or(0)
+    }
+
+    /// Writes `policy` to every sidecar's file.
+    pub fn write_policy(&mut self, policy: Policy) {
+        let text = policy_yaml(&policy);
+        for s in &self.sidecars {
+            s.sidecar.write_policy(&text);
+        }
+        self.policy = policy;
+    }
+
+    /// The base URL of sidecar `i` (for the direct caller).
+    pub fn sidecar_url(&self, i: usize) -> String {
+        self.sidecars[i].sidecar.base_url()
+    }
+
+    /// The process ids to watch, by name: memory and panics.
+    pub fn processes(&self) -> Vec<(String, u32)> {
+        let mut out = Vec::new();
+        for (i, s) in self.sidecars.iter().enumerate() {
+            out.push((format!("sidecar {i}"), s.sidecar.process.pid()));
+        }
+        for (i, e) in self.envoys.iter().enumerate() {
+            out.push((format!("envoy {i}"), e.process.pid()));
+        }
+        for (i, n) in self.nodes.iter().enumerate() {
+            out.push((format!("redis {i}"), n.pid()));
+        }
+        out
+    }
+
+    /// Every process's log, by name (to look for panics).
+    pub fn logs(&self) -> Vec<(String, String)> {
+        let mut out = Vec::new();
+        for (i, s) in self.sidecars.iter().enumerate() {
+            out.push((format!("sidecar {i}"), s.sidecar.process.log()));
+        }
+        for (i, e) in self.envoys.iter().enumerate() {
+            out.push((format!("envoy {i}"), e.process.log()));
+        }
+        out
+    }
+}

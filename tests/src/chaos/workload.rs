@@ -1,0 +1,346 @@
+//! The clients of a run, each a thread until told to stop, every request tagged with an id
+//! (`x-chaos-id`) the upstream records: a hot app hammering both Envoys, quiet apps, an LLM
+//! client whose costs are settled from the answers (JSON and streams, asking for gzip, some
+//! answers compressed anyway, without usage or cut short), long requests under `concurrency`,
+//! and an authenticated caller straight at a sidecar (attempt ids repeated and reused, forged
+//! settlements on the hot app's bucket: it must not create budget).
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde_json::{json, Value};
+
+use super::clock_ns;
+use super::schedule::{ENVOYS, HOT, QUIET};
+use super::topology::{key_of, HOLD, LLM, LLM_RESERVE_MAX};
+
+/// What a request was, for the checker.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Kind {
+    /// `per-app`, cost 1.
+    Api,
+    /// `llm`: it reserved `reserve`, really cost `tokens`; `readable`: its answer reports the
+    /// cost in a way the filter reads (else it settles at `reserve_max`).
+    Llm {
+        reserve: u64,
+        tokens: u64,
+        readable: bool,
+    },
+    /// `inflight`: held `ms` at the upstream.
+    Hold { ms: u64 },
+    /// The authenticated caller's decision of rule `direct`, cost `cost`; `repeat`: a repeat of
+    /// its previous call (same attempt, same request), answered as it was and charged nothing.
+    Direct { cost: u64, repeat: bool },
+}
+
+/// One request, as its client saw it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sent {
+    pub id: u64,
+    /// The rule and the app its bucket is keyed by.
+    pub rule: &'static str,
+    pub app: String,
+    pub kind: Kind,
+    /// The Envoy it went through (none: straight to a sidecar).
+    pub envoy: Option<usize>,
+    pub sent_ns: u64,
+    pub answered_ns: u64,
+    /// The answer's status; 0 when none came (a connection error, a reset).
+    pub status: u16,
+}
+
+/// The run's clients.
+pub struct Workload {
+    stop: Arc<AtomicBool>,
+    threads: Vec<JoinHandle<()>>,
+    sent: Arc<Mutex<Vec<Sent>>>,
+    /// Forged settlements the authenticated caller sent.
+    pub forged: Arc<AtomicU64>,
+}
+
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+fn next_id() -> u64 {
+    NEXT_ID.fetch_add(1, Ordering::Relaxed)
+}
+
+fn client() -> reqwest::blocking::Client {
+    reqwest::blocking::Client::builder()
+        .timeout(Duration::from_secs(10))
+        .no_gzip()
+        .no_deflate()
+        .pool_max_idle_per_host(4)
+        .build()
+        .expect("client")
+}
+
+impl Workload {
+    /// Starts every client: `envoy_ports` are the Envoys' listeners, `sidecar` the URL the
+    /// authenticated caller calls; `seed` draws their choices.
+    pub fn start(seed: u64, envoy_ports: Vec<u16>, sidecar: String) -> Workload {
+        let stop = Arc::new(AtomicBool::new(false));
+        let sent = Arc::new(Mutex::new(Vec::new()));
+        let forged = Arc::new(AtomicU64::new(0));
+        let mut threads = Vec::new();
+        let spawn = |n: u64, f: Box<dyn FnMut(&mut Ctx) + Send>| {
+            let ctx = Ctx {
+                rng: StdRng::seed_from_u64(seed.wrapping_mul(31).wrapping_add(n)),
+                client: client(),
+                ports: envoy_ports.clone(),
+                sent: sent.clone(),
+                stop: stop.clone(),
+            };
+            run_client(ctx, f)
+        };
+        // The hot app, on both Envoys.
+        for n in 0..2 {
+            threads.push(spawn(n, Box::new(|c: &mut Ctx| c.api(HOT, 2))));
+        }
+        // Quiet apps, one request each in turn.
+        threads.push(spawn(
+            10,
+            Box::new(|c: &mut Ctx| {
+                let app = QUIET[c.rng.random_range(0..QUIET.len())];
+                c.api(app, 25)
+            }),
+        ));
+        threads.push(spawn(20, Box::new(|c: &mut Ctx| c.llm())));
+        for n in 0..2 {
+            threads.push(spawn(30 + n, Box::new(|c: &mut Ctx| c.hold())));
+        }
+        let url = sidecar.clone();
+        let mut attempt = Attempt::default();
+        threads.push(spawn(
+            40,
+            Box::new(move |c: &mut Ctx| c.direct(&url, &mut attempt)),
+        ));
+        let (url, count) = (sidecar, forged.clone());
+        threads.push(spawn(
+            50,
+            Box::new(move |c: &mut Ctx| c.forge(&url, &count)),
+        ));
+        Workload {
+            stop,
+            threads,
+            sent,
+            forged,
+        }
+    }
+
+    /// Stops every client and returns what they sent.
+    pub fn finish(self) -> Vec<Sent> {
+        self.stop.store(true, Ordering::Relaxed);
+        for t in self.threads {
+            let _ = t.join();
+        }
+        std::mem::take(&mut *self.sent.lock().unwrap())
+    }
+}
+
+fn run_client(mut ctx: Ctx, mut f: Box<dyn FnMut(&mut Ctx) + Send>) -> JoinHandle<()> {
+    std::thread::spawn(move || {
+        while !ctx.stop.load(Ordering::Relaxed) {
+            f(&mut ctx);
+        }
+    })
+}
+
+/// The authenticated caller's attempt id and the costs it decided under it.
+#[derive(Default)]
+struct Attempt {
+    id: String,
+    made: Vec<u64>,
+    last: u64,
+}
+
+/// One client's state.
+struct Ctx {
+    rng: StdRng,
+    client: reqwest::blocking::Client,
+    ports: Vec<u16>,
+    sent: Arc<Mutex<Vec<Sent>>>,
+    stop: Arc<AtomicBool>,
+}
+
+impl Ctx {
+    fn envoy(&mut self) -> usize {
+        self.rng.random_range(0..ENVOYS.min(self.ports.len()))
+    }
+
+    /// GET `path` through Envoy `envoy` as `app`, with `headers`: the status (0: none).
+    fn get(&self, envoy: usize, path: &str, app: &str, id: u64, headers: &[(&str, String)]) -> u16 {
+        let mut req = self
+            .client
+            .get(format!("http://127.0.0.1:{}{path}", self.ports[envoy]))
+            .header("x-api-key", key_of(app))
+            .header("x-chaos-id", id.to_string());
+        for (k, v) in headers {
+            req = req.header(*k, v);
+        }
+        match req.send() {
+            Ok(mut r) => {
+                let status = r.status().as_u16();
+                // Read to the end: a cut stream is no answer.
+                match std::io::copy(&mut r, &mut std::io::sink()) {
+                    Ok(_) => status,
+                    Err(_) => 0,
+                }
+            }
+            Err(_) => 0,
+        }
+    }
+
+    fn record(&self, sent: Sent) {
+        self.sent.lock().unwrap().push(sent);
+    }
+
+    fn api(&mut self, app: &str, pause_ms: u64) {
+        let (id, envoy) = (next_id(), self.envoy());
+        let sent_ns = clock_ns();
+        let status = self.get(envoy, "/api/x", app, id, &[]);
+        self.record(Sent {
+            id,
+            rule: "per-app",
+            app: app.to_string(),
+            kind: Kind::Api,
+            envoy: Some(envoy),
+            sent_ns,
+            answered_ns: clock_ns(),
+            status,
+        });
+        std::thread::sleep(Duration::from_millis(pause_ms));
+    }
+
+    fn llm(&mut self) {
+        let (id, envoy) = (next_id(), self.envoy());
+        let reserve = self.rng.random_range(1..=LLM_RESERVE_MAX);
+        let tokens = self.rng.random_range(1..=LLM_RESERVE_MAX);
+        let stream = self.rng.random_bool(0.5);
+        // What the client does: ask for gzip (the filter asks the API for identity: readable);
+        // an answer compressed anyway, without usage, or cut short is not readable.
+        let unreadable = match self.rng.random_range(0..10) {
+            0 => "&compress=gzip",
+            1 => "&usage=0",
+            2 => "&cut=1",
+            _ => "",
+        };
+        let path = if stream {
+            format!("/usage/sse?tokens={tokens}&events=3&gap_ms=20{unreadable}")
+        } else {
+            format!("/usage/json?tokens={tokens}{unreadable}")
+        };
+        let mut headers = vec![("x-max-tokens", reserve.to_string())];
+        if self.rng.random_bool(0.5) {
+            headers.push(("accept-encoding", "gzip".into()));
+        }
+        let sent_ns = clock_ns();
+        let status = self.get(envoy, &path, LLM, id, &headers);
+        self.record(Sent {
+            id,
+            rule: "llm",
+            app: LLM.into(),
+            kind: Kind::Llm {
+                reserve,
+                tokens,
+                readable: unreadable.is_empty(),
+            },
+            envoy: Some(envoy),
+            sent_ns,
+            answered_ns: clock_ns(),
+            status,
+        });
+        std::thread::sleep(Duration::from_millis(30));
+    }
+
+    fn hold(&mut self) {
+        let (id, envoy) = (next_id(), self.envoy());
+        let ms = self.rng.random_range(100..600);
+        let sent_ns = clock_ns();
+        let status = self.get(envoy, &format!("/hold/{HOLD}?ms={ms}"), HOLD, id, &[]);
+        self.record(Sent {
+            id,
+            rule: "inflight",
+            app: HOLD.into(),
+            kind: Kind::Hold { ms },
+            envoy: Some(envoy),
+            sent_ns,
+            answered_ns: clock_ns(),
+            status,
+        });
+        if status != 200 {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// The authenticated caller: a decision of `direct` under a new attempt id, or a repeat of
+    /// its previous call (same attempt, same request: the first answer back, nothing charged), or
+    /// another request under its attempt id (decided afresh, never replayed, unless it is one
+    /// the attempt already made).
+    fn direct(&mut self, url: &str, a: &mut Attempt) {
+        let cost = match self.rng.random_range(0..6) {
+            0 if !a.id.is_empty() => a.last,
+            1 if !a.id.is_empty() => 3 - a.last,
+            _ => {
+                *a = Attempt {
+                    id: format!("a-{}", next_id()),
+                    ..Attempt::default()
+                };
+                1
+            }
+        };
+        let repeat = a.made.contains(&cost);
+        let attempt = a.id.clone();
+        let body = json!({"attempt": attempt,
+            "requests": [{"decisions": [{"rule": "direct", "subject": {"app": "d"}, "cost": cost}]}]});
+        let (id, sent_ns) = (next_id(), clock_ns());
+        let answer = self
+            .client
+            .post(format!("{url}/v1/decide"))
+            .json(&body)
+            .send()
+            .ok()
+            .map(|r| (r.status().as_u16(), r.json::<Value>().ok()));
+        // The call's own status (503: Redis unavailable), else the decision's as a gateway
+        // would answer it.
+        let status = match &answer {
+            Some((200, Some(a))) if a["answers"][0]["allowed"] == true => 200,
+            Some((200, Some(a))) if a["answers"][0]["error"].is_null() => 429,
+            Some((200, _)) => 503,
+            Some((status, _)) => *status,
+            None => 0,
+        };
+        self.record(Sent {
+            id,
+            rule: "direct",
+            app: "d".into(),
+            kind: Kind::Direct { cost, repeat },
+            envoy: None,
+            sent_ns,
+            answered_ns: clock_ns(),
+            status,
+        });
+        a.made.push(cost);
+        a.last = cost;
+        std::thread::sleep(Duration::from_millis(40));
+    }
+
+    /// A forged settlement on the hot app's bucket: a huge reservation settled at 0, no receipt.
+    fn forge(&mut self, url: &str, count: &AtomicU64) {
+        let body = json!({"settlements": [{"rule": "per-app", "subject": {"app": HOT},
+            "reserved": 999_999_999_999u64, "cost": 0}]});
+        if self
+            .client
+            .post(format!("{url}/v1/settle"))
+            .json(&body)
+            .send()
+            .is_ok()
+        {
+            count.fetch_add(1, Ordering::Relaxed);
+        }
+        std::thread::sleep(Duration::from_millis(300));
+    }
+}
