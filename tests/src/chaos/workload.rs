@@ -16,7 +16,7 @@ use serde_json::{json, Value};
 
 use super::clock_ns;
 use super::schedule::{ENVOYS, HOT, QUIET};
-use super::topology::{key_of, HOLD, LLM, LLM_RESERVE_MAX};
+use super::topology::{key_of, CONCURRENCY, HOLD, LLM, LLM_RESERVE_MAX};
 
 /// What a request was, for the checker.
 #[derive(Debug, Clone, PartialEq)]
@@ -109,7 +109,8 @@ impl Workload {
             }),
         ));
         threads.push(spawn(20, Box::new(|c: &mut Ctx| c.llm())));
-        for n in 0..2 {
+        // Twice as many holders as `concurrency`, so that a slot lost or expired shows.
+        for n in 0..2 * CONCURRENCY {
             threads.push(spawn(30 + n, Box::new(|c: &mut Ctx| c.hold())));
         }
         let url = sidecar.clone();
@@ -258,7 +259,13 @@ impl Ctx {
 
     fn hold(&mut self) {
         let (id, envoy) = (next_id(), self.envoy());
-        let ms = self.rng.random_range(100..600);
+        // Mostly short; one in three outlives the shortest `slot_ttl_ms` a reload sets (1 s),
+        // so its slot lives only by its renewals.
+        let ms = if self.rng.random_ratio(1, 3) {
+            self.rng.random_range(1_200..3_000)
+        } else {
+            self.rng.random_range(100..600)
+        };
         let sent_ns = clock_ns();
         let status = self.get(envoy, &format!("/hold/{HOLD}?ms={ms}"), HOLD, id, &[]);
         self.record(Sent {
