@@ -27,6 +27,7 @@ use sha2::{Digest as _, Sha256};
 use subtle::ConstantTimeEq;
 
 use crate::config::Secret;
+use crate::metrics::{CallOutcome, Metrics};
 
 /// Paths anyone may call: probes and Prometheus cannot present credentials.
 pub const OPEN_PATHS: [&str; 3] = ["/healthz", "/readyz", "/metrics"];
@@ -337,9 +338,24 @@ impl Auth {
 }
 
 /// Wraps `router` so that every request but those to [`OPEN_PATHS`] must pass [`Auth::check`];
-/// the others are answered 401 before any handler (or body read) runs, so they consume nothing.
-pub fn protect(router: Router, auth: Arc<Auth>) -> Router {
-    router.layer(middleware::from_fn_with_state(auth, require_bearer))
+/// the others are answered 401 before any handler (or body read) runs, so they consume nothing,
+/// and each is counted in `metrics` as an `unauthorized` call of the API its path names.
+pub fn protect(router: Router, auth: Arc<Auth>, metrics: Arc<Metrics>) -> Router {
+    router.layer(middleware::from_fn_with_state(
+        (auth, metrics),
+        require_bearer,
+    ))
+}
+
+/// The `api` label of a call to `path` (docs/observability.md, `ratelimit_calls_total`): any
+/// gRPC call is `grpc`, any path but settlements' and slots' `http`.
+fn api_of(path: &str, grpc: bool) -> &'static str {
+    match path {
+        _ if grpc => "grpc",
+        "/v1/settle" => "settle",
+        "/v1/slots" => "slots",
+        _ => "http",
+    }
 }
 
 /// Wraps `router` so that it answers only [`OPEN_PATHS`] (404 for everything else): the admin
@@ -362,11 +378,12 @@ async fn only_open_paths(request: Request, next: Next) -> Response {
 }
 
 async fn require_bearer(
-    State(auth): State<Arc<Auth>>,
+    State((auth, metrics)): State<(Arc<Auth>, Arc<Metrics>)>,
     mut request: Request,
     next: Next,
 ) -> Response {
-    if OPEN_PATHS.contains(&request.uri().path()) {
+    let path = request.uri().path();
+    if OPEN_PATHS.contains(&path) {
         return next.run(request).await;
     }
     match auth.authenticate(request.headers()) {
@@ -374,9 +391,13 @@ async fn require_bearer(
             request.extensions_mut().insert(credential);
             next.run(request).await
         }
-        Err(e) if is_grpc(request.headers()) => grpc_unauthenticated(e),
         Err(e) => {
-            tracing::debug!(path = request.uri().path(), "refused: {e}");
+            let grpc = is_grpc(request.headers());
+            metrics.call(api_of(path, grpc), CallOutcome::Unauthorized);
+            if grpc {
+                return grpc_unauthenticated(e);
+            }
+            tracing::debug!(path, "refused: {e}");
             e.into_response()
         }
     }

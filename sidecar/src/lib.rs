@@ -231,7 +231,7 @@ pub async fn serve(
         .clone()
         .and_then(|a| a.watch_token_file(auth::TOKEN_FILE_CHECK_INTERVAL));
     let main_app = match &auth {
-        Some(a) => auth::protect(app.clone(), a.clone()),
+        Some(a) => auth::protect(app.clone(), a.clone(), state.metrics.clone()),
         None => app.clone(),
     };
     tracing::info!(

@@ -111,6 +111,17 @@ fn a_call_without_a_valid_token_is_answered_401_and_spends_nothing() {
     // Any other path is refused as well, before routing: nothing is learned without a token.
     let r = http().get(format!("{base}/v1/nowhere")).send().unwrap();
     assert_eq!(r.status(), 401);
+    // Each refusal is counted under the API its path names (any other path: `http`).
+    let metrics = http()
+        .get(format!("{base}/metrics"))
+        .send()
+        .unwrap()
+        .text()
+        .unwrap();
+    for (api, n) in [("http", 5), ("grpc", 1), ("settle", 2)] {
+        let line = format!("ratelimit_calls_total{{api=\"{api}\",outcome=\"unauthorized\"}} {n}");
+        assert!(metrics.lines().any(|l| l == line), "{line} in\n{metrics}");
+    }
 
     assert_eq!(
         redis.cli(&["EXISTS", &bucket]),

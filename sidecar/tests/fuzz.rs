@@ -855,13 +855,14 @@ fn sidecar() -> Sidecar {
         )),
         metrics,
     });
+    let metrics = state.metrics.clone();
     let app = router(state, MAX_BODY_BYTES);
     let token = Auth::load(None, Some(&Secret::new(TOKEN)))
         .expect("a valid token")
         .expect("a token is configured");
     Sidecar {
         store,
-        protected: auth::protect(app.clone(), token),
+        protected: auth::protect(app.clone(), token, metrics),
         admin: auth::open_paths_only(app.clone()),
         plain: app,
     }

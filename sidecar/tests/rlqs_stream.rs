@@ -226,7 +226,11 @@ async fn a_stream_ends_unauthenticated_once_its_token_is_rotated_out() {
     std::fs::write(&tokens, "old-token\nnew-token\n").unwrap();
     let auth = Auth::load(Some(&tokens), None).unwrap().unwrap();
     let (app, _) = app(20);
-    let app = auth::protect(app, auth.clone());
+    let app = auth::protect(
+        app,
+        auth.clone(),
+        Arc::new(ratelimit_sidecar::metrics::Metrics::new()),
+    );
     // The report, then a body that stays open: only the rotation can end the stream.
     let (tx, rx) = futures::channel::mpsc::unbounded::<Result<Bytes, std::io::Error>>();
     tx.unbounded_send(Ok(report(3))).unwrap();
