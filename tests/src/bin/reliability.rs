@@ -12,7 +12,8 @@
 //! Scenarios (`--scenario 1,3` runs some): 1 shared budget, 2 hot key, 3 Redis slow/down per
 //! `on_error`, 4 failover (Sentinel, Cluster), 5 uncertain results, 6 sidecar restart, 7 flood,
 //! 8 many clients, 9 a region's Redis restored from an older snapshot, 10 policy reload under
-//! leases, 11 a Redis that lost its state.
+//! leases, 11 a Redis that lost its state, 12 a Redis restarted from an older snapshot, 13
+//! concurrency slots lost with the store, 14 a Redis Cluster's epochs.
 
 use std::net::IpAddr;
 use std::path::PathBuf;
@@ -28,7 +29,7 @@ use ratelimit_e2e::probe::{
     self, dbsize, filter_decision_us, script_calls, used_memory, write_calls,
 };
 use ratelimit_e2e::report::{markdown, ms, quantile};
-use ratelimit_e2e::scenario;
+use ratelimit_e2e::store_loss::{self, Loss};
 use ratelimit_e2e::{
     http, Envoy, EnvoyConfig, FaultProxy, Redis, RedisCluster, Sentinel, Sidecar, Upstream,
 };
@@ -42,7 +43,7 @@ struct Args {
     /// Seconds of load per phase (a fault lasts as long).
     #[arg(long, default_value_t = 3)]
     seconds: u64,
-    /// Scenarios to run, by number (1-9), comma separated; all by default.
+    /// Scenarios to run, by number (1-14), comma separated; all by default.
     #[arg(long, value_delimiter = ',')]
     scenario: Vec<u32>,
     /// Concurrent clients on the loaded key(s).
@@ -1356,16 +1357,32 @@ fn snapshot_restore(_: &Args) -> Vec<Row> {
 }
 
 // ---------------------------------------------------------------------------------------------
-// 11. Redis restarted without its data, under each --store-reset.
+// 11, 12. Redis restarted without its data, or from an older snapshot, under each --store-reset.
 
 fn store_lost(_: &Args) -> Vec<Row> {
+    store_loss_rows(11, Loss::Empty)
+}
+
+fn snapshot_lost(_: &Args) -> Vec<Row> {
+    store_loss_rows(12, Loss::Snapshot)
+}
+
+fn store_loss_rows(n: u32, loss: Loss) -> Vec<Row> {
     let (c, r) = (100.0, 100.0);
     let policy = "rules:\n  r: {capacity: 100, refill_per_sec: 100}\n";
+    let (name, fault) = match loss {
+        Loss::Empty => ("store lost its state", "Redis restarted without its data"),
+        Loss::Snapshot => (
+            "Redis restarted from an older snapshot",
+            "Redis restarted from an RDB saved before the client spent (its epoch marker with it)",
+        ),
+    };
     ["full", "empty"]
         .into_iter()
         .map(|reset| {
-            log(&format!("11: store lost its state, --store-reset {reset}"));
-            let run = scenario::spend_across_a_loss(
+            log(&format!("{n}: {name}, --store-reset {reset}"));
+            let run = store_loss::spend_across(
+                loss,
                 policy,
                 reset,
                 Duration::from_millis(1100),
@@ -1373,28 +1390,30 @@ fn store_lost(_: &Args) -> Vec<Row> {
             );
             let bound = c + r * run.seconds;
             let over = (run.admitted as f64 - bound).max(0.0);
-            let held = match reset {
-                "empty" => run.admitted as f64 <= bound + 1.0,
-                _ => over <= c + 1.0,
+            // `empty`: nothing over C + r·T; `full`: the lost state's capacity again, at most.
+            let (held, allowance) = match reset {
+                "empty" => (run.admitted as f64 <= bound + 1.0, "0"),
+                _ => (over <= c + 1.0, "C"),
             };
             Row {
-                scenario: format!("11 store lost its state, --store-reset {reset}"),
+                scenario: format!("{n} {name}, --store-reset {reset}"),
                 load: "1 client (C = 100, r = 100/s), 150 decisions straight to the sidecar, then 0.5 s more".into(),
-                fault: "Redis restarted without its data".into(),
-                admitted: run.admitted.to_string(),
+                fault: fault.into(),
+                admitted: format!("{} in {:.2} s", run.admitted, run.seconds),
                 rejected: String::new(),
-                over: format!(
-                    "{over:.0} (C + r·T = {bound:.0}; bound {})",
-                    if reset == "empty" { "0" } else { "C" }
-                ),
+                over: format!("{over:.0} (C + r·T = {bound:.0}; bound {allowance})"),
                 client: String::new(),
                 filter: String::new(),
                 errors: format!("{} unanswered while Redis came back", run.unanswered),
                 recovery: String::new(),
                 check: format!(
-                    "{} resets counted {}",
+                    "admitted {} ≤ C + r·T{} = {:.0} {}; {} reset counted {}",
+                    run.admitted,
+                    if reset == "empty" { "" } else { " + C" },
+                    if reset == "empty" { bound } else { bound + c },
+                    mark(held),
                     run.resets,
-                    mark(held && run.resets >= 1.0)
+                    mark(run.resets >= 1.0)
                 ),
             }
         })
@@ -1402,9 +1421,107 @@ fn store_lost(_: &Args) -> Vec<Row> {
 }
 
 // ---------------------------------------------------------------------------------------------
+// 13. Concurrency slots lost with the store, through Envoy.
+
+fn slots_lost(_: &Args) -> Vec<Row> {
+    use store_loss::{CONCURRENCY, SLOT_TTL_MS};
+    ["empty", "full"]
+        .into_iter()
+        .map(|reset| {
+            log(&format!("13: slots lost with the store, --store-reset {reset}"));
+            let run = store_loss::slots_across_a_flush(reset);
+            // `empty`: never more than `concurrency` in flight, nothing admitted while the two
+            // running requests hold their slots; `full`: up to `concurrency` more, documented.
+            let (bound, check) = match reset {
+                "empty" => (
+                    CONCURRENCY,
+                    format!(
+                        "in flight {} ≤ {CONCURRENCY} {}; admitted past the limit {} {}",
+                        run.max_in_flight,
+                        mark(run.max_in_flight <= CONCURRENCY),
+                        run.admitted,
+                        mark(run.admitted == 0)
+                    ),
+                ),
+                _ => (
+                    2 * CONCURRENCY,
+                    format!(
+                        "in flight {} ≤ 2 × {CONCURRENCY} {}",
+                        run.max_in_flight,
+                        mark(run.max_in_flight <= 2 * CONCURRENCY)
+                    ),
+                ),
+            };
+            Row {
+                scenario: format!("13 slots lost with the store, --store-reset {reset}"),
+                load: format!(
+                    "1 Envoy ×1 worker, `concurrency: {CONCURRENCY}`, `slot_ttl_ms: {SLOT_TTL_MS}`; 2 requests held 5 s, then 4 clients sending short requests for 3 s"
+                ),
+                fault: "FLUSHALL while the 2 requests hold every slot".into(),
+                admitted: format!("{} short requests", run.admitted),
+                rejected: run.rejected.to_string(),
+                over: format!(
+                    "{} in flight at most (bound {bound})",
+                    run.max_in_flight
+                ),
+                client: String::new(),
+                filter: String::new(),
+                errors: "0".into(),
+                recovery: format!("{} of {CONCURRENCY} held requests ran to their end", run.held_to_the_end),
+                check: format!(
+                    "{check}; {} reset counted {}",
+                    run.resets,
+                    mark(run.resets >= 1.0)
+                ),
+            }
+        })
+        .collect()
+}
 
 // ---------------------------------------------------------------------------------------------
-// 9. A policy reload under leases.
+// 14. A Cluster's epochs under --store-reset empty: one per primary.
+
+fn cluster_epochs(_: &Args) -> Vec<Row> {
+    use store_loss::PER_PRIMARY;
+    log("14: Cluster epochs");
+    let run = store_loss::cluster_epochs();
+    let lost = run.after_flush.first().copied().unwrap_or_default();
+    let kept: usize = run.after_flush.iter().skip(1).sum();
+    let others = PER_PRIMARY * run.after_flush.len().saturating_sub(1);
+    vec![Row {
+        scenario: "14 Cluster epochs, --store-reset empty".into(),
+        load: format!(
+            "3 primaries, 1 sidecar (C = 2, r = 2/s); {} new clients' first requests, 10 to a call; then {PER_PRIMARY} new clients per primary in one call",
+            run.new_clients
+        ),
+        fault: "primary 0 flushed (FLUSHALL)".into(),
+        admitted: format!(
+            "{} of {} new clients; after the flush {lost} of primary 0's {PER_PRIMARY}, {kept} of the others' {others}",
+            run.new_admitted, run.new_clients
+        ),
+        rejected: String::new(),
+        over: "0 (primary 0's clients start empty at its new epoch)".into(),
+        client: String::new(),
+        filter: String::new(),
+        errors: "0".into(),
+        recovery: String::new(),
+        check: format!(
+            "new clients admitted {}/{} {}; marker keys {} (a marker and its stamp per primary: 6) {}; a returning client behind a new one admitted {}; the flush costs only primary 0's clients: {lost} + {kept} {}; {} reset counted {}",
+            run.new_admitted,
+            run.new_clients,
+            mark(run.new_admitted == run.new_clients),
+            run.markers.len(),
+            mark(run.markers.len() == 6),
+            mark(run.returning == (true, true)),
+            mark(lost == 0 && kept == others),
+            run.resets,
+            mark(run.resets >= 1.0)
+        ),
+    }]
+}
+
+// ---------------------------------------------------------------------------------------------
+// 10. A policy reload under leases.
 
 fn policy_reload(a: &Args) -> Vec<Row> {
     use ratelimit_e2e::reload::{Stack, BOUND, OPEN};
@@ -1475,7 +1592,7 @@ fn policy_reload(a: &Args) -> Vec<Row> {
 
 type Scenario = fn(&Args) -> Vec<Row>;
 
-const SCENARIOS: [(u32, &str, Scenario); 11] = [
+const SCENARIOS: [(u32, &str, Scenario); 14] = [
     (1, "shared budget", shared_budget),
     (2, "hot key", hot_key),
     (3, "Redis slow and down", redis_outage),
@@ -1487,6 +1604,9 @@ const SCENARIOS: [(u32, &str, Scenario); 11] = [
     (9, "snapshot restore", snapshot_restore),
     (10, "policy reload under leases", policy_reload),
     (11, "store lost its state", store_lost),
+    (12, "Redis restarted from an older snapshot", snapshot_lost),
+    (13, "slots lost with the store", slots_lost),
+    (14, "Cluster epochs", cluster_epochs),
 ];
 
 fn main() {
