@@ -23,6 +23,8 @@ pub struct EnvoyConfig {
     plugin: Option<String>,
     /// YAML appended to clusters' definitions: (cluster name, lines).
     cluster_additions: Vec<(String, String)>,
+    /// More endpoints of the sidecar's cluster, beside `sidecar_port`.
+    more_sidecar_ports: Vec<u16>,
     /// The module the `wasm` filter loads, when not the filter's own build.
     wasm: Option<PathBuf>,
     log_level: String,
@@ -60,6 +62,7 @@ impl EnvoyConfig {
             template,
             plugin: None,
             cluster_additions: Vec::new(),
+            more_sidecar_ports: Vec::new(),
             wasm: None,
             log_level: "info".to_string(),
             sidecar_port,
@@ -79,6 +82,19 @@ impl EnvoyConfig {
     pub fn cluster_addition(mut self, name: &str, yaml: &str) -> EnvoyConfig {
         self.cluster_additions
             .push((name.to_string(), yaml.to_string()));
+        self
+    }
+
+    /// One more endpoint of the sidecar's cluster, a sidecar on `port` beside the one on
+    /// `sidecar_port`: Envoy spreads the callouts (decisions, epoch polls) over them.
+    pub fn sidecar_endpoint(mut self, port: u16) -> EnvoyConfig {
+        assert_eq!(
+            self.template.matches(SHIPPED_SIDECAR).count(),
+            1,
+            "{}: one sidecar endpoint to add another beside",
+            self.file
+        );
+        self.more_sidecar_ports.push(port);
         self
     }
 
@@ -162,8 +178,7 @@ impl EnvoyConfig {
 
     /// The YAML Envoy is started with.
     pub fn render(&self, listen_port: u16, admin_port: u16, wasm: &str) -> String {
-        let mut yaml = self
-            .template
+        let mut yaml = add_endpoints(&self.template, SHIPPED_SIDECAR, &self.more_sidecar_ports)
             .replace(SHIPPED_LISTENER, &format!("port_value: {listen_port}"))
             .replace(SHIPPED_ADMIN, &format!("port_value: {admin_port}"))
             .replace(
@@ -185,6 +200,33 @@ impl EnvoyConfig {
         }
         yaml
     }
+}
+
+/// Repeats the `- endpoint:` entry whose address holds `port_line` once per port of `ports`,
+/// after it, with that port.
+fn add_endpoints(yaml: &str, port_line: &str, ports: &[u16]) -> String {
+    if ports.is_empty() {
+        return yaml.to_string();
+    }
+    let lines: Vec<&str> = yaml.lines().collect();
+    let at = lines
+        .iter()
+        .position(|l| l.contains(port_line))
+        .unwrap_or_else(|| panic!("the config has no `{port_line}`"));
+    let entry = lines[..at]
+        .iter()
+        .rposition(|l| l.trim_start().starts_with("- endpoint:"))
+        .expect("the port is an endpoint's");
+    let mut out: Vec<String> = lines[..=at].iter().map(|s| s.to_string()).collect();
+    for port in ports {
+        out.extend(
+            lines[entry..=at]
+                .iter()
+                .map(|l| l.replace(port_line, &format!("port_value: {port}"))),
+        );
+    }
+    out.extend(lines[at + 1..].iter().map(|s| s.to_string()));
+    out.join("\n") + "\n"
 }
 
 /// Inserts `addition` (YAML keys at column 0) into the cluster list entry `- name: <cluster>`,
@@ -386,12 +428,28 @@ mod tests {
             template: template.into(),
             plugin: None,
             cluster_additions: Vec::new(),
+            more_sidecar_ports: Vec::new(),
             wasm: None,
             log_level: "info".into(),
             sidecar_port: 1,
             upstream_port: 2,
             concurrency: 1,
         }
+    }
+
+    #[test]
+    fn a_second_sidecar_endpoint_repeats_the_first_with_its_port() {
+        let yaml = EnvoyConfig::shipped("envoy.yaml", 7001, 7003)
+            .sidecar_endpoint(7002)
+            .render(1, 2, "x.wasm");
+        let at = yaml.find("port_value: 7001").expect("the first sidecar");
+        let second = yaml.find("port_value: 7002").expect("the second sidecar");
+        assert!(second > at, "after the first");
+        assert_eq!(
+            yaml[at..second].matches("- endpoint:").count(),
+            1,
+            "an endpoint entry of its own in the same list:\n{yaml}"
+        );
     }
 
     #[test]

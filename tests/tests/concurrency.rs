@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
 use ratelimit_e2e::scenario::plugin_with_rules;
+use ratelimit_e2e::store_loss::{hammer, one_gateway, slots_across_a_flush, CONCURRENCY};
 use ratelimit_e2e::{http, wait_until, Envoy, EnvoyConfig, Redis, Sidecar, Upstream};
 use redis::Commands;
 use serde_json::json;
@@ -240,47 +241,6 @@ fn a_client_that_hangs_up_releases_its_slot() {
     assert_eq!(p.envoys[0].counter("ratelimit.slots_released"), 1);
 }
 
-/// One Envoy (one worker) on a sidecar started with `extra`, concurrency 2 on `/hold/`.
-fn single(policy: &str, extra: &[&str]) -> (Redis, Upstream, Sidecar, Envoy) {
-    let redis = Redis::start();
-    let upstream = Upstream::start();
-    let sidecar = Sidecar::with_policy(&redis.url(), policy, extra);
-    let plugin = plugin_with_rules(json!([{
-        "name": "inflight", "match": {"path_prefix": "/hold/"}, "subject": [], "on_error": "deny",
-    }]));
-    let config = EnvoyConfig::shipped("envoy.yaml", sidecar.port, upstream.port)
-        .plugin(&plugin.to_string())
-        .concurrency(1);
-    let envoy = Envoy::start(&config);
-    (redis, upstream, sidecar, envoy)
-}
-
-/// Requests to `url` from `clients` threads for `run`: how many were admitted.
-fn hammer(url: &str, clients: usize, run: Duration) -> u64 {
-    let started = Instant::now();
-    std::thread::scope(|s| {
-        (0..clients)
-            .map(|_| {
-                s.spawn(|| {
-                    let client = http();
-                    let mut admitted = 0;
-                    while started.elapsed() < run {
-                        match client.get(url).send().map(|r| r.status().as_u16()) {
-                            Ok(200) => admitted += 1,
-                            Ok(429) => std::thread::sleep(Duration::from_millis(20)),
-                            other => panic!("{other:?}"),
-                        }
-                    }
-                    admitted
-                })
-            })
-            .collect::<Vec<_>>()
-            .into_iter()
-            .map(|t| t.join().unwrap())
-            .sum()
-    })
-}
-
 /// Issue 32, case 4a: a reload lowers `slot_ttl_ms` (9000 to 1000) while two requests run at
 /// `concurrency: 2`. Their renewals come back with the new ttl and the filter renews within a
 /// third of it, so their slots never expire under them: nothing else gets in while they run.
@@ -289,7 +249,7 @@ fn a_reload_that_lowers_slot_ttl_ms_keeps_the_running_requests_slots() {
     let policy = |ttl: u64| {
         format!("rules:\n  inflight: {{capacity: 1000000, refill_per_sec: 100000, concurrency: 2, slot_ttl_ms: {ttl}}}\n")
     };
-    let (_redis, upstream, sidecar, envoy) = single(&policy(9_000), &[]);
+    let (_redis, upstream, sidecar, envoy) = one_gateway(&policy(9_000), &[]);
     let long = envoy.url("/hold/k?ms=7000");
     let holders: Vec<_> = (0..2)
         .map(|_| {
@@ -306,7 +266,7 @@ fn a_reload_that_lowers_slot_ttl_ms_keeps_the_running_requests_slots() {
         sidecar.metric("ratelimit_policy_reloads_total{result=\"ok\"}") > reloads
     });
     // Past the filter's next renewal (3 s, a third of the old ttl) and two of the new ttl.
-    let admitted = hammer(&envoy.url("/hold/k?ms=0"), 4, Duration::from_millis(4_500));
+    let (admitted, _) = hammer(&envoy.url("/hold/k?ms=0"), 4, Duration::from_millis(4_500));
     let max = upstream.max_in_flight("k");
     println!("{admitted} short requests admitted while 2 held every slot; at most {max} in flight");
     assert_eq!(admitted, 0, "a slot of a running request expired under it");
@@ -321,39 +281,20 @@ fn a_reload_that_lowers_slot_ttl_ms_keeps_the_running_requests_slots() {
 /// requests' renewals hold their slots again: never more than 2 in flight.
 #[test]
 fn a_store_that_loses_its_slots_under_store_reset_empty_keeps_the_limit() {
-    let policy = "rules:\n  inflight: {capacity: 1000000, refill_per_sec: 100000, concurrency: 2, slot_ttl_ms: 1500}\n";
-    let (redis, upstream, _sidecar, envoy) = single(policy, &["--store-reset", "empty"]);
-    let client = http();
-    let probe = envoy.url("/hold/probe?ms=0");
-    // A fresh store is one that may have lost its slots too: takes resume one ttl after its epoch.
-    wait_until(
-        "takes after the first window",
-        Duration::from_secs(10),
-        || client.get(&probe).send().unwrap().status() == 200,
+    let run = slots_across_a_flush("empty");
+    println!(
+        "after the flush: {} short requests admitted, {} answered 429; at most {} in flight; {} of {CONCURRENCY} long requests ran to their end; resets counted {}",
+        run.admitted, run.rejected, run.max_in_flight, run.held_to_the_end, run.resets
     );
-    wait_until("the probe's slot released", Duration::from_secs(10), || {
-        held(&redis) == 0
-    });
-    let long = envoy.url("/hold/k?ms=5000");
-    let holders: Vec<_> = (0..2)
-        .map(|_| {
-            let url = long.clone();
-            std::thread::spawn(move || http().get(&url).send().map(|r| r.status().as_u16()))
-        })
-        .collect();
-    wait_until("2 requests in flight", Duration::from_secs(10), || {
-        upstream.in_flight("k") == 2
-    });
-    assert_eq!(redis.cli(&["FLUSHALL"]), "OK");
-    let admitted = hammer(&envoy.url("/hold/k?ms=0"), 4, Duration::from_millis(3_000));
-    let max = upstream.max_in_flight("k");
-    println!("after the flush: {admitted} short requests admitted; at most {max} in flight");
-    assert!(max <= 2, "{max} in flight at concurrency 2");
+    assert!(
+        run.max_in_flight <= CONCURRENCY,
+        "{} in flight at concurrency {CONCURRENCY}",
+        run.max_in_flight
+    );
     assert_eq!(
-        admitted, 0,
+        run.admitted, 0,
         "the running requests' slots were taken again by others"
     );
-    for h in holders {
-        assert_eq!(h.join().unwrap().unwrap(), 200);
-    }
+    assert_eq!(run.held_to_the_end, CONCURRENCY as usize);
+    assert!(run.resets >= 1.0, "the flush was not counted as a loss");
 }

@@ -6,7 +6,9 @@
 
 use std::time::Duration;
 
-use ratelimit_e2e::scenario::{spend_across, spend_across_a_loss, Loss};
+use ratelimit_e2e::store_loss::{
+    cluster_epochs, spend_across, spend_across_a_loss, Loss, PER_PRIMARY,
+};
 
 /// C = 100, r = 100/s: full again within a second (the issue's bucket refills at 10/s; the
 /// bound is the same formula).
@@ -87,113 +89,35 @@ fn a_redis_restarted_from_an_older_snapshot_is_a_loss_and_empty_keeps_the_bound(
 /// that loses its state costs only its own clients (they start empty at its new epoch).
 #[test]
 fn under_store_reset_empty_a_cluster_keeps_one_epoch_per_primary() {
-    use ratelimit_e2e::{http, RedisCluster, Sidecar};
-    use serde_json::{json, Value};
-    let cluster = RedisCluster::start();
-    let policy = "rules:\n  r: {capacity: 2, refill_per_sec: 10}\n";
-    let sidecar = Sidecar::start_with_args(
-        policy,
-        &[
-            "--redis-cluster",
-            &cluster.seeds(),
-            "--redis-timeout-ms",
-            "2000",
-            "--store-reset",
-            "empty",
-        ],
-    );
-    let client = http();
-    let call = |requests: Vec<Value>| -> Value {
-        let r = client
-            .post(format!("{}/v1/decide", sidecar.base_url()))
-            .json(&json!({ "requests": requests }))
-            .send()
-            .expect("the sidecar answers");
-        assert_eq!(r.status(), 200);
-        r.json().expect("JSON")
-    };
-    let request = |id: &str| json!({"decisions": [{"rule": "r", "subject": {"id": id}}]});
-    let key = |id: &str| format!("rl:{{ratelimit|rule=r|id={id}}}");
-    let node_of = |key: &str| {
-        cluster
-            .nodes
-            .iter()
-            .position(|n| !n.cli(&["EXISTS", key]).contains("MOVED"))
-            .expect("a primary serves it")
-    };
-    // The markers, made when the sidecar became ready, get older than the fill time of `r`
-    // (200 ms): a bucket missing since then is full again (not a synchronisation: the wait the
-    // bucket's refill needs).
-    std::thread::sleep(Duration::from_millis(300));
-    let admitted: usize = (0..30)
-        .map(|batch| {
-            let requests = (0..10)
-                .map(|i| request(&format!("new-{batch}-{i}")))
-                .collect();
-            call(requests)["answers"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .filter(|a| a["allowed"] == true)
-                .count()
-        })
-        .sum();
-    let markers: Vec<String> = cluster
-        .nodes
-        .iter()
-        .flat_map(|n| {
-            n.cli(&["KEYS", "rl:epoch*"])
-                .lines()
-                .filter(|l| !l.is_empty())
-                .map(str::to_string)
-                .collect::<Vec<_>>()
-        })
-        .collect();
+    let run = cluster_epochs();
     println!(
-        "300 new clients' first requests: {admitted} admitted; {} marker keys",
-        markers.len()
+        "{} new clients' first requests: {} admitted; {} marker keys; returning behind a new one: {:?}; after primary 0 was flushed, new clients admitted per primary (of {PER_PRIMARY}): {:?}; resets counted {}",
+        run.new_clients,
+        run.new_admitted,
+        run.markers.len(),
+        run.returning,
+        run.after_flush,
+        run.resets
     );
-    assert_eq!(admitted, 300, "a new client's bucket is full, not a loss");
     assert_eq!(
-        markers.len(),
+        run.new_admitted, run.new_clients,
+        "a new client's bucket is full, not a loss"
+    );
+    assert_eq!(
+        run.markers.len(),
         6,
-        "a marker and its stamp per primary: {markers:?}"
-    );
-    // A returning client whose bucket is gone (full again), behind a new client in one call.
-    let a = call(vec![
-        request("returning"),
-        json!({"decisions": [{"rule": "r", "subject": {"id": "returning"}, "cost": 2}]}),
-    ]);
-    assert_eq!(a["answers"][0]["allowed"], true, "{a}");
-    let gone = key("returning");
-    assert_eq!(cluster.nodes[node_of(&gone)].cli(&["DEL", &gone]), "1");
-    let a = call(vec![request("fresh"), request("returning")]);
-    assert_eq!(a["answers"][0]["allowed"], true, "{a}");
-    assert_eq!(a["answers"][1]["allowed"], true, "{a}");
-    // One primary loses its state: its new clients start empty at its new epoch, the others'
-    // do not.
-    let on = |node: usize| {
-        (0..)
-            .map(|i| format!("c{node}-{i}"))
-            .find(|id| node_of(&key(id)) == node)
-            .unwrap()
-    };
-    let (lost, kept) = (on(0), on(1));
-    assert_eq!(cluster.nodes[0].cli(&["FLUSHALL"]), "OK");
-    let a = call(vec![request(&lost), request(&kept)]);
-    assert_eq!(
-        a["answers"][0]["allowed"], false,
-        "the lost node's client starts empty: {a}"
+        "a marker and its stamp per primary: {:?}",
+        run.markers
     );
     assert_eq!(
-        a["answers"][1]["allowed"], true,
-        "another node's new client is full: {a}"
+        run.returning,
+        (true, true),
+        "a returning client whose bucket is gone is full"
     );
-    wait_until_loss_counted(&sidecar);
-}
-
-fn wait_until_loss_counted(sidecar: &ratelimit_e2e::Sidecar) {
-    ratelimit_e2e::wait_until("the loss counted", Duration::from_secs(10), || {
-        sidecar.metric("ratelimit_store_resets_total") >= 1.0
-    });
+    assert_eq!(
+        run.after_flush,
+        [0, PER_PRIMARY, PER_PRIMARY],
+        "the lost primary's new clients start empty, the others' are full"
+    );
+    assert!(run.resets >= 1.0, "the loss was not counted");
 }
