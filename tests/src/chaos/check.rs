@@ -17,7 +17,7 @@
 //! given back early: the lenient side), the excess over the reservation when the answer ended;
 //! the excesses of settlements that may still be on their way (answered in the last second, or
 //! since a fault began until 4 s after it ended: three sends) are allowed, the in-flight
-//! excess the README grants.
+//! excess the README grants, and so are those an Envoy restart may have lost with its queue.
 //!
 //! **Reloads.** The policy in force comes from the nemesis's log; for 0.5 s after a file was
 //! written the older and newer numbers both hold (the larger is used): the reload's own bound
@@ -285,7 +285,9 @@ impl<'a> Checker<'a> {
                             charge: cost.min(real),
                         },
                     ));
-                    if real > cost {
+                    // A settlement an Envoy restart may have lost is the excess the README
+                    // grants (docs/costs.md, an Envoy that stops): not debited.
+                    if real > cost && !self.settlement_cut_by_restart(s) {
                         events.push((s.answered_ns, s.id, Event::Debit(real - cost)));
                     }
                 }
@@ -311,6 +313,17 @@ impl<'a> Checker<'a> {
             };
             self.replay(rule, app, &events, extra);
         }
+    }
+
+    /// Whether `s`'s settlement may have been lost with its Envoy: the Envoy was restarted
+    /// while the request ran, or within `SETTLE_NS` after its answer (a settlement still queued,
+    /// or counted after the nemesis read the counters).
+    fn settlement_cut_by_restart(&self, s: &Sent) -> bool {
+        self.r.log.faults.iter().any(|f| {
+            matches!(f.fault, Fault::EnvoyRestart { envoy } if Some(envoy) == s.envoy)
+                && f.start_ns <= s.answered_ns + SETTLE_NS
+                && s.sent_ns <= f.end_ns
+        })
     }
 
     /// Since when a settlement answered at `t` or later may still be on its way to the store:
@@ -576,12 +589,7 @@ impl<'a> Checker<'a> {
             if real == reserve {
                 continue;
             }
-            let cut_by_restart = self.r.log.faults.iter().any(|f| {
-                matches!(f.fault, Fault::EnvoyRestart { envoy } if Some(envoy) == s.envoy)
-                    && f.start_ns <= s.answered_ns
-                    && s.sent_ns <= f.end_ns
-            });
-            if cut_by_restart {
+            if self.settlement_cut_by_restart(s) {
                 unsure += 1;
             } else {
                 expected += 1;
