@@ -8,8 +8,9 @@
 //! admission is the over-admission of the worst window ending there (the Lindley recursion of
 //! a token bucket's arrival curve: `max over windows of admitted − C − r·window`). A second
 //! replay grants the allowances as what the store forgot: a failover, or a store that lost its
-//! state under `--store-reset full`, gives each bucket its capacity back at the fault; a
-//! violation is an admission where even that replay went below `−slack`. The slack is the
+//! state under `--store-reset full`, makes each bucket full again at the fault; a store that
+//! lost its state under `empty` forgets each bucket's debt of settled costs (its buckets start
+//! empty at the new epoch); a violation is an admission where even that replay went below `−slack`. The slack is the
 //! record's own imprecision: `r·0.3 s + 1` (the upstream stamps arrival, not the sidecar's
 //! decision), plus `reserve_max` per settlement the gateways gave up on.
 //!
@@ -107,8 +108,9 @@ pub struct Row {
 pub struct Verdict {
     pub rows: Vec<Row>,
     pub violations: Vec<Violation>,
-    /// Settlements the gateways queued and the record expected; lost and retried.
-    pub settlements: (u64, u64, u64, u64),
+    /// Settlements the gateways queued and the record expected; lost and retried; costs the
+    /// gateways found unreported and answers the record made unreadable.
+    pub settlements: (u64, u64, u64, u64, u64, u64),
 }
 
 pub const NO_FAULT: &str = "no fault";
@@ -134,7 +136,7 @@ struct Checker<'a> {
     served: HashMap<u64, &'a Served>,
     rows: BTreeMap<usize, Row>,
     violations: Vec<Violation>,
-    settlements: (u64, u64, u64, u64),
+    settlements: (u64, u64, u64, u64, u64, u64),
 }
 
 /// A bucket's numbers at an instant: capacity, refill per second.
@@ -152,8 +154,17 @@ enum Event {
     Refuse { cost: f64 },
     /// A settlement's excess reaching the store.
     Debit(f64),
-    /// The store forgot up to this much of what it was charged (a fault's allowance).
-    Forgive(f64),
+    /// The store forgot what it was charged (a fault's allowance).
+    Forgive(Loss),
+}
+
+/// What a store that forgot may hold afterwards.
+#[derive(Debug, Clone, Copy)]
+enum Loss {
+    /// Any bucket full again.
+    Refilled,
+    /// Any bucket empty at the new epoch: at most what it held, but a debt is gone.
+    Emptied,
 }
 
 impl<'a> Checker<'a> {
@@ -187,7 +198,7 @@ impl<'a> Checker<'a> {
             served,
             rows,
             violations: Vec::new(),
-            settlements: (0, 0, 0, 0),
+            settlements: (0, 0, 0, 0, 0, 0),
         }
     }
 
@@ -225,25 +236,24 @@ impl<'a> Checker<'a> {
         (&p[i].1, before)
     }
 
-    /// The fault allowance of a bucket of capacity `capacity` for fault `f`: what the store may
-    /// have forgotten. A failover: what was spent in the replication lag, at most the capacity,
-    /// under either store policy; a store that lost its state or went back to an older one: the
-    /// capacity under `full`, nothing under `empty` (its buckets start empty at its new epoch).
-    fn forgets(&self, f: &Caused, capacity: f64) -> f64 {
-        let full = self.r.store_reset == StoreReset::Full;
-        let forgot = f.failover
-            || match f.fault {
-                // Back empty before the Sentinels failed over: a store restarted empty.
-                Fault::PrimaryKill { .. }
+    /// What fault `f` may have made the store forget ([`Loss`]): a failover (what was spent in
+    /// the replication lag, under either store policy: at most the bucket full again); a store
+    /// that lost its state or went back to an older one (a primary killed and back before the
+    /// Sentinels failed over comes back empty): its buckets full again under `full`, empty at
+    /// its new epoch under `empty`. Either way a debt of settled costs goes with the state.
+    fn loss(&self, f: &Caused) -> Option<Loss> {
+        let lost_state = matches!(
+            f.fault,
+            Fault::PrimaryKill { .. }
                 | Fault::StoreFlush
                 | Fault::StoreRestartEmpty
-                | Fault::StoreSnapshotRestore { .. } => full,
-                _ => false,
-            };
-        if forgot {
-            capacity
-        } else {
-            0.0
+                | Fault::StoreSnapshotRestore { .. }
+        );
+        match self.r.store_reset {
+            _ if f.failover => Some(Loss::Refilled),
+            StoreReset::Full if lost_state => Some(Loss::Refilled),
+            StoreReset::Empty if lost_state => Some(Loss::Emptied),
+            _ => None,
         }
     }
 
@@ -299,10 +309,8 @@ impl<'a> Checker<'a> {
         }
         for ((rule, app), mut events) in by_bucket {
             for f in &self.r.log.faults {
-                let capacity = self.params(rule, f.start_ns).0;
-                let forget = self.forgets(f, capacity);
-                if forget > 0.0 {
-                    events.push((f.start_ns, 0, Event::Forgive(forget)));
+                if let Some(loss) = self.loss(f) {
+                    events.push((f.start_ns, 0, Event::Forgive(loss)));
                 }
             }
             events.sort_by_key(|(t, id, _)| (*t, *id));
@@ -443,7 +451,7 @@ impl<'a> Checker<'a> {
                     strict -= x;
                     allowed -= x;
                 }
-                Event::Forgive(x) => {
+                Event::Forgive(loss) => {
                     strict = allowed;
                     strict_until = self
                         .r
@@ -452,7 +460,10 @@ impl<'a> Checker<'a> {
                         .iter()
                         .find(|f| f.start_ns == t)
                         .map_or(t, |f| f.recovered_ns + AFTERMATH_NS);
-                    allowed = (allowed + x).min(capacity);
+                    allowed = match loss {
+                        Loss::Refilled => capacity,
+                        Loss::Emptied => allowed.max(0.0),
+                    };
                 }
             }
         }
@@ -507,7 +518,7 @@ impl<'a> Checker<'a> {
             let ttl_ms = self.policies_at(f.start_ns).0.slot_ttl_ms;
             let long = f.fault.lasts_ms() * 3 >= ttl_ms
                 || (f.end_ns - f.start_ns) / 1_000_000 * 3 >= ttl_ms;
-            within && (self.forgets(f, 1.0) > 0.0 || long)
+            within && (matches!(self.loss(f), Some(Loss::Refilled)) || long)
         })
     }
 
@@ -573,6 +584,7 @@ impl<'a> Checker<'a> {
     fn settlements(&mut self) {
         let mut expected = 0;
         let mut unsure = 0;
+        let mut unreadable = 0;
         for s in self.r.sent {
             let Kind::Llm {
                 reserve,
@@ -585,6 +597,7 @@ impl<'a> Checker<'a> {
             if !self.served.contains_key(&s.id) {
                 continue;
             }
+            unreadable += u64::from(!readable);
             let real = if readable { tokens } else { LLM_RESERVE_MAX };
             if real == reserve {
                 continue;
@@ -601,12 +614,16 @@ impl<'a> Checker<'a> {
             expected,
             self.counter("settlements_lost"),
             self.counter("settlements_retried"),
+            self.counter("costs_unreported"),
+            unreadable,
         );
         if queued < expected || queued > expected + unsure {
             self.violations.push(Violation {
                 what: format!(
                     "llm: the gateways queued {queued} settlements; the record expects {expected} \
-                     (and up to {unsure} more cut by an Envoy restart)"
+                     (and up to {unsure} more cut by an Envoy restart); they found {} costs \
+                     unreported, the record {unreadable} unreadable answers",
+                    self.counter("costs_unreported")
                 ),
                 at_ns: 0,
                 window: (0, 0),

@@ -32,9 +32,9 @@ impl Outcome {
     /// and reloads around it.
     pub fn report(&self) -> String {
         let mut out = self.plan.describe();
-        let (queued, expected, lost, retried) = self.verdict.settlements;
+        let (queued, expected, lost, retried, unreported, unreadable) = self.verdict.settlements;
         out += &format!(
-            "{} requests, {} served; settlements queued {queued} (expected {expected}), lost {lost}, retried {retried}\n",
+            "{} requests, {} served; settlements queued {queued} (expected {expected}), lost {lost}, retried {retried}; costs unreported {unreported} (unreadable answers {unreadable})\n",
             self.sent.len(),
             self.served
         );
