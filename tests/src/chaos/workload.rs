@@ -222,7 +222,9 @@ impl Ctx {
         let tokens = self.rng.random_range(1..=LLM_RESERVE_MAX);
         let stream = self.rng.random_bool(0.5);
         // What the client does: ask for gzip (the filter asks the API for identity: readable);
-        // an answer compressed anyway, without usage, or cut short is not readable.
+        // an answer compressed anyway, without usage, or cut short is not readable, but for an
+        // event stream cut after its usage event (the upstream cuts its last chunk, `[DONE]`):
+        // the filter keeps the figure it read.
         let unreadable = match self.rng.random_range(0..10) {
             0 => "&compress=gzip",
             1 => "&usage=0",
@@ -247,7 +249,7 @@ impl Ctx {
             kind: Kind::Llm {
                 reserve,
                 tokens,
-                readable: unreadable.is_empty(),
+                readable: unreadable.is_empty() || (stream && unreadable == "&cut=1"),
             },
             envoy: Some(envoy),
             sent_ns,
