@@ -276,6 +276,7 @@ impl<'a> Checker<'a> {
                     reserve,
                     tokens,
                     readable,
+                    ..
                 } => (
                     reserve as f64,
                     if readable { tokens } else { LLM_RESERVE_MAX } as f64,
@@ -550,13 +551,7 @@ impl<'a> Checker<'a> {
     /// No answer: an Envoy restarted under it, a stream the upstream cut, or the direct caller's
     /// sidecar down.
     fn no_answer_allowed(&self, s: &Sent) -> bool {
-        if matches!(
-            s.kind,
-            Kind::Llm {
-                readable: false,
-                ..
-            }
-        ) {
+        if matches!(s.kind, Kind::Llm { cut: true, .. }) {
             return true;
         }
         self.r.log.faults.iter().any(|f| {
@@ -590,6 +585,7 @@ impl<'a> Checker<'a> {
                 reserve,
                 tokens,
                 readable,
+                ..
             } = s.kind
             else {
                 continue;

@@ -29,6 +29,8 @@ pub enum Kind {
         reserve: u64,
         tokens: u64,
         readable: bool,
+        /// The upstream cut the answer short on purpose (the client gets no whole answer).
+        cut: bool,
     },
     /// `inflight`: held `ms` at the upstream.
     Hold { ms: u64 },
@@ -250,6 +252,7 @@ impl Ctx {
                 reserve,
                 tokens,
                 readable: unreadable.is_empty() || (stream && unreadable == "&cut=1"),
+                cut: unreadable == "&cut=1",
             },
             envoy: Some(envoy),
             sent_ns,
