@@ -17,7 +17,7 @@
 //! **Settled costs** (`llm`): charged `min(reserve, real cost)` at admission (the reservation
 //! given back early: the lenient side), the excess over the reservation when the answer ended;
 //! the excesses of settlements that may still be on their way (answered in the last second, or
-//! since a fault began until 4 s after it ended: three sends) are allowed, the in-flight
+//! since a fault began until 4 s after it recovered: three sends) are allowed, the in-flight
 //! excess the README grants, and so are those an Envoy restart may have lost with its queue.
 //!
 //! **Reloads.** The policy in force comes from the nemesis's log; for 0.5 s after a file was
@@ -53,7 +53,8 @@ const RELOAD_GRACE_NS: u64 = 500_000_000;
 /// How long a settlement may take to reach the store after its answer, in ns (the filter's
 /// send timeout is 1 s).
 const SETTLE_NS: u64 = 1_000_000_000;
-/// After a fault that delayed settlements: from its end, in ns (three sends).
+/// After a fault that delayed settlements: from its recovery (the store and the sidecars answer
+/// again), in ns (three sends).
 const SETTLE_AFTER_FAULT_NS: u64 = 4_000_000_000;
 /// A fault's window, for the table and the allowances: from its start to this long after it
 /// recovered, in ns.
@@ -336,14 +337,14 @@ impl<'a> Checker<'a> {
     }
 
     /// Since when a settlement answered at `t` or later may still be on its way to the store:
-    /// `SETTLE_NS` before `t`, or, while a fault and the three sends after it last, since the
-    /// fault began.
+    /// `SETTLE_NS` before `t`, or, while a fault and the three sends after its recovery last,
+    /// since the fault began.
     fn in_flight_since(&self, t: u64) -> u64 {
         self.r
             .log
             .faults
             .iter()
-            .filter(|f| f.start_ns <= t && t <= f.end_ns + SETTLE_AFTER_FAULT_NS)
+            .filter(|f| f.start_ns <= t && t <= f.recovered_ns + SETTLE_AFTER_FAULT_NS)
             .map(|f| f.start_ns.saturating_sub(SETTLE_NS))
             .min()
             .unwrap_or(t.saturating_sub(SETTLE_NS))
