@@ -169,11 +169,14 @@ fn two_envoys_on_one_sidecar_admit_at_most_the_budget() {
     assert_eq!(sidecar.metric("ratelimit_rlqs_streams"), 2.0);
     assert!(token_buckets >= 2.0, "each Envoy got a token bucket");
     // A renewal that the next round can still deliver in time waits for it (TTL 3 s, margin
-    // 500 ms, rounds every second: a bucket is renewed every other second), so two Envoys' one
-    // bucket each are assigned well under once per second each over the run.
+    // 500 ms, rounds every second: on a quiet machine a bucket is renewed every other second);
+    // a late round renews at once. Either way a stream's one bucket is assigned at most once
+    // per round: no round repeats an assignment (how many rounds were late is the machine's).
+    let rounds = sidecar.metric("ratelimit_rlqs_round_duration_seconds_count");
+    println!("{rounds} rounds");
     assert!(
-        token_buckets + denials < 2.0 * run.as_secs_f64(),
-        "{token_buckets} + {denials} assignments in {run:?}"
+        token_buckets + denials <= rounds,
+        "{token_buckets} + {denials} assignments in {rounds} rounds over {run:?}"
     );
 }
 
