@@ -35,24 +35,36 @@ struct Counters {
 pub struct FaultProxy {
     pub port: u16,
     counters: Arc<Counters>,
+    _listener: Listener,
+}
+
+/// A listener on a free loopback port, served on a thread of its own (a one-worker tokio
+/// runtime): each accepted connection goes to the future `serve` makes of it. Stops on drop.
+pub struct Listener {
+    pub port: u16,
     shutdown: Option<oneshot::Sender<()>>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
-impl FaultProxy {
-    pub fn start(upstream_port: u16) -> FaultProxy {
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind the fault proxy");
+impl Listener {
+    /// Listens on `127.0.0.1:0`; `name` names it in panics.
+    pub fn start<F, Fut>(name: &str, serve: F) -> Listener
+    where
+        F: Fn(TcpStream) -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = ()> + Send + 'static,
+    {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap_or_else(|e| panic!("bind the {name}: {e}"));
         listener.set_nonblocking(true).expect("nonblocking");
         let port = listener.local_addr().expect("addr").port();
-        let counters = Arc::new(Counters::default());
         let (tx, rx) = oneshot::channel::<()>();
-        let c = counters.clone();
+        let name = name.to_string();
         let thread = std::thread::spawn(move || {
             let rt = tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(1)
                 .enable_all()
                 .build()
-                .expect("fault proxy runtime");
+                .unwrap_or_else(|e| panic!("{name} runtime: {e}"));
             rt.block_on(async move {
                 let listener = TcpListener::from_std(listener).expect("tokio listener");
                 let accept = async {
@@ -60,8 +72,7 @@ impl FaultProxy {
                         let Ok((client, _)) = listener.accept().await else {
                             continue;
                         };
-                        c.connections.fetch_add(1, Ordering::SeqCst);
-                        tokio::spawn(relay(client, upstream_port, c.clone()));
+                        tokio::spawn(serve(client));
                     }
                 };
                 tokio::select! {
@@ -70,11 +81,37 @@ impl FaultProxy {
                 }
             });
         });
-        FaultProxy {
+        Listener {
             port,
-            counters,
             shutdown: Some(tx),
             thread: Some(thread),
+        }
+    }
+}
+
+impl Drop for Listener {
+    fn drop(&mut self) {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl FaultProxy {
+    pub fn start(upstream_port: u16) -> FaultProxy {
+        let counters = Arc::new(Counters::default());
+        let c = counters.clone();
+        let listener = Listener::start("fault proxy", move |client| {
+            c.connections.fetch_add(1, Ordering::SeqCst);
+            relay(client, upstream_port, c.clone())
+        });
+        FaultProxy {
+            port: listener.port,
+            counters,
+            _listener: listener,
         }
     }
 
@@ -108,17 +145,6 @@ impl FaultProxy {
     /// Connections accepted so far.
     pub fn connections(&self) -> u64 {
         self.counters.connections.load(Ordering::SeqCst)
-    }
-}
-
-impl Drop for FaultProxy {
-    fn drop(&mut self) {
-        if let Some(tx) = self.shutdown.take() {
-            let _ = tx.send(());
-        }
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
     }
 }
 

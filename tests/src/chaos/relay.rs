@@ -8,8 +8,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{oneshot, watch};
+use tokio::net::TcpStream;
+use tokio::sync::watch;
+
+use crate::fault_proxy::Listener;
 
 /// What the relay does now.
 #[derive(Default)]
@@ -25,61 +27,35 @@ pub struct Relay {
     state: Arc<State>,
     /// `true` while the path is cut.
     cut: watch::Sender<bool>,
-    shutdown: Option<oneshot::Sender<()>>,
-    thread: Option<std::thread::JoinHandle<()>>,
+    _listener: Listener,
 }
 
 impl Relay {
     /// A relay on a free port to `127.0.0.1:<target>`.
     pub fn start(target: u16) -> Relay {
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind the relay");
-        listener.set_nonblocking(true).expect("nonblocking");
-        let port = listener.local_addr().expect("addr").port();
         let state = Arc::new(State::default());
         let (cut, cut_rx) = watch::channel(false);
-        let (tx, rx) = oneshot::channel::<()>();
         let s = state.clone();
-        let thread = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(1)
-                .enable_all()
-                .build()
-                .expect("relay runtime");
-            rt.block_on(async move {
-                let listener = TcpListener::from_std(listener).expect("tokio listener");
-                let accept = async {
-                    loop {
-                        let Ok((client, _)) = listener.accept().await else {
-                            continue;
-                        };
-                        s.connections.fetch_add(1, Ordering::Relaxed);
-                        if *cut_rx.borrow() {
-                            drop(client);
-                            continue;
-                        }
-                        let (s, cut) = (s.clone(), cut_rx.clone());
-                        tokio::spawn(async move {
-                            let Ok(server) = TcpStream::connect(("127.0.0.1", target)).await else {
-                                return;
-                            };
-                            let _ = client.set_nodelay(true);
-                            let _ = server.set_nodelay(true);
-                            pipe(client, server, s, cut).await;
-                        });
-                    }
-                };
-                tokio::select! {
-                    _ = accept => {}
-                    _ = rx => {}
+        let listener = Listener::start("relay", move |client| {
+            s.connections.fetch_add(1, Ordering::Relaxed);
+            let (s, cut) = (s.clone(), cut_rx.clone());
+            async move {
+                if *cut.borrow() {
+                    return;
                 }
-            });
+                let Ok(server) = TcpStream::connect(("127.0.0.1", target)).await else {
+                    return;
+                };
+                let _ = client.set_nodelay(true);
+                let _ = server.set_nodelay(true);
+                pipe(client, server, s, cut).await;
+            }
         });
         Relay {
-            port,
+            port: listener.port,
             state,
             cut,
-            shutdown: Some(tx),
-            thread: Some(thread),
+            _listener: listener,
         }
     }
 
@@ -143,17 +119,6 @@ async fn copy(
         }
         if to.write_all(&buf[..n]).await.is_err() {
             return;
-        }
-    }
-}
-
-impl Drop for Relay {
-    fn drop(&mut self) {
-        if let Some(tx) = self.shutdown.take() {
-            let _ = tx.send(());
-        }
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
         }
     }
 }
