@@ -117,6 +117,66 @@ async fn after_a_failover_decisions_reach_the_promoted_replica_and_buckets_conti
     );
 }
 
+/// A split brain: the old primary still answers as a primary (it came back before Sentinel made
+/// it a replica, which Sentinel does only at its next look, up to 10 s later), while Sentinel
+/// names the promoted replica. No command fails on the old one, so only asking Sentinel moves
+/// the sidecar; until then the two primaries would decide side by side.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_primary_that_still_answers_is_left_once_sentinel_names_another() {
+    let old = Redis::start();
+    let new = Redis::start_with(&["--replicaof", "127.0.0.1", &old.port.to_string()]);
+    poll("the replica's link", Duration::from_secs(30), || {
+        new.cli(&["INFO", "replication"])
+            .contains("master_link_status:up")
+    })
+    .await;
+    let sentinels: Vec<Sentinel> = (0..3)
+        .map(|_| Sentinel::start(MASTER, old.port, 2))
+        .collect();
+    let urls: Vec<String> = sentinels.iter().map(Sentinel::url).collect();
+    let sidecar = Sidecar::start(&[
+        "--redis-sentinel",
+        &urls.join(","),
+        "--sentinel-master",
+        MASTER,
+    ])
+    .await;
+    sidecar.wait_ready("/readyz").await;
+    let first = unique("before");
+    let (status, a) = sidecar.decide(json!([decision("b10", &first, 1)])).await;
+    assert_eq!(status, 200, "{a}");
+    assert_eq!(old.cli(&["EXISTS", &bucket("b10", &first)]), "1");
+
+    // The replica promoted and named by every Sentinel; the old primary untouched.
+    assert_eq!(new.cli(&["REPLICAOF", "NO", "ONE"]), "OK");
+    for s in &sentinels {
+        s.monitor_instead(new.port, 2);
+    }
+    let switched = Instant::now();
+    let mut decisions = 0;
+    loop {
+        let id = unique("after");
+        let (status, a) = sidecar.decide(json!([decision("b10", &id, 1)])).await;
+        decisions += 1;
+        if status == 200 && new.cli(&["EXISTS", &bucket("b10", &id)]) == "1" {
+            break;
+        }
+        assert!(
+            switched.elapsed() < Duration::from_secs(15),
+            "still deciding on the old primary {decisions} decisions later: {status} {a}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        old.cli(&["ROLE"]).starts_with("master"),
+        "the old primary still answers as one: only Sentinel could move the sidecar"
+    );
+    println!(
+        "split brain: the sidecar left the old primary {} ms after Sentinel named the new one ({decisions} decisions meanwhile)",
+        switched.elapsed().as_millis()
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_sidecar_starts_while_the_sentinels_are_unreachable_and_is_not_ready() {
     let urls: Vec<String> = (0..3)

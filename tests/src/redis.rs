@@ -551,6 +551,29 @@ impl Sentinel {
         format!("{scheme}://{auth}127.0.0.1:{}", self.port)
     }
 
+    /// `redis-cli` against this Sentinel (its TLS and password), the output trimmed.
+    pub fn cli(&self, cmd: &[&str]) -> String {
+        cli_with(self.port, &self.options.cli_args(), cmd)
+    }
+
+    /// Makes this Sentinel monitor `master` at 127.0.0.1:`primary_port` instead of what it
+    /// monitored (`SENTINEL REMOVE`, `SENTINEL MONITOR`): Sentinel's own view changed without a
+    /// failover, as when one ended while the old primary was away.
+    pub fn monitor_instead(&self, primary_port: u16, quorum: u32) {
+        let out = self.cli(&["SENTINEL", "REMOVE", &self.master]);
+        assert_eq!(out, "OK", "SENTINEL REMOVE on {}: {out}", self.port);
+        let (port, quorum) = (primary_port.to_string(), quorum.to_string());
+        let out = self.cli(&[
+            "SENTINEL",
+            "MONITOR",
+            &self.master,
+            "127.0.0.1",
+            &port,
+            &quorum,
+        ]);
+        assert_eq!(out, "OK", "SENTINEL MONITOR on {}: {out}", self.port);
+    }
+
     /// The port of the primary this Sentinel names now (`SENTINEL get-master-addr-by-name`).
     pub fn master_port(&self) -> Option<u16> {
         let out = cli_with(

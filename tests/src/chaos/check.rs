@@ -10,7 +10,9 @@
 //! replay grants the allowances as what the store forgot: a failover, or a store that lost its
 //! state under `--store-reset full`, makes each bucket full again at the fault; a store that
 //! lost its state under `empty` forgets each bucket's debt of settled costs (its buckets start
-//! empty at the new epoch); a violation is an admission where even that replay went below `−slack`. The slack is the
+//! empty at the new epoch); after a failover, the old primary may answer beside the new one
+//! until the sidecars leave it (a split brain: [`Checker::split_brain`]); a violation is an
+//! admission where even that replay went below `−slack`. The slack is the
 //! record's own imprecision: `r·0.3 s + 1` (the upstream stamps arrival, not the sidecar's
 //! decision), plus `reserve_max` per settlement the gateways gave up on.
 //!
@@ -29,7 +31,7 @@
 //! once (a request's slot is taken before it arrives and released after it is done, so the
 //! upstream's intervals lie inside the slots'): at most `concurrency`, plus `concurrency` after
 //! a failover, a store lost under `full`, or a fault that kept a gateway from renewing for a
-//! third of `slot_ttl_ms`.
+//! third of `slot_ttl_ms`, and while a request admitted then still runs.
 //!
 //! **Answers**: 200, 429 and 503 only (every rule's `on_error` is `deny`); no answer only from an
 //! Envoy that was restarted, a stream the upstream cut, or the direct caller's sidecar while it
@@ -56,6 +58,10 @@ const SETTLE_NS: u64 = 1_000_000_000;
 /// After a fault that delayed settlements: from its recovery (the store and the sidecars answer
 /// again), in ns (three sends).
 const SETTLE_AFTER_FAULT_NS: u64 = 4_000_000_000;
+/// After a failover: how long a sidecar may still decide on the old primary once the new one
+/// is named (its next look at Sentinel, each second; here also the orchestrator making the old
+/// one a replica), in ns.
+const SPLIT_AFTER_NS: u64 = 1_000_000_000;
 /// A fault's window, for the table and the allowances: from its start to this long after it
 /// recovered, in ns.
 const AFTERMATH_NS: u64 = 3_000_000_000;
@@ -258,6 +264,20 @@ impl<'a> Checker<'a> {
         }
     }
 
+    /// What the old primary of failover `f` may admit beside the new one: from its return (the
+    /// fault's end) until the sidecars leave it ([`SPLIT_AFTER_NS`] after the new one is named),
+    /// `r` per second, from what it held: a bucket's capacity (a pause keeps its state and the
+    /// promoted copy spends it again; a restart under `full` starts full), none for a restart
+    /// under `empty` (its new epoch starts empty). docs/exactness.md, a Redis failover.
+    fn split_brain(&self, f: &Caused, capacity: f64, rate: f64) -> f64 {
+        let back_ns = f.recovered_ns.saturating_sub(f.end_ns) + SPLIT_AFTER_NS;
+        let held = match (&f.fault, self.r.store_reset) {
+            (Fault::PrimaryKill { .. }, StoreReset::Empty) => 0.0,
+            _ => capacity,
+        };
+        held + rate * back_ns as f64 / 1e9
+    }
+
     /// Replays every bucket.
     fn buckets(&mut self) {
         let mut by_bucket: BTreeMap<(&str, &str), Timeline> = BTreeMap::new();
@@ -382,6 +402,8 @@ impl<'a> Checker<'a> {
         // figure is what its own fault let through.
         let (mut strict, mut allowed) = (c0, c0);
         let mut strict_until = 0;
+        // A failover's split brain ([`Self::split_brain`]): tokens granted until `split_until`.
+        let (mut split, mut split_until) = (0.0, 0);
         let mut last = first;
         // Where the allowed replay's current run below capacity began: the window's start.
         let mut window_start = first;
@@ -414,10 +436,18 @@ impl<'a> Checker<'a> {
             let slack = rate * DELTA_S + 1.0 + extra + in_flight;
             match event {
                 Event::Admit { cost, charge } => {
+                    if t > split_until {
+                        split = 0.0;
+                    }
                     let over_strict = cost - strict;
-                    let over_allowed = cost - allowed;
+                    let over_allowed = cost - allowed - split;
                     strict -= charge;
                     allowed -= charge;
+                    // What the old primary admitted in a split brain is drawn from its own
+                    // allowance first.
+                    let drawn = split.min((-allowed).max(0.0));
+                    split -= drawn;
+                    allowed += drawn;
                     let blocked = self.blocked(app, t);
                     let row = self.row_at(t);
                     row.admitted += 1;
@@ -455,13 +485,12 @@ impl<'a> Checker<'a> {
                 }
                 Event::Forgive(loss) => {
                     strict = allowed;
-                    strict_until = self
-                        .r
-                        .log
-                        .faults
-                        .iter()
-                        .find(|f| f.start_ns == t)
-                        .map_or(t, |f| f.recovered_ns + AFTERMATH_NS);
+                    let fault = self.r.log.faults.iter().find(|f| f.start_ns == t);
+                    strict_until = fault.map_or(t, |f| f.recovered_ns + AFTERMATH_NS);
+                    if let Some(f) = fault.filter(|f| f.failover) {
+                        split = self.split_brain(f, capacity, rate);
+                        split_until = f.recovered_ns + AFTERMATH_NS;
+                    }
                     allowed = match loss {
                         Loss::Refilled => capacity,
                         Loss::Emptied => allowed.max(0.0),
@@ -492,11 +521,12 @@ impl<'a> Checker<'a> {
                 .map(|h| h.0)
                 .collect();
             let at_once = overlapping.len() as u64 + 1;
-            let allowance = if self.slots_may_be_lost(arrival) {
-                CONCURRENCY
-            } else {
-                0
-            };
+            // A slot taken while slots may have been lost may be one of those the store forgot
+            // (the other primary's, the one that expired): allowed while its request runs.
+            let lost = std::iter::once(arrival)
+                .chain(overlapping.iter().copied())
+                .any(|a| self.slots_may_be_lost(a));
+            let allowance = if lost { CONCURRENCY } else { 0 };
             self.row_at(arrival).admitted += 1;
             if at_once > CONCURRENCY + allowance {
                 let start = overlapping.iter().copied().min().unwrap_or(arrival);

@@ -138,6 +138,9 @@ pub fn run(plan: &Plan) -> Outcome {
         .collect();
     if let Ok(path) = std::env::var("CHAOS_DUMP") {
         dump(&path, zero_ns, &sent, &served);
+        for (name, text) in &logs {
+            let _ = std::fs::write(format!("{path}.{}.log", name.replace(' ', "-")), text);
+        }
     }
     let verdict = check(&Record {
         store_reset: plan.store_reset,
@@ -192,7 +195,8 @@ fn peak_rss_kib(pid: u32) -> u64 {
 }
 
 /// `CHAOS_DUMP=<file>`: every request as a line (plan ms sent and answered, the upstream's
-/// arrival and done, id, rule, app, status, kind), to look at a violation by hand.
+/// arrival and done, id, rule, app, status, kind), to look at a violation by hand; each
+/// process's log beside it (`<file>.sidecar-0.log`, ...).
 fn dump(path: &str, zero_ns: u64, sent: &[Sent], served: &[crate::upstream::Served]) {
     use std::fmt::Write;
     let at: std::collections::HashMap<u64, (u64, u64)> = served

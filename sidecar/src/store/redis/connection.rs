@@ -652,6 +652,14 @@ impl Connection {
         }
     }
 
+    /// Under Sentinel, leaves a primary that Sentinel no longer names
+    /// ([`SentinelPrimary::confirm`]); nothing for the other topologies.
+    pub async fn confirm_primary(&self) {
+        if let Connection::Sentinel(s) = self {
+            s.confirm().await;
+        }
+    }
+
     /// Whether keys are spread over Cluster slots.
     pub fn is_cluster(&self) -> bool {
         matches!(self, Connection::Cluster(_))

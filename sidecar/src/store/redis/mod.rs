@@ -139,7 +139,8 @@ impl Default for StoreOptions {
     }
 }
 
-/// How often the store's epoch markers are read (a loss of state is seen within this).
+/// How often the store's epoch markers are read (a loss of state is seen within this), and
+/// Sentinel asked which primary it names.
 const EPOCH_CHECK: Duration = Duration::from_secs(1);
 
 /// How often the Cluster slot map is read again.
@@ -342,8 +343,8 @@ impl RedisStore {
         Err(result)
     }
 
-    /// Starts the watch of the store's epoch marker and, on a Cluster, the slot-map refresher
-    /// (once).
+    /// Starts the watch of the store's epoch marker (and, under Sentinel, of the primary it
+    /// names) and, on a Cluster, the slot-map refresher (once).
     pub fn start_background(&self) {
         if self.inner.refresher_started.swap(true, Ordering::SeqCst) {
             return;
@@ -351,6 +352,9 @@ impl RedisStore {
         let store = self.clone();
         tokio::spawn(async move {
             loop {
+                // Leave a primary Sentinel no longer names first, so the epoch is then read
+                // where decisions go next.
+                store.inner.connection.confirm_primary().await;
                 store.check_epoch().await;
                 tokio::time::sleep(EPOCH_CHECK).await;
             }

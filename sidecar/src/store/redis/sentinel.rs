@@ -150,6 +150,32 @@ impl SentinelPrimary {
         }
     }
 
+    /// Asks Sentinel which primary it names now, and forgets the connection in use when that is
+    /// another server: an old primary that came back before Sentinel made it a replica still
+    /// answers, so no error would ever send the sidecar away from it, and two primaries would
+    /// decide side by side (a split brain) until Sentinel's next look at the old one, up to
+    /// 10 s later. Run every second by the store's watch; a lookup that fails or finds no
+    /// primary keeps the connection (the commands' own errors send it back to Sentinel).
+    pub(crate) async fn confirm(self: &Arc<Self>) {
+        let current = self.state.lock().expect("not poisoned").current.clone();
+        let Some(current) = current else {
+            return;
+        };
+        let named = {
+            let mut sentinel = self.sentinel.lock().await;
+            tokio::time::timeout(self.lookup_timeout, sentinel.async_get_client()).await
+        };
+        if let Ok(Ok(client)) = named {
+            let address = client.get_connection_info().addr().to_string();
+            if address != current.address {
+                self.forget(
+                    current.generation,
+                    &format!("Sentinel names {address} the primary now"),
+                );
+            }
+        }
+    }
+
     pub(crate) async fn query(self: &Arc<Self>, cmd: Cmd) -> redis::RedisResult<Value> {
         let primary = self.primary().await?;
         let this = self.clone();
