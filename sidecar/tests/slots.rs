@@ -29,6 +29,7 @@ fn slot(set: usize, id: &str, ttl_ms: u64) -> Slot {
         id: Arc::from(id),
         ttl_ms,
         limit: LIMITS[set],
+        unsure_ms: ttl_ms,
     }
 }
 

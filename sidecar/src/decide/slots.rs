@@ -87,6 +87,7 @@ impl<S: BucketStore> Decider<S> {
                 id,
                 ttl_ms: c.slot_ttl_ms,
                 limit: c.limit,
+                unsure_ms: self.policy.slot_unsure_ms(&limit.name, c.slot_ttl_ms),
             });
             of.push((i, limit.clone()));
         }
@@ -208,11 +209,13 @@ impl<S: BucketStore> Decider<S> {
             match (c, update) {
                 (None, SlotUpdate::Renew) => answer.unknown += 1,
                 _ => {
+                    let ttl_ms = c.map_or(1, |c| c.slot_ttl_ms);
                     slots.push(Slot {
                         key: Arc::from(slots_key(&key)),
                         id: Arc::from(r.slot),
-                        ttl_ms: c.map_or(1, |c| c.slot_ttl_ms),
+                        ttl_ms,
                         limit: c.map_or(1, |c| c.limit),
+                        unsure_ms: self.policy.slot_unsure_ms(&name, ttl_ms),
                     });
                     names.push(name);
                 }
@@ -532,5 +535,40 @@ rules:
             .await
             .unwrap();
         assert_eq!((r.renewed, r.ttl_ms), (1, Some(1_000)));
+    }
+
+    /// Requests given 9000 ms renew every 3 s: after a reload to 1000 ms, a store loss leaves
+    /// them unknown for up to 9 s, not 1 s (make chaos, seed 10).
+    #[tokio::test]
+    async fn after_a_reload_that_lowered_slot_ttl_ms_a_loss_waits_for_the_old_ttl() {
+        use crate::store::StoreReset;
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("limits.yaml");
+        std::fs::write(&file, "rules:\n  r: {concurrency: 2, slot_ttl_ms: 9000}\n").unwrap();
+        let metrics = Arc::new(Metrics::new());
+        let policy =
+            PolicyHandle::load(vec![file.clone()], Bounds::default(), metrics.clone()).unwrap();
+        let store = Arc::new(MemoryStore::new(T0, 0.1, 10_000).with_store_reset(StoreReset::Empty));
+        let d = Decider::new(store.clone(), policy.clone(), "rl:", metrics);
+        let _ = d.decide(call(&["r"])).await; // makes the epoch
+        store.advance_ms(9_100);
+        for _ in 0..2 {
+            assert!(d.decide(call(&["r"])).await.answers[0].allowed);
+        }
+        std::fs::write(&file, "rules:\n  r: {concurrency: 2, slot_ttl_ms: 1000}\n").unwrap();
+        assert!(policy.reload("test").unwrap());
+        store.lose_state();
+        let _ = d.decide(call(&["r"])).await; // the epoch, made by the first call after the loss
+        store.advance_ms(2_000);
+        let a = d.decide(call(&["r"])).await;
+        assert!(
+            !a.answers[0].allowed,
+            "2 s after the loss the two requests may still run without having renewed"
+        );
+        store.advance_ms(7_100);
+        assert!(
+            d.decide(call(&["r"])).await.answers[0].allowed,
+            "9 s after the loss every request still running has renewed"
+        );
     }
 }

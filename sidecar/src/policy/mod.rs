@@ -292,6 +292,21 @@ impl Policy {
             .collect()
     }
 
+    /// The `slot_ttl_ms` of each limit name with `concurrency` (the largest where a name is
+    /// used twice).
+    pub fn slot_ttls(&self) -> std::collections::HashMap<String, u64> {
+        let mut ttls = std::collections::HashMap::new();
+        for d in self.domains.values() {
+            if let Domain::Own(d) = d {
+                for (name, ttl) in d.slot_ttls() {
+                    let t = ttls.entry(name.to_string()).or_insert(ttl);
+                    *t = (*t).max(ttl);
+                }
+            }
+        }
+        ttls
+    }
+
     /// How many limits the policy defines (defaults and overrides).
     pub fn limit_count(&self) -> usize {
         self.domains

@@ -170,6 +170,14 @@ impl OwnDomain {
         self.rules.values().map(|r| 1 + r.overrides.len()).sum()
     }
 
+    /// Each limit with `concurrency` (rules and overrides): its name and `slot_ttl_ms`.
+    pub fn slot_ttls(&self) -> impl Iterator<Item = (&str, u64)> {
+        self.rules
+            .values()
+            .flat_map(|r| std::iter::once(&r.limit).chain(r.overrides.iter().map(|(_, l)| l)))
+            .filter_map(|l| l.concurrency.map(|c| (l.name.as_str(), c.slot_ttl_ms)))
+    }
+
     /// The rules with regional shares.
     pub fn regional_rules(&self) -> Vec<Arc<Regional>> {
         self.rules

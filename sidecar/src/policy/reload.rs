@@ -16,11 +16,12 @@
 //! second, forever) and writes to other files of the directory (a log file beside the policy).
 
 use std::collections::hash_map::DefaultHasher;
+use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
 use notify::event::{AccessKind, AccessMode, ModifyKind};
@@ -45,6 +46,9 @@ pub struct PolicyHandle {
     metrics: Arc<Metrics>,
     /// The rules gateways named recently: a reload that drops one warns, naming it.
     named: RecentlyNamed,
+    /// Per limit name, a `slot_ttl_ms` a reload lowered or dropped, and until when requests
+    /// given it may not have renewed under the new one ([`Self::slot_unsure_ms`]).
+    replaced_ttls: Mutex<HashMap<String, (u64, Instant)>>,
 }
 
 impl PolicyHandle {
@@ -64,6 +68,7 @@ impl PolicyHandle {
             bounds,
             metrics,
             named: RecentlyNamed::default(),
+            replaced_ttls: Mutex::default(),
         }))
     }
 
@@ -78,6 +83,7 @@ impl PolicyHandle {
             checks: AtomicU64::new(0),
             metrics,
             named: RecentlyNamed::default(),
+            replaced_ttls: Mutex::default(),
         })
     }
 
@@ -109,6 +115,7 @@ impl PolicyHandle {
         match Policy::load(&self.paths, &self.bounds) {
             Ok(policy) => {
                 let limits = policy.limit_count();
+                self.note_replaced_ttls(&self.current(), &policy);
                 self.current.store(Arc::new(policy));
                 self.metrics.policy_loaded(limits);
                 self.named
@@ -129,6 +136,34 @@ impl PolicyHandle {
                     "policy reload refused, the previous policy stays in force: {e}"
                 );
                 Err(e)
+            }
+        }
+    }
+
+    /// How long after a store's epoch (`--store-reset empty`) the concurrency set of limit
+    /// `name`, whose `slot_ttl_ms` is `ttl_ms`, may lack slots of requests still running: a
+    /// request renews within a third of the ttl its last answer named, so `ttl_ms`, or the
+    /// larger ttl a reload replaced less than that larger ttl ago (its requests may not have
+    /// renewed since). `lua/slots.lua`'s `unsure_ms`; docs/concurrency.md.
+    pub fn slot_unsure_ms(&self, name: &str, ttl_ms: u64) -> u64 {
+        let replaced = self.replaced_ttls.lock().expect("not poisoned");
+        match replaced.get(name) {
+            Some(&(old, until)) if Instant::now() < until => old.max(ttl_ms),
+            _ => ttl_ms,
+        }
+    }
+
+    /// Remembers each `slot_ttl_ms` that `new` lowers or drops from `old`, for that ttl.
+    fn note_replaced_ttls(&self, old: &Policy, new: &Policy) {
+        let now = Instant::now();
+        let after = new.slot_ttls();
+        let mut replaced = self.replaced_ttls.lock().expect("not poisoned");
+        replaced.retain(|_, (_, until)| now < *until);
+        for (name, ttl) in old.slot_ttls() {
+            if after.get(&name).is_none_or(|t| *t < ttl) {
+                let until = now + Duration::from_millis(ttl);
+                let e = replaced.entry(name).or_insert((ttl, until));
+                *e = (e.0.max(ttl), e.1.max(until));
             }
         }
     }

@@ -622,10 +622,11 @@ impl MemoryStore {
     }
 }
 
-/// Whether `slot`'s set is within one ttl of the store's epoch (`--store-reset empty`), when
-/// the requests still running that held slots before a loss are not all known again.
+/// Whether `slot`'s set is within `unsure_ms` of the store's epoch (`--store-reset empty`),
+/// when the requests still running that held slots before a loss are not all known again.
 fn unsure(epoch: Option<f64>, now: f64, slot: &Slot) -> bool {
-    epoch.is_some_and(|e| now < e + slot.ttl_ms as f64 * 1000.0)
+    let window_ms = slot.unsure_ms.max(slot.ttl_ms);
+    epoch.is_some_and(|e| now < e + window_ms as f64 * 1000.0)
 }
 
 /// Concurrency slots, as `lua/slots.lua`: the same passes in the same order.

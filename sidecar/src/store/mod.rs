@@ -340,6 +340,10 @@ pub struct Slot {
     pub ttl_ms: u64,
     /// The most slots the set holds at once (the rule's `concurrency`).
     pub limit: u32,
+    /// How long after the store's epoch (`--store-reset empty`) the set may lack slots of
+    /// requests still running: the longest ttl they may have been given (`ttl_ms`, or a larger
+    /// one a reload just replaced: [`crate::policy::PolicyHandle::slot_unsure_ms`]).
+    pub unsure_ms: u64,
 }
 
 /// What a take of one request's slots did: all of them are held, or none (a set was full).

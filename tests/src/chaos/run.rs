@@ -138,8 +138,9 @@ pub fn run(plan: &Plan) -> Outcome {
         .collect();
     if let Ok(path) = std::env::var("CHAOS_DUMP") {
         dump(&path, zero_ns, &sent, &served);
-        for (name, text) in &logs {
-            let _ = std::fs::write(format!("{path}.{}.log", name.replace(' ', "-")), text);
+        // Numbered: a replaced process's log has the name of its successor.
+        for (i, (name, text)) in logs.iter().enumerate() {
+            let _ = std::fs::write(format!("{path}.{i}-{}.log", name.replace(' ', "-")), text);
         }
     }
     let verdict = check(&Record {
@@ -196,7 +197,7 @@ fn peak_rss_kib(pid: u32) -> u64 {
 
 /// `CHAOS_DUMP=<file>`: every request as a line (plan ms sent and answered, the upstream's
 /// arrival and done, id, rule, app, status, kind), to look at a violation by hand; each
-/// process's log beside it (`<file>.sidecar-0.log`, ...).
+/// process's log beside it (`<file>.0-sidecar-0.log`, ...).
 fn dump(path: &str, zero_ns: u64, sent: &[Sent], served: &[crate::upstream::Served]) {
     use std::fmt::Write;
     let at: std::collections::HashMap<u64, (u64, u64)> = served

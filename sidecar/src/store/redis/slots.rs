@@ -49,7 +49,8 @@ pub fn slots_cmd(mode: SlotMode, marker: &str, part: &[&Slot], eval: bool) -> Cm
         c.arg(&*s.key)
             .arg(&*s.id)
             .arg(s.ttl_ms.max(1))
-            .arg(s.limit.max(1));
+            .arg(s.limit.max(1))
+            .arg(s.unsure_ms.max(s.ttl_ms).max(1));
     }
     c
 }
