@@ -43,7 +43,7 @@ use std::collections::{BTreeMap, HashMap};
 use ratelimit_bucket::refill;
 
 use super::nemesis::{Caused, Log};
-use super::schedule::{Fault, StoreReset, HOT};
+use super::schedule::{Fault, StoreReset, HOT, WARM, WARM_BUCKET};
 use super::topology::{Policy, CONCURRENCY, LLM_RESERVE_MAX};
 use super::workload::{Kind, Sent};
 use crate::upstream::Served;
@@ -371,9 +371,11 @@ impl<'a> Checker<'a> {
             .min(t.saturating_sub(SETTLE_NS))
     }
 
-    /// Capacity and refill of `rule` at `t` (the larger of two policies during a reload).
-    fn params(&self, rule: &str, t: u64) -> Params {
+    /// Capacity and refill of `rule` for `app` at `t` (the larger of two policies during a
+    /// reload).
+    fn params(&self, rule: &str, app: &str, t: u64) -> Params {
         let of = |p: &Policy| match rule {
+            "per-app" if app == WARM => (WARM_BUCKET.0 as f64, WARM_BUCKET.1),
             "per-app" => (p.per_app.0 as f64, p.per_app.1),
             "llm" => (200.0, 50.0),
             "direct" => (10.0, 5.0),
@@ -387,15 +389,15 @@ impl<'a> Checker<'a> {
         }
     }
 
-    /// Whether the hot app is blocked at `t` (after the reload's grace).
+    /// Whether `app` is blocked at `t` (after the reload's grace).
     fn blocked(&self, app: &str, t: u64) -> bool {
         let (now, before) = self.policies_at(t);
-        app == HOT && now.hot_blocked && before.is_none_or(|b| b.hot_blocked)
+        (app == HOT || app == WARM) && now.hot_blocked && before.is_none_or(|b| b.hot_blocked)
     }
 
     fn replay(&mut self, rule: &str, app: &str, events: &[(u64, u64, Event)], extra: f64) {
         let first = events.first().map_or(0, |e| e.0);
-        let (c0, _) = self.params(rule, first);
+        let (c0, _) = self.params(rule, app, first);
         // Strict: as if no fault forgave anything (the table's figure); allowed: with the
         // allowances (the verdict).
         // The strict replay follows the allowed one outside faults' windows, so that a row's
@@ -416,7 +418,7 @@ impl<'a> Checker<'a> {
             })
             .collect();
         for &(t, id, event) in events {
-            let (capacity, rate) = self.params(rule, t);
+            let (capacity, rate) = self.params(rule, app, t);
             let elapsed_us = (t.saturating_sub(last)) as f64 / 1_000.0;
             strict = refill(strict, rate, elapsed_us, capacity);
             allowed = refill(allowed, rate, elapsed_us, capacity);

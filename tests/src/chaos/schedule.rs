@@ -12,6 +12,11 @@ pub const ENVOYS: usize = 2;
 
 /// The apps the workload names (API keys): one hot, the rest quiet.
 pub const HOT: &str = "hot";
+/// A steady app below its own larger bucket ([`WARM_BUCKET`]): busy enough for leases of many
+/// tokens, which a `blocked` reload must stop within its grace.
+pub const WARM: &str = "warm";
+/// `warm`'s bucket (an override of `per-app`): capacity and refill per second.
+pub const WARM_BUCKET: (u64, f64) = (2_000, 100.0);
 pub const QUIET: [&str; 6] = ["q0", "q1", "q2", "q3", "q4", "q5"];
 
 /// `--store-reset` of the run's sidecars.

@@ -10,10 +10,10 @@ use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
 use super::relay::Relay;
-use super::schedule::{StoreReset, ENVOYS, HOT, PER_APP, QUIET, SIDECARS};
+use super::schedule::{StoreReset, ENVOYS, HOT, PER_APP, QUIET, SIDECARS, WARM, WARM_BUCKET};
 use crate::{wait_until, Envoy, EnvoyConfig, Redis, Sentinel, Sidecar, Upstream};
 
-/// The apps the plugin knows, beyond [`HOT`] and [`QUIET`].
+/// The apps the plugin knows, beyond [`HOT`], [`WARM`] and [`QUIET`].
 pub const LLM: &str = "llm";
 pub const HOLD: &str = "hold";
 
@@ -29,6 +29,7 @@ pub const LEASE_SHARE: f64 = 0.1;
 #[derive(Debug, Clone, PartialEq)]
 pub struct Policy {
     pub per_app: (u64, f64),
+    /// `hot` and `warm` blocked.
     pub hot_blocked: bool,
     pub slot_ttl_ms: u64,
 }
@@ -45,10 +46,14 @@ impl Default for Policy {
 
 /// The policy file of `p`.
 pub fn policy_yaml(p: &Policy) -> String {
+    let (c, r) = WARM_BUCKET;
     let block = if p.hot_blocked {
-        format!("    overrides:\n      - when: {{app: {HOT}}}\n        blocked: true\n")
+        format!(
+            "    overrides:\n      - when: {{app: {HOT}}}\n        blocked: true\n      \
+             - when: {{app: {WARM}}}\n        blocked: true\n"
+        )
     } else {
-        String::new()
+        format!("    overrides:\n      - when: {{app: {WARM}}}\n        capacity: {c}\n        refill_per_sec: {r}\n")
     };
     format!(
         "rules:\n  per-app:\n    capacity: {}\n    refill_per_sec: {}\n{block}  llm: {{capacity: 200, refill_per_sec: 50}}\n  inflight: {{concurrency: {CONCURRENCY}, slot_ttl_ms: {}}}\n  direct: {{capacity: 10, refill_per_sec: 5}}\n",
@@ -63,7 +68,7 @@ pub fn key_of(app: &str) -> String {
 
 /// The filter's configuration: every app by its API key, three rules.
 fn plugin() -> Value {
-    let apps = [HOT, LLM, HOLD].into_iter().chain(QUIET);
+    let apps = [HOT, WARM, LLM, HOLD].into_iter().chain(QUIET);
     let keys: serde_json::Map<String, Value> = apps
         .map(|app| {
             let digest = Sha256::digest(key_of(app).as_bytes());

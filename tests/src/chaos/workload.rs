@@ -15,7 +15,7 @@ use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
 
 use super::clock_ns;
-use super::schedule::{ENVOYS, HOT, QUIET};
+use super::schedule::{ENVOYS, HOT, QUIET, WARM};
 use super::topology::{key_of, CONCURRENCY, HOLD, LLM, LLM_RESERVE_MAX};
 
 /// What a request was, for the checker.
@@ -102,6 +102,8 @@ impl Workload {
         for n in 0..2 {
             threads.push(spawn(n, Box::new(|c: &mut Ctx| c.api(HOT, 2))));
         }
+        // The warm app, on Envoy 0 (one worker): about 60 a second, leases of many tokens.
+        threads.push(spawn(5, Box::new(|c: &mut Ctx| c.api_on(WARM, 0, 15))));
         // Quiet apps, one request each in turn.
         threads.push(spawn(
             10,
@@ -202,7 +204,13 @@ impl Ctx {
     }
 
     fn api(&mut self, app: &str, pause_ms: u64) {
-        let (id, envoy) = (next_id(), self.envoy());
+        let envoy = self.envoy();
+        self.api_on(app, envoy, pause_ms)
+    }
+
+    /// [`Self::api`] through Envoy `envoy`.
+    fn api_on(&mut self, app: &str, envoy: usize, pause_ms: u64) {
+        let id = next_id();
         let sent_ns = clock_ns();
         let status = self.get(envoy, "/api/x", app, id, &[]);
         self.record(Sent {
