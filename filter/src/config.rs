@@ -533,20 +533,7 @@ pub enum RateLimitHeaders {
     Never,
 }
 
-/// One thing wrong with a configuration, and where.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Problem {
-    /// The field path, e.g. `rules[0].capacity`.
-    pub path: String,
-    /// What is wrong and what is expected.
-    pub message: String,
-}
-
-impl fmt::Display for Problem {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}: {}", self.path, self.message)
-    }
-}
+pub use ratelimit_wire::names::Problem;
 
 /// A configuration that cannot be honoured, with every problem found.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -1046,13 +1033,7 @@ fn check_refill_time(capacity: u64, refill_per_sec: f64, at: &str, p: &mut Probl
     }
 }
 
-/// `[A-Za-z0-9_.-]{1,max}`.
-pub(crate) fn is_name(s: &str, max: usize) -> bool {
-    !s.is_empty()
-        && s.len() <= max
-        && s.bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'))
-}
+pub(crate) use ratelimit_wire::names::is_name;
 
 /// An HTTP header name (RFC 9110 token), or an HTTP/2 pseudo-header such as `:authority`.
 fn is_header_name(s: &str) -> bool {

@@ -241,7 +241,7 @@ impl Entry {
         e.limit = limit.filter(|l| {
             l.refill_per_sec.is_finite()
                 && l.refill_per_sec > 0.0
-                && crate::verdict::is_limit_name(&l.name)
+                && ratelimit_wire::names::is_limit_name(&l.name)
         });
         e.reject_cost = r.u64()?;
         e.reject_until_ns = r.u64()?;

@@ -6,8 +6,6 @@
 use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 
-use sha2::{Digest, Sha256};
-
 use crate::config::{Dimension, Identity};
 
 /// The property holding the downstream address as Envoy computed it (honouring
@@ -113,16 +111,7 @@ pub fn app_for_key(keys: &BTreeMap<String, String>, key: &[u8]) -> Option<String
     keys.get(&sha256_hex(key)).cloned()
 }
 
-/// Lowercase hex SHA-256.
-pub fn sha256_hex(bytes: &[u8]) -> String {
-    let digest = Sha256::digest(bytes);
-    let mut hex = String::with_capacity(64);
-    for b in digest {
-        hex.push(char::from(b"0123456789abcdef"[usize::from(b >> 4)]));
-        hex.push(char::from(b"0123456789abcdef"[usize::from(b & 0xf)]));
-    }
-    hex
-}
+pub use ratelimit_wire::names::sha256_hex;
 
 /// The IP of `source.address`: `1.2.3.4:5678`, `[::1]:80`, or a bare address. An IPv4-mapped
 /// IPv6 address is its IPv4 address (one client, one bucket). Anything else (a pipe path,

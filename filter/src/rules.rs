@@ -12,7 +12,7 @@ use std::collections::BTreeMap;
 use ratelimit_wire::Subject as WireSubject;
 
 use crate::config::{Config, Dimension, HeaderMatch, Match, Rule, UnknownPolicy};
-use crate::identity::{sha256_hex, Subject};
+use crate::identity::Subject;
 
 /// Escaped values longer than this are replaced by their SHA-256 in a bucket's local id, so it
 /// stays bounded: a 64-byte rule name plus five dimensions of at most `1 + 6 + 1 + 80` bytes is
@@ -176,29 +176,8 @@ pub fn bucket_id(rule: &Rule, subject: &Subject) -> String {
 }
 
 fn push_component(key: &mut String, d: Dimension, value: &str) {
-    let escaped = escape(value);
     key.push_str(d.as_str());
-    if escaped.len() > MAX_KEY_VALUE_BYTES {
-        key.push('#');
-        key.push_str(&sha256_hex(value.as_bytes()));
-    } else {
-        key.push('=');
-        key.push_str(&escaped);
-    }
-}
-
-fn escape(value: &str) -> String {
-    let mut out = String::with_capacity(value.len());
-    for b in value.bytes() {
-        if b.is_ascii_alphanumeric() || b"-._~:@/".contains(&b) {
-            out.push(char::from(b));
-        } else {
-            out.push('%');
-            out.push(char::from(b"0123456789ABCDEF"[usize::from(b >> 4)]));
-            out.push(char::from(b"0123456789ABCDEF"[usize::from(b & 0xf)]));
-        }
-    }
-    out
+    ratelimit_wire::names::push_value(key, value, MAX_KEY_VALUE_BYTES);
 }
 
 #[cfg(test)]
@@ -206,6 +185,7 @@ mod tests {
     use super::*;
     use crate::config::tests::example;
     use crate::config::{Config, MAX_RULE_NAME_BYTES};
+    use crate::identity::sha256_hex;
     #[cfg(target_arch = "wasm32")]
     use wasm_bindgen_test::wasm_bindgen_test as test;
 

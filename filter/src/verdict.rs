@@ -107,14 +107,7 @@ pub fn parse_answer(
     Ok(answer)
 }
 
-/// Whether `name` can be the name of a limit the sidecar applied: 1 to
-/// [`ratelimit_wire::MAX_NAME_BYTES`] characters of `[A-Za-z0-9_.-]`, as the sidecar's policy
-/// names its limits. It goes into the `RateLimit-Policy` and `RateLimit` headers sent to the
-/// client and into shared data, so nothing else is taken from an answer: a quote, a non-ASCII
-/// byte or a line break would make those headers malformed (or split them).
-pub fn is_limit_name(name: &str) -> bool {
-    crate::config::is_name(name, ratelimit_wire::MAX_NAME_BYTES)
-}
+pub use ratelimit_wire::names::is_limit_name;
 
 /// Checks one request's answer: an error, or one result per decision whose `allowed` agrees with
 /// its results and whose limits have names [`is_limit_name`] accepts.
@@ -186,15 +179,7 @@ pub fn from_answer(
         }
         None => {}
     }
-    let mut limits: Vec<HeaderLimit<'_>> = results
-        .iter()
-        .filter(|r| !r.shadow)
-        .filter_map(|r| {
-            r.limit
-                .as_ref()
-                .map(|l| HeaderLimit::applied(l, r.remaining, ceil_s(r.reset_ms)))
-        })
-        .collect();
+    let mut limits = fields::admitted_limits(results);
     limits.extend(leased.iter().filter_map(|a| {
         a.limit.map(|l| {
             let w = window_s(l.capacity.max(1), l.refill_per_sec.max(f64::MIN_POSITIVE));

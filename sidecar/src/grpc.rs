@@ -56,7 +56,7 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::{
 };
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use envoy_types::pb::google::protobuf::{value::Kind, Duration, Struct, Value};
-use ratelimit_wire::headers::{self, ceil_s, limiting, retry_after_s, HeaderLimit, Limiting};
+use ratelimit_wire::headers::{self, limiting, retry_after_s, HeaderLimit, Limiting};
 use ratelimit_wire::{
     AppliedLimit, DecisionResult, ErrorCode, Reason, RequestAnswer, MAX_DECISIONS, MAX_NAME_BYTES,
     MAX_SUBJECT_ENTRIES, MAX_VALUE_BYTES,
@@ -582,16 +582,7 @@ pub fn response_headers(answer: &RequestAnswer) -> Vec<(&'static str, String)> {
         }
         None => {}
     }
-    let limits: Vec<HeaderLimit<'_>> = results
-        .iter()
-        .filter(|r| !r.shadow)
-        .filter_map(|r| {
-            r.limit
-                .as_ref()
-                .map(|l| HeaderLimit::applied(l, r.remaining, ceil_s(r.reset_ms)))
-        })
-        .collect();
-    headers::admitted(&limits)
+    headers::admitted(&headers::admitted_limits(results))
 }
 
 #[cfg(test)]

@@ -18,7 +18,7 @@
 //! `<prefix>demand:{<domain>|<rule>}`; and in one region's Redis the rebalancer's leader lock
 //! `<prefix>rebalancer:{<domain>|<rule>}`. Bucket keys start `<prefix>{`, so none can be one.
 
-use sha2::{Digest, Sha256};
+use ratelimit_wire::names::{push_escaped, push_value};
 
 /// Encoded values longer than this are replaced by their SHA-256.
 pub const MAX_VALUE_BYTES: usize = 80;
@@ -34,16 +34,7 @@ pub fn bucket_key(prefix: &str, domain: &str, entries: &[(&str, Option<&str>)]) 
         push_escaped(&mut key, k);
         match v {
             None => key.push('~'),
-            Some(v) => {
-                let start = key.len();
-                key.push('=');
-                push_escaped(&mut key, v);
-                if key.len() - start - 1 > MAX_VALUE_BYTES {
-                    key.truncate(start);
-                    key.push('#');
-                    key.push_str(&sha256_hex(v.as_bytes()));
-                }
-            }
+            Some(v) => push_value(&mut key, v, MAX_VALUE_BYTES),
         }
     }
     key.push('}');
@@ -103,29 +94,6 @@ fn rule_key(prefix: &str, kind: &str, domain: &str, rule: &str) -> String {
     push_escaped(&mut key, rule);
     key.push('}');
     key
-}
-
-fn push_escaped(out: &mut String, value: &str) {
-    for b in value.bytes() {
-        if b.is_ascii_alphanumeric() || b"-._~:@/".contains(&b) {
-            out.push(char::from(b));
-        } else {
-            out.push('%');
-            out.push(char::from(b"0123456789ABCDEF"[usize::from(b >> 4)]));
-            out.push(char::from(b"0123456789ABCDEF"[usize::from(b & 0xf)]));
-        }
-    }
-}
-
-/// Lowercase hex SHA-256.
-pub fn sha256_hex(bytes: &[u8]) -> String {
-    let digest = Sha256::digest(bytes);
-    let mut hex = String::with_capacity(64);
-    for b in digest {
-        hex.push(char::from(b"0123456789abcdef"[usize::from(b >> 4)]));
-        hex.push(char::from(b"0123456789abcdef"[usize::from(b & 0xf)]));
-    }
-    hex
 }
 
 /// The Redis Cluster hash slot of a key: CRC16 (XMODEM) of its hash tag (the text between the

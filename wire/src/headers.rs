@@ -111,6 +111,20 @@ pub fn admitted(limits: &[HeaderLimit<'_>]) -> Vec<(&'static str, String)> {
     ]
 }
 
+/// The figures of each limit an admitted request's results name, shadow mode apart, in order:
+/// what its `RateLimit-Policy` and `RateLimit` headers say ([`admitted`]).
+pub fn admitted_limits(results: &[DecisionResult]) -> Vec<HeaderLimit<'_>> {
+    results
+        .iter()
+        .filter(|r| !r.shadow)
+        .filter_map(|r| {
+            r.limit
+                .as_ref()
+                .map(|l| HeaderLimit::applied(l, r.remaining, ceil_s(r.reset_ms)))
+        })
+        .collect()
+}
+
 /// Which decision of a rejected request names the rejection (its rule in the 429's body, its
 /// figures in the headers), as both the wasm filter and the gRPC API answer it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

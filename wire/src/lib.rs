@@ -22,6 +22,7 @@ use std::fmt;
 
 pub mod budget;
 pub mod headers;
+pub mod names;
 
 use serde::de::{MapAccess, Visitor};
 use serde::ser::SerializeMap;
@@ -462,10 +463,7 @@ pub struct SlotsResponse {
 
 /// Whether `id` is a usable slot id: 1 to [`MAX_SLOT_ID_BYTES`] of `[A-Za-z0-9_.-]`.
 pub fn is_slot_id(id: &str) -> bool {
-    (1..=MAX_SLOT_ID_BYTES).contains(&id.len())
-        && id
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b"_.-".contains(&b))
+    names::is_name(id, MAX_SLOT_ID_BYTES)
 }
 
 /// The body of every non-200 answer.

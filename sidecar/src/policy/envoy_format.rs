@@ -348,7 +348,7 @@ fn sanitize(name: &str) -> String {
     }
     name.chars()
         .map(|c| {
-            if c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '-') {
+            if c.is_ascii() && ratelimit_wire::names::is_name_byte(c as u8) {
                 c
             } else {
                 '_'

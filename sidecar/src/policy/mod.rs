@@ -19,7 +19,6 @@ pub mod own_format;
 pub mod reload;
 
 use std::collections::BTreeMap;
-use std::fmt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -32,8 +31,8 @@ pub const MAX_CAPACITY: u64 = 999_999_999_999_999;
 /// emergency buckets. It bounds how long any key lives in Redis.
 pub const DEFAULT_MAX_REFILL_S: f64 = 31_536_000.0;
 
-/// The longest limit or rule name, in bytes.
-pub const MAX_NAME_BYTES: usize = 128;
+/// The longest limit or rule name, in bytes (the wire's: the filter checks names by it).
+pub use ratelimit_wire::MAX_NAME_BYTES;
 
 /// One limit, as a decision is judged by it.
 #[derive(Debug, Clone, PartialEq)]
@@ -170,17 +169,7 @@ enum Domain {
 }
 
 /// One thing wrong with a policy, and where: `<file>: <path>: <message>`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Problem {
-    pub path: String,
-    pub message: String,
-}
-
-impl fmt::Display for Problem {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}: {}", self.path, self.message)
-    }
-}
+pub use ratelimit_wire::names::Problem;
 
 /// A policy that cannot be loaded, with every problem found.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -420,11 +409,7 @@ pub(crate) fn check_bucket(
 
 /// Whether `name` is a usable limit or rule name: 1 to [`MAX_NAME_BYTES`] of `[A-Za-z0-9_.-]`.
 pub(crate) fn is_name(name: &str) -> bool {
-    !name.is_empty()
-        && name.len() <= MAX_NAME_BYTES
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'))
+    ratelimit_wire::names::is_name(name, MAX_NAME_BYTES)
 }
 
 /// The files a policy is read from, for messages.
