@@ -2,7 +2,7 @@
 -- single.lua: a call whose requests are each one decision on a bucket of its own, without a lease
 -- ask, a regional share or a record (a fleet's quiet keys, alone or batched). The same bucket as
 -- bucket.lua + apply.lua (docs/bucket.md): its state, rules and reply, in the few steps this case
--- needs; sidecar/src/store/script.rs picks it. KEYS[1]: the first bucket. ARGV: the numbers (per
+-- needs; sidecar/src/store/redis/script.rs picks it. KEYS[1]: the first bucket. ARGV: the numbers (per
 -- request: capacity I8, refill_per_sec d, cost I8, shadow B); the epoch marker's key or ""; the
 -- other buckets, in order. Reply: doubles, per request: status, allowed, remaining,
 -- retry_after_ms, reset_ms, reason, leased (0).

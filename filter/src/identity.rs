@@ -6,7 +6,7 @@
 use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 
-use crate::config::{Dimension, Identity};
+use crate::config::{Dimension, Identity, MAX_IDENTITY_BYTES};
 
 /// The property holding the downstream address as Envoy computed it (honouring
 /// `use_remote_address` / `xff_num_trusted_hops`).
@@ -29,10 +29,6 @@ pub fn jwt_claim_property<'a>(provider: &'a str, claim: &'a str) -> [&'a str; 5]
         claim,
     ]
 }
-
-/// The longest claim or route name taken as an identity, in bytes; longer is unknown. It bounds
-/// what one decision spends in a call to the sidecar (`Config::validate`).
-pub const MAX_IDENTITY_BYTES: usize = 1024;
 
 /// What the host read for one request; `None` when absent or unreadable.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

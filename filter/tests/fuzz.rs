@@ -27,6 +27,7 @@ use harness::{fuzz, note};
 use hostile::Doc;
 use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
+use ratelimit_filter::config::MAX_IDENTITY_BYTES;
 use ratelimit_filter::config::{
     self, ApiKey, Config, Dimension, Identity, Jwt, RateLimitHeaders, UnknownPolicy, MAX_CAPACITY,
     MAX_RULES, MAX_RULE_NAME_BYTES, MAX_SF_INTEGER,
@@ -36,7 +37,7 @@ use ratelimit_filter::fastpath::{
     self, DecisionOutcome, Entry, KnownLimit, Learned, Lease, Probe, ProbeFor, RejectionCause,
     Table,
 };
-use ratelimit_filter::identity::{self, Facts, Subject, MAX_IDENTITY_BYTES};
+use ratelimit_filter::identity::{self, Facts, Subject};
 use ratelimit_filter::rules::{self, RequestFacts, MAX_KEY_VALUE_BYTES};
 use ratelimit_filter::shared::{SharedDataError, SharedStore};
 use ratelimit_filter::verdict::{self, LeasedAdmit, LimiterError, Verdict};

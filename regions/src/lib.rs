@@ -5,8 +5,8 @@
 //!
 //! The design, the bound and why it holds, the fence and the failure cases: `docs/regions.md`.
 //!
-//! - [`share`]: [`Share`] (parts per million), [`ShareRecord`] (share + version), the validated
-//!   [`RegionalQuota`] of a rule.
+//! - [`share`]: [`Share`] (parts per million), [`ShareRecord`] (share + version).
+//! - [`quota`]: the validated [`RegionalQuota`] of a rule.
 //! - [`bucket`]: [`Budget`] and the reference [`Bucket`], exact integer arithmetic.
 //! - [`lease`]: a sidecar's leased view of its region's share and the record's history.
 //! - [`plan`]: the algorithm, from shares and observed demand to a [`Plan`], and its [`Params`].
@@ -16,6 +16,7 @@
 pub mod bucket;
 pub mod lease;
 pub mod plan;
+pub mod quota;
 pub mod rebalancer;
 pub mod share;
 pub mod sim;
@@ -23,8 +24,9 @@ pub mod sim;
 pub use bucket::{Bucket, Budget, Limit};
 pub use lease::{LeasedShare, ShareHistory};
 pub use plan::{plan, proportional_target, Change, Observation, Params, Plan, RegionInput};
+pub use quota::{QuotaError, QuotaProblem, RegionalQuota};
 pub use rebalancer::{
     ReadOutcome, Rebalancer, RoundInProgress, RoundReport, ShareWrite, Step, Suspect, WriteKind,
     WriteOutcome,
 };
-pub use share::{QuotaError, QuotaProblem, RegionalQuota, Share, ShareRecord};
+pub use share::{Share, ShareRecord};

@@ -34,7 +34,8 @@ use std::collections::BTreeMap;
 
 use crate::bucket::Budget;
 use crate::plan::{plan, Change, Observation, Params, Plan, RegionInput};
-use crate::share::{sum_ppm, RegionalQuota, Share, ShareRecord};
+use crate::quota::RegionalQuota;
+use crate::share::{sum_ppm, Share, ShareRecord};
 
 /// Whether a write lowers or raises a share.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

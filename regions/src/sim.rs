@@ -22,8 +22,9 @@ use rand_chacha::ChaCha8Rng;
 use crate::bucket::{Bucket, Budget};
 use crate::lease::{LeasedShare, ShareHistory};
 use crate::plan::{proportional_target, Observation, Params};
+use crate::quota::{QuotaError, RegionalQuota};
 use crate::rebalancer::{ReadOutcome, Rebalancer, ShareWrite, Step, WriteKind, WriteOutcome};
-use crate::share::{sum_ppm, QuotaError, RegionalQuota, Share, ShareRecord};
+use crate::share::{sum_ppm, Share, ShareRecord};
 
 /// Everything a run depends on besides the scenario.
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -26,8 +26,8 @@ use ratelimit_wire::ErrorBody;
 use sha2::{Digest as _, Sha256};
 use subtle::ConstantTimeEq;
 
-use crate::config::Secret;
 use crate::metrics::{CallOutcome, Metrics};
+use crate::secret::Secret;
 
 /// Paths anyone may call: probes and Prometheus cannot present credentials.
 pub const OPEN_PATHS: [&str; 3] = ["/healthz", "/readyz", "/metrics"];

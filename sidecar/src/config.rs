@@ -6,7 +6,9 @@ use std::path::PathBuf;
 
 use clap::Parser;
 
-use crate::store::StoreReset;
+pub use crate::secret::Secret;
+use crate::store::redis::connection::{read_password, redis_tls_files, Connection, RedisAccess};
+use crate::store::{StoreError, StoreReset};
 
 /// `ratelimit-sidecar`: answers `POST /v1/decide` by running the token bucket in Redis.
 #[derive(Debug, Clone, Parser)]
@@ -265,35 +267,58 @@ fn body_bytes(s: &str) -> Result<usize, String> {
     }
 }
 
-/// A value that must never be shown: its `Debug` says `<redacted>`.
-#[derive(Clone, PartialEq, Eq)]
-pub struct Secret(String);
-
-impl Secret {
-    pub fn new(value: impl Into<String>) -> Self {
-        Secret(value.into())
+/// How the sidecar reaches Redis, made from the flags: the store takes what these make, never
+/// the command line itself.
+impl Args {
+    /// What the sidecar presents to the Redis data nodes ([`RedisAccess`]): the flags' files
+    /// read; every error names the flag and the path.
+    pub fn redis_access(&self) -> Result<RedisAccess, StoreError> {
+        let password = match (&self.redis_password, &self.redis_password_file) {
+            (Some(p), _) => Some(p.clone()),
+            (None, Some(path)) => Some(read_password(path)?),
+            (None, None) => None,
+        };
+        let certificates = self.redis_tls.certificates()?;
+        Ok(RedisAccess {
+            username: self.redis_username.clone(),
+            password,
+            certificates,
+        })
     }
 
-    /// The value itself, for the one place that uses it.
-    pub fn expose(&self) -> &str {
-        &self.0
-    }
-}
-
-impl std::fmt::Debug for Secret {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("<redacted>")
-    }
-}
-
-impl std::str::FromStr for Secret {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        if s.is_empty() {
-            return Err("must not be empty".into());
+    /// The connection to Redis the flags describe: `--redis-sentinel`, `--redis-cluster` or
+    /// `--redis`, with the credentials and TLS material of [`Args::redis_access`].
+    pub fn redis_connection(&self) -> Result<Connection, StoreError> {
+        let access = self.redis_access()?;
+        let args = self;
+        if !args.redis_sentinel.is_empty() {
+            Connection::sentinel_with(
+                &args.redis_sentinel,
+                &args.sentinel_master,
+                &access,
+                args.redis_timeout_ms,
+            )
+        } else if !args.redis_cluster.is_empty() {
+            Connection::cluster_with(&args.redis_cluster, &access, args.redis_timeout_ms)
+        } else {
+            Connection::single_with(
+                &args.redis,
+                &access,
+                args.redis_connections as usize,
+                args.redis_timeout_ms,
+            )
         }
-        Ok(Secret(s.to_string()))
+    }
+}
+
+impl RedisTlsArgs {
+    /// The flags' files, read and checked ([`redis_tls_files`]).
+    pub fn certificates(&self) -> Result<Option<redis::TlsCertificates>, StoreError> {
+        redis_tls_files(
+            self.redis_ca_file.as_deref(),
+            self.redis_client_cert.as_deref(),
+            self.redis_client_key.as_deref(),
+        )
     }
 }
 

@@ -251,7 +251,7 @@ async fn epoch<S: BucketStore>(State(s): State<Arc<AppState<S>>>) -> Json<EpochR
 
 async fn readyz<S: BucketStore>(State(s): State<Arc<AppState<S>>>) -> Response {
     let r = s.decider.readiness().await;
-    let status = if r.redis_ok && r.script_loaded {
+    let status = if r.store.redis_ok && r.store.script_loaded {
         StatusCode::OK
     } else {
         StatusCode::SERVICE_UNAVAILABLE

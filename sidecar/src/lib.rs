@@ -21,6 +21,7 @@ pub mod metrics;
 pub mod policy;
 pub mod regional;
 pub mod rlqs;
+pub mod secret;
 pub mod store;
 
 use std::future::Future;
@@ -39,7 +40,6 @@ use crate::metrics::Metrics;
 use crate::policy::reload::PolicyHandle;
 use crate::policy::{Bounds, PolicyError, RegionScope};
 use crate::regional::RegionalShares;
-use crate::store::redis::connection::Connection;
 use crate::store::redis::StoreOptions;
 use crate::store::{RedisStore, StoreError};
 
@@ -190,7 +190,7 @@ pub async fn serve(
         store_reset: args.store_reset,
         key_prefix: args.key_prefix.clone(),
     };
-    let connection = Connection::from_args(&args)?;
+    let connection = args.redis_connection()?;
     let admin = match args.admin_listen {
         None => None,
         Some(addr) => Some(

@@ -15,7 +15,7 @@ use std::fmt::Write as _;
 
 use crate::Redis;
 
-/// The apply script as the sidecar sends it (`sidecar/src/store/script.rs` joins the same files).
+/// The apply script as the sidecar sends it (`sidecar/src/store/redis/script.rs` joins the same files).
 pub const APPLY: &str = concat!(
     include_str!("../../lua/bucket.lua"),
     include_str!("../../lua/apply.lua")
@@ -28,7 +28,7 @@ pub const REFUND: &str = concat!(
 );
 
 /// The script of a lone decision without a lease ask, a share or a record, as the sidecar sends
-/// it for such a call (`ScriptArgs::single` in `sidecar/src/store/script.rs`).
+/// it for such a call (`ScriptArgs::single` in `sidecar/src/store/redis/script.rs`).
 pub const SINGLE: &str = include_str!("../../lua/single.lua");
 
 /// The single-file script before the split (662 lines, apply and refund in one).

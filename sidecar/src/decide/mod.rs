@@ -83,6 +83,16 @@ pub enum Caller {
     Quota,
 }
 
+/// What `/readyz` reports: the store's readiness and, with `--region`, the regional shares this
+/// sidecar applies, per regional rule.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct SidecarReadiness {
+    #[serde(flatten)]
+    pub store: Readiness,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub regional_shares: Option<Vec<crate::regional::ShareStatus>>,
+}
+
 /// Runs decisions against a [`BucketStore`] under the policy in force.
 pub struct Decider<S> {
     store: Arc<S>,
@@ -132,15 +142,18 @@ impl<S: BucketStore> Decider<S> {
 
     /// What `/readyz` reports: the store's readiness, and with regional rules the shares this
     /// region applies (not ready until each was read once).
-    pub async fn readiness(&self) -> Readiness {
-        let mut r = self.store.readiness().await;
+    pub async fn readiness(&self) -> SidecarReadiness {
+        let mut r = SidecarReadiness {
+            store: self.store.readiness().await,
+            regional_shares: None,
+        };
         if let Some(shares) = &self.regional {
             let policy = self.policy.current();
             if !shares.all_read(&policy) {
-                r.error.get_or_insert_with(|| {
+                r.store.error.get_or_insert_with(|| {
                     "the regional shares have not all been read yet".to_string()
                 });
-                r.redis_ok = false;
+                r.store.redis_ok = false;
             }
             r.regional_shares = Some(shares.status(&policy));
         }

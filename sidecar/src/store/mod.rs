@@ -13,17 +13,15 @@
 
 pub mod memory;
 pub mod redis;
-pub mod script;
 
 use std::future::Future;
 use std::sync::Arc;
 
-use ::redis::{ErrorKind, RedisError, ServerErrorKind};
 use ratelimit_regions::ShareHistory;
 use ratelimit_wire::Reason;
 
+pub use self::redis::script::Script;
 pub use self::redis::RedisStore;
-pub use script::Script;
 
 /// What a bucket missing after the store lost its state starts with (`--store-reset`,
 /// docs/bucket.md#a-store-that-lost-its-state).
@@ -209,19 +207,6 @@ impl StoreError {
     pub fn is_deterministic(&self) -> bool {
         matches!(self, StoreError::Script(_) | StoreError::Reply(_))
     }
-}
-
-/// Whether an error is the script failing on its data or arguments (`WRONGTYPE`: another type of
-/// value where a bucket or attempt record should be; `ERR invalid decision`, `ERR usage`,
-/// `ERR attempt_ttl_ms`: the script refused its arguments; `ERR user_script...`: a Lua error)
-/// rather than Redis being unreachable, busy, out of memory or failing over.
-pub(crate) fn is_script_failure(e: &RedisError) -> bool {
-    let detail = e.detail().unwrap_or_default();
-    e.code() == Some("WRONGTYPE")
-        || (e.kind() == ErrorKind::Server(ServerErrorKind::ResponseError)
-            && ["invalid limit", "usage:", "user_script"]
-                .iter()
-                .any(|m| detail.contains(m)))
 }
 
 /// One caller's call as a store takes it.
@@ -437,14 +422,12 @@ pub trait ShareStore: Send + Sync + 'static {
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
 }
 
-/// What `/readyz` reports.
+/// What the store tells `/readyz` (the decider adds the regional shares:
+/// [`crate::decide::SidecarReadiness`]).
 #[derive(Debug, Clone, Default, serde::Serialize)]
 pub struct Readiness {
     pub redis_ok: bool,
     pub script_loaded: bool,
-    /// The regional shares this sidecar applies (with `--region`), per regional rule.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub regional_shares: Option<Vec<crate::regional::ShareStatus>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
     /// One entry per node that answered `CONFIG GET maxmemory-policy`.
@@ -473,35 +456,6 @@ pub fn eviction_warning(policies: &[String]) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn script_failures_are_told_from_outages() {
-        let ext = |code: &str, detail: &str| {
-            ::redis::make_extension_error(code.to_string(), Some(detail.to_string()))
-        };
-        assert!(is_script_failure(&ext(
-            "WRONGTYPE",
-            "Operation against a key holding the wrong kind of value"
-        )));
-        let err = |detail: &'static str| {
-            RedisError::from((
-                ErrorKind::Server(ServerErrorKind::ResponseError),
-                "ERR",
-                detail.to_string(),
-            ))
-        };
-        assert!(is_script_failure(&err(
-            "invalid limit 1: capacity and refill_per_sec must be > 0 script: ..."
-        )));
-        assert!(!is_script_failure(&err("max number of clients reached")));
-        assert!(!is_script_failure(&ext("OOM", "command not allowed")));
-        assert!(!is_script_failure(&ext(
-            "BUSY",
-            "Redis is busy running a script"
-        )));
-        let refused = RedisError::from(std::io::Error::from(std::io::ErrorKind::ConnectionRefused));
-        assert!(!is_script_failure(&refused));
-    }
 
     #[test]
     fn policies_that_evict_are_warned_about() {

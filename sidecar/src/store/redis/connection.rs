@@ -22,8 +22,8 @@ use redis::{
 };
 
 use super::sentinel::{LookupState, SentinelPrimary};
-use crate::config::{Args, Secret};
 use crate::listener::{read_certificates, read_private_key, TlsConfigError};
+use crate::secret::Secret;
 use crate::store::StoreError;
 
 /// How long the sidecar waits on Redis past a caller's deadline before it gives a connection up
@@ -119,21 +119,6 @@ impl std::fmt::Debug for RedisAccess {
 }
 
 impl RedisAccess {
-    /// Reads the flags' files; every error names the flag and the path.
-    pub fn from_args(args: &Args) -> Result<Self, StoreError> {
-        let password = match (&args.redis_password, &args.redis_password_file) {
-            (Some(p), _) => Some(p.clone()),
-            (None, Some(path)) => Some(read_password(path)?),
-            (None, None) => None,
-        };
-        let certificates = args.redis_tls.certificates()?;
-        Ok(RedisAccess {
-            username: args.redis_username.clone(),
-            password,
-            certificates,
-        })
-    }
-
     /// The URL's connection info with the flags' user and password where the URL has none.
     fn apply_credentials(&self, info: ConnectionInfo) -> ConnectionInfo {
         let mut redis = info.redis_settings().clone();
@@ -159,17 +144,6 @@ impl RedisAccess {
             )));
         }
         Ok(())
-    }
-}
-
-impl crate::config::RedisTlsArgs {
-    /// The flags' files, read and checked ([`redis_tls_files`]).
-    pub fn certificates(&self) -> Result<Option<TlsCertificates>, StoreError> {
-        redis_tls_files(
-            self.redis_ca_file.as_deref(),
-            self.redis_client_cert.as_deref(),
-            self.redis_client_key.as_deref(),
-        )
     }
 }
 
@@ -209,7 +183,8 @@ pub fn redis_tls_files(
     )
 }
 
-fn read_password(path: &Path) -> Result<Secret, StoreError> {
+/// The password of `--redis-password-file`: the file's first line, not empty.
+pub fn read_password(path: &Path) -> Result<Secret, StoreError> {
     let text = std::fs::read_to_string(path).map_err(|e| {
         StoreError::Config(format!(
             "--redis-password-file {}: cannot read it: {e}",
@@ -603,29 +578,6 @@ impl Connection {
         let config = ClusterConfig::new().set_connection_timeout(stall_limit(timeout_ms));
         let connection = client.get_pending_async_connection_with_config(config);
         Ok(Connection::Cluster(connection))
-    }
-
-    /// The connection `args` describe: `--redis-sentinel`, `--redis-cluster` or `--redis`, with
-    /// the credentials and TLS material of [`RedisAccess::from_args`].
-    pub fn from_args(args: &Args) -> Result<Self, StoreError> {
-        let access = RedisAccess::from_args(args)?;
-        if !args.redis_sentinel.is_empty() {
-            Self::sentinel_with(
-                &args.redis_sentinel,
-                &args.sentinel_master,
-                &access,
-                args.redis_timeout_ms,
-            )
-        } else if !args.redis_cluster.is_empty() {
-            Self::cluster_with(&args.redis_cluster, &access, args.redis_timeout_ms)
-        } else {
-            Self::single_with(
-                &args.redis,
-                &access,
-                args.redis_connections as usize,
-                args.redis_timeout_ms,
-            )
-        }
     }
 
     /// Sends one command to the node of its key (or any node for keyless commands).

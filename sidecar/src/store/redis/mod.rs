@@ -5,7 +5,7 @@
 //!   record key for each group that needs one, and the retry of what a moved slot refused;
 //! - [`batch`]: the work ready for one node merged into one script call, `--redis-pipeline` in
 //!   flight per node at most;
-//! - the script call (its arguments and reply: `super::script`), EVALSHA healed by EVAL;
+//! - the script call (its arguments and reply: [`script`]), EVALSHA healed by EVAL;
 //! - `compensation`: each request's parts merged into its answer, and what a rejected request
 //!   charged on other nodes refunded.
 //!
@@ -24,7 +24,9 @@
 pub mod batch;
 mod compensation;
 pub mod connection;
+mod options;
 mod placement;
+pub mod script;
 pub mod sentinel;
 pub mod settle;
 pub mod slots;
@@ -43,11 +45,12 @@ use redis::{Cmd, ErrorKind, RedisError, ServerErrorKind, Value};
 
 use self::batch::Batcher;
 use self::connection::{stall_limit, Connection};
-use super::script::{parse_apply, Script, ScriptArgs};
+pub use self::options::StoreOptions;
+use self::script::{parse_apply, Script, ScriptArgs};
 use super::{
-    eviction_warning, is_script_failure, Applied, BucketStore, Call, Decided, Group, Readiness,
-    RequestOutcome, SettleBatch, Settled, Settlement, ShareStore, Slot, SlotUpdate, SlotsTaken,
-    StoreError, StoreReset, Work,
+    eviction_warning, Applied, BucketStore, Call, Decided, Group, Readiness, RequestOutcome,
+    SettleBatch, Settled, Settlement, ShareStore, Slot, SlotUpdate, SlotsTaken, StoreError,
+    StoreReset, Work,
 };
 use crate::keys::cluster_slot;
 use crate::metrics::Metrics;
@@ -103,40 +106,17 @@ async fn decide_on<N: Nodes + Clone>(
     compensation::answer(nodes, metrics, groups, &placed.placements, results)
 }
 
-/// How the store calls Redis.
-#[derive(Debug, Clone)]
-pub struct StoreOptions {
-    /// Upper bound of every Redis call (`--redis-timeout-ms`).
-    pub timeout_ms: u64,
-    /// How long a record (deduplication, refunds) is kept (`--attempt-ttl-ms`).
-    pub record_ttl_ms: u64,
-    /// How long a receipt of a charge is kept for its settlement (`--receipt-ttl-ms`).
-    pub receipt_ttl_ms: u64,
-    /// The largest lease, as a fraction of the bucket's capacity (`--lease-max-share`).
-    pub lease_max_share: f64,
-    /// Script calls in flight per node (`--redis-pipeline`).
-    pub max_in_flight: usize,
-    /// Decisions one script call carries at most.
-    pub max_call_decisions: usize,
-    /// What a bucket missing after the store lost its state starts with (`--store-reset`).
-    pub store_reset: StoreReset,
-    /// The key prefix (`--key-prefix`), for the store's epoch markers ([`epoch_marker`]).
-    pub key_prefix: String,
-}
-
-impl Default for StoreOptions {
-    fn default() -> Self {
-        StoreOptions {
-            timeout_ms: 50,
-            record_ttl_ms: 10_000,
-            receipt_ttl_ms: 3_600_000,
-            lease_max_share: 0.1,
-            max_in_flight: 4,
-            max_call_decisions: 512,
-            store_reset: StoreReset::Full,
-            key_prefix: "rl:".into(),
-        }
-    }
+/// Whether an error is the script failing on its data or arguments (`WRONGTYPE`: another type of
+/// value where a bucket or attempt record should be; `ERR invalid decision`, `ERR usage`,
+/// `ERR attempt_ttl_ms`: the script refused its arguments; `ERR user_script...`: a Lua error)
+/// rather than Redis being unreachable, busy, out of memory or failing over.
+fn is_script_failure(e: &RedisError) -> bool {
+    let detail = e.detail().unwrap_or_default();
+    e.code() == Some("WRONGTYPE")
+        || (e.kind() == ErrorKind::Server(ServerErrorKind::ResponseError)
+            && ["invalid limit", "usage:", "user_script"]
+                .iter()
+                .any(|m| detail.contains(m)))
 }
 
 /// How often the store's epoch markers are read (a loss of state is seen within this), and
@@ -1000,6 +980,35 @@ fn maxmemory_policies(v: &Value, out: &mut Vec<String>, refused: &mut Option<Str
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn script_failures_are_told_from_outages() {
+        let ext = |code: &str, detail: &str| {
+            ::redis::make_extension_error(code.to_string(), Some(detail.to_string()))
+        };
+        assert!(is_script_failure(&ext(
+            "WRONGTYPE",
+            "Operation against a key holding the wrong kind of value"
+        )));
+        let err = |detail: &'static str| {
+            RedisError::from((
+                ErrorKind::Server(ServerErrorKind::ResponseError),
+                "ERR",
+                detail.to_string(),
+            ))
+        };
+        assert!(is_script_failure(&err(
+            "invalid limit 1: capacity and refill_per_sec must be > 0 script: ..."
+        )));
+        assert!(!is_script_failure(&err("max number of clients reached")));
+        assert!(!is_script_failure(&ext("OOM", "command not allowed")));
+        assert!(!is_script_failure(&ext(
+            "BUSY",
+            "Redis is busy running a script"
+        )));
+        let refused = RedisError::from(std::io::Error::from(std::io::ErrorKind::ConnectionRefused));
+        assert!(!is_script_failure(&refused));
+    }
 
     #[test]
     fn slot_maps_find_the_primary_of_a_slot() {

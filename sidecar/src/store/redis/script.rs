@@ -9,11 +9,11 @@ use std::sync::{Arc, LazyLock};
 use ratelimit_wire::Reason;
 use redis::{Cmd, Value};
 
-use super::redis::StoreOptions;
-use super::{
+use super::super::{
     BucketLimits, BucketOutcome, GrantCap, RequestOutcome, Status, StoreError, Work,
     SHARE_MARGIN_MS,
 };
+use super::options::StoreOptions;
 
 /// A bucket script: `lua/bucket.lua` (the bucket function, the arguments, the reads and writes)
 /// followed by its mode's file, one source of truth in `lua/`.
@@ -36,14 +36,14 @@ impl Script {
     pub fn text(self) -> &'static str {
         match self {
             Script::Apply => concat!(
-                include_str!("../../../lua/bucket.lua"),
-                include_str!("../../../lua/apply.lua")
+                include_str!("../../../../lua/bucket.lua"),
+                include_str!("../../../../lua/apply.lua")
             ),
             Script::Refund => concat!(
-                include_str!("../../../lua/bucket.lua"),
-                include_str!("../../../lua/refund.lua")
+                include_str!("../../../../lua/bucket.lua"),
+                include_str!("../../../../lua/refund.lua")
             ),
-            Script::Single => include_str!("../../../lua/single.lua"),
+            Script::Single => include_str!("../../../../lua/single.lua"),
         }
     }
 
@@ -369,7 +369,7 @@ pub(crate) fn parse_apply(
 
 #[cfg(test)]
 mod tests {
-    use super::super::{Charge, Group};
+    use super::super::super::{Charge, Group};
     use super::*;
 
     #[test]
