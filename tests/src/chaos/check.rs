@@ -8,7 +8,9 @@
 //! admission is the over-admission of the worst window ending there (the Lindley recursion of
 //! a token bucket's arrival curve: `max over windows of admitted − C − r·window`). A second
 //! replay grants the allowances as what the store forgot: a failover, or a store that lost its
-//! state under `--store-reset full`, makes each bucket full again at the fault; a store that
+//! state under `--store-reset full`, makes each bucket full again at the fault (an admission
+//! the upstream saw within 0.3 s after it may have been decided before it or after: it is not
+//! charged to what follows); a store that
 //! lost its state under `empty` forgets each bucket's debt of settled costs (its buckets start
 //! empty at the new epoch); after a failover, the old primary may answer beside the new one
 //! until the sidecars leave it (a split brain: [`Checker::split_brain`]); a violation is an
@@ -161,8 +163,9 @@ enum Event {
     Refuse { cost: f64 },
     /// A settlement's excess reaching the store.
     Debit(f64),
-    /// The store forgot what it was charged (a fault's allowance).
-    Forgive(Loss),
+    /// The store forgot what it was charged (the allowance of fault `.1`, an index into the
+    /// nemesis's log).
+    Forgive(Loss, usize),
 }
 
 /// What a store that forgot may hold afterwards.
@@ -264,6 +267,14 @@ impl<'a> Checker<'a> {
         }
     }
 
+    /// Whether an admission the upstream saw at `t` may have been decided before a loss of the
+    /// store's state as well as after it: within the record's imprecision after the loss began.
+    fn around_a_loss(&self, t: u64) -> bool {
+        self.r.log.faults.iter().any(|f| {
+            self.loss(f).is_some() && f.start_ns <= t && t <= f.start_ns + (DELTA_S * 1e9) as u64
+        })
+    }
+
     /// What the old primary of failover `f` may admit beside the new one: from its return (the
     /// fault's end) until the sidecars leave it ([`SPLIT_AFTER_NS`] after the new one is named),
     /// `r` per second, from what it held: a bucket's capacity (a pause keeps its state and the
@@ -330,9 +341,9 @@ impl<'a> Checker<'a> {
             }
         }
         for ((rule, app), mut events) in by_bucket {
-            for f in &self.r.log.faults {
+            for (i, f) in self.r.log.faults.iter().enumerate() {
                 if let Some(loss) = self.loss(f) {
-                    events.push((f.start_ns, 0, Event::Forgive(loss)));
+                    events.push((f.start_ns, 0, Event::Forgive(loss, i)));
                 }
             }
             events.sort_by_key(|(t, id, _)| (*t, *id));
@@ -441,6 +452,12 @@ impl<'a> Checker<'a> {
                     if t > split_until {
                         split = 0.0;
                     }
+                    if self.around_a_loss(t) {
+                        // Decided on the store that lost it, or on the one after: either way
+                        // not owed to what follows.
+                        self.row_at(t).admitted += 1;
+                        continue;
+                    }
                     let over_strict = cost - strict;
                     let over_allowed = cost - allowed - split;
                     strict -= charge;
@@ -485,9 +502,9 @@ impl<'a> Checker<'a> {
                     strict -= x;
                     allowed -= x;
                 }
-                Event::Forgive(loss) => {
+                Event::Forgive(loss, i) => {
                     strict = allowed;
-                    let fault = self.r.log.faults.iter().find(|f| f.start_ns == t);
+                    let fault = self.r.log.faults.get(i);
                     strict_until = fault.map_or(t, |f| f.recovered_ns + AFTERMATH_NS);
                     if let Some(f) = fault.filter(|f| f.failover) {
                         split = self.split_brain(f, capacity, rate);
