@@ -9,8 +9,8 @@
 //! a token bucket's arrival curve: `max over windows of admitted − C − r·window`). A second
 //! replay grants the allowances as what the store forgot: a failover, or a store that lost its
 //! state under `--store-reset full`, makes each bucket full again at the fault (an admission
-//! the upstream saw within 0.3 s after it may have been decided before it or after: it is not
-//! charged to what follows); a store that
+//! on its way while the fault ran may have been decided before it or after: it is not charged
+//! to what follows); a store that
 //! lost its state under `empty` forgets each bucket's debt of settled costs (its buckets start
 //! empty at the new epoch); after a failover, the old primary may answer beside the new one
 //! until the sidecars leave it (a split brain: [`Checker::split_brain`]); a violation is an
@@ -157,8 +157,9 @@ type Timeline = Vec<(u64, u64, Event)>;
 /// What happens to a bucket, in time order.
 #[derive(Debug, Clone, Copy)]
 enum Event {
-    /// An admission: charged `charge` now, checked against `cost` (its reservation).
-    Admit { cost: f64, charge: f64 },
+    /// An admission: charged `charge` now, checked against `cost` (its reservation); decided
+    /// after `sent` (the client sent it then).
+    Admit { cost: f64, charge: f64, sent: u64 },
     /// A refusal (429) of `cost`: counted as under-admission if the model had it.
     Refuse { cost: f64 },
     /// A settlement's excess reaching the store.
@@ -267,12 +268,14 @@ impl<'a> Checker<'a> {
         }
     }
 
-    /// Whether an admission the upstream saw at `t` may have been decided before a loss of the
-    /// store's state as well as after it: within the record's imprecision after the loss began.
-    fn around_a_loss(&self, t: u64) -> bool {
-        self.r.log.faults.iter().any(|f| {
-            self.loss(f).is_some() && f.start_ns <= t && t <= f.start_ns + (DELTA_S * 1e9) as u64
-        })
+    /// Whether an admission sent at `sent` and seen at `t` may have been decided before a loss
+    /// of the store's state as well as after it: the fault ran while it was on its way.
+    fn around_a_loss(&self, sent: u64, t: u64) -> bool {
+        self.r
+            .log
+            .faults
+            .iter()
+            .any(|f| self.loss(f).is_some() && sent <= f.end_ns && f.start_ns <= t)
     }
 
     /// What the old primary of failover `f` may admit beside the new one: from its return (the
@@ -326,6 +329,7 @@ impl<'a> Checker<'a> {
                         Event::Admit {
                             cost,
                             charge: cost.min(real),
+                            sent: s.sent_ns,
                         },
                     ));
                     // A settlement an Envoy restart may have lost is the excess the README
@@ -448,11 +452,11 @@ impl<'a> Checker<'a> {
                 .sum();
             let slack = rate * DELTA_S + 1.0 + extra + in_flight;
             match event {
-                Event::Admit { cost, charge } => {
+                Event::Admit { cost, charge, sent } => {
                     if t > split_until {
                         split = 0.0;
                     }
-                    if self.around_a_loss(t) {
+                    if self.around_a_loss(sent, t) {
                         // Decided on the store that lost it, or on the one after: either way
                         // not owed to what follows.
                         self.row_at(t).admitted += 1;
