@@ -1,7 +1,7 @@
 //! The life of one request through the filter, without host calls. [`Flow::start`] takes the
 //! request's facts and either answers it from what the gateway knows (no rule applies, an
 //! identity it cannot name, a known rejection, leases that pay every decision) or says what to
-//! ask the sidecar ([`Waiting`]); [`Flow::settle`] turns the sidecar's answer, or why there is
+//! ask the sidecar ([`Waiting`]); [`Flow::resolve`] turns the sidecar's answer, or why there is
 //! none, into the [`Verdict`], learns the fast paths' facts from it, and gives back what the
 //! request took from leases if it does not pass. [`batch`] picks the requests each callout
 //! carries; [`courier`] is how the workers of one Envoy share callouts.
@@ -596,22 +596,22 @@ impl Flow<'_> {
     }
 
     /// The verdict on a waiting request from the sidecar's answer, or from why there is none
-    /// (`answer` is then the error), for a call dispatched at `dispatched_ns` and settled at
+    /// (`answer` is then the error), for a call dispatched at `dispatched_ns` and answered at
     /// `now_ns`. Learns the fast paths' facts from it; a request that does not pass gives its
     /// lease takes back.
-    pub fn settle(
+    pub fn resolve(
         &self,
         w: &mut Waiting,
         answer: Result<RequestAnswer, LimiterError>,
         dispatched_ns: u64,
         now_ns: u64,
     ) -> Verdict {
-        self.settle_under(w, answer, None, dispatched_ns, now_ns)
+        self.resolve_under(w, answer, None, dispatched_ns, now_ns)
     }
 
-    /// [`Flow::settle`] of an answer its call said was decided under policy epoch `epoch`
+    /// [`Flow::resolve`] of an answer its call said was decided under policy epoch `epoch`
     /// (`None`: it did not say).
-    pub fn settle_under(
+    pub fn resolve_under(
         &self,
         w: &mut Waiting,
         answer: Result<RequestAnswer, LimiterError>,

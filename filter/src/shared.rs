@@ -8,7 +8,7 @@
 /// over-admission.
 pub const MAX_CAS_ATTEMPTS: usize = 32;
 
-/// RejectionCause shared data refused a write.
+/// Why shared data refused a write.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SharedDataError {
     /// Someone else wrote since our read (from [`compare_and_swap`]: on each of

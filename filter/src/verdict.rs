@@ -46,7 +46,7 @@ pub enum Verdict {
     Reject(LocalReply),
 }
 
-/// RejectionCause the sidecar's answer cannot be used.
+/// Why the sidecar's answer cannot be used.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, serde::Serialize, serde::Deserialize)]
 pub enum LimiterError {
     #[error("no answer (timeout, reset or unreachable cluster)")]

@@ -139,14 +139,14 @@ impl Gateway {
     }
 
     /// What the sidecar answered at `now_ns` to a call sent at `dispatched_ns`.
-    fn settle(
+    fn resolve(
         &self,
         w: &mut Waiting,
         answer: Result<RequestAnswer, LimiterError>,
         dispatched_ns: u64,
         now_ns: u64,
     ) -> Verdict {
-        self.flow().settle(w, answer, dispatched_ns, now_ns)
+        self.flow().resolve(w, answer, dispatched_ns, now_ns)
     }
 
     /// The counters that are not zero.
@@ -311,7 +311,7 @@ fn a_quiet_bucket_asks_the_sidecar_without_a_lease_and_an_admission_writes_nothi
             receipt: false,
         }]
     );
-    let v = g.settle(&mut w, answer(vec![admitted(0)]), T0, T0 + MS);
+    let v = g.resolve(&mut w, answer(vec![admitted(0)]), T0, T0 + MS);
     g.flow().delivered(&v);
     assert_eq!(admitted_with(v), []);
     assert_eq!(
@@ -329,7 +329,7 @@ fn a_quiet_bucket_asks_the_sidecar_without_a_lease_and_an_admission_writes_nothi
 fn a_known_rejection_is_answered_429_locally_until_the_next_request_must_ask_again() {
     let mut g = Gateway::new(config(|_| {}));
     let mut w = waits(g.start(&alpha(), T0));
-    let v = g.settle(&mut w, answer(vec![rejected(1_500)]), T0, T0 + MS);
+    let v = g.resolve(&mut w, answer(vec![rejected(1_500)]), T0, T0 + MS);
     g.flow().delivered(&v);
     let r = rejection(v);
     assert_eq!((r.status, header(&r, "retry-after")), (429, Some("2")));
@@ -361,7 +361,7 @@ fn leased() -> Gateway {
     // 5 a second over a 1 s lease, with headroom: ceil(5 × 1.25) = 7.
     let ask = w.decisions(&g.config)[0].lease.expect("a lease ask");
     assert_eq!((ask.tokens, ask.ttl_ms), (7, 1000));
-    admitted_with(g.settle(&mut w, answer(vec![admitted(7)]), T0, T0));
+    admitted_with(g.resolve(&mut w, answer(vec![admitted(7)]), T0, T0));
     assert_eq!(g.entry().unwrap().lease.tokens, 7);
     g
 }
@@ -395,7 +395,7 @@ fn a_wall_clock_step_back_keeps_no_lease_or_known_rejection_past_its_end() {
     let mut g = Gateway::new(config(busy));
     let t = now();
     let mut w = waits(g.start(&alpha(), t));
-    admitted_with(g.settle(&mut w, answer(vec![admitted(7)]), t, t));
+    admitted_with(g.resolve(&mut w, answer(vec![admitted(7)]), t, t));
     host.advance(500 * MS);
     admitted_with(decided(g.start(&alpha(), now())));
     // The wall clock steps back an hour; 600 ms later the 1 s lease has ended (in Redis too):
@@ -406,7 +406,7 @@ fn a_wall_clock_step_back_keeps_no_lease_or_known_rejection_past_its_end() {
     let mut w = waits(g.start(&alpha(), t));
     assert_eq!(g.count(Stat::LeaseAdmitted), 1);
     // A rejection for 1.5 s, then a step back of an hour: after the wait, the sidecar is asked.
-    let v = g.settle(&mut w, answer(vec![rejected(1_500)]), t, t);
+    let v = g.resolve(&mut w, answer(vec![rejected(1_500)]), t, t);
     g.flow().delivered(&v);
     host.step_wall_back(3600 * S);
     host.advance(900 * MS);
@@ -432,7 +432,7 @@ fn renewing() -> (Gateway, Waiting) {
 fn an_early_renewal_the_sidecar_rejects_is_paid_by_the_lease_in_use() {
     let (g, mut w) = renewing();
     let before = g.count(Stat::LeaseAdmitted);
-    admitted_with(g.settle(
+    admitted_with(g.resolve(
         &mut w,
         answer(vec![rejected(100)]),
         T0 + 6 * MS,
@@ -447,7 +447,7 @@ fn an_early_renewal_the_sidecar_rejects_is_paid_by_the_lease_in_use() {
 fn an_early_renewal_the_sidecar_cannot_answer_is_paid_by_the_lease_in_use() {
     let (g, mut w) = renewing();
     let before = g.count(Stat::LeaseAdmitted);
-    let v = g.settle(
+    let v = g.resolve(
         &mut w,
         Err(LimiterError::NoAnswer),
         T0 + 6 * MS,
@@ -479,7 +479,7 @@ fn an_early_renewal_the_lease_can_no_longer_pay_gets_the_sidecars_429_or_its_on_
         } else {
             (answer(vec![rejected(100)]), 429)
         };
-        let r = rejection(g.settle(&mut w, answer, T0 + 6 * MS, T0 + 10 * MS));
+        let r = rejection(g.resolve(&mut w, answer, T0 + 6 * MS, T0 + 10 * MS));
         assert_eq!(r.status, status);
         assert_eq!(g.count(Stat::RuleRejected(0)), u64::from(!failed));
         assert_eq!(g.count(Stat::FailedClosed), u64::from(failed));
@@ -495,7 +495,7 @@ fn per_rule_stats_count_each_rules_result_and_shadow_rejections() {
         ..admitted(0)
     };
     let mut w = waits(g.start(&alpha(), T0));
-    admitted_with(g.settle(&mut w, answer(vec![admitted(0), shadow]), T0, T0));
+    admitted_with(g.resolve(&mut w, answer(vec![admitted(0), shadow]), T0, T0));
     assert_eq!(
         g.counted(),
         [
@@ -510,7 +510,7 @@ fn per_rule_stats_count_each_rules_result_and_shadow_rejections() {
         ..admitted(0)
     };
     let mut w = waits(g.start(&alpha(), T0 + MS));
-    let v = g.settle(&mut w, answer(vec![rejected(100), uncharged]), T0, T0);
+    let v = g.resolve(&mut w, answer(vec![rejected(100), uncharged]), T0, T0);
     assert_eq!(rejection(v).details, "ratelimit_rejected:per-app");
     assert_eq!(
         g.counted(),
@@ -531,7 +531,7 @@ fn a_request_rejected_by_one_rule_gives_the_others_lease_take_back() {
     }));
     let mut w = waits(g.start(&alpha(), T0));
     // per-app gets a lease of 5, per-ip none.
-    admitted_with(g.settle(&mut w, answer(vec![admitted(5), admitted(0)]), T0, T0));
+    admitted_with(g.resolve(&mut w, answer(vec![admitted(5), admitted(0)]), T0, T0));
     let mut w = waits(g.start(&alpha(), T0 + MS));
     assert_eq!(
         g.entry().unwrap().lease.tokens,
@@ -539,7 +539,7 @@ fn a_request_rejected_by_one_rule_gives_the_others_lease_take_back() {
         "per-app paid by its lease"
     );
     assert_eq!(w.remote_decisions(), 1, "per-ip asks the sidecar");
-    let v = g.settle(&mut w, answer(vec![rejected(100)]), T0 + MS, T0 + 2 * MS);
+    let v = g.resolve(&mut w, answer(vec![rejected(100)]), T0 + MS, T0 + 2 * MS);
     assert_eq!(rejection(v).details, "ratelimit_rejected:per-ip");
     assert_eq!(g.entry().unwrap().lease.tokens, 5, "given back");
     g.flow().give_back(&mut w, T0 + 2 * MS);
@@ -555,7 +555,7 @@ fn without_an_answer_deny_answers_503_and_allow_admits() {
     let g_allow = Gateway::new(config(|v| v["rules"][0]["on_error"] = json!("allow")));
     for (mut g, status) in [(g_deny, Some(503)), (g_allow, None)] {
         let mut w = waits(g.start(&alpha(), T0));
-        let v = g.settle(&mut w, Err(LimiterError::NoAnswer), T0, T0 + 50 * MS);
+        let v = g.resolve(&mut w, Err(LimiterError::NoAnswer), T0, T0 + 50 * MS);
         g.flow().delivered(&v);
         match status {
             Some(503) => {
@@ -594,7 +594,7 @@ fn without_an_answer_local_takes_the_emergency_bucket_until_it_is_empty() {
     let mut statuses = Vec::new();
     for _ in 0..3 {
         let mut w = waits(g.start(&alpha(), T0));
-        let v = g.settle(&mut w, Err(LimiterError::NoAnswer), T0, T0);
+        let v = g.resolve(&mut w, Err(LimiterError::NoAnswer), T0, T0);
         statuses.push(match v {
             Verdict::Admit { .. } => 200,
             Verdict::Reject(r) => r.status,
@@ -624,7 +624,7 @@ fn a_rule_the_sidecar_does_not_know_is_a_configuration_error_with_the_rules_on_e
         }),
         slot: None,
     });
-    assert_eq!(rejection(g.settle(&mut w, unknown, T0, T0)).status, 503);
+    assert_eq!(rejection(g.resolve(&mut w, unknown, T0, T0)).status, 503);
     assert_eq!(
         g.counted(),
         [(Stat::ConfigError, 1), (Stat::FailedClosed, 1)]
@@ -668,7 +668,7 @@ fn a_rule_the_sidecar_does_not_know_fails_that_decision_alone_with_its_on_error(
     let mut g = with("allow");
     let mut w = waits(g.start(&alpha(), T0));
     assert_eq!(w.remote_decisions(), 2);
-    admitted_with(g.settle(&mut w, unknown_ip(), T0, T0));
+    admitted_with(g.resolve(&mut w, unknown_ip(), T0, T0));
     assert_eq!(
         (g.count(Stat::ConfigError), g.count(Stat::FailedOpen)),
         (1, 1)
@@ -679,7 +679,7 @@ fn a_rule_the_sidecar_does_not_know_fails_that_decision_alone_with_its_on_error(
     let mut g = with("deny");
     let mut w = waits(g.start(&alpha(), T0));
     assert_eq!(
-        rejection(g.settle(&mut w, unknown_ip(), T0, T0)).status,
+        rejection(g.resolve(&mut w, unknown_ip(), T0, T0)).status,
         503
     );
     assert_eq!(
@@ -692,7 +692,7 @@ fn a_rule_the_sidecar_does_not_know_fails_that_decision_alone_with_its_on_error(
     let mut statuses = Vec::new();
     for i in 0..2 {
         let mut w = waits(g.start(&alpha(), T0 + i * MS));
-        statuses.push(match g.settle(&mut w, unknown_ip(), T0, T0 + i * MS) {
+        statuses.push(match g.resolve(&mut w, unknown_ip(), T0, T0 + i * MS) {
             Verdict::Admit { .. } => 200,
             Verdict::Reject(r) => r.status,
         });
@@ -709,7 +709,7 @@ fn a_rule_the_sidecar_does_not_know_fails_that_decision_alone_with_its_on_error(
     // The decided rule rejects: 429 by it, whatever the unknown rule's policy.
     let mut g = with("deny");
     let mut w = waits(g.start(&alpha(), T0));
-    let r = rejection(g.settle(
+    let r = rejection(g.resolve(
         &mut w,
         answer(vec![rejected(2_000), undecided("per-ip")]),
         T0,
@@ -723,7 +723,7 @@ fn a_rule_the_sidecar_does_not_know_fails_that_decision_alone_with_its_on_error(
     let mut g = with("allow");
     let mut w = waits(g.start(&alpha(), T0));
     let both = answer(vec![undecided("per-app"), admitted(0)]);
-    assert_eq!(rejection(g.settle(&mut w, both, T0, T0)).status, 503);
+    assert_eq!(rejection(g.resolve(&mut w, both, T0, T0)).status, 503);
 }
 
 #[test]
@@ -734,7 +734,7 @@ fn a_lease_ask_without_an_answer_is_released() {
         g.entry().unwrap().renewing_until_ns > T0,
         "one ask in flight"
     );
-    g.settle(&mut w, Err(LimiterError::NoAnswer), T0, T0 + 50 * MS);
+    g.resolve(&mut w, Err(LimiterError::NoAnswer), T0, T0 + 50 * MS);
     assert_eq!(g.entry().unwrap().renewing_until_ns, 0);
     let w = waits(g.start(&alpha(), T0 + 60 * MS));
     assert!(w.remote[0].ask.is_some(), "the next request asks again");
@@ -767,7 +767,7 @@ fn an_admitted_request_reserves_what_it_names_and_settles_the_difference() {
         receipt: Some("77".into()),
         ..admitted(0)
     };
-    admitted_with(g.settle(&mut w, answer(vec![with_receipt]), T0, T0 + MS));
+    admitted_with(g.resolve(&mut w, answer(vec![with_receipt]), T0, T0 + MS));
     let mut m = g.flow().metered(&w);
     assert_eq!((m.len(), m[0].reserved), (1, 300));
     m[0].meter.headers(Some(b"120"), None, None);
@@ -793,14 +793,14 @@ fn an_admitted_request_reserves_what_it_names_and_settles_the_difference() {
 fn only_a_charged_decision_settles() {
     let mut g = Gateway::new(config(metered));
     let mut w = waits(g.start(&alpha(), T0));
-    rejection(g.settle(&mut w, answer(vec![rejected(1_000)]), T0, T0 + MS));
+    rejection(g.resolve(&mut w, answer(vec![rejected(1_000)]), T0, T0 + MS));
     assert!(g.flow().metered(&w).is_empty(), "rejected: nothing charged");
     let mut g = Gateway::new(config(|v| {
         metered(v);
         v["rules"][0]["on_error"] = "allow".into();
     }));
     let mut w = waits(g.start(&alpha(), T0));
-    admitted_with(g.settle(&mut w, Err(LimiterError::NoAnswer), T0, T0 + 50 * MS));
+    admitted_with(g.resolve(&mut w, Err(LimiterError::NoAnswer), T0, T0 + 50 * MS));
     assert!(
         g.flow().metered(&w).is_empty(),
         "failed open: nothing charged, nothing to give back"
@@ -812,7 +812,7 @@ fn only_a_charged_decision_settles() {
         reason: Reason::Insufficient,
         ..admitted(0)
     };
-    admitted_with(g.settle(&mut w, answer(vec![shadow]), T0 + S, T0 + S + MS));
+    admitted_with(g.resolve(&mut w, answer(vec![shadow]), T0 + S, T0 + S + MS));
     assert!(
         g.flow().metered(&w).is_empty(),
         "a shadow rejection charged nothing"
@@ -827,7 +827,7 @@ fn a_response_without_its_cost_settles_at_the_operators_figure_never_the_clients
     let mut r = alpha();
     r.headers.insert("x-max-tokens".into(), b"1".to_vec());
     let mut w = waits(g.start(&r, T0));
-    admitted_with(g.settle(&mut w, answer(vec![admitted(0)]), T0, T0 + MS));
+    admitted_with(g.resolve(&mut w, answer(vec![admitted(0)]), T0, T0 + MS));
     let mut budget = costs::Budget::default();
     let mut m = g.flow().metered(&w);
     m[0].meter.headers(None, None, None);
@@ -847,7 +847,7 @@ fn a_response_without_its_cost_settles_at_the_operators_figure_never_the_clients
         v["rules"][0]["cost"]["unreported_cost"] = json!(500);
     }));
     let mut w = waits(g.start(&r, T0));
-    admitted_with(g.settle(&mut w, answer(vec![admitted(0)]), T0, T0 + MS));
+    admitted_with(g.resolve(&mut w, answer(vec![admitted(0)]), T0, T0 + MS));
     let mut m = g.flow().metered(&w);
     m[0].meter.headers(None, None, None);
     let s = g.flow().settled(m.remove(0), false, &mut budget).unwrap();

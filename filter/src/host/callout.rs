@@ -15,7 +15,7 @@ use proxy_wasm::hostcalls;
 use proxy_wasm::types::{BufferType, MapType};
 use ratelimit_wire::DecideResponse;
 
-use super::{abi, answered_under, courier, now_ns, settle, stats, Plugin, SharedVm};
+use super::{abi, answered_under, courier, now_ns, resolve, stats, Plugin, SharedVm};
 use crate::flow::courier::WAKE;
 use crate::flow::{Stat, Stats, Waiting};
 use crate::verdict::{self, LimiterError, MAX_ANSWER_BYTES};
@@ -68,7 +68,7 @@ pub fn send_queued(vm: &SharedVm) {
             Err(e) => {
                 let now = now_ns();
                 for &ctx in &batch.own {
-                    settle(vm, ctx, Err(e.clone()), None, now, now, true);
+                    resolve(vm, ctx, Err(e.clone()), None, now, now, true);
                 }
                 courier::answer_carried(vm, &batch.carried, None, |_| Err(e.clone()));
                 let root = vm.borrow().root_id;
@@ -120,7 +120,7 @@ pub fn answered(vm: &SharedVm, token: u32, num_headers: usize, body_size: usize)
     answered_under(vm, epoch);
     stats::counting(|| {
         for (i, &ctx) in flight.own.iter().enumerate() {
-            settle(vm, ctx, answer(i), epoch, flight.dispatched_ns, now, true);
+            resolve(vm, ctx, answer(i), epoch, flight.dispatched_ns, now, true);
         }
     });
     courier::answer_carried(vm, &flight.carried, epoch, |j| answer(own + j));
@@ -141,7 +141,7 @@ pub fn answered_alone(vm: &SharedVm, ctx: u32, sent_ns: u64, num_headers: usize,
     let epoch = answer.as_ref().ok().and_then(|a| a.epoch);
     answered_under(vm, epoch);
     let answer = answer.map(|mut a| a.answers.remove(0));
-    settle(vm, ctx, answer, epoch, sent_ns, now, false);
+    resolve(vm, ctx, answer, epoch, sent_ns, now, false);
 }
 
 /// Sends this Envoy's policy epoch poll (`GET /v1/epoch`) from the root context, at `now`

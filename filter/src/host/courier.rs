@@ -9,7 +9,7 @@ use log::{debug, warn};
 use proxy_wasm::hostcalls;
 use ratelimit_wire::RequestAnswer;
 
-use super::{abi, answered_under, callout, now_ns, settle, stats, SharedVm};
+use super::{abi, answered_under, callout, now_ns, resolve, stats, SharedVm};
 use crate::config::Config;
 use crate::flow::courier::{self, Answers, Forward, Sender};
 use crate::flow::{Stat, Stats};
@@ -173,7 +173,7 @@ pub fn receive(vm: &SharedVm, queue_id: u32) {
                         for (ctx, answer) in a.answers {
                             let sent = vm.borrow_mut().queue.forward_answered(ctx);
                             if let Some(sent_ns) = sent {
-                                settle(vm, ctx, answer, a.epoch, sent_ns, now, true);
+                                resolve(vm, ctx, answer, a.epoch, sent_ns, now, true);
                             }
                         }
                     })

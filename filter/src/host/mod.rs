@@ -265,7 +265,7 @@ impl RootContext for Root {
         }
         let expired = vm.borrow_mut().queue.expired(now);
         for ctx in expired {
-            settle(&vm, ctx, Err(LimiterError::NoAnswer), None, now, now, true);
+            resolve(&vm, ctx, Err(LimiterError::NoAnswer), None, now, now, true);
         }
         // Requests forwarded to the courier and not answered by their deadline: their failure
         // policy, and this worker takes the courier's place.
@@ -273,7 +273,7 @@ impl RootContext for Root {
         if !overdue.is_empty() {
             courier::take_over(&vm);
             for ctx in overdue {
-                settle(&vm, ctx, Err(LimiterError::NoAnswer), None, now, now, true);
+                resolve(&vm, ctx, Err(LimiterError::NoAnswer), None, now, now, true);
             }
             let _ = abi::set_effective_context(self.id);
             callout::send_queued(&vm);
@@ -355,7 +355,7 @@ impl Request {
                     let Some(mut w) = vm.borrow_mut().queue.take(self.id) else {
                         return Action::Pause;
                     };
-                    flow.settle(&mut w, Err(e), now, now)
+                    flow.resolve(&mut w, Err(e), now, now)
                 }
             },
         };
@@ -599,10 +599,10 @@ fn answered_under(vm: &SharedVm, epoch: Option<u64>) {
     v.plugin.flow().answered_under(&v.worker, epoch);
 }
 
-/// Settles a paused request with the sidecar's answer (or why there is none: `answer` is the
+/// Resolves a paused request with the sidecar's answer (or why there is none: `answer` is the
 /// error; `epoch`: the policy epoch its call said) and carries the verdict out. `switch`: the
 /// root answers for the request, so its context is made the effective one first.
-fn settle(
+fn resolve(
     vm: &SharedVm,
     ctx: u32,
     answer: Result<RequestAnswer, LimiterError>,
@@ -623,7 +623,7 @@ fn settle(
         let decisions = w.decisions(&plugin.config);
         vm.borrow_mut().slots.hold(ctx, held, &decisions, now_ns);
     }
-    let verdict = flow.settle_under(&mut w, answer, epoch, dispatched_ns, now_ns);
+    let verdict = flow.resolve_under(&mut w, answer, epoch, dispatched_ns, now_ns);
     if switch && abi::set_effective_context(ctx).is_err() {
         // The request is gone (its client went away): nothing to answer; its leases back, and
         // its reservations stand (it never reached the upstream).

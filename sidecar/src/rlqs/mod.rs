@@ -292,7 +292,7 @@ impl<S: BucketStore> Session<S> {
                     }
                 }, if round.is_some() => {
                     if let Some((planned, _)) = round.take() {
-                        outbox.extend(self.settle(planned, answers));
+                        outbox.extend(self.answer_round(planned, answers));
                     }
                 }
                 permit = tx.reserve(), if !outbox.is_empty() => match (permit, outbox.pop_front()) {
@@ -588,9 +588,9 @@ impl<S: BucketStore> Session<S> {
         (planned, answers)
     }
 
-    /// Settles a round with its store calls' `answers`: what each bucket is sent, in responses
+    /// Answers a round with its store calls' `answers`: what each bucket is sent, in responses
     /// of at most `--max-body-bytes` each (one action larger than that goes alone).
-    fn settle(
+    fn answer_round(
         &mut self,
         planned: Planned,
         answers: Vec<RequestAnswer>,
@@ -653,7 +653,7 @@ impl<S: BucketStore> Session<S> {
                         },
                     };
                     match granted {
-                        Some(granted) => t.holding.settle(at, ask, granted, target, timing),
+                        Some(granted) => t.holding.choose(at, ask, granted, target, timing),
                         None => deny(&mut t.holding, at, timing),
                     }
                 }
@@ -767,7 +767,7 @@ fn deny(holding: &mut Holding, now_ms: u64, timing: Timing) -> Strategy {
         tokens_per_sec: 0,
     };
     let ask = holding.ask(now_ms, zero, timing);
-    holding.settle(now_ms, ask, 0, zero, timing)
+    holding.choose(now_ms, ask, 0, zero, timing)
 }
 
 /// The bucket action that assigns `strategy` for the TTL.

@@ -219,7 +219,7 @@ impl Holding {
     /// Records the `granted` tokens taken for `ask` and chooses what to send: the proposal if the
     /// tokens held cover it; else renewing the current token bucket; else the largest token bucket
     /// they cover (rate and burst at most the target's); else DENY_ALL, which always fits.
-    pub fn settle(
+    pub fn choose(
         &mut self,
         now_ms: u64,
         ask: Ask,
@@ -412,7 +412,7 @@ mod tests {
         };
         let mut h = Holding::default();
         let ask = h.ask(0, target, TIMING);
-        h.settle(0, ask, ask.tokens, target, TIMING);
+        h.choose(0, ask, ask.tokens, target, TIMING);
         (h, target)
     }
 
@@ -435,7 +435,7 @@ mod tests {
         assert_eq!(ask.tokens, 23);
         assert_eq!(ask.proposal, Proposal::Start(tb(10, 5)));
         let mut h = h;
-        assert_eq!(h.settle(0, ask, 23, target, TIMING), tb(10, 5));
+        assert_eq!(h.choose(0, ask, 23, target, TIMING), tb(10, 5));
         assert_eq!(h.committed(), 22.5);
     }
 
@@ -447,7 +447,7 @@ mod tests {
         assert_eq!(ask.tokens, 5);
         // 22.5 + 5 = 27.5 needed, 23 held
         assert_eq!(ask.tokens, 5);
-        assert_eq!(h.settle(1000, ask, 5, target, TIMING), tb(10, 5));
+        assert_eq!(h.choose(1000, ask, 5, target, TIMING), tb(10, 5));
         assert_eq!(h.committed(), 27.5);
         // Too late to be sure the last one is still live: a new chain.
         let ask = h.ask(3000, target, TIMING);
@@ -480,10 +480,10 @@ mod tests {
         let mut h = Holding::default();
         let ask = h.ask(0, target, TIMING);
         // 13 tokens over 2.5 s: rate 4 (10), burst 3.
-        assert_eq!(h.settle(0, ask, 13, target, TIMING), tb(3, 4));
+        assert_eq!(h.choose(0, ask, 13, target, TIMING), tb(3, 4));
         assert!(h.committed() <= h.reserved());
         let mut h = Holding::default();
-        assert_eq!(h.settle(0, ask, 3, target, TIMING), Strategy::DenyAll);
+        assert_eq!(h.choose(0, ask, 3, target, TIMING), Strategy::DenyAll);
         assert_eq!(h.committed(), 0.0);
     }
 
@@ -493,7 +493,7 @@ mod tests {
         let ask = h.ask(1000, target, TIMING);
         // Nothing granted: the old chain's reservation still covers a smaller bucket from now on
         // (the 10 tokens of its last two seconds), or DENY_ALL.
-        let s = h.settle(1000, ask, 0, target, TIMING);
+        let s = h.choose(1000, ask, 0, target, TIMING);
         assert!(h.committed() <= h.reserved() + EPSILON, "{s:?} {h:?}");
     }
 
@@ -571,7 +571,7 @@ mod tests {
                 tokens -= granted as f64;
                 handed_out += granted as f64;
                 now += step.late_ms;
-                h.settle(now, ask, granted, target, TIMING);
+                h.choose(now, ask, granted, target, TIMING);
                 for h in &holdings {
                     prop_assert!(h.committed() <= h.reserved() + 1e-6, "{h:?}");
                 }

@@ -3,12 +3,12 @@
 //! and the store behind the decision logic's unit tests. Time is injected, so tests drive it.
 //!
 //! It mirrors the scripts function for function, in their order and their floating-point order:
-//! [`Call::bucket`] (the script sums the lease ceiling, [`Call::ceiling`], inline),
-//! [`Call::finish`], [`Call::give`] and [`Call::remove_lease`], [`Call::unpack_record`] and the
+//! [`ScriptRun::bucket`] (the script sums the lease ceiling, [`ScriptRun::ceiling`], inline),
+//! [`ScriptRun::finish`], [`ScriptRun::give`] and [`ScriptRun::remove_lease`], [`ScriptRun::unpack_record`] and the
 //! returns as `lua/bucket.lua` has them, then [`MemoryStore::run`] as `lua/apply.lua` and
 //! [`MemoryStore::refund_now`] as `lua/refund.lua`. The script's returns and refund give tokens
 //! back inline, up to `capacity - (leased - amount)` (the ceiling the bucket function found, less
-//! the removed lease): the same figure as [`Call::give`]'s, since lease amounts are whole numbers.
+//! the removed lease): the same figure as [`ScriptRun::give`]'s, since lease amounts are whole numbers.
 //! The formulas themselves are `ratelimit_bucket`'s; what each rule is for: `docs/bucket.md`.
 
 use std::collections::HashMap;
@@ -109,8 +109,8 @@ pub struct MemoryStore {
     store_reset: StoreReset,
 }
 
-/// One call of a script: the store, the server's clock, the bucket states.
-struct Call<'a> {
+/// One run of a script (one store call): the store, the server's clock, the bucket states.
+struct ScriptRun<'a> {
     inner: &'a mut Inner,
     now: f64,
     states: HashMap<Arc<str>, State>,
@@ -119,7 +119,7 @@ struct Call<'a> {
     epoch: Option<f64>,
 }
 
-impl Call<'_> {
+impl ScriptRun<'_> {
     /// The lease ceiling: the capacity less what the bucket's unexpired leases hold.
     fn ceiling(s: &State, capacity: f64) -> f64 {
         lease_ceiling(capacity, s.leases.iter().map(|l| l.amount))
@@ -334,7 +334,7 @@ impl MemoryStore {
         let mut inner = self.inner.lock().expect("not poisoned");
         inner.records.retain(|_, (_, exp)| *exp > now_ms);
         let epoch = self.epoch(&mut inner, now);
-        let mut call = Call {
+        let mut call = ScriptRun {
             inner: &mut inner,
             now,
             states: HashMap::new(),
@@ -343,8 +343,8 @@ impl MemoryStore {
         // Returns: the unused part of a lease goes back, the lease is removed.
         for r in &work.returns {
             let (s, tokens, capacity, _) = call.bucket(&r.key, &r.bucket);
-            if let Some(lease) = Call::remove_lease(s, r.lease_id as f64) {
-                Call::give(
+            if let Some(lease) = ScriptRun::remove_lease(s, r.lease_id as f64) {
+                ScriptRun::give(
                     s,
                     tokens + (r.tokens as f64).min(lease.amount),
                     capacity,
@@ -409,7 +409,7 @@ impl MemoryStore {
                             }
                             if grant > 0.0 {
                                 // A new lease under an id already held replaces it.
-                                Call::remove_lease(s, ask.id as f64);
+                                ScriptRun::remove_lease(s, ask.id as f64);
                                 s.leases.push(Lease {
                                     id: ask.id as f64,
                                     amount: grant,
@@ -472,7 +472,7 @@ impl MemoryStore {
         let now = self.now_us.load(Ordering::SeqCst) as f64;
         let mut inner = self.inner.lock().expect("not poisoned");
         let epoch = self.epoch(&mut inner, now);
-        let mut call = Call {
+        let mut call = ScriptRun {
             inner: &mut inner,
             now,
             states: HashMap::new(),
@@ -491,10 +491,10 @@ impl MemoryStore {
                 if charged > 0.0 {
                     let (s, tokens, capacity, refill_per_sec) = call.bucket(&c.key, &c.bucket);
                     // A returned or expired lease gave its tokens back, or lost them, already.
-                    if x[5] > 0.0 && Call::remove_lease(s, x[7]).is_none() {
+                    if x[5] > 0.0 && ScriptRun::remove_lease(s, x[7]).is_none() {
                         charged -= x[5];
                     }
-                    let tokens = Call::give(s, tokens + charged, capacity, now);
+                    let tokens = ScriptRun::give(s, tokens + charged, capacity, now);
                     (x[0], x[1], x[5]) = (0.0, whole(tokens) as f64, 0.0);
                     x[3] = wait_ms(capacity - tokens, refill_per_sec) as f64;
                 }
