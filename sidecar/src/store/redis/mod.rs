@@ -24,11 +24,14 @@
 pub mod batch;
 mod compensation;
 pub mod connection;
+mod epoch;
 mod options;
 mod placement;
+mod readiness;
 pub mod script;
 pub mod sentinel;
 pub mod settle;
+mod slot_map;
 pub mod slots;
 #[cfg(test)]
 mod two_nodes;
@@ -45,8 +48,10 @@ use redis::{Cmd, ErrorKind, RedisError, ServerErrorKind, Value};
 
 use self::batch::Batcher;
 use self::connection::{stall_limit, Connection};
+pub use self::epoch::{epoch_marker, FENCE_SCRIPT};
 pub use self::options::StoreOptions;
 use self::script::{parse_apply, Script, ScriptArgs};
+pub use self::slot_map::SlotMap;
 use super::{
     eviction_warning, Applied, BucketStore, Call, Decided, Group, Readiness, RequestOutcome,
     SettleBatch, Settled, Settlement, ShareStore, Slot, SlotUpdate, SlotsTaken, StoreError,
@@ -147,87 +152,6 @@ struct Inner {
     refresher_started: AtomicBool,
 }
 
-/// Slot ranges and the address of the primary serving each, sorted by start.
-#[derive(Debug, Default, Clone, PartialEq)]
-pub struct SlotMap {
-    ranges: Vec<(u16, u16, Arc<str>)>,
-}
-
-/// The key of a node's epoch marker (docs/bucket.md, "a store that lost its state"):
-/// `<prefix>epoch` on one Redis; on a Cluster one per primary, `<prefix>epoch{<tag>}` with a tag
-/// whose slot that primary serves ([`SlotMap::marker_tags`]), so it lives, and is lost, with that
-/// node's buckets. It holds the server's time (µs) when it was made: the store's epoch. Its stamp,
-/// `<marker>:run`, is the run_id of the server it was made on (`lua/fence.lua`).
-pub fn epoch_marker(prefix: &str, tag: Option<&str>) -> String {
-    match tag {
-        Some(tag) => format!("{prefix}epoch{{{tag}}}"),
-        None => format!("{prefix}epoch"),
-    }
-}
-
-/// `lua/fence.lua`: the node's epoch made anew when the server is not the one that made it.
-pub const FENCE_SCRIPT: &str = include_str!("../../../../lua/fence.lua");
-
-impl SlotMap {
-    /// Each primary's marker tag: `n<k>` for the first `k` whose slot the primary serves.
-    pub fn marker_tags(&self) -> HashMap<Arc<str>, String> {
-        let mut nodes: Vec<&Arc<str>> = self.ranges.iter().map(|(_, _, n)| n).collect();
-        nodes.sort();
-        nodes.dedup();
-        let mut tags = HashMap::with_capacity(nodes.len());
-        // Every slot is reached within a few hundred thousand tags (CRC16 spreads them evenly).
-        for k in 0..2_000_000u32 {
-            if tags.len() == nodes.len() {
-                break;
-            }
-            let tag = format!("n{k}");
-            if let Some(node) = self.node(cluster_slot(format!("{{{tag}}}").as_bytes())) {
-                tags.entry(node.clone()).or_insert(tag);
-            }
-        }
-        tags
-    }
-
-    fn node(&self, slot: u16) -> Option<&Arc<str>> {
-        let i = self.ranges.partition_point(|(start, _, _)| *start <= slot);
-        let (start, end, addr) = self.ranges.get(i.checked_sub(1)?)?;
-        (*start <= slot && slot <= *end).then_some(addr)
-    }
-
-    /// Parses a `CLUSTER SLOTS` reply: `[[start, end, [ip, port, id...], replicas...], ...]`.
-    pub fn from_cluster_slots(v: &Value) -> Option<SlotMap> {
-        let Value::Array(entries) = v else {
-            return None;
-        };
-        let mut ranges = Vec::with_capacity(entries.len());
-        for e in entries {
-            let Value::Array(parts) = e else {
-                return None;
-            };
-            let (Some(Value::Int(start)), Some(Value::Int(end)), Some(Value::Array(primary))) =
-                (parts.first(), parts.get(1), parts.get(2))
-            else {
-                return None;
-            };
-            let host = match primary.first()? {
-                Value::BulkString(b) => String::from_utf8_lossy(b).into_owned(),
-                Value::SimpleString(s) => s.clone(),
-                _ => return None,
-            };
-            let Some(Value::Int(port)) = primary.get(1) else {
-                return None;
-            };
-            ranges.push((
-                u16::try_from(*start).ok()?,
-                u16::try_from(*end).ok()?,
-                Arc::from(format!("{host}:{port}")),
-            ));
-        }
-        ranges.sort_by_key(|r| r.0);
-        Some(SlotMap { ranges })
-    }
-}
-
 impl RedisStore {
     /// A store on one Redis. Connects lazily: this succeeds while Redis is down.
     pub fn single(
@@ -278,15 +202,15 @@ impl RedisStore {
         }
     }
 
-    fn timeout(&self) -> Duration {
+    pub(super) fn timeout(&self) -> Duration {
         Duration::from_millis(self.inner.options.timeout_ms)
     }
 
-    async fn query(&self, cmd: Cmd) -> redis::RedisResult<Value> {
+    pub(super) async fn query(&self, cmd: Cmd) -> redis::RedisResult<Value> {
         self.inner.connection.query(cmd).await
     }
 
-    async fn query_all_primaries(
+    pub(super) async fn query_all_primaries(
         &self,
         cmd: Cmd,
         policy: Option<ResponsePolicy>,
@@ -295,14 +219,14 @@ impl RedisStore {
     }
 
     /// `f` bounded by `--redis-timeout-ms`.
-    async fn bounded<T>(
+    pub(super) async fn bounded<T>(
         &self,
         f: impl Future<Output = redis::RedisResult<T>>,
     ) -> Result<T, StoreError> {
         self.bounded_by(self.timeout(), f).await
     }
 
-    async fn bounded_by<T>(
+    pub(super) async fn bounded_by<T>(
         &self,
         limit: Duration,
         f: impl Future<Output = redis::RedisResult<T>>,
@@ -359,203 +283,7 @@ impl RedisStore {
         });
     }
 
-    /// The epoch marker of `node`: `<prefix>epoch`, or on a Cluster the primary's (`None` while
-    /// the slot map is not known).
-    fn node_marker(&self, node: &NodeId) -> Option<String> {
-        let prefix = &self.inner.options.key_prefix;
-        if !self.inner.connection.is_cluster() {
-            return Some(epoch_marker(prefix, None));
-        }
-        self.inner.markers.load().get(&node.0).cloned()
-    }
-
-    /// The marker a script call on `node` reads: the node's under `--store-reset empty`, else
-    /// "". A Cluster node whose marker is not known yet cannot be decided on: no bucket it holds
-    /// could be told from one it lost.
-    fn script_marker(&self, node: &NodeId) -> Result<String, StoreError> {
-        if self.inner.options.store_reset == StoreReset::Full {
-            return Ok(String::new());
-        }
-        self.node_marker(node).ok_or_else(|| {
-            StoreError::Redis(format!(
-                "the epoch marker of node {} is not known yet (the cluster slot map is loading)",
-                node.0
-            ))
-        })
-    }
-
-    /// Every node's epoch marker: `<prefix>epoch`, or on a Cluster one per primary.
-    fn epoch_markers(&self) -> Vec<(NodeId, String)> {
-        if !self.inner.connection.is_cluster() {
-            let node = NodeId::primary();
-            return self
-                .node_marker(&node)
-                .map(|m| (node, m))
-                .into_iter()
-                .collect();
-        }
-        let mut all: Vec<(NodeId, String)> = self
-            .inner
-            .markers
-            .load()
-            .iter()
-            .map(|(n, m)| (NodeId(n.clone()), m.clone()))
-            .collect();
-        all.sort();
-        all
-    }
-
-    /// `lua/fence.lua` on the node of `marker`: its epoch, made now when missing or made by
-    /// another server (a restart, a failover). The epoch and how it came: 0 kept, 1 made, 2 made
-    /// anew over another server's.
-    async fn fence_query(&self, node: &NodeId, marker: &str) -> redis::RedisResult<(String, u8)> {
-        let mut eval = redis::cmd("EVAL");
-        eval.arg(FENCE_SCRIPT)
-            .arg(2)
-            .arg(marker)
-            .arg(format!("{marker}:run"));
-        let v = self.query(eval).await?;
-        let (epoch, kind) = match &v {
-            Value::Array(items) => match &items[..] {
-                [epoch, Value::Int(kind)] => (
-                    redis::from_redis_value::<String>(epoch.clone())?,
-                    u8::try_from(*kind).unwrap_or(0),
-                ),
-                _ => return Err(unexpected(&v)),
-            },
-            _ => return Err(unexpected(&v)),
-        };
-        self.observe(node, marker, &epoch, kind);
-        Ok((epoch, kind))
-    }
-
-    /// A node's epoch as a fence found it (`kind`: 0 kept, 1 made, 2 made anew over another
-    /// server's): one gone or changed since the last fence means the node lost its state or may
-    /// hold an older one (a restart, a snapshot, a failover): logged at warn and counted
-    /// (`ratelimit_store_resets_total`).
-    fn observe(&self, node: &NodeId, marker: &str, epoch: &str, kind: u8) {
-        let before = self
-            .inner
-            .epochs_seen
-            .lock()
-            .expect("not poisoned")
-            .insert(marker.to_string(), epoch.to_string());
-        match before {
-            Some(before) if before != epoch || kind != 0 => {
-                self.inner.metrics.store_resets.inc();
-                let what = match kind {
-                    2 => "a new server holds it (restarted, from a snapshot or not, or a replica promoted): what it holds may be older than what was decided",
-                    _ => "its epoch marker was gone or made anew (restarted empty, or flushed)",
-                };
-                tracing::warn!(
-                    %marker,
-                    node = %node.0,
-                    policy = ?self.inner.options.store_reset,
-                    "redis lost its state ({what}); buckets it no longer holds, or last wrote before the new epoch, start {} (--store-reset)",
-                    match self.inner.options.store_reset {
-                        StoreReset::Full => "full (or as it holds them)",
-                        StoreReset::Empty => "empty at the new epoch and refill from there",
-                    }
-                );
-            }
-            None if kind != 0 => tracing::info!(
-                %marker,
-                "made the store's epoch marker (a new Redis, or one that lost its state or restarted before this sidecar started)"
-            ),
-            _ => {}
-        }
-    }
-
-    /// [`Self::fence_query`] on `node`, bounded, and observed.
-    async fn fence(&self, node: &NodeId) -> Result<(String, u8), StoreError> {
-        let marker = self.node_marker(node).ok_or_else(|| {
-            StoreError::Redis(format!(
-                "the epoch marker of node {} is not known yet (the cluster slot map is loading)",
-                node.0
-            ))
-        })?;
-        self.bounded(self.fence_query(node, &marker)).await
-    }
-
-    /// Runs a script call, `cmd(false)` (EVALSHA). A NOSCRIPT answer means the node's process
-    /// is new (restarted, promoted, or its scripts flushed), so what it holds may be older than
-    /// what the scripts last saw: its epoch is fenced first ([`Self::fence_query`]), then
-    /// `cmd(true)` (EVAL) runs the call and caches the script again. No bucket script runs on a
-    /// node before its epoch says what it holds (docs/bucket.md). Bounded by `limit`.
-    async fn run_healed(
-        &self,
-        node: &NodeId,
-        cmd: impl Fn(bool) -> Cmd,
-        limit: Duration,
-    ) -> Result<Value, StoreError> {
-        self.bounded_by(limit, async {
-            match self.query(cmd(false)).await {
-                Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
-                    // Built only here: the hot path never copies the script.
-                    self.inner.metrics.script_loads.inc();
-                    tracing::info!(
-                        node = %node.0,
-                        "NOSCRIPT from redis (a restart, a failover or a flush of its scripts): \
-                         fencing the node's epoch, then loading the script by EVAL"
-                    );
-                    match self.node_marker(node) {
-                        Some(marker) => {
-                            self.fence_query(node, &marker).await?;
-                        }
-                        // Under `full` the epoch only counts losses: the watch fences the node
-                        // once the slot map names it.
-                        None if self.inner.options.store_reset == StoreReset::Full => {}
-                        None => {
-                            return Err(RedisError::from((
-                                ErrorKind::Client,
-                                "no epoch marker known for the node yet (slot map loading)",
-                            )))
-                        }
-                    }
-                    self.query(cmd(true)).await
-                }
-                other => other,
-            }
-        })
-        .await
-    }
-
-    /// Fences each node's epoch (`lua/fence.lua`, which also makes a missing marker), so a loss
-    /// is seen within [`EPOCH_CHECK`] whether or not a call ran there ([`Self::observe`]).
-    async fn check_epoch(&self) {
-        for (node, marker) in self.epoch_markers() {
-            if let Err(e) = self.fence(&node).await {
-                tracing::debug!(%marker, "epoch marker not fenced: {e}");
-            }
-        }
-    }
-
-    /// Reads `CLUSTER SLOTS` and keeps the map when it parses.
-    async fn load_slot_map(&self) {
-        let mut cmd = redis::cmd("CLUSTER");
-        cmd.arg("SLOTS");
-        match self.bounded(self.query(cmd)).await {
-            Ok(v) => match SlotMap::from_cluster_slots(&v) {
-                Some(map) if !map.ranges.is_empty() => {
-                    if **self.inner.slots.load() != map {
-                        tracing::info!(ranges = map.ranges.len(), "cluster slot map loaded");
-                        let prefix = &self.inner.options.key_prefix;
-                        let markers = map
-                            .marker_tags()
-                            .into_iter()
-                            .map(|(node, tag)| (node, epoch_marker(prefix, Some(&tag))))
-                            .collect();
-                        self.inner.slots.store(Arc::new(map));
-                        self.inner.markers.store(Arc::new(markers));
-                    }
-                }
-                _ => tracing::warn!("unexpected CLUSTER SLOTS reply"),
-            },
-            Err(e) => tracing::debug!("CLUSTER SLOTS: {e}"),
-        }
-    }
-
-    fn batcher(&self, node: &NodeId) -> Batcher {
+    pub(super) fn batcher(&self, node: &NodeId) -> Batcher {
         let mut batchers = self.inner.batchers.lock().expect("not poisoned");
         if let Some(b) = batchers.get(node) {
             return b.clone();
@@ -578,7 +306,7 @@ impl RedisStore {
     /// [`stall_limit`], not by `--redis-timeout-ms`: the callers are answered at their deadline
     /// by [`Nodes::apply`], while the call keeps its pipeline slot until Redis answers it,
     /// so a stalled Redis is sent at most `--redis-pipeline` calls (see [`batch`]).
-    async fn call(
+    pub(super) async fn call(
         &self,
         node: &NodeId,
         work: Work,
@@ -599,91 +327,6 @@ impl RedisStore {
         let limit = stall_limit(self.inner.options.timeout_ms);
         let reply = self.run_healed(node, |eval| args.cmd(eval), limit).await?;
         parse_apply(reply, &work)
-    }
-
-    /// Checks Redis, loads the scripts where one is missing, reads `maxmemory-policy`.
-    pub async fn check_readiness(&self) -> Readiness {
-        let mut r = Readiness::default();
-        let mut exists = redis::cmd("SCRIPT");
-        exists.arg("EXISTS");
-        for script in Script::ALL {
-            exists.arg(script.sha1());
-        }
-        match self.bounded(self.query_all_primaries(exists, None)).await {
-            Ok(v) => {
-                r.redis_ok = true;
-                let flags = integers(&v);
-                r.script_loaded = !flags.is_empty() && flags.iter().all(|f| *f == 1);
-            }
-            Err(e) => {
-                let refused = match e {
-                    StoreError::Timeout { .. } => {
-                        self.inner.connection.refused(self.timeout()).await
-                    }
-                    _ => None,
-                };
-                r.error = Some(
-                    refused.map_or_else(|| e.to_string(), |r| format!("redis unavailable: {r}")),
-                );
-                return r;
-            }
-        }
-        // Every node's epoch is fenced first (`lua/fence.lua`: made when missing, made anew on a
-        // new server), so no script is loaded into a node before its epoch says what it holds;
-        // ready also means the markers exist (the watch still sees one made anew as a loss).
-        let markers = self.epoch_markers();
-        let mut fenced = !markers.is_empty() || self.inner.options.store_reset == StoreReset::Full;
-        for (node, marker) in markers {
-            if let Err(e) = self.fence(&node).await {
-                r.error.get_or_insert(format!("epoch marker {marker}: {e}"));
-                fenced = false;
-            }
-        }
-        if !r.script_loaded && !fenced {
-            r.error
-                .get_or_insert("the scripts wait for every node's epoch (lua/fence.lua)".into());
-        }
-        if !r.script_loaded && fenced {
-            for script in Script::ALL {
-                let mut load = redis::cmd("SCRIPT");
-                load.arg("LOAD").arg(script.text());
-                let all = Some(ResponsePolicy::AllSucceeded);
-                if let Err(e) = self.bounded(self.query_all_primaries(load, all)).await {
-                    r.error = Some(format!("SCRIPT LOAD: {e}"));
-                    break;
-                }
-                self.inner.metrics.script_loads.inc();
-            }
-            r.script_loaded = r.error.is_none();
-        }
-        let mut config = redis::cmd("CONFIG");
-        config.arg("GET").arg("maxmemory-policy");
-        match self.bounded(self.query_all_primaries(config, None)).await {
-            Ok(v) => {
-                let mut policies = Vec::new();
-                let mut refused = None;
-                maxmemory_policies(&v, &mut policies, &mut refused);
-                r.maxmemory_policy = policies;
-                r.warning = eviction_warning(&r.maxmemory_policy);
-                // 0 only when every node answered noeviction: a refused CONFIG GET leaves the
-                // gauge as it was, unless another node shows it can evict.
-                let evicting = r.warning.is_some();
-                if evicting || (refused.is_none() && !r.maxmemory_policy.is_empty()) {
-                    self.inner.metrics.eviction_policy(evicting);
-                }
-                if let Some(e) = refused {
-                    r.warning.get_or_insert(format!(
-                        "could not check maxmemory-policy (CONFIG GET refused: {e}); make sure it is noeviction"
-                    ));
-                }
-            }
-            Err(e) => {
-                r.warning = Some(format!(
-                    "could not check maxmemory-policy ({e}); make sure it is noeviction"
-                ))
-            }
-        }
-        r
     }
 }
 
@@ -945,40 +588,9 @@ fn integers(v: &Value) -> Vec<i64> {
     }
 }
 
-/// The `maxmemory-policy` values in a `CONFIG GET` reply from one or many nodes.
-fn maxmemory_policies(v: &Value, out: &mut Vec<String>, refused: &mut Option<String>) {
-    let text = |v: &Value| match v {
-        Value::BulkString(b) => Some(String::from_utf8_lossy(b).into_owned()),
-        Value::SimpleString(s) => Some(s.clone()),
-        _ => None,
-    };
-    match v {
-        Value::Array(items) if items.len() == 2 && text(&items[0]).is_some() => {
-            if let Some(policy) = text(&items[1]) {
-                out.push(policy);
-            }
-        }
-        Value::Array(items) if items.is_empty() => {
-            *refused = Some("empty reply".into());
-        }
-        Value::Map(pairs) => {
-            for (k, v) in pairs {
-                if text(k).as_deref() == Some("maxmemory-policy") {
-                    if let Some(policy) = text(v) {
-                        out.push(policy);
-                    }
-                } else {
-                    maxmemory_policies(v, out, refused);
-                }
-            }
-        }
-        Value::ServerError(e) => *refused = Some(format!("{e:?}")),
-        _ => {}
-    }
-}
-
 #[cfg(test)]
 mod tests {
+    use super::readiness::maxmemory_policies;
     use super::*;
 
     #[test]
