@@ -1,6 +1,6 @@
 #!lua flags=allow-cross-slot-keys
 -- bucket.lua, the token bucket, sent followed by apply.lua or refund.lua (lone decisions: single.lua).
--- docs/bucket.md explains its rules and layouts; sidecar/src/store/memory.rs is its Rust model.
+-- docs/bucket.md explains its rules and layouts; sidecar/src/store/memory/ is its Rust model.
 --   tokens         = min(capacity - leased, tokens + refill_per_sec * max(0, now - ts) / 1e6)
 --   admit if tokens >= cost (never if cost > capacity), then tokens -= cost
 --   retry_after_ms = ceil((cost - tokens) / refill_per_sec * 1000)

@@ -1,7 +1,7 @@
 #!lua flags=allow-cross-slot-keys
 -- settle.lua: settlements of costs known after the response (docs/costs.md): each charges its
 -- bucket the difference between the real cost and the reservation admitted, refilled first as
--- lua/bucket.lua refills (sidecar/src/store/memory.rs, `settle`, is this code in Rust). What was
+-- lua/bucket.lua refills (sidecar/src/store/memory/settle.rs, `settle_now`, is this code in Rust). What was
 -- charged is known from the decision's receipt (`<bucket key>:r:<receipt>`, lua/apply.lua), used
 -- once; without one held, only a cost above the reservation the caller names is charged:
 --   delta  = cost - charged (the receipt's, deleted)   or   max(0, cost - reserved)

@@ -3,7 +3,7 @@
 -- `<bucket key>:c` (the bucket's hash tag, so its Cluster slot); members are slot ids the gateway
 -- chose, scores the slot's expiry in µs of this server's TIME. A slot expired (score <= now) is
 -- free: a gateway that died stops renewing, and its slots come back slot_ttl_ms after its last
--- renewal at the latest (sidecar/src/store/memory.rs, `slots_now`, is this code in Rust).
+-- renewal at the latest (sidecar/src/store/memory/slots.rs is this code in Rust).
 --   take:    all-or-none: each set drops its expired members, and a slot is admitted iff it is
 --            already held (a retry) or ZCARD (plus this call's earlier takes of the set) < limit;
 --            then each slot is held until now + ttl_ms

@@ -1,5 +1,5 @@
 //! The token bucket's formulas, said once. `lua/bucket.lua` computes the same in Redis; the
-//! in-memory model of the script (`sidecar/src/store/memory.rs`), the filter's emergency bucket
+//! in-memory model of the script (`sidecar/src/store/memory/`), the filter's emergency bucket
 //! (`filter/src/emergency.rs`) and the sidecar's applied limit of a regional rule use these. Plain
 //! `f64` arithmetic in the script's order, so Rust and Lua round alike; no clock (time is passed
 //! in) and no dependencies, so every crate, the wasm filter included, can hold it.
