@@ -28,6 +28,7 @@ mod epoch;
 mod options;
 mod placement;
 mod readiness;
+mod redact;
 pub mod script;
 pub mod sentinel;
 pub mod settle;
