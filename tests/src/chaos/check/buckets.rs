@@ -1,0 +1,312 @@
+//! Over-admission: every bucket's admissions replayed against the model, with the allowances
+//! of the faults the nemesis caused.
+
+use super::*;
+
+/// What happens to a bucket, in time order.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum Event {
+    /// An admission: charged `charge` now, checked against `cost` (its reservation); decided
+    /// after `sent` (the client sent it then).
+    Admit { cost: f64, charge: f64, sent: u64 },
+    /// A refusal (429) of `cost`: counted as under-admission if the model had it.
+    Refuse { cost: f64 },
+    /// A settlement's excess reaching the store.
+    Debit(f64),
+    /// The store forgot what it was charged (the allowance of fault `.1`, an index into the
+    /// nemesis's log).
+    Forgive(Loss, usize),
+}
+
+/// What a store that forgot may hold afterwards.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum Loss {
+    /// Any bucket full again.
+    Refilled,
+    /// Any bucket empty at the new epoch: at most what it held, but a debt is gone.
+    Emptied,
+}
+
+impl Checker<'_> {
+    /// What fault `f` may have made the store forget ([`Loss`]): a failover (what was spent in
+    /// the replication lag, under either store policy: at most the bucket full again); a store
+    /// that lost its state or went back to an older one (a primary killed and back before the
+    /// Sentinels failed over comes back empty): its buckets full again under `full`, empty at
+    /// its new epoch under `empty`. Either way a debt of settled costs goes with the state.
+    pub(super) fn loss(&self, f: &Caused) -> Option<Loss> {
+        let lost_state = matches!(
+            f.fault,
+            Fault::PrimaryKill { .. }
+                | Fault::StoreFlush
+                | Fault::StoreRestartEmpty
+                | Fault::StoreSnapshotRestore { .. }
+        );
+        match self.r.store_reset {
+            _ if f.failover => Some(Loss::Refilled),
+            StoreReset::Full if lost_state => Some(Loss::Refilled),
+            StoreReset::Empty if lost_state => Some(Loss::Emptied),
+            _ => None,
+        }
+    }
+
+    /// Whether an admission sent at `sent` and seen at `t` may have been decided before a loss
+    /// of the store's state as well as after it: the fault ran while it was on its way.
+    pub(super) fn around_a_loss(&self, sent: u64, t: u64) -> bool {
+        self.r
+            .log
+            .faults
+            .iter()
+            .any(|f| self.loss(f).is_some() && sent <= f.end_ns && f.start_ns <= t)
+    }
+
+    /// What the old primary of failover `f` may admit beside the new one: from its return (the
+    /// fault's end) until the sidecars leave it ([`SPLIT_AFTER_NS`] after the new one is named),
+    /// `r` per second, from what it held: a bucket's capacity (a pause keeps its state and the
+    /// promoted copy spends it again; a restart under `full` starts full), none for a restart
+    /// under `empty` (its new epoch starts empty). docs/exactness.md, a Redis failover.
+    pub(super) fn split_brain(&self, f: &Caused, capacity: f64, rate: f64) -> f64 {
+        let back_ns = f.recovered_ns.saturating_sub(f.end_ns) + SPLIT_AFTER_NS;
+        let held = match (&f.fault, self.r.store_reset) {
+            (Fault::PrimaryKill { .. }, StoreReset::Empty) => 0.0,
+            _ => capacity,
+        };
+        held + rate * back_ns as f64 / 1e9
+    }
+
+    /// Replays every bucket.
+    pub(super) fn buckets(&mut self) {
+        let mut by_bucket: BTreeMap<(&str, &str), Timeline> = BTreeMap::new();
+        let lost = self.counter("settlements_lost");
+        for s in self.r.sent {
+            let key = (s.rule, s.app.as_str());
+            let admitted_at = match s.kind {
+                Kind::Direct { repeat, .. } => {
+                    (s.status == 200 && !repeat).then_some(s.answered_ns)
+                }
+                _ => self.served.get(&s.id).map(|v| v.arrival_ns),
+            };
+            let (cost, real) = match s.kind {
+                Kind::Api | Kind::Hold { .. } => (1.0, 1.0),
+                Kind::Direct { cost, .. } => (cost as f64, cost as f64),
+                Kind::Llm {
+                    reserve,
+                    tokens,
+                    readable,
+                    ..
+                } => (
+                    reserve as f64,
+                    if readable { tokens } else { LLM_RESERVE_MAX } as f64,
+                ),
+            };
+            if s.rule == "inflight" {
+                continue;
+            }
+            let events = by_bucket.entry(key).or_default();
+            match admitted_at {
+                Some(t) => {
+                    events.push((
+                        t,
+                        s.id,
+                        Event::Admit {
+                            cost,
+                            charge: cost.min(real),
+                            sent: s.sent_ns,
+                        },
+                    ));
+                    // A settlement an Envoy restart may have lost is the excess the README
+                    // grants (docs/costs.md, an Envoy that stops): not debited.
+                    if real > cost && !self.settlement_cut_by_restart(s) {
+                        events.push((s.answered_ns, s.id, Event::Debit(real - cost)));
+                    }
+                }
+                None if s.status == 429 => {
+                    events.push((s.answered_ns, s.id, Event::Refuse { cost }));
+                }
+                None => {}
+            }
+        }
+        for ((rule, app), mut events) in by_bucket {
+            for (i, f) in self.r.log.faults.iter().enumerate() {
+                if let Some(loss) = self.loss(f) {
+                    events.push((f.start_ns, 0, Event::Forgive(loss, i)));
+                }
+            }
+            events.sort_by_key(|(t, id, _)| (*t, *id));
+            let extra = if rule == "llm" {
+                lost as f64 * LLM_RESERVE_MAX as f64
+            } else {
+                0.0
+            };
+            self.replay(rule, app, &events, extra);
+        }
+    }
+
+    /// Whether `s`'s settlement may have been lost with its Envoy: the Envoy was restarted
+    /// while the request ran, or within `SETTLE_NS` after its answer (a settlement still queued,
+    /// or counted after the nemesis read the counters).
+    pub(super) fn settlement_cut_by_restart(&self, s: &Sent) -> bool {
+        self.r.log.faults.iter().any(|f| {
+            matches!(f.fault, Fault::EnvoyRestart { envoy } if Some(envoy) == s.envoy)
+                && f.start_ns <= s.answered_ns + SETTLE_NS
+                && s.sent_ns <= f.end_ns
+        })
+    }
+
+    /// Since when a settlement answered at `t` or later may still be on its way to the store:
+    /// `SETTLE_NS` before `t`, or, while a fault and the three sends after its recovery last,
+    /// since the fault began.
+    pub(super) fn in_flight_since(&self, t: u64) -> u64 {
+        self.r
+            .log
+            .faults
+            .iter()
+            .filter(|f| f.start_ns <= t && t <= f.recovered_ns + SETTLE_AFTER_FAULT_NS)
+            .map(|f| f.start_ns.saturating_sub(SETTLE_NS))
+            .min()
+            .unwrap_or(t.saturating_sub(SETTLE_NS))
+            .min(t.saturating_sub(SETTLE_NS))
+    }
+
+    /// Capacity and refill of `rule` for `app` at `t` (the larger of two policies during a
+    /// reload).
+    pub(super) fn params(&self, rule: &str, app: &str, t: u64) -> Params {
+        let of = |p: &Policy| match rule {
+            "per-app" if app == WARM => (WARM_BUCKET.0 as f64, WARM_BUCKET.1),
+            "per-app" => (p.per_app.0 as f64, p.per_app.1),
+            "llm" => (200.0, 50.0),
+            "direct" => (10.0, 5.0),
+            other => unreachable!("no bucket for rule {other}"),
+        };
+        let (now, before) = self.policies_at(t);
+        let (c, r) = of(now);
+        match before.map(of) {
+            Some((c0, r0)) => (c.max(c0), r.max(r0)),
+            None => (c, r),
+        }
+    }
+
+    /// Whether `app` is blocked at `t` (after the reload's grace).
+    pub(super) fn blocked(&self, app: &str, t: u64) -> bool {
+        let (now, before) = self.policies_at(t);
+        (app == HOT || app == WARM) && now.hot_blocked && before.is_none_or(|b| b.hot_blocked)
+    }
+
+    pub(super) fn replay(
+        &mut self,
+        rule: &str,
+        app: &str,
+        events: &[(u64, u64, Event)],
+        extra: f64,
+    ) {
+        let first = events.first().map_or(0, |e| e.0);
+        let (c0, _) = self.params(rule, app, first);
+        // Strict: as if no fault forgave anything (the table's figure); allowed: with the
+        // allowances (the verdict).
+        // The strict replay follows the allowed one outside faults' windows, so that a row's
+        // figure is what its own fault let through.
+        let (mut strict, mut allowed) = (c0, c0);
+        let mut strict_until = 0;
+        // A failover's split brain ([`Self::split_brain`]): tokens granted until `split_until`.
+        let (mut split, mut split_until) = (0.0, 0);
+        let mut last = first;
+        // Where the allowed replay's current run below capacity began: the window's start.
+        let mut window_start = first;
+        // Settlements' excesses by answer time: those still on their way are allowed.
+        let debits: Vec<(u64, f64)> = events
+            .iter()
+            .filter_map(|&(t, _, e)| match e {
+                Event::Debit(x) => Some((t, x)),
+                _ => None,
+            })
+            .collect();
+        for &(t, id, event) in events {
+            let (capacity, rate) = self.params(rule, app, t);
+            let elapsed_us = (t.saturating_sub(last)) as f64 / 1_000.0;
+            strict = refill(strict, rate, elapsed_us, capacity);
+            allowed = refill(allowed, rate, elapsed_us, capacity);
+            last = t;
+            if t > strict_until {
+                strict = allowed;
+            }
+            if allowed >= capacity {
+                window_start = t;
+            }
+            let since = self.in_flight_since(t);
+            let in_flight: f64 = debits
+                .iter()
+                .filter(|(a, _)| *a >= since && *a <= t)
+                .map(|d| d.1)
+                .sum();
+            let slack = rate * DELTA_S + 1.0 + extra + in_flight;
+            match event {
+                Event::Admit { cost, charge, sent } => {
+                    if t > split_until {
+                        split = 0.0;
+                    }
+                    if self.around_a_loss(sent, t) {
+                        // Decided on the store that lost it, or on the one after: either way
+                        // not owed to what follows.
+                        self.row_at(t).admitted += 1;
+                        continue;
+                    }
+                    let over_strict = cost - strict;
+                    let over_allowed = cost - allowed - split;
+                    strict -= charge;
+                    allowed -= charge;
+                    // What the old primary admitted in a split brain is drawn from its own
+                    // allowance first.
+                    let drawn = split.min((-allowed).max(0.0));
+                    split -= drawn;
+                    allowed += drawn;
+                    let blocked = self.blocked(app, t);
+                    let row = self.row_at(t);
+                    row.admitted += 1;
+                    if over_strict > row.over {
+                        row.over = over_strict;
+                        row.bound = over_strict - over_allowed + slack;
+                    }
+                    if over_allowed > slack {
+                        self.violations.push(Violation {
+                            what: format!(
+                                "{rule}/{app}: request {id} admitted {over_allowed:.1} tokens past \
+                                 the bucket (slack {slack:.1}, capacity {capacity}, refill {rate}/s)"
+                            ),
+                            at_ns: t,
+                            window: (window_start, t),
+                        });
+                    }
+                    if blocked {
+                        self.violations.push(Violation {
+                            what: format!("{rule}/{app}: request {id} admitted while blocked"),
+                            at_ns: t,
+                            window: (t.saturating_sub(RELOAD_GRACE_NS), t),
+                        });
+                    }
+                }
+                Event::Refuse { cost } => {
+                    let blocked = self.blocked(app, t);
+                    if !blocked && allowed >= cost + slack {
+                        self.row_at(t).under += 1;
+                    }
+                }
+                Event::Debit(x) => {
+                    strict -= x;
+                    allowed -= x;
+                }
+                Event::Forgive(loss, i) => {
+                    strict = allowed;
+                    let fault = self.r.log.faults.get(i);
+                    strict_until = fault.map_or(t, |f| f.recovered_ns + AFTERMATH_NS);
+                    if let Some(f) = fault.filter(|f| f.failover) {
+                        split = self.split_brain(f, capacity, rate);
+                        split_until = f.recovered_ns + AFTERMATH_NS;
+                    }
+                    allowed = match loss {
+                        Loss::Refilled => capacity,
+                        Loss::Emptied => allowed.max(0.0),
+                    };
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,190 @@
+//! The other invariants: requests in flight against `concurrency`, the answers the failure
+//! policies allow, every settlement queued, and the processes' health.
+
+use super::*;
+
+impl Checker<'_> {
+    /// Requests the upstream held at once, against `concurrency`.
+    pub(super) fn concurrency(&mut self) {
+        let mut holds: Vec<(u64, u64, u64)> = self
+            .r
+            .sent
+            .iter()
+            .filter(|s| matches!(s.kind, Kind::Hold { .. }))
+            .filter_map(|s| {
+                self.served
+                    .get(&s.id)
+                    .map(|v| (v.arrival_ns, v.done_ns, s.id))
+            })
+            .collect();
+        holds.sort();
+        for (i, &(arrival, _, id)) in holds.iter().enumerate() {
+            let overlapping: Vec<u64> = holds[..i]
+                .iter()
+                .filter(|(_, done, _)| *done > arrival)
+                .map(|h| h.0)
+                .collect();
+            let at_once = overlapping.len() as u64 + 1;
+            // A slot taken while slots may have been lost may be one of those the store forgot
+            // (the other primary's, the one that expired): allowed while its request runs.
+            let lost = std::iter::once(arrival)
+                .chain(overlapping.iter().copied())
+                .any(|a| self.slots_may_be_lost(a));
+            let allowance = if lost { CONCURRENCY } else { 0 };
+            self.row_at(arrival).admitted += 1;
+            if at_once > CONCURRENCY + allowance {
+                let start = overlapping.iter().copied().min().unwrap_or(arrival);
+                self.violations.push(Violation {
+                    what: format!(
+                        "inflight: request {id} made {at_once} in flight at once (concurrency \
+                         {CONCURRENCY}, allowance {allowance})"
+                    ),
+                    at_ns: arrival,
+                    window: (start, arrival),
+                });
+            }
+        }
+    }
+
+    /// Whether slots may have been lost or expired at `t`: a failover or a store lost under
+    /// `full`, or a fault that kept a gateway from renewing for a third of `slot_ttl_ms`.
+    pub(super) fn slots_may_be_lost(&self, t: u64) -> bool {
+        self.r.log.faults.iter().any(|f| {
+            let within = f.start_ns <= t && t <= f.recovered_ns + AFTERMATH_NS;
+            let ttl_ms = self.policies_at(f.start_ns).0.slot_ttl_ms;
+            let long = f.fault.lasts_ms() * 3 >= ttl_ms
+                || (f.end_ns - f.start_ns) / 1_000_000 * 3 >= ttl_ms;
+            within && (matches!(self.loss(f), Some(Loss::Refilled)) || long)
+        })
+    }
+
+    /// Statuses the failure policies allow.
+    pub(super) fn answers(&mut self) {
+        for s in self.r.sent {
+            let t = s.answered_ns;
+            let ok = match s.status {
+                200 | 429 | 503 => true,
+                0 => self.no_answer_allowed(s),
+                _ => false,
+            };
+            if s.status == 503 {
+                self.row_at(t).failed += 1;
+            }
+            if !ok {
+                self.violations.push(Violation {
+                    what: format!(
+                        "{}/{}: request {} answered {} ({:?})",
+                        s.rule, s.app, s.id, s.status, s.kind
+                    ),
+                    at_ns: t,
+                    window: (s.sent_ns, t),
+                });
+            }
+        }
+    }
+
+    /// No answer: an Envoy restarted under it, a stream the upstream cut, or the direct caller's
+    /// sidecar down.
+    pub(super) fn no_answer_allowed(&self, s: &Sent) -> bool {
+        if matches!(s.kind, Kind::Llm { cut: true, .. }) {
+            return true;
+        }
+        self.r.log.faults.iter().any(|f| {
+            let overlaps = f.start_ns <= s.answered_ns && s.sent_ns <= f.recovered_ns;
+            overlaps
+                && match (&f.fault, s.envoy) {
+                    (Fault::EnvoyRestart { envoy }, Some(e)) => *envoy == e,
+                    (Fault::SidecarRestart { sidecar: 0, .. }, None)
+                    | (Fault::SidecarPause { sidecar: 0, .. }, None) => true,
+                    _ => false,
+                }
+        })
+    }
+
+    pub(super) fn counter(&self, name: &str) -> u64 {
+        self.r
+            .counters
+            .iter()
+            .find(|(n, _)| n == name)
+            .map_or(0, |c| c.1)
+    }
+
+    /// Every admitted `llm` request whose real cost was not its reservation queued a settlement
+    /// (those an Envoy restart cut excepted).
+    pub(super) fn settlements(&mut self) {
+        let mut expected = 0;
+        let mut unsure = 0;
+        let mut unreadable = 0;
+        for s in self.r.sent {
+            let Kind::Llm {
+                reserve,
+                tokens,
+                readable,
+                ..
+            } = s.kind
+            else {
+                continue;
+            };
+            if !self.served.contains_key(&s.id) {
+                continue;
+            }
+            unreadable += u64::from(!readable);
+            let real = if readable { tokens } else { LLM_RESERVE_MAX };
+            if real == reserve {
+                continue;
+            }
+            if self.settlement_cut_by_restart(s) {
+                unsure += 1;
+            } else {
+                expected += 1;
+            }
+        }
+        let queued = self.counter("costs_settled");
+        self.settlements = (
+            queued,
+            expected,
+            self.counter("settlements_lost"),
+            self.counter("settlements_retried"),
+            self.counter("costs_unreported"),
+            unreadable,
+        );
+        if queued < expected || queued > expected + unsure {
+            self.violations.push(Violation {
+                what: format!(
+                    "llm: the gateways queued {queued} settlements; the record expects {expected} \
+                     (and up to {unsure} more cut by an Envoy restart); they found {} costs \
+                     unreported, the record {unreadable} unreadable answers",
+                    self.counter("costs_unreported")
+                ),
+                at_ns: 0,
+                window: (0, 0),
+            });
+        }
+    }
+
+    /// No process panicked; each one's peak memory is under its bound.
+    pub(super) fn processes(&mut self) {
+        for (name, log) in self.r.logs {
+            if let Some(line) = log.lines().find(|l| l.contains("panicked at")) {
+                self.violations.push(Violation {
+                    what: format!("{name} panicked: {line}"),
+                    at_ns: 0,
+                    window: (0, 0),
+                });
+            }
+        }
+        for (name, kib) in self.r.peak_rss_kib {
+            let bound = RSS_BOUNDS_KIB
+                .iter()
+                .find(|(kind, _)| name.starts_with(kind))
+                .map_or(u64::MAX, |b| b.1);
+            if *kib > bound {
+                self.violations.push(Violation {
+                    what: format!("{name} reached {kib} KiB resident (bound {bound} KiB)"),
+                    at_ns: 0,
+                    window: (0, 0),
+                });
+            }
+        }
+    }
+}
