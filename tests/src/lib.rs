@@ -27,6 +27,7 @@ pub mod scenario;
 pub mod script_cost;
 pub mod snapshot_restore;
 pub mod sockets;
+pub mod stages;
 pub mod store_loss;
 pub mod tls;
 pub mod upstream;
