@@ -1,0 +1,129 @@
+//! Side-by-side runs: RLQS against this project's own path, and the A/B of two filter builds.
+
+use super::*;
+
+/// `--rlqs-only`: Envoy alone, local_ratelimit, the wasm filter as shipped and Envoy's quota
+/// filter over RLQS, on the hot key and many keys, each stage once; throughput and whole-stack
+/// CPU per request (Envoy, sidecar and Redis).
+pub(crate) async fn rlqs_comparison(b: &Bench, workers: u32) {
+    println!("\n== RLQS against Envoy alone and the wasm filter, {workers} worker(s)");
+    print_header();
+    let c = b.args.concurrency;
+    let hot = Workload::HotKey;
+    let (baseline, _) = b
+        .envoy_stage(
+            "envoy, no filter (baseline)".into(),
+            b.envoy(Filter::None, true, workers),
+            hot,
+            c,
+        )
+        .await;
+    print(&baseline, None);
+    let (local, _) = b
+        .envoy_stage(
+            "envoy + local_ratelimit (per-Envoy, no shared budget)".into(),
+            b.envoy(Filter::LocalRateLimit, true, workers),
+            hot,
+            c,
+        )
+        .await;
+    print(&local, Some(&baseline));
+    for workload in [Workload::HotKey, Workload::ManyKeys] {
+        let name = format!("{}: filter as shipped (fast paths)", workload.name());
+        let (wasm, callouts) = b
+            .envoy_stage(
+                name,
+                b.envoy(Filter::Wasm(&b.wasm), true, workers),
+                workload,
+                c,
+            )
+            .await;
+        print(&wasm, Some(&baseline));
+        print_note(&format!("callouts per request: {callouts:.3}"));
+        let name = format!("{}: Envoy's quota filter (RLQS)", workload.name());
+        let (rlqs, _) = b.envoy_stage(name, b.rlqs(workers), workload, c).await;
+        print(&rlqs, Some(&baseline));
+        println!(
+            "[{workers} worker(s)] {}: RLQS {:.0}/s ({:.2}x Envoy alone, {:.2}x local_ratelimit, {:.2}x the wasm filter); whole-stack CPU per request: RLQS {:.1} µs, Envoy alone {:.1}, local_ratelimit {:.1}, wasm filter {:.1}",
+            workload.name(),
+            rlqs.per_second(),
+            rlqs.per_second() / baseline.per_second(),
+            rlqs.per_second() / local.per_second(),
+            rlqs.per_second() / wasm.per_second(),
+            rlqs.stack_cpu(),
+            baseline.stack_cpu(),
+            local.stack_cpu(),
+            wasm.stack_cpu(),
+        );
+    }
+}
+
+/// `--ab-filter`: one workload's stage of the shipped configuration, the current build (A) and
+/// `other` (B) in turns after the no-op filter, `--rounds` times; then each build's medians.
+pub(crate) async fn ab_filter(b: &Bench, other: &Path) {
+    let (workload, workers) = (b.args.ab_workload, b.args.ab_workers);
+    println!(
+        "\n== A/B: {}, filter as shipped, {workers} worker(s): A = {}, B = {}{}",
+        workload.name(),
+        b.wasm.display(),
+        other.display(),
+        if b.args.ab_b_http2 {
+            ", its callouts over HTTP/2"
+        } else {
+            ""
+        }
+    );
+    print_header();
+    // Per build: Envoy CPU above the no-op filter, sidecar and Redis CPU per request,
+    // throughput relative to the no-op filter, callouts per request. The builds take turns going
+    // first (a stage right after the no-op one finds every bucket expired in Redis).
+    let mut figures: [Vec<[f64; 5]>; 2] = [Vec::new(), Vec::new()];
+    // The floor admits everything: for a flood it is measured as the full run does, with the hot
+    // key's requests (one key, answered 200).
+    let floor_workload = match workload {
+        Workload::Flood => Workload::HotKey,
+        w => w,
+    };
+    let c = b.args.concurrency;
+    for round in 0..b.args.rounds.max(1) {
+        let name = format!("round {round}: no-op filter");
+        let config = b.envoy(Filter::Noop, true, workers);
+        let (floor, _) = b.envoy_stage(name, config, floor_workload, c).await;
+        print(&floor, None);
+        let order = if round % 2 == 0 { [0, 1] } else { [1, 0] };
+        for i in order {
+            let (label, wasm) = [("A", b.wasm.as_path()), ("B", other)][i];
+            let name = format!("round {round}: {label}");
+            let mut config = b.envoy(Filter::Wasm(wasm), true, workers);
+            if i == 1 && b.args.ab_b_http2 {
+                config = config.replace(
+                    "explicit_http_config: { http_protocol_options: {} }",
+                    "explicit_http_config: { http2_protocol_options: {} }",
+                );
+            }
+            let (r, callouts) = b.envoy_stage(name, config, workload, c).await;
+            print(&r, Some(&floor));
+            println!("  {callouts:.4} callouts/request");
+            figures[i].push([
+                r.cpu("envoy") - floor.cpu("envoy"),
+                r.cpu("sidecar"),
+                r.cpu("redis"),
+                r.per_second() / floor.per_second(),
+                callouts,
+            ]);
+        }
+    }
+    let median_of = |v: &[[f64; 5]], k: usize| median(v.iter().map(|f| f[k]));
+    for (label, f) in ["A", "B"].iter().zip(&figures) {
+        println!(
+            "{label}: medians of {} rounds: Envoy CPU above the no-op filter {:.1} µs/request (rounds: {}), sidecar {:.1} µs, Redis {:.1} µs per request, {:.2}x the no-op filter's throughput, {:.4} callouts/request",
+            f.len(),
+            median_of(f, 0),
+            f.iter().map(|x| format!("{:.1}", x[0])).collect::<Vec<_>>().join(", "),
+            median_of(f, 1),
+            median_of(f, 2),
+            median_of(f, 3),
+            median_of(f, 4),
+        );
+    }
+}
