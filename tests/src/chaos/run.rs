@@ -136,13 +136,6 @@ pub fn run(plan: &Plan) -> Outcome {
         .into_iter()
         .map(|(name, pid)| (name, peak_rss_kib(pid)))
         .collect();
-    if let Ok(path) = std::env::var("CHAOS_DUMP") {
-        dump(&path, zero_ns, &sent, &served);
-        // Numbered: a replaced process's log has the name of its successor.
-        for (i, (name, text)) in logs.iter().enumerate() {
-            let _ = std::fs::write(format!("{path}.{i}-{}.log", name.replace(' ', "-")), text);
-        }
-    }
     let verdict = check(&Record {
         store_reset: plan.store_reset,
         sent: &sent,
@@ -152,6 +145,22 @@ pub fn run(plan: &Plan) -> Outcome {
         logs: &logs,
         peak_rss_kib: &peak,
     });
+    // CHAOS_DUMP=<file>: this run's record; CHAOS_KEEP=<dir>: the record of each run that
+    // violated, as <dir>/seed-<n> (a long run's violations can be looked at afterwards).
+    let path = std::env::var("CHAOS_DUMP").ok().or_else(|| {
+        let dir = std::env::var("CHAOS_KEEP").ok()?;
+        (!verdict.violations.is_empty()).then(|| format!("{dir}/seed-{}", plan.seed))
+    });
+    if let Some(path) = path {
+        if let Some(dir) = std::path::Path::new(&path).parent() {
+            let _ = std::fs::create_dir_all(dir);
+        }
+        dump(&path, zero_ns, &sent, &served);
+        // Numbered: a replaced process's log has the name of its successor.
+        for (i, (name, text)) in logs.iter().enumerate() {
+            let _ = std::fs::write(format!("{path}.{i}-{}.log", name.replace(' ', "-")), text);
+        }
+    }
     Outcome {
         plan: plan.clone(),
         verdict,
@@ -195,7 +204,7 @@ fn peak_rss_kib(pid: u32) -> u64 {
         .unwrap_or(0)
 }
 
-/// `CHAOS_DUMP=<file>`: every request as a line (plan ms sent and answered, the upstream's
+/// `CHAOS_DUMP=<file>` (or `CHAOS_KEEP=<dir>` for the runs that violate): every request as a line (plan ms sent and answered, the upstream's
 /// arrival and done, id, rule, app, status, kind), to look at a violation by hand; each
 /// process's log beside it (`<file>.0-sidecar-0.log`, ...).
 fn dump(path: &str, zero_ns: u64, sent: &[Sent], served: &[crate::upstream::Served]) {
