@@ -1,7 +1,7 @@
 //! One round of a stream: the buckets' asks planned into store calls, and the answers turned
 //! into assignments sent in responses within the body limit.
 
-use super::session::{Round, Session};
+use super::session::{Planned, Round, Session};
 use super::*;
 
 impl<S: BucketStore> Session<S> {
@@ -199,16 +199,6 @@ impl<S: BucketStore> Session<S> {
             .observe(started.elapsed().as_secs_f64());
         responses(actions, self.shared.settings.max_message_bytes)
     }
-}
-
-/// A round between its plan and the store's answers.
-pub(super) struct Planned {
-    keys: Vec<String>,
-    rounds: Vec<Round>,
-    asks: Vec<Option<(plan::Ask, Option<usize>)>>,
-    /// The planning time (ms on the stream's clock) and instant.
-    now: u64,
-    started: Instant,
 }
 
 /// `actions` in responses of at most `limit` bytes each (one action larger than that goes

@@ -1,7 +1,6 @@
 //! One RLQS stream: its reports read, its buckets tracked, its rounds run until it ends or its
 //! token is revoked.
 
-use super::round::Planned;
 use super::*;
 
 /// One bucket of one stream.
@@ -315,4 +314,14 @@ pub(super) fn went_away(id: u64, reports: &mut Streaming<RateLimitQuotaUsageRepo
         Some(Ok(Some(_))) | None => "its reports still open".into(),
     };
     tracing::info!("rlqs stream {id}: Envoy went away ({why})");
+}
+
+/// A round between its plan and the store's answers.
+pub(super) struct Planned {
+    pub(super) keys: Vec<String>,
+    pub(super) rounds: Vec<Round>,
+    pub(super) asks: Vec<Option<(plan::Ask, Option<usize>)>>,
+    /// The planning time (ms on the stream's clock) and instant.
+    pub(super) now: u64,
+    pub(super) started: Instant,
 }
