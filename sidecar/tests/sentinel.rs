@@ -24,11 +24,11 @@ async fn poll(what: &str, limit: Duration, mut check: impl FnMut() -> bool) {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn after_a_failover_decisions_reach_the_promoted_replica_and_buckets_continue() {
-    let mut primary = Redis::start();
-    let primary_port = primary.port.to_string();
-    let replica = Redis::start_with(&["--replicaof", "127.0.0.1", &primary_port]);
+/// A primary, its replica linked, three Sentinels (quorum 2) watching the primary, and a
+/// sidecar on them (with `extra` flags), ready.
+async fn sentinel_stack(extra: &[&str]) -> (Redis, Redis, Vec<Sentinel>, Sidecar) {
+    let primary = Redis::start();
+    let replica = Redis::start_with(&["--replicaof", "127.0.0.1", &primary.port.to_string()]);
     poll(
         "the replica's link to the primary",
         Duration::from_secs(30),
@@ -42,17 +42,27 @@ async fn after_a_failover_decisions_reach_the_promoted_replica_and_buckets_conti
     let sentinels: Vec<Sentinel> = (0..3)
         .map(|_| Sentinel::start(MASTER, primary.port, 2))
         .collect();
-    let urls: Vec<String> = sentinels.iter().map(Sentinel::url).collect();
-    let sidecar = Sidecar::start(&[
+    let urls = sentinels
+        .iter()
+        .map(Sentinel::url)
+        .collect::<Vec<_>>()
+        .join(",");
+    let mut flags = vec![
         "--redis-sentinel",
-        &urls.join(","),
+        urls.as_str(),
         "--sentinel-master",
         MASTER,
-        "--redis-timeout-ms",
-        "2000",
-    ])
-    .await;
+    ];
+    flags.extend_from_slice(extra);
+    let sidecar = Sidecar::start(&flags).await;
     sidecar.wait_ready("/readyz").await;
+    (primary, replica, sentinels, sidecar)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_failover_decisions_reach_the_promoted_replica_and_buckets_continue() {
+    let (mut primary, replica, sentinels, sidecar) =
+        sentinel_stack(&["--redis-timeout-ms", "2000"]).await;
 
     let id = unique("failover");
     let one = json!([decision("b10", &id, 1)]);
@@ -123,25 +133,7 @@ async fn after_a_failover_decisions_reach_the_promoted_replica_and_buckets_conti
 /// the sidecar; until then the two primaries would decide side by side.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_primary_that_still_answers_is_left_once_sentinel_names_another() {
-    let old = Redis::start();
-    let new = Redis::start_with(&["--replicaof", "127.0.0.1", &old.port.to_string()]);
-    poll("the replica's link", Duration::from_secs(30), || {
-        new.cli(&["INFO", "replication"])
-            .contains("master_link_status:up")
-    })
-    .await;
-    let sentinels: Vec<Sentinel> = (0..3)
-        .map(|_| Sentinel::start(MASTER, old.port, 2))
-        .collect();
-    let urls: Vec<String> = sentinels.iter().map(Sentinel::url).collect();
-    let sidecar = Sidecar::start(&[
-        "--redis-sentinel",
-        &urls.join(","),
-        "--sentinel-master",
-        MASTER,
-    ])
-    .await;
-    sidecar.wait_ready("/readyz").await;
+    let (old, new, sentinels, sidecar) = sentinel_stack(&[]).await;
     let first = unique("before");
     let (status, a) = sidecar.decide(json!([decision("b10", &first, 1)])).await;
     assert_eq!(status, 200, "{a}");

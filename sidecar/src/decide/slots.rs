@@ -512,20 +512,32 @@ rules:
         );
     }
 
-    #[tokio::test]
-    async fn a_renewal_after_a_reload_that_lowered_slot_ttl_ms_names_the_new_ttl() {
+    /// A decider on `store` under a policy file of rule `r` (`concurrency: 2`,
+    /// `slot_ttl_ms: 9000`), and what reloads it with `slot_ttl_ms: 1000`.
+    fn on_ttl_9000(
+        store: &Arc<MemoryStore>,
+    ) -> (tempfile::TempDir, impl Fn(), Decider<MemoryStore>) {
         let dir = tempfile::tempdir().unwrap();
         let file = dir.path().join("limits.yaml");
         std::fs::write(&file, "rules:\n  r: {concurrency: 2, slot_ttl_ms: 9000}\n").unwrap();
         let metrics = Arc::new(Metrics::new());
         let policy =
             PolicyHandle::load(vec![file.clone()], Bounds::default(), metrics.clone()).unwrap();
-        let store = Arc::new(MemoryStore::new(T0, 0.1, 10_000));
         let d = Decider::new(store.clone(), policy.clone(), "rl:", metrics);
+        let reload = move || {
+            std::fs::write(&file, "rules:\n  r: {concurrency: 2, slot_ttl_ms: 1000}\n").unwrap();
+            assert!(policy.reload("test").unwrap());
+        };
+        (dir, reload, d)
+    }
+
+    #[tokio::test]
+    async fn a_renewal_after_a_reload_that_lowered_slot_ttl_ms_names_the_new_ttl() {
+        let store = Arc::new(MemoryStore::new(T0, 0.1, 10_000));
+        let (_dir, reload, d) = on_ttl_9000(&store);
         let a = d.decide(call(&["r"])).await;
         assert_eq!(a.answers[0].slot.as_ref().map(|h| h.ttl_ms), Some(9_000));
-        std::fs::write(&file, "rules:\n  r: {concurrency: 2, slot_ttl_ms: 1000}\n").unwrap();
-        assert!(policy.reload("test").unwrap());
+        reload();
         let r = d
             .update_slots(SlotsRequest {
                 domain: "ratelimit".into(),
@@ -542,21 +554,14 @@ rules:
     #[tokio::test]
     async fn after_a_reload_that_lowered_slot_ttl_ms_a_loss_waits_for_the_old_ttl() {
         use crate::store::StoreReset;
-        let dir = tempfile::tempdir().unwrap();
-        let file = dir.path().join("limits.yaml");
-        std::fs::write(&file, "rules:\n  r: {concurrency: 2, slot_ttl_ms: 9000}\n").unwrap();
-        let metrics = Arc::new(Metrics::new());
-        let policy =
-            PolicyHandle::load(vec![file.clone()], Bounds::default(), metrics.clone()).unwrap();
         let store = Arc::new(MemoryStore::new(T0, 0.1, 10_000).with_store_reset(StoreReset::Empty));
-        let d = Decider::new(store.clone(), policy.clone(), "rl:", metrics);
+        let (_dir, reload, d) = on_ttl_9000(&store);
         let _ = d.decide(call(&["r"])).await; // makes the epoch
         store.advance_ms(9_100);
         for _ in 0..2 {
             assert!(d.decide(call(&["r"])).await.answers[0].allowed);
         }
-        std::fs::write(&file, "rules:\n  r: {concurrency: 2, slot_ttl_ms: 1000}\n").unwrap();
-        assert!(policy.reload("test").unwrap());
+        reload();
         store.lose_state();
         let _ = d.decide(call(&["r"])).await; // the epoch, made by the first call after the loss
         store.advance_ms(2_000);
