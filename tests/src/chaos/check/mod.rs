@@ -52,6 +52,8 @@ use crate::upstream::Served;
 
 mod buckets;
 mod others;
+#[cfg(test)]
+mod tests;
 
 use self::buckets::{Event, Loss};
 

@@ -1,0 +1,161 @@
+//! The checker's allowances on records made by hand: each grants what its fault allows and no
+//! more (a checker that flags nothing, or everything, proves nothing).
+
+use super::*;
+use crate::chaos::schedule::Fault;
+use crate::chaos::topology::Policy;
+use crate::chaos::workload::{Kind, Sent};
+
+const S: u64 = 1_000_000_000;
+const MS: u64 = 1_000_000;
+
+/// A decision of the direct caller (rule `direct`: capacity 10, refill 5/s), sent at `sent`
+/// and answered allowed at `answered`.
+fn direct(id: u64, cost: u64, sent: u64, answered: u64) -> Sent {
+    Sent {
+        id,
+        rule: "direct",
+        app: "d".into(),
+        kind: Kind::Direct {
+            cost,
+            repeat: false,
+        },
+        envoy: None,
+        sent_ns: sent,
+        answered_ns: answered,
+        status: 200,
+    }
+}
+
+fn fault(fault: Fault, start: u64, end: u64, recovered: u64, failover: bool) -> Caused {
+    Caused {
+        fault,
+        start_ns: start,
+        end_ns: end,
+        recovered_ns: recovered,
+        failover,
+    }
+}
+
+/// The over-admission violations of `sent` under `faults`.
+fn violations(store_reset: StoreReset, sent: &[Sent], faults: Vec<Caused>) -> Vec<String> {
+    let log = Log {
+        faults,
+        policies: vec![(0, Policy::default())],
+        ..Log::default()
+    };
+    let verdict = check(&Record {
+        store_reset,
+        sent,
+        served: &[],
+        log: &log,
+        counters: &[],
+        logs: &[],
+        peak_rss_kib: &[],
+    });
+    verdict
+        .violations
+        .into_iter()
+        .map(|v| v.what)
+        .filter(|w| w.starts_with("direct/"))
+        .collect()
+}
+
+/// `n` decisions of cost 1 answered from `at`, 1 ms apart, each sent 1 ms before.
+fn burst(first_id: u64, n: u64, at: u64) -> Vec<Sent> {
+    (0..n)
+        .map(|i| direct(first_id + i, 1, at + i * MS - MS, at + i * MS))
+        .collect()
+}
+
+#[test]
+fn a_full_bucket_spent_at_once_is_clean_and_three_more_are_not() {
+    let clean = burst(1, 10, S);
+    assert_eq!(
+        violations(StoreReset::Full, &clean, vec![]),
+        Vec::<String>::new()
+    );
+    // The slack is r·0.3 s + 1 = 2.5 tokens: three more at once go past it.
+    let over = burst(1, 13, S);
+    assert!(!violations(StoreReset::Full, &over, vec![]).is_empty());
+}
+
+#[test]
+fn a_store_restarted_empty_under_full_grants_the_capacity_again_once() {
+    let restart = || {
+        vec![fault(
+            Fault::StoreRestartEmpty,
+            2 * S,
+            2 * S + 20 * MS,
+            3 * S,
+            false,
+        )]
+    };
+    let mut sent = burst(1, 10, S);
+    sent.extend(burst(100, 10, 2 * S + 100 * MS));
+    assert_eq!(
+        violations(StoreReset::Full, &sent, restart()),
+        Vec::<String>::new()
+    );
+    // Under `empty` the new epoch starts empty: the second burst is past the bucket.
+    assert!(!violations(StoreReset::Empty, &sent, restart()).is_empty());
+    // And under `full`, a third burst right after is too.
+    sent.extend(burst(200, 10, 2 * S + 200 * MS));
+    assert!(!violations(StoreReset::Full, &sent, restart()).is_empty());
+}
+
+#[test]
+fn an_admission_on_its_way_across_a_loss_is_not_charged_after_it() {
+    let restart = || {
+        vec![fault(
+            Fault::StoreRestartEmpty,
+            2 * S,
+            2 * S + 20 * MS,
+            3 * S,
+            false,
+        )]
+    };
+    // The bucket spent, refilled by the restart, spent again; then four decisions of cost 2
+    // sent before the restart and answered after it: charged to the store that lost them, or
+    // to the new one, but not owed twice.
+    let mut sent = burst(1, 10, S);
+    sent.extend(burst(100, 10, 2 * S + 100 * MS));
+    let across: Vec<Sent> = (0..4)
+        .map(|i| direct(300 + i, 2, 2 * S - 10 * MS, 2 * S + 150 * MS + i * MS))
+        .collect();
+    let mut with_across = sent.clone();
+    with_across.extend(across);
+    assert_eq!(
+        violations(StoreReset::Full, &with_across, restart()),
+        Vec::<String>::new()
+    );
+    // The same four sent after the restart began are past the bucket.
+    let after: Vec<Sent> = (0..4)
+        .map(|i| direct(300 + i, 2, 2 * S + 30 * MS, 2 * S + 150 * MS + i * MS))
+        .collect();
+    sent.extend(after);
+    assert!(!violations(StoreReset::Full, &sent, restart()).is_empty());
+}
+
+#[test]
+fn a_failover_grants_the_replication_lag_and_the_old_primary_beside_the_new_one() {
+    // Killed at 2 s, back (empty, `empty`: nothing held) at 3 s, the replica named and the old
+    // one a replica at 3.5 s: the capacity again, and r·(0.5 s + 1 s) = 7.5 while both answer.
+    let kill = || {
+        vec![fault(
+            Fault::PrimaryKill { down_ms: 1000 },
+            2 * S,
+            3 * S,
+            3 * S + 500 * MS,
+            true,
+        )]
+    };
+    let mut sent = burst(1, 10, S);
+    sent.extend(burst(100, 10 + 7, 3 * S + 100 * MS));
+    assert_eq!(
+        violations(StoreReset::Empty, &sent, kill()),
+        Vec::<String>::new()
+    );
+    sent.extend(burst(200, 6, 3 * S + 200 * MS));
+    assert!(!violations(StoreReset::Empty, &sent, kill()).is_empty());
+}
