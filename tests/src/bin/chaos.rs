@@ -11,7 +11,7 @@
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use ratelimit_e2e::chaos::run::{accumulate, run, table, Outcome};
+use ratelimit_e2e::chaos::run::{accumulate, run, table, under_by_bucket, Outcome};
 use ratelimit_e2e::chaos::schedule::Plan;
 use ratelimit_e2e::chaos::shrink::shrink;
 
@@ -51,6 +51,7 @@ fn main() {
         (None, None) => Box::new(args.first..args.first + args.seeds),
     };
     let (mut total, mut runs, mut failed) = (Vec::new(), 0u64, Vec::new());
+    let mut under = std::collections::BTreeMap::new();
     for seed in seeds {
         if deadline.is_some_and(|d| Instant::now() >= d) {
             break;
@@ -60,6 +61,9 @@ fn main() {
         runs += 1;
         println!("{}", outcome.report());
         accumulate(&mut total, &outcome.verdict.rows);
+        for (k, n) in &outcome.verdict.under_by_bucket {
+            *under.entry(k.clone()).or_default() += n;
+        }
         if outcome.violated() {
             failed.push(seed);
             println!(
@@ -76,10 +80,11 @@ fn main() {
         }
     }
     println!(
-        "{runs} runs of {} s in {:.1} minutes; seeds that violated: {failed:?}\n{}",
+        "{runs} runs of {} s in {:.1} minutes; seeds that violated: {failed:?}\n{}{}",
         args.seconds,
         began.elapsed().as_secs_f64() / 60.0,
-        table(&total)
+        table(&total),
+        under_by_bucket(&under)
     );
     if !failed.is_empty() {
         std::process::exit(1);

@@ -39,6 +39,7 @@ impl Outcome {
             self.served
         );
         out += &table(&self.verdict.rows);
+        out += &under_by_bucket(&self.verdict.under_by_bucket);
         for v in &self.verdict.violations {
             out += &self.describe(v);
         }
@@ -92,6 +93,14 @@ pub fn table(rows: &[Row]) -> String {
         );
     }
     out
+}
+
+/// The refusals with budget left, by bucket, most first.
+pub fn under_by_bucket(by: &std::collections::BTreeMap<String, usize>) -> String {
+    let mut all: Vec<(&String, &usize)> = by.iter().collect();
+    all.sort_by(|a, b| b.1.cmp(a.1));
+    let list: Vec<String> = all.iter().map(|(k, n)| format!("{k} {n}")).collect();
+    format!("refused with budget left, by bucket: {}\n", list.join(", "))
 }
 
 /// Sums `rows` into `total` (counts added, figures their largest).

@@ -287,6 +287,10 @@ impl Checker<'_> {
                     let blocked = self.blocked(app, t);
                     if !blocked && allowed >= cost + slack {
                         self.row_at(t).under += 1;
+                        *self
+                            .under_by_bucket
+                            .entry(format!("{rule}/{app}"))
+                            .or_default() += 1;
                     }
                 }
                 Event::Debit(x) => {

@@ -127,6 +127,8 @@ pub struct Verdict {
     /// Settlements the gateways queued and the record expected; lost and retried; costs the
     /// gateways found unreported and answers the record made unreadable.
     pub settlements: (u64, u64, u64, u64, u64, u64),
+    /// Refused with budget left (the rows' `under`), by bucket (`rule/app`).
+    pub under_by_bucket: BTreeMap<String, usize>,
 }
 
 pub const NO_FAULT: &str = "no fault";
@@ -144,6 +146,7 @@ pub fn check(r: &Record) -> Verdict {
         rows: c.rows.into_values().collect(),
         violations: c.violations,
         settlements: c.settlements,
+        under_by_bucket: c.under_by_bucket,
     }
 }
 
@@ -153,6 +156,7 @@ struct Checker<'a> {
     rows: BTreeMap<usize, Row>,
     violations: Vec<Violation>,
     settlements: (u64, u64, u64, u64, u64, u64),
+    under_by_bucket: BTreeMap<String, usize>,
 }
 
 /// A bucket's numbers at an instant: capacity, refill per second.
@@ -193,6 +197,7 @@ impl<'a> Checker<'a> {
             rows,
             violations: Vec::new(),
             settlements: (0, 0, 0, 0, 0, 0),
+            under_by_bucket: BTreeMap::new(),
         }
     }
 
