@@ -17,6 +17,7 @@ pub mod batch;
 pub mod courier;
 mod response;
 mod start;
+pub mod streams;
 mod tick;
 
 use std::collections::BTreeMap;

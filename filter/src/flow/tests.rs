@@ -1151,3 +1151,105 @@ fn a_configuration_error_warns_at_once_then_once_a_minute_with_the_count_since()
     assert_eq!(w.met(later), Some(150), "149 quiet ones and this one");
     assert_eq!(w.met(later + 1), None);
 }
+
+// A worker's streams between callbacks (`streams.rs`).
+
+#[test]
+fn a_request_waiting_for_its_body_is_decided_without_it_at_its_deadline() {
+    let mut s = streams::Streams::new(7);
+    s.await_body(1, T0 + 50 * MS);
+    s.await_body(2, T0 + 80 * MS);
+    assert_eq!(s.late_bodies(T0 + 49 * MS), Vec::<u32>::new());
+    assert_eq!(s.late_bodies(T0 + 60 * MS), [1]);
+    assert!(!s.awaits_body(1) && s.awaits_body(2));
+    s.body_came(2);
+    assert!(!s.awaits_body(2));
+    assert_eq!(s.late_bodies(T0 + S), Vec::<u32>::new(), "decided once");
+}
+
+/// Request 9 admitted with a receipt under `metered`, its streams holding its meters and a
+/// header to add.
+fn admitted_metered(g: &mut Gateway) -> streams::Streams {
+    let mut r = alpha();
+    r.headers.insert("x-max-tokens".into(), b"300".to_vec());
+    let mut w = waits(g.start(&r, T0));
+    let with_receipt = DecisionResult {
+        receipt: Some("77".into()),
+        ..admitted(0)
+    };
+    admitted_with(g.resolve(&mut w, answer(vec![with_receipt]), T0, T0 + MS));
+    let mut s = streams::Streams::new(7);
+    s.admitted(
+        9,
+        vec![("x-ratelimit".into(), "1".into())],
+        g.flow().metered(&w),
+    );
+    s
+}
+
+#[test]
+fn response_headers_are_added_once_and_a_cost_header_settles_at_once() {
+    let mut g = Gateway::new(config(metered));
+    let mut s = admitted_metered(&mut g);
+    assert!(s.reads_response_body(9), "metered until its cost is read");
+    let read = |name: &str| (name == "x-usage-tokens").then(|| b"120".to_vec());
+    let headers = s.response_headers(&g.flow(), 9, false, &read);
+    assert_eq!(headers, [("x-ratelimit".to_string(), "1".to_string())]);
+    assert_eq!(s.outbox.pending(), 1, "120 against a reservation of 300");
+    assert!(!s.reads_response_body(9), "done with at the headers");
+    assert!(
+        s.response_headers(&g.flow(), 9, false, &read).is_empty(),
+        "once"
+    );
+    s.ended(&g.flow(), 9);
+    assert_eq!(s.outbox.pending(), 1, "nothing settles twice");
+}
+
+#[test]
+fn a_stream_that_ends_before_its_cost_is_read_settles_at_the_unreported_cost() {
+    let mut g = Gateway::new(config(metered));
+    let mut s = admitted_metered(&mut g);
+    s.ended(&g.flow(), 9);
+    assert_eq!(
+        s.outbox.pending(),
+        1,
+        "the reservation does not stand as the cost"
+    );
+    assert!(!s.reads_response_body(9));
+    let read = |_: &str| None;
+    assert!(
+        s.response_headers(&g.flow(), 9, false, &read).is_empty(),
+        "an ended stream's headers are gone"
+    );
+}
+
+#[test]
+fn a_stream_that_ends_gives_its_slots_back_at_the_next_call() {
+    let g = Gateway::new(config(|_| {}));
+    let mut s = streams::Streams::new(7);
+    let decisions = vec![Decision {
+        rule: "per-app".into(),
+        subject: WireSubject::new(),
+        cost: 1,
+        lease: None,
+        receipt: false,
+    }];
+    let held = ratelimit_wire::HeldSlot {
+        id: "s1".into(),
+        ttl_ms: 3000,
+        decisions: vec![0],
+    };
+    s.slots.hold(9, &held, &decisions, T0);
+    assert!(s.slots.holds(9));
+    assert_eq!(s.slots.next_call("test", T0 + MS), None, "nothing due yet");
+    s.ended(&g.flow(), 9);
+    assert!(!s.slots.holds(9));
+    let call = s
+        .slots
+        .next_call("test", T0 + 2 * MS)
+        .expect("the release is due");
+    assert!(
+        String::from_utf8_lossy(&call).contains("\"s1\""),
+        "it names the slot"
+    );
+}

@@ -196,7 +196,7 @@ pub fn send_settlements(vm: &SharedVm) {
             return;
         }
         let plugin = v.plugin.clone();
-        let Some(body) = v.outbox.next_call(&plugin.config.domain) else {
+        let Some(body) = v.streams.outbox.next_call(&plugin.config.domain) else {
             return;
         };
         (plugin, body)
@@ -210,7 +210,7 @@ pub fn send_settlements(vm: &SharedVm) {
         Ok(token) => vm.borrow_mut().settle_flight = Some(token),
         Err(e) => {
             debug!("ratelimit filter: cannot send settlements: {e}");
-            let d = vm.borrow_mut().outbox.answered(false);
+            let d = vm.borrow_mut().streams.outbox.answered(false);
             plugin.flow().count_delivery(d);
         }
     }
@@ -224,7 +224,7 @@ pub fn settlements_answered(vm: &SharedVm, num_headers: usize) {
     let d = {
         let mut v = vm.borrow_mut();
         v.settle_flight = None;
-        v.outbox.answered(status.as_deref() == Some(b"200"))
+        v.streams.outbox.answered(status.as_deref() == Some(b"200"))
     };
     plugin.flow().count_delivery(d);
     send_settlements(vm);
@@ -239,7 +239,7 @@ pub fn send_slots(vm: &SharedVm, now: u64) {
             return;
         }
         let plugin = v.plugin.clone();
-        let Some(body) = v.slots.next_call(&plugin.config.domain, now) else {
+        let Some(body) = v.streams.slots.next_call(&plugin.config.domain, now) else {
             return;
         };
         (plugin, body)
@@ -249,7 +249,7 @@ pub fn send_slots(vm: &SharedVm, now: u64) {
         Ok(token) => vm.borrow_mut().slots_flight = Some(token),
         Err(e) => {
             debug!("ratelimit filter: cannot send slot renewals and releases: {e}");
-            let d = vm.borrow_mut().slots.answered(None);
+            let d = vm.borrow_mut().streams.slots.answered(None);
             plugin.flow().count_slots(d);
         }
     }
@@ -272,7 +272,7 @@ pub fn slots_answered(vm: &SharedVm, num_headers: usize, body_size: usize) {
     let d = {
         let mut v = vm.borrow_mut();
         v.slots_flight = None;
-        v.slots.answered(answer)
+        v.streams.slots.answered(answer)
     };
     plugin.flow().count_slots(d);
     send_slots(vm, now_ns());

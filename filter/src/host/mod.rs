@@ -18,7 +18,6 @@ mod stats;
 
 use std::cell::RefCell;
 use std::collections::hash_map::RandomState;
-use std::collections::HashMap;
 use std::hash::BuildHasher;
 use std::rc::Rc;
 use std::time::Duration;
@@ -31,12 +30,12 @@ use ratelimit_wire::RequestAnswer;
 
 use crate::clock;
 use crate::config::Config;
-use crate::costs::{self, Outbox, MAX_METERED_BYTES};
+use crate::costs::MAX_METERED_BYTES;
 use crate::emergency::{self, EmergencyBucket};
 use crate::flow::batch::Queue;
-use crate::flow::{Flow, Metered, RequestReads, RequestView, Start, Worker};
+use crate::flow::streams::Streams;
+use crate::flow::{Flow, RequestReads, RequestView, Start, Worker};
 use crate::shared::{SharedDataError, SharedStore};
-use crate::slots::{SlotDelivery, Slots};
 use crate::verdict::{self, LimiterError, LocalReply, Verdict};
 use stats::Metrics;
 
@@ -80,23 +79,13 @@ struct Vm {
     worker: Worker,
     /// Shared callouts, when on.
     sharing: Option<courier::Sharing>,
-    /// Headers to add to the upstream's response, by context.
-    response_headers: HashMap<u32, Vec<(String, String)>>,
     /// The policy epoch poll this worker sent: (its token, when).
     epoch_poll: Option<(u32, u64)>,
-    /// The admitted requests whose responses report their real cost, by context.
-    metering: HashMap<u32, Vec<Metered>>,
-    /// Settlements waiting for the sidecar, and the token of the call carrying some.
-    outbox: Outbox,
+    /// What this worker keeps of its streams (bodies awaited, response headers, meters, slots,
+    /// settlements).
+    streams: Streams,
+    /// The tokens of the calls carrying settlements, and slot renewals or releases.
     settle_flight: Option<u32>,
-    /// Requests decided once their body is in (a reservation from its JSON), by context: the
-    /// deadline after which they are decided without it.
-    awaiting_body: HashMap<u32, u64>,
-    /// What this worker's meters keep of response bodies.
-    meter_budget: costs::Budget,
-    /// The concurrency slots of this worker's streams, and the token of the call renewing or
-    /// releasing some.
-    slots: Slots,
     slots_flight: Option<u32>,
 }
 
@@ -209,14 +198,9 @@ impl RootContext for Root {
             queue: Queue::default(),
             worker: Worker::new(nonce),
             sharing,
-            response_headers: HashMap::new(),
             epoch_poll: None,
-            metering: HashMap::new(),
-            outbox: Outbox::new(nonce),
+            streams: Streams::new(nonce),
             settle_flight: None,
-            awaiting_body: HashMap::new(),
-            meter_budget: costs::Budget::default(),
-            slots: Slots::default(),
             slots_flight: None,
         })));
         true
@@ -243,19 +227,7 @@ impl RootContext for Root {
         callout::send_settlements(&vm);
         callout::send_slots(&vm, now);
         // Requests whose body never came by their deadline: decided on the fallback reservation.
-        let late: Vec<u32> = {
-            let mut v = vm.borrow_mut();
-            let late: Vec<u32> = v
-                .awaiting_body
-                .iter()
-                .filter(|(_, d)| **d <= now)
-                .map(|(c, _)| *c)
-                .collect();
-            for c in &late {
-                v.awaiting_body.remove(c);
-            }
-            late
-        };
+        let late = vm.borrow_mut().streams.late_bodies(now);
         if !late.is_empty() {
             for ctx in late {
                 start_paused(&vm, ctx, now);
@@ -362,9 +334,9 @@ impl Request {
         flow.delivered(&verdict);
         match verdict {
             Verdict::Admit { headers } => {
-                if !headers.is_empty() {
-                    vm.borrow_mut().response_headers.insert(self.id, headers);
-                }
+                vm.borrow_mut()
+                    .streams
+                    .admitted(self.id, headers, Vec::new());
                 Action::Continue
             }
             Verdict::Reject(reply) => {
@@ -409,7 +381,7 @@ impl HttpContext for Request {
             // `allow_on_headers_stop_iteration: true` (docs/costs.md); without it the request is
             // decided without its body at the deadline (a tick), on the fallback reservation.
             let deadline = now_ns() + plugin.config.sidecar.timeout_ms * 1_000_000;
-            vm.borrow_mut().awaiting_body.insert(self.id, deadline);
+            vm.borrow_mut().streams.await_body(self.id, deadline);
             return Action::Pause;
         }
         self.begin(&vm, None)
@@ -419,7 +391,7 @@ impl HttpContext for Request {
         let Some(vm) = self.vm.clone() else {
             return Action::Pause;
         };
-        if !vm.borrow().awaiting_body.contains_key(&self.id) {
+        if !vm.borrow().streams.awaits_body(self.id) {
             // Paused for the sidecar: the body waits with it (Envoy buffers it).
             let held = vm.borrow().queue.holds(self.id);
             return if held {
@@ -431,7 +403,7 @@ impl HttpContext for Request {
         if !end_of_stream {
             return Action::Pause; // Envoy buffers the body until its end
         }
-        vm.borrow_mut().awaiting_body.remove(&self.id);
+        vm.borrow_mut().streams.body_came(self.id);
         let body = (body_size <= MAX_METERED_BYTES)
             .then(|| abi::buffer(BufferType::HttpRequestBody, body_size))
             .flatten();
@@ -439,14 +411,15 @@ impl HttpContext for Request {
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
-        if let Some(vm) = &self.vm {
-            meter_headers(vm, self.id, end_of_stream);
-        }
-        let headers = self
-            .vm
-            .as_ref()
-            .and_then(|vm| vm.borrow_mut().response_headers.remove(&self.id))
-            .unwrap_or_default();
+        let Some(vm) = &self.vm else {
+            return Action::Continue;
+        };
+        let plugin = vm.borrow().plugin.clone();
+        let read = |name: &str| abi::header_map_value(MapType::HttpResponseHeaders, name);
+        let headers =
+            vm.borrow_mut()
+                .streams
+                .response_headers(&plugin.flow(), self.id, end_of_stream, &read);
         for (name, value) in headers {
             if let Err(status) = abi::replace_header(MapType::HttpResponseHeaders, &name, &value) {
                 debug!("ratelimit filter: cannot set response header {name:?}: status {status}");
@@ -459,23 +432,18 @@ impl HttpContext for Request {
         let Some(vm) = &self.vm else {
             return Action::Continue;
         };
-        let Some(mut metered) = vm.borrow_mut().metering.remove(&self.id) else {
+        if !vm.borrow().streams.reads_response_body(self.id) {
             return Action::Continue;
-        };
+        }
         // The chunk passing now (the body is never held back for metering).
-        if body_size > 0 {
-            if let Some(chunk) = abi::buffer(BufferType::HttpResponseBody, body_size) {
-                let mut v = vm.borrow_mut();
-                for m in &mut metered {
-                    m.meter.body(&chunk, &mut v.meter_budget);
-                }
-            }
-        }
-        if end_of_stream {
-            settle_costs(vm, metered, true);
-        } else {
-            vm.borrow_mut().metering.insert(self.id, metered);
-        }
+        let chunk = (body_size > 0)
+            .then(|| abi::buffer(BufferType::HttpResponseBody, body_size))
+            .flatten()
+            .unwrap_or_default();
+        let plugin = vm.borrow().plugin.clone();
+        vm.borrow_mut()
+            .streams
+            .response_body(&plugin.flow(), self.id, &chunk, end_of_stream);
         Action::Continue
     }
 }
@@ -507,58 +475,10 @@ fn start_paused(vm: &SharedVm, ctx: u32, now: u64) {
     flow.delivered(&verdict);
     match verdict {
         Verdict::Admit { headers } => {
-            if !headers.is_empty() {
-                vm.borrow_mut().response_headers.insert(ctx, headers);
-            }
+            vm.borrow_mut().streams.admitted(ctx, headers, Vec::new());
             let _ = abi::resume_http_request();
         }
         Verdict::Reject(reply) => send(&reply),
-    }
-}
-
-/// A metered request's response headers: each meter reads its cost header and the content
-/// type; the meters done with (a header's figure, no body to read, or the end of the stream)
-/// settle now.
-fn meter_headers(vm: &SharedVm, ctx: u32, end_of_stream: bool) {
-    let Some(mut metered) = vm.borrow_mut().metering.remove(&ctx) else {
-        return;
-    };
-    let content_type = abi::header_map_value(MapType::HttpResponseHeaders, "content-type");
-    let encoding = abi::header_map_value(MapType::HttpResponseHeaders, "content-encoding");
-    for m in &mut metered {
-        let header = m
-            .meter
-            .header_name()
-            .and_then(|h| abi::header_map_value(MapType::HttpResponseHeaders, h));
-        m.meter.headers(
-            header.as_deref(),
-            content_type.as_deref(),
-            encoding.as_deref(),
-        );
-    }
-    let (open, done): (Vec<Metered>, Vec<Metered>) = metered
-        .into_iter()
-        .partition(|m| m.meter.reads_body() && !end_of_stream);
-    settle_costs(vm, done, true);
-    if !open.is_empty() {
-        vm.borrow_mut().metering.insert(ctx, open);
-    }
-}
-
-/// Queues the settlements of metered decisions whose responses are over (`complete`: their
-/// bodies ended); the root sends them at its next tick or callout.
-fn settle_costs(vm: &SharedVm, metered: Vec<Metered>, complete: bool) {
-    if metered.is_empty() {
-        return;
-    }
-    let plugin = vm.borrow().plugin.clone();
-    let flow = plugin.flow();
-    for m in metered {
-        let settled = flow.settled(m, complete, &mut vm.borrow_mut().meter_budget);
-        if let Some(s) = settled {
-            let lost = vm.borrow_mut().outbox.push(s);
-            flow.count_delivery(costs::Delivery { retried: 0, lost });
-        }
     }
 }
 
@@ -572,23 +492,13 @@ impl Drop for Request {
         let Ok(mut v) = vm.try_borrow_mut() else {
             return;
         };
-        v.response_headers.remove(&self.id);
-        v.awaiting_body.remove(&self.id);
-        // The stream ended (completed, reset or cancelled): its concurrency slots go back.
-        let lost = v.slots.end(self.id);
-        // A response cut short (the client cancelled, the upstream reset): its reservations
-        // stand unless a header reported the cost.
-        let metered = v.metering.remove(&self.id).unwrap_or_default();
-        let w = v.queue.forget(self.id);
         let plugin = v.plugin.clone();
+        let flow = plugin.flow();
+        v.streams.ended(&flow, self.id);
+        let w = v.queue.forget(self.id);
         drop(v);
-        plugin.flow().count_slots(SlotDelivery {
-            lost,
-            ..SlotDelivery::default()
-        });
-        settle_costs(&vm, metered, false);
         if let Some(mut w) = w {
-            plugin.flow().give_back(&mut w, now_ns());
+            flow.give_back(&mut w, now_ns());
         }
     }
 }
@@ -621,39 +531,27 @@ fn resolve(
     let held = answer.as_ref().ok().and_then(|a| a.slot.clone());
     if let Some(held) = &held {
         let decisions = w.decisions(&plugin.config);
-        vm.borrow_mut().slots.hold(ctx, held, &decisions, now_ns);
+        vm.borrow_mut()
+            .streams
+            .slots
+            .hold(ctx, held, &decisions, now_ns);
     }
     let verdict = flow.resolve_under(&mut w, answer, epoch, dispatched_ns, now_ns);
     if switch && abi::set_effective_context(ctx).is_err() {
         // The request is gone (its client went away): nothing to answer; its leases back, and
         // its reservations stand (it never reached the upstream).
         flow.give_back(&mut w, now_ns);
-        let lost = vm.borrow_mut().slots.end(ctx);
-        flow.count_slots(SlotDelivery {
-            lost,
-            ..SlotDelivery::default()
-        });
+        vm.borrow_mut().streams.release_slots(&flow, ctx);
         return;
     }
     flow.delivered(&verdict);
     if !matches!(verdict, Verdict::Admit { .. }) && held.is_some() {
-        let lost = vm.borrow_mut().slots.end(ctx);
-        flow.count_slots(SlotDelivery {
-            lost,
-            ..SlotDelivery::default()
-        });
+        vm.borrow_mut().streams.release_slots(&flow, ctx);
     }
     match verdict {
         Verdict::Admit { headers } => {
             let metered = flow.metered(&w);
-            let mut v = vm.borrow_mut();
-            if !headers.is_empty() {
-                v.response_headers.insert(ctx, headers);
-            }
-            if !metered.is_empty() {
-                v.metering.insert(ctx, metered);
-            }
-            drop(v);
+            vm.borrow_mut().streams.admitted(ctx, headers, metered);
             if let Err(status) = abi::resume_http_request() {
                 error!("ratelimit filter: cannot resume the request: status {status}");
             }
