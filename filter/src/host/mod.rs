@@ -6,7 +6,8 @@
 //!
 //! - [`abi`]: host calls that never panic; [`stats`]: the filter's Envoy stats;
 //! - [`callout`]: the callouts to the sidecar, sent and answered by the root context;
-//! - [`courier`]: the shared queues between the workers of one Envoy (shared callouts).
+//! - [`courier`]: the shared queues between the workers of one Envoy (shared callouts);
+//! - [`facts`]: the clock, the request, shared data and local replies, as the host gives them.
 //!
 //! No `RefCell` borrow of the [`Vm`] is held across a host call that can call back into the VM
 //! (a local reply, a resume).
@@ -14,6 +15,7 @@
 mod abi;
 mod callout;
 mod courier;
+mod facts;
 mod stats;
 
 use std::cell::RefCell;
@@ -34,9 +36,9 @@ use crate::costs::MAX_METERED_BYTES;
 use crate::emergency::{self, EmergencyBucket};
 use crate::flow::batch::Queue;
 use crate::flow::streams::Streams;
-use crate::flow::{Flow, RequestReads, RequestView, Start, Worker};
-use crate::shared::{SharedDataError, SharedStore};
-use crate::verdict::{self, LimiterError, LocalReply, Verdict};
+use crate::flow::{Flow, RequestReads, Start, Worker};
+use crate::verdict::{self, LimiterError, Verdict};
+use facts::{clock_kind, now_ns, send, HostRequest, HostShared};
 use stats::Metrics;
 
 proxy_wasm::main! {{
@@ -557,84 +559,5 @@ fn resolve(
             }
         }
         Verdict::Reject(reply) => send(&reply),
-    }
-}
-
-/// Answers the current request with `reply` (or resets it if Envoy refuses the reply).
-fn send(reply: &LocalReply) {
-    let headers: Vec<(&str, &str)> = reply
-        .headers
-        .iter()
-        .map(|(n, v)| (n.as_str(), v.as_str()))
-        .collect();
-    if let Err(status) = abi::send_http_response(
-        reply.status,
-        &reply.details,
-        &headers,
-        reply.body.as_bytes(),
-    ) {
-        error!(
-            "ratelimit filter: cannot send the {} reply: status {status}",
-            reply.status
-        );
-        let _ = abi::reset_http_request();
-    }
-}
-
-/// The host's two clocks, for [`clock::Clock`].
-struct HostClock;
-
-impl clock::Source for HostClock {
-    fn monotonic_ns(&self) -> Option<u64> {
-        abi::monotonic_time_ns()
-    }
-
-    fn wall_ns(&self) -> Option<u64> {
-        abi::current_time_ns()
-    }
-}
-
-thread_local! {
-    /// This VM's clock.
-    static CLOCK: clock::Clock = clock::Clock::default();
-}
-
-/// The time now, in nanoseconds, from this VM's clock: the one place the filter reads the time.
-fn now_ns() -> u64 {
-    CLOCK.with(|c| c.now_ns(&HostClock))
-}
-
-/// Which clock this VM reads.
-fn clock_kind() -> clock::Kind {
-    CLOCK.with(|c| c.kind(&HostClock))
-}
-
-/// The current request's headers and properties.
-struct HostRequest;
-
-impl RequestView for HostRequest {
-    fn header(&self, name: &str) -> Option<Vec<u8>> {
-        abi::header_map_value(MapType::HttpRequestHeaders, name)
-    }
-
-    fn property(&self, path: &[&str]) -> Option<Vec<u8>> {
-        abi::property(path)
-    }
-}
-
-/// proxy-wasm shared data (per `vm_id`, shared by all worker VMs of one Envoy process).
-struct HostShared;
-
-impl SharedStore for HostShared {
-    fn get(&self, key: &str) -> (Option<Vec<u8>>, Option<u32>) {
-        abi::get_shared_data(key)
-    }
-
-    fn set(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), SharedDataError> {
-        match abi::set_shared_data(key, value, cas) {
-            Ok(()) => Ok(()),
-            Err(abi::CAS_MISMATCH) => Err(SharedDataError::CasMismatch),
-            Err(_) => Err(SharedDataError::Failed),
-        }
     }
 }
