@@ -24,49 +24,49 @@ for g = 1, ngroups do
       -- Pass 1: does every non-shadow decision admit, each seeing what the ones before would take?
       local admit = true
       for d = d1, d2 do
-        local x, o = decs[d], at + 6 * (d - d1) -- reply[o + k]: the decision's k-th figure
-        local s, tokens, _, refill = bucket(x[1], x[2])
+        local x, o = decs[d], at + 6 * (d - d1) -- reply[o + k]: the decision's figure k
+        local s, tokens, _, refill = bucket(x[BUCKET], x[LIMIT])
         tokens = s.avail or tokens
-        reply[o + 1], reply[o + 3], reply[o + 5] = 0, 0, OK
-        if x[3] > x[2].capacity_now then
-          reply[o + 5] = COST_EXCEEDS_CAPACITY
-        elseif tokens < x[3] then
-          reply[o + 3], reply[o + 5] = wait_ms(x[3] - tokens, refill), INSUFFICIENT
+        reply[o + ALLOWED], reply[o + RETRY_AFTER_MS], reply[o + REASON] = 0, 0, OK
+        if x[COST] > x[LIMIT].capacity_now then
+          reply[o + REASON] = COST_EXCEEDS_CAPACITY
+        elseif tokens < x[COST] then
+          reply[o + RETRY_AFTER_MS], reply[o + REASON] = wait_ms(x[COST] - tokens, refill), INSUFFICIENT
         else
-          reply[o + 1], tokens = 1, tokens - x[3]
+          reply[o + ALLOWED], tokens = 1, tokens - x[COST]
         end
-        s.avail, admit = tokens, admit and (reply[o + 1] == 1 or x[4] == 1)
+        s.avail, admit = tokens, admit and (reply[o + ALLOWED] == 1 or x[SHADOW] == 1)
       end
       reply[at], charged = admit and 1 or 0, charged or admit
       if flat then flat[i], flat[i + 1] = reply[at], d2 - d1 + 1 end
       -- Pass 2: charge (and grant leases) only if the request is admitted.
       for d = d1, d2 do
         local x, o, grant, paid = decs[d], at + 6 * (d - d1), 0, 0
-        local s, tokens, capacity, refill = bucket(x[1], x[2])
+        local s, tokens, capacity, refill = bucket(x[BUCKET], x[LIMIT])
         s.avail = nil
-        if admit and reply[o + 1] == 1 then
-          tokens, paid = tokens - x[3], x[3]
-          if x[9] > 0 then -- a receipt of the charge: what a settlement may give back, once
-            redis.call('SET', ARGV[2 + x[1]] .. ':r:' .. string.format('%.0f', x[9]), x[3], 'PX',
+        if admit and reply[o + ALLOWED] == 1 then
+          tokens, paid = tokens - x[COST], x[COST]
+          if x[RECEIPT] > 0 then -- a receipt of the charge: what a settlement may give back, once
+            redis.call('SET', ARGV[2 + x[BUCKET]] .. ':r:' .. string.format('%.0f', x[RECEIPT]), x[COST], 'PX',
               receipt_ttl_ms)
           end
-          if x[6] > 0 and (s.leases and #s.leases or 0) < MAX_LEASES then
-            local cap = x[8] == 0 and x[6] or floor(max_share * capacity) -- store/mod.rs GrantCap
-            grant = math.max(0, min(x[6], cap, floor(tokens)))
+          if x[LEASE_WANT] > 0 and (s.leases and #s.leases or 0) < MAX_LEASES then
+            local cap = x[SHARE_CAPPED] == 0 and x[LEASE_WANT] or floor(max_share * capacity) -- store/mod.rs GrantCap
+            grant = math.max(0, min(x[LEASE_WANT], cap, floor(tokens)))
           end
           if grant > 0 then
-            remove_lease(s, x[5]) -- a new lease under an id already held replaces it
+            remove_lease(s, x[LEASE_ID]) -- a new lease under an id already held replaces it
             s.leases = s.leases or {}
-            s.leases[#s.leases + 1] = { id = x[5], amount = grant, expiry = now + x[7] * 1000 }
+            s.leases[#s.leases + 1] = { id = x[LEASE_ID], amount = grant, expiry = now + x[LEASE_TTL_MS] * 1000 }
             tokens, paid = tokens - grant, paid + grant
           end
         end
         if paid > 0 or s.ts > now then s.tokens, s.ts, s.dirty = tokens, now, true end
-        reply[o + 2], reply[o + 4], reply[o + 6] = int(tokens), wait_ms(capacity - tokens, refill), grant
+        reply[o + REMAINING], reply[o + RESET_MS], reply[o + LEASED] = int(tokens), wait_ms(capacity - tokens, refill), grant
         if flat then -- the record keeps the reply's six figures, the tokens paid and the lease id
           local f = i + 8 * (d - d1) + 1
           for k = 1, 6 do flat[f + k] = reply[o + k] end
-          flat[f + 7], flat[f + 8] = paid, paid > 0 and x[5] or 0
+          flat[f + PAID], flat[f + PAID_LEASE_ID] = paid, paid > 0 and x[LEASE_ID] or 0
         end
       end
     end

@@ -48,6 +48,13 @@ for i = 1, nlimits do
     limits[i].shares, limits[i].capacity_now = h, floor(capacity * h[2 * j]) / 1000000
   end
 end
+-- A decision's fields (decs[d][k]), as the numbers give them.
+local BUCKET, LIMIT, COST, SHADOW, LEASE_ID, LEASE_WANT, LEASE_TTL_MS, SHARE_CAPPED, RECEIPT =
+  1, 2, 3, 4, 5, 6, 7, 8, 9
+-- A decision's figures in a reply (reply[o + k]) and in a record (flat[x + k]), where two more
+-- follow them: the tokens it paid (cost and lease) and the lease's id.
+local ALLOWED, REMAINING, RETRY_AFTER_MS, RESET_MS, REASON, LEASED, PAID, PAID_LEASE_ID =
+  1, 2, 3, 4, 5, 6, 7, 8
 -- gs[g], rq[r]: group g's last request, request r's last decision; decs[d]: decision d's fields.
 local gs, rq, decs, nreq, ndec, any_want = { [0] = 0 }, { [0] = 0 }, {}, 0, 0, false
 for g = 1, ngroups do

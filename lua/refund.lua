@@ -23,17 +23,17 @@ for g = 1, ngroups do
     local d1, d2 = rq[r - 1] + 1, rq[r]
     if refunds[g][r - r1 + 1] and flat[i] == 1 then
       for d = d1, d2 do
-        local x = i + 1 + 8 * (d - d1) -- flat[x + k]: the decision's k-th value
-        local charged = flat[x + 7]
+        local x = i + 1 + 8 * (d - d1) -- flat[x + k]: the decision's value k
+        local charged = flat[x + PAID]
         if charged > 0 then
-          local s, tokens, capacity, refill, leased = bucket(decs[d][1], decs[d][2])
+          local s, tokens, capacity, refill, leased = bucket(decs[d][BUCKET], decs[d][LIMIT])
           -- A returned or expired lease gave its tokens back, or lost them, already.
-          local amount = flat[x + 6] > 0 and remove_lease(s, flat[x + 8]) or 0
-          if flat[x + 6] > 0 and amount == 0 then charged = charged - flat[x + 6] end
+          local amount = flat[x + LEASED] > 0 and remove_lease(s, flat[x + PAID_LEASE_ID]) or 0
+          if flat[x + LEASED] > 0 and amount == 0 then charged = charged - flat[x + LEASED] end
           tokens = min(tokens + charged, capacity - (leased - amount)) -- as returns do
           s.tokens, s.ts, s.dirty = tokens, now, true
-          flat[x + 1], flat[x + 2], flat[x + 6] = 0, int(tokens), 0
-          flat[x + 4] = wait_ms(capacity - tokens, refill)
+          flat[x + ALLOWED], flat[x + REMAINING], flat[x + LEASED] = 0, int(tokens), 0
+          flat[x + RESET_MS] = wait_ms(capacity - tokens, refill)
         end
       end
       flat[i], reply[g] = 2, 1

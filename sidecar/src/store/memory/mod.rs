@@ -117,6 +117,17 @@ pub struct MemoryStore {
     store_reset: StoreReset,
 }
 
+/// A decision's figures in a reply and in a record, as `lua/bucket.lua` names them (from 0
+/// here): the reply's six, then the tokens paid (cost and lease) and the lease's id.
+const ALLOWED: usize = 0;
+const REMAINING: usize = 1;
+const RETRY_AFTER_MS: usize = 2;
+const RESET_MS: usize = 3;
+const REASON: usize = 4;
+const LEASED: usize = 5;
+const PAID: usize = 6;
+const PAID_LEASE_ID: usize = 7;
+
 /// The key a receipt is kept under: `<bucket key>:r:<id>` (`lua/apply.lua`).
 fn receipt_key(bucket_key: &str, id: u64) -> String {
     format!("{bucket_key}:r:{id}")
@@ -258,26 +269,26 @@ impl MemoryStore {
                     if s.avail_req == r {
                         tokens = s.avail;
                     }
-                    let mut x = [0.0; 8]; // allowed, remaining, retry, reset, reason, ...
+                    let mut x = [0.0; 8]; // a decision's figures, by name
                     let cost = c.cost as f64;
                     if cost > capacity_now(&c.bucket) {
-                        x[4] = 2.0;
+                        x[REASON] = 2.0;
                     } else if tokens < cost {
-                        x[4] = 1.0;
-                        x[2] = wait_ms(cost - tokens, refill_per_sec) as f64;
+                        x[REASON] = 1.0;
+                        x[RETRY_AFTER_MS] = wait_ms(cost - tokens, refill_per_sec) as f64;
                     } else {
-                        x[0] = 1.0;
+                        x[ALLOWED] = 1.0;
                         tokens -= cost;
                     }
                     (s.avail, s.avail_req) = (tokens, r);
-                    admit = admit && (x[0] == 1.0 || c.shadow);
+                    admit = admit && (x[ALLOWED] == 1.0 || c.shadow);
                     res.push(x);
                 }
                 // Pass 2: charge (and grant leases) only if the request is admitted.
                 for (c, x) in request.iter().zip(res.iter_mut()) {
                     let (s, mut tokens, capacity, refill_per_sec) = call.bucket(&c.key, &c.bucket);
                     let (mut grant, mut charged) = (0.0, 0.0);
-                    if admit && x[0] == 1.0 {
+                    if admit && x[ALLOWED] == 1.0 {
                         tokens -= c.cost as f64;
                         charged = c.cost as f64;
                         if c.receipt > 0 {
@@ -308,11 +319,11 @@ impl MemoryStore {
                     if charged > 0.0 || s.future {
                         (s.tokens, s.ts_us, s.dirty) = (tokens, now, true);
                     }
-                    x[1] = whole(tokens) as f64;
-                    x[3] = wait_ms(capacity - tokens, refill_per_sec) as f64;
-                    x[5] = grant;
-                    x[6] = charged;
-                    x[7] = if charged > 0.0 {
+                    x[REMAINING] = whole(tokens) as f64;
+                    x[RESET_MS] = wait_ms(capacity - tokens, refill_per_sec) as f64;
+                    x[LEASED] = grant;
+                    x[PAID] = charged;
+                    x[PAID_LEASE_ID] = if charged > 0.0 {
                         c.lease.map_or(0.0, |a| a.id as f64)
                     } else {
                         0.0
@@ -371,16 +382,16 @@ impl MemoryStore {
                 continue;
             }
             for (x, c) in rec.decisions.iter_mut().zip(request) {
-                let mut charged = x[6];
+                let mut charged = x[PAID];
                 if charged > 0.0 {
                     let (s, tokens, capacity, refill_per_sec) = call.bucket(&c.key, &c.bucket);
                     // A returned or expired lease gave its tokens back, or lost them, already.
-                    if x[5] > 0.0 && ScriptRun::remove_lease(s, x[7]).is_none() {
-                        charged -= x[5];
+                    if x[LEASED] > 0.0 && ScriptRun::remove_lease(s, x[PAID_LEASE_ID]).is_none() {
+                        charged -= x[LEASED];
                     }
                     let tokens = ScriptRun::give(s, tokens + charged, capacity, now);
-                    (x[0], x[1], x[5]) = (0.0, whole(tokens) as f64, 0.0);
-                    x[3] = wait_ms(capacity - tokens, refill_per_sec) as f64;
+                    (x[ALLOWED], x[REMAINING], x[LEASED]) = (0.0, whole(tokens) as f64, 0.0);
+                    x[RESET_MS] = wait_ms(capacity - tokens, refill_per_sec) as f64;
                 }
             }
             rec.status = 2.0;
@@ -420,16 +431,16 @@ fn replay(recorded: &[Recorded]) -> Vec<RequestOutcome> {
 
 fn outcome(x: &[f64; 8]) -> BucketOutcome {
     BucketOutcome {
-        allowed: x[0] == 1.0,
-        remaining: x[1] as u64,
-        retry_after_ms: x[2] as u64,
-        reset_ms: x[3] as u64,
-        reason: match x[4] as u64 {
+        allowed: x[ALLOWED] == 1.0,
+        remaining: x[REMAINING] as u64,
+        retry_after_ms: x[RETRY_AFTER_MS] as u64,
+        reset_ms: x[RESET_MS] as u64,
+        reason: match x[REASON] as u64 {
             1 => Reason::Insufficient,
             2 => Reason::CostExceedsCapacity,
             _ => Reason::Ok,
         },
-        leased: x[5] as u64,
+        leased: x[LEASED] as u64,
     }
 }
 
