@@ -169,6 +169,32 @@ async fn a_primary_that_still_answers_is_left_once_sentinel_names_another() {
     );
 }
 
+/// The sidecar asks Sentinel every second which primary it names: a command to a Sentinel on a
+/// connection it keeps, never a new connection to the primary (with TLS, a handshake a second
+/// per sidecar).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn asking_sentinel_every_second_costs_the_primary_no_connection() {
+    let (primary, _replica, _sentinels, sidecar) = sentinel_stack(&[]).await;
+    let (status, a) = sidecar
+        .decide(json!([decision("b10", &unique("watch"), 1)]))
+        .await;
+    assert_eq!(status, 200, "{a}");
+    let connections = || -> u64 {
+        primary
+            .cli(&["INFO", "stats"])
+            .lines()
+            .find_map(|l| l.strip_prefix("total_connections_received:"))
+            .and_then(|v| v.trim().parse().ok())
+            .expect("INFO stats")
+    };
+    let before = connections();
+    // Three of the sidecar's looks at Sentinel.
+    tokio::time::sleep(Duration::from_millis(3_500)).await;
+    let new = connections() - before;
+    // One is redis-cli's own; one more is left for a Sentinel reconnecting.
+    assert!(new <= 2, "{new} new connections to the primary in 3.5 s");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_sidecar_starts_while_the_sentinels_are_unreachable_and_is_not_ready() {
     let urls: Vec<String> = (0..3)

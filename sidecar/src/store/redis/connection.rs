@@ -481,6 +481,8 @@ impl Connection {
             sentinel: tokio::sync::Mutex::new(client),
             state: Mutex::new(LookupState::default()),
             lookups: AtomicU64::new(0),
+            master: master.to_string(),
+            watch: tokio::sync::Mutex::new(None),
             what,
             config,
             lookup_timeout,

@@ -29,6 +29,11 @@ pub struct SentinelPrimary {
     pub(crate) state: Mutex<LookupState>,
     /// Lookups that found a primary so far (each connection's generation).
     pub(crate) lookups: AtomicU64,
+    /// The primary's name at the Sentinels (`--sentinel-master`).
+    pub(crate) master: String,
+    /// A connection to one Sentinel, kept between [`Self::confirm`]'s looks (made again after
+    /// an error): a look costs a Sentinel one command, the primary nothing.
+    pub(crate) watch: tokio::sync::Mutex<Option<MultiplexedConnection>>,
     /// Names what is being looked up, in errors and logs.
     pub(crate) what: String,
     pub(crate) config: AsyncConnectionConfig,
@@ -161,18 +166,45 @@ impl SentinelPrimary {
         let Some(current) = current else {
             return;
         };
-        let named = {
-            let mut sentinel = self.sentinel.lock().await;
-            tokio::time::timeout(self.lookup_timeout, sentinel.async_get_client()).await
+        let mut watch = self.watch.lock().await;
+        if watch.is_none() {
+            let made = tokio::time::timeout(self.lookup_timeout, async {
+                let client = self
+                    .sentinel
+                    .lock()
+                    .await
+                    .async_get_sentinel_client()
+                    .await?;
+                client
+                    .get_multiplexed_async_connection_with_config(&self.config)
+                    .await
+            })
+            .await;
+            *watch = made.ok().and_then(Result::ok);
+        }
+        let Some(connection) = watch.as_mut() else {
+            return;
         };
-        if let Ok(Ok(client)) = named {
-            let address = client.get_connection_info().addr().to_string();
-            if address != current.address {
-                self.forget(
-                    current.generation,
-                    &format!("Sentinel names {address} the primary now"),
-                );
+        let mut ask = redis::cmd("SENTINEL");
+        ask.arg("get-master-addr-by-name").arg(&self.master);
+        let named = tokio::time::timeout(
+            self.lookup_timeout,
+            ask.query_async::<Option<(String, u16)>>(connection),
+        )
+        .await;
+        match named {
+            Ok(Ok(Some((host, port)))) => {
+                let address = format!("{host}:{port}");
+                if address != current.address {
+                    self.forget(
+                        current.generation,
+                        &format!("Sentinel names {address} the primary now"),
+                    );
+                }
             }
+            Ok(Ok(None)) => {}
+            // Asked again through a new connection next time.
+            _ => *watch = None,
         }
     }
 
