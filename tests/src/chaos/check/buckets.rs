@@ -167,8 +167,8 @@ impl Checker<'_> {
             .min(t.saturating_sub(SETTLE_NS))
     }
 
-    /// Capacity and refill of `rule` for `app` at `t` (the larger of two policies during a
-    /// reload).
+    /// Capacity and refill of `rule` for `app` at `t` (the largest of the policies that may be
+    /// in force: [`Checker::policies_around`]).
     pub(super) fn params(&self, rule: &str, app: &str, t: u64) -> Params {
         let of = |p: &Policy| match rule {
             "per-app" if app == WARM => (WARM_BUCKET.0 as f64, WARM_BUCKET.1),
@@ -177,18 +177,17 @@ impl Checker<'_> {
             "direct" => (10.0, 5.0),
             other => unreachable!("no bucket for rule {other}"),
         };
-        let (now, before) = self.policies_at(t);
-        let (c, r) = of(now);
-        match before.map(of) {
-            Some((c0, r0)) => (c.max(c0), r.max(r0)),
-            None => (c, r),
-        }
+        self.policies_around(t)
+            .into_iter()
+            .map(of)
+            .fold((0.0, 0.0), |(c, r), (c1, r1)| {
+                (f64::max(c, c1), f64::max(r, r1))
+            })
     }
 
     /// Whether `app` is blocked at `t` (after the reload's grace).
     pub(super) fn blocked(&self, app: &str, t: u64) -> bool {
-        let (now, before) = self.policies_at(t);
-        (app == HOT || app == WARM) && now.hot_blocked && before.is_none_or(|b| b.hot_blocked)
+        (app == HOT || app == WARM) && self.policies_around(t).iter().all(|p| p.hot_blocked)
     }
 
     pub(super) fn replay(
@@ -211,6 +210,9 @@ impl Checker<'_> {
         let mut last = first;
         // Where the allowed replay's current run below capacity began: the window's start.
         let mut window_start = first;
+        // The longest an admission in that window took from its client to the record (s): when
+        // it was decided is known only that closely.
+        let mut window_lag = 0.0_f64;
         // Settlements' excesses by answer time: those still on their way are allowed.
         let debits: Vec<(u64, f64)> = events
             .iter()
@@ -230,6 +232,7 @@ impl Checker<'_> {
             }
             if allowed >= capacity {
                 window_start = t;
+                window_lag = 0.0;
             }
             let since = self.in_flight_since(t);
             let in_flight: f64 = debits
@@ -237,9 +240,11 @@ impl Checker<'_> {
                 .filter(|(a, _)| *a >= since && *a <= t)
                 .map(|d| d.1)
                 .sum();
-            let slack = rate * DELTA_S + 1.0 + extra + in_flight;
+            let mut slack = rate * DELTA_S.max(window_lag) + 1.0 + extra + in_flight;
             match event {
                 Event::Admit { cost, charge, sent } => {
+                    window_lag = window_lag.max(t.saturating_sub(sent) as f64 / 1e9);
+                    slack = rate * DELTA_S.max(window_lag) + 1.0 + extra + in_flight;
                     if t > split_until {
                         split = 0.0;
                     }

@@ -15,8 +15,9 @@
 //! empty at the new epoch); after a failover, the old primary may answer beside the new one
 //! until the sidecars leave it (a split brain: [`Checker::split_brain`]); a violation is an
 //! admission where even that replay went below `−slack`. The slack is the
-//! record's own imprecision: `r·0.3 s + 1` (the upstream stamps arrival, not the sidecar's
-//! decision), plus `reserve_max` per settlement the gateways gave up on.
+//! record's own imprecision: `r·max(0.3 s, the longest an admission in the window took from its
+//! client to the record) + 1` (the record stamps arrival, or the direct caller's answer, not the
+//! sidecar's decision), plus `reserve_max` per settlement the gateways gave up on.
 //!
 //! **Settled costs** (`llm`): charged `min(reserve, real cost)` at admission (the reservation
 //! given back early: the lenient side), the excess over the reservation when the answer ended;
@@ -25,7 +26,8 @@
 //! excess the README grants, and so are those an Envoy restart may have lost with its queue.
 //!
 //! **Reloads.** The policy in force comes from the nemesis's log; for 0.5 s after a file was
-//! written the older and newer numbers both hold (the larger is used): the reload's own bound
+//! written every policy written in that time may hold (the largest numbers are used; a burst
+//! of writes is graced from its first): the reload's own bound
 //! (70 ms + a round trip as shipped) with room for a loaded machine. An admission of the blocked
 //! app after that is a violation.
 //!
@@ -227,11 +229,22 @@ impl<'a> Checker<'a> {
             .expect("every class has a row")
     }
 
-    /// The policy in force at `t`, and the one before it while the reload's grace lasts.
-    pub(super) fn policies_at(&self, t: u64) -> (&Policy, Option<&Policy>) {
+    /// The policy last written at `t`.
+    pub(super) fn policy_at(&self, t: u64) -> &Policy {
         let p = &self.r.log.policies;
-        let i = p.iter().rposition(|(w, _)| *w <= t).unwrap_or(0);
-        let before = (i > 0 && t < p[i].0 + RELOAD_GRACE_NS).then(|| &p[i - 1].1);
-        (&p[i].1, before)
+        &p[p.iter().rposition(|(w, _)| *w <= t).unwrap_or(0)].1
+    }
+
+    /// Every policy that may be in force at `t`: the one at `t` less the reload's grace, and
+    /// each written since (a burst of reloads is one grace from its first write).
+    pub(super) fn policies_around(&self, t: u64) -> Vec<&Policy> {
+        let from = t.saturating_sub(RELOAD_GRACE_NS);
+        let p = &self.r.log.policies;
+        let first = p.iter().rposition(|(w, _)| *w <= from).unwrap_or(0);
+        p[first..]
+            .iter()
+            .take_while(|(w, _)| *w <= t)
+            .map(|(_, policy)| policy)
+            .collect()
     }
 }

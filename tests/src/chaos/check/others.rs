@@ -51,7 +51,7 @@ impl Checker<'_> {
     pub(super) fn slots_may_be_lost(&self, t: u64) -> bool {
         self.r.log.faults.iter().any(|f| {
             let within = f.start_ns <= t && t <= f.recovered_ns + AFTERMATH_NS;
-            let ttl_ms = self.policies_at(f.start_ns).0.slot_ttl_ms;
+            let ttl_ms = self.policy_at(f.start_ns).slot_ttl_ms;
             let long = f.fault.lasts_ms() * 3 >= ttl_ms
                 || (f.end_ns - f.start_ns) / 1_000_000 * 3 >= ttl_ms;
             within && (matches!(self.loss(f), Some(Loss::Refilled)) || long)

@@ -39,15 +39,28 @@ fn fault(fault: Fault, start: u64, end: u64, recovered: u64, failover: bool) -> 
 
 /// The over-admission violations of `sent` under `faults`.
 fn violations(store_reset: StoreReset, sent: &[Sent], faults: Vec<Caused>) -> Vec<String> {
+    let policies = vec![(0, Policy::default())];
+    violations_with(store_reset, sent, &[], faults, policies, "direct/")
+}
+
+/// The violations of the bucket `prefix` names, with `served` and the policies written.
+fn violations_with(
+    store_reset: StoreReset,
+    sent: &[Sent],
+    served: &[crate::upstream::Served],
+    faults: Vec<Caused>,
+    policies: Vec<(u64, Policy)>,
+    prefix: &str,
+) -> Vec<String> {
     let log = Log {
         faults,
-        policies: vec![(0, Policy::default())],
+        policies,
         ..Log::default()
     };
     let verdict = check(&Record {
         store_reset,
         sent,
-        served: &[],
+        served,
         log: &log,
         counters: &[],
         logs: &[],
@@ -57,7 +70,7 @@ fn violations(store_reset: StoreReset, sent: &[Sent], faults: Vec<Caused>) -> Ve
         .violations
         .into_iter()
         .map(|v| v.what)
-        .filter(|w| w.starts_with("direct/"))
+        .filter(|w| w.starts_with(prefix))
         .collect()
 }
 
@@ -158,4 +171,72 @@ fn a_failover_grants_the_replication_lag_and_the_old_primary_beside_the_new_one(
     );
     sent.extend(burst(200, 6, 3 * S + 200 * MS));
     assert!(!violations(StoreReset::Empty, &sent, kill()).is_empty());
+}
+
+#[test]
+fn an_answer_that_took_long_widens_the_slack_of_its_window() {
+    // Thirteen at once is three past the bucket, past r·0.3 s + 1 = 2.5; but when one of them
+    // took 0.5 s from its client to its answer, it was decided somewhere in that half second:
+    // r·0.5 s + 1 = 3.5.
+    let mut sent = burst(1, 13, S);
+    sent[12].sent_ns = sent[12].answered_ns - 500 * MS;
+    assert_eq!(
+        violations(StoreReset::Full, &sent, vec![]),
+        Vec::<String>::new()
+    );
+    let mut more = burst(1, 14, S);
+    more[13].sent_ns = more[13].answered_ns - 500 * MS;
+    assert!(!violations(StoreReset::Full, &more, vec![]).is_empty());
+}
+
+#[test]
+fn a_burst_of_reloads_is_graced_from_its_first_write() {
+    use crate::chaos::schedule::HOT;
+    use crate::upstream::Served;
+    let blocked = Policy {
+        hot_blocked: true,
+        ..Policy::default()
+    };
+    // Blocked at 1 s, written again (still blocked) 10 ms later: the block holds from 1.5 s.
+    let policies = vec![
+        (0, Policy::default()),
+        (S, blocked.clone()),
+        (S + 10 * MS, blocked),
+    ];
+    let hot = |id: u64, at: u64| {
+        let sent = Sent {
+            id,
+            rule: "per-app",
+            app: HOT.into(),
+            kind: Kind::Api,
+            envoy: Some(0),
+            sent_ns: at - MS,
+            answered_ns: at + MS,
+            status: 200,
+        };
+        let served = Served {
+            id,
+            path: "/api/x".into(),
+            arrival_ns: at,
+            done_ns: at,
+        };
+        (sent, served)
+    };
+    let run = |at: u64| {
+        let (sent, served) = hot(1, at);
+        violations_with(
+            StoreReset::Full,
+            &[sent],
+            &[served],
+            vec![],
+            policies.clone(),
+            "per-app/",
+        )
+    };
+    assert_eq!(run(S + 200 * MS), Vec::<String>::new(), "within the grace");
+    let late = run(S + 600 * MS);
+    assert!(
+        late.iter().any(|v| v.contains("admitted while blocked")),
+        "{late:?}"
+    );
 }
