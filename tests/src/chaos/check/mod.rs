@@ -21,7 +21,8 @@
 //!
 //! **Settled costs** (`llm`): charged `min(reserve, real cost)` at admission (the reservation
 //! given back early: the lenient side), the excess over the reservation when the answer ended;
-//! the excesses of settlements that may still be on their way (answered in the last second, or
+//! the excesses of settlements that may still be on their way (answered in the last 2.1 s: a
+//! tick, the batch in flight before theirs, their own send; or
 //! since a fault began until 4 s after it recovered: three sends) are allowed, the in-flight
 //! excess the README grants, and so are those an Envoy restart may have lost with its queue.
 //!
@@ -59,13 +60,14 @@ mod tests;
 
 use self::buckets::{Event, Loss};
 
-/// The record's time imprecision the slack grants, in seconds.
+/// The record's time imprecision the slack grants at least, in seconds.
 const DELTA_S: f64 = 0.3;
-/// How long after a policy file was written both policies hold, in ns.
+/// How long after a policy file was written every policy written since may hold, in ns.
 const RELOAD_GRACE_NS: u64 = 500_000_000;
-/// How long a settlement may take to reach the store after its answer, in ns (the filter's
-/// send timeout is 1 s).
-const SETTLE_NS: u64 = 1_000_000_000;
+/// How long a settlement may take to reach the store after its answer, in ns, with no fault:
+/// the next tick (100 ms), the batch in flight before it (its send bounded by 1 s), then its
+/// own send (1 s).
+const SETTLE_NS: u64 = 2_100_000_000;
 /// After a fault that delayed settlements: from its recovery (the store and the sidecars answer
 /// again), in ns (three sends).
 const SETTLE_AFTER_FAULT_NS: u64 = 4_000_000_000;
