@@ -242,11 +242,15 @@ impl<'a> Checker<'a> {
     pub(super) fn policies_around(&self, t: u64) -> Vec<&Policy> {
         let from = t.saturating_sub(RELOAD_GRACE_NS);
         let p = &self.r.log.policies;
+        // The first in the log holds from the start, even before it was written.
         let first = p.iter().rposition(|(w, _)| *w <= from).unwrap_or(0);
-        p[first..]
-            .iter()
-            .take_while(|(w, _)| *w <= t)
-            .map(|(_, policy)| policy)
+        std::iter::once(&p[first].1)
+            .chain(
+                p[first + 1..]
+                    .iter()
+                    .take_while(|(w, _)| *w <= t)
+                    .map(|(_, policy)| policy),
+            )
             .collect()
     }
 }

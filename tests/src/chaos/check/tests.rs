@@ -240,3 +240,14 @@ fn a_burst_of_reloads_is_graced_from_its_first_write() {
         "{late:?}"
     );
 }
+
+#[test]
+fn the_first_policy_holds_from_the_start() {
+    // The nemesis writes its log's first policy as the run starts; the workload may be faster.
+    let policies = vec![(2 * S, Policy::default())];
+    let sent = burst(1, 10, S);
+    assert_eq!(
+        violations_with(StoreReset::Full, &sent, &[], vec![], policies, "direct/"),
+        Vec::<String>::new()
+    );
+}
