@@ -168,7 +168,9 @@ fn cause(fault: &Fault, t: &mut Topology, snapshot: Option<&[u8]>, log: &mut Log
 /// sidecar is ready.
 fn recover(t: &mut Topology) {
     wait_until("a primary with its replica", RECOVERY, || {
-        let p = t.primary();
+        let Some(p) = t.agreed_primary() else {
+            return false;
+        };
         let replica = &t.nodes[1 - p];
         // An old primary back on its own is made a replica at once (the Sentinels would, after
         // their next 10 s look at it): the orchestrator's part, not the fault's.

@@ -201,12 +201,29 @@ impl Topology {
 
     /// The index in [`Topology::nodes`] of the node the Sentinels name primary now.
     pub fn primary(&self) -> usize {
-        let port = self
+        self.agreed_primary().unwrap_or_else(|| {
+            let port = self
+                .sentinels
+                .iter()
+                .find_map(Sentinel::master_port)
+                .unwrap_or(self.nodes[0].port);
+            self.nodes.iter().position(|n| n.port == port).unwrap_or(0)
+        })
+    }
+
+    /// The primary every Sentinel that answers names, when at least two answer: `None` while
+    /// they disagree (a failover under way), so that the orchestrator never acts on one
+    /// Sentinel's view against the others'.
+    pub fn agreed_primary(&self) -> Option<usize> {
+        let ports: Vec<u16> = self
             .sentinels
             .iter()
-            .find_map(Sentinel::master_port)
-            .unwrap_or(self.nodes[0].port);
-        self.nodes.iter().position(|n| n.port == port).unwrap_or(0)
+            .filter_map(Sentinel::master_port)
+            .collect();
+        if ports.len() < 2 || ports.iter().any(|p| *p != ports[0]) {
+            return None;
+        }
+        self.nodes.iter().position(|n| n.port == ports[0])
     }
 
     /// Writes `policy` to every sidecar's file.
