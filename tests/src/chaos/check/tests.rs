@@ -93,19 +93,27 @@ fn a_full_bucket_spent_at_once_is_clean_and_three_more_are_not() {
     assert!(!violations(StoreReset::Full, &over, vec![]).is_empty());
 }
 
-#[test]
-fn a_store_restarted_empty_under_full_grants_the_capacity_again_once() {
-    let restart = || {
-        vec![fault(
-            Fault::StoreRestartEmpty,
-            2 * S,
-            2 * S + 20 * MS,
-            3 * S,
-            false,
-        )]
-    };
+/// Redis restarted empty at 2 s (back 20 ms later).
+fn restart() -> Vec<Caused> {
+    vec![fault(
+        Fault::StoreRestartEmpty,
+        2 * S,
+        2 * S + 20 * MS,
+        3 * S,
+        false,
+    )]
+}
+
+/// The bucket spent at 1 s, and again 100 ms after the restart.
+fn spent_restarted_spent() -> Vec<Sent> {
     let mut sent = burst(1, 10, S);
     sent.extend(burst(100, 10, 2 * S + 100 * MS));
+    sent
+}
+
+#[test]
+fn a_store_restarted_empty_under_full_grants_the_capacity_again_once() {
+    let mut sent = spent_restarted_spent();
     assert_eq!(
         violations(StoreReset::Full, &sent, restart()),
         Vec::<String>::new()
@@ -119,20 +127,9 @@ fn a_store_restarted_empty_under_full_grants_the_capacity_again_once() {
 
 #[test]
 fn an_admission_on_its_way_across_a_loss_is_not_charged_after_it() {
-    let restart = || {
-        vec![fault(
-            Fault::StoreRestartEmpty,
-            2 * S,
-            2 * S + 20 * MS,
-            3 * S,
-            false,
-        )]
-    };
-    // The bucket spent, refilled by the restart, spent again; then four decisions of cost 2
-    // sent before the restart and answered after it: charged to the store that lost them, or
-    // to the new one, but not owed twice.
-    let mut sent = burst(1, 10, S);
-    sent.extend(burst(100, 10, 2 * S + 100 * MS));
+    // Four decisions of cost 2 sent before the restart and answered after it: charged to the
+    // store that lost them, or to the new one, but not owed twice.
+    let mut sent = spent_restarted_spent();
     let across: Vec<Sent> = (0..4)
         .map(|i| direct(300 + i, 2, 2 * S - 10 * MS, 2 * S + 150 * MS + i * MS))
         .collect();
