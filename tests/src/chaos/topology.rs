@@ -226,6 +226,19 @@ impl Topology {
         self.nodes.iter().position(|n| n.port == ports[0])
     }
 
+    /// Whether every Sentinel answers and holds its primary up with no failover under way: a
+    /// primary paused past the down-after may be failed over seconds after it resumed, and a
+    /// fault is over only once that is decided.
+    pub fn sentinels_at_rest(&self) -> bool {
+        self.sentinels.iter().all(|s| {
+            s.master_flags().is_some_and(|flags| {
+                !flags
+                    .split(',')
+                    .any(|f| matches!(f, "s_down" | "o_down" | "failover_in_progress"))
+            })
+        })
+    }
+
     /// Writes `policy` to every sidecar's file.
     pub fn write_policy(&mut self, policy: Policy) {
         let text = policy_yaml(&policy);

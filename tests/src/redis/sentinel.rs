@@ -153,4 +153,18 @@ impl Sentinel {
         );
         out.lines().nth(1)?.trim().parse().ok()
     }
+
+    /// The flags this Sentinel holds on its primary (`SENTINEL MASTER`: `master` at rest; also
+    /// `s_down`, `o_down` or `failover_in_progress` while it thinks the primary down or fails it
+    /// over), or `None` when it does not answer.
+    pub fn master_flags(&self) -> Option<String> {
+        let out = self.cli(&["SENTINEL", "MASTER", &self.master]);
+        let mut lines = out.lines();
+        while let Some(key) = lines.next() {
+            if key.trim() == "flags" {
+                return lines.next().map(|v| v.trim().to_string());
+            }
+        }
+        None
+    }
 }
