@@ -33,12 +33,17 @@ pub struct Log {
     pub policies: Vec<(u64, Policy)>,
     /// Logs of processes the nemesis replaced (killed sidecars, restarted Envoys), by name.
     pub replaced_logs: Vec<(String, String)>,
-    /// Filter counters of Envoys read just before they were restarted, summed by name.
-    pub envoy_counters: Vec<(String, u64)>,
+    /// Counters of processes the nemesis replaced, read just before (the Envoys' filter
+    /// counters, the sidecars' [`CALLS_REFUSED`]), summed by name.
+    pub counters: Vec<(String, u64)>,
 }
 
 /// How long recovery may take before the run is declared broken (not a finding: the harness's).
 const RECOVERY: Duration = Duration::from_secs(60);
+
+/// The sidecars' count of calls they refused as malformed or too large (400, 413): a gateway's
+/// batch must fit what its sidecar accepts, so the checker wants none.
+pub const CALLS_REFUSED: &str = "sidecar_calls_refused";
 
 /// The Envoy counters the checker sums across restarts.
 pub const ENVOY_COUNTERS: [&str; 4] = [
@@ -103,6 +108,7 @@ fn cause(fault: &Fault, t: &mut Topology, snapshot: Option<&[u8]>, log: &mut Log
             p.signal(Signal::SIGCONT);
         }
         Fault::SidecarRestart { sidecar, down_ms } => {
+            add(&mut log.counters, CALLS_REFUSED, calls_refused(t, sidecar));
             let s = &mut t.sidecars[sidecar];
             s.sidecar.process.stop();
             log.replaced_logs
@@ -130,9 +136,7 @@ fn cause(fault: &Fault, t: &mut Topology, snapshot: Option<&[u8]>, log: &mut Log
             None => t.nodes[primary_before].restart_empty(),
         },
         Fault::EnvoyRestart { envoy } => {
-            for (name, v) in envoy_counters(t, envoy) {
-                add(&mut log.envoy_counters, &name, v);
-            }
+            add_envoy_counters(&mut log.counters, t, envoy);
             log.replaced_logs
                 .push((format!("envoy {envoy}"), t.envoys[envoy].process.log()));
             let config = t.configs[envoy].clone();
@@ -205,6 +209,32 @@ pub fn envoy_counters(t: &Topology, i: usize) -> Vec<(String, u64)> {
         .iter()
         .map(|c| (c.to_string(), t.envoys[i].counter(c)))
         .collect()
+}
+
+/// Sidecar `i`'s calls refused as malformed or too large: `ratelimit_calls_total` of outcome
+/// `bad_request`, over its APIs ([`CALLS_REFUSED`]).
+pub fn calls_refused(t: &Topology, i: usize) -> u64 {
+    let url = format!("{}/metrics", t.sidecars[i].sidecar.base_url());
+    let text = crate::http()
+        .get(url)
+        .send()
+        .and_then(|r| r.text())
+        .unwrap_or_default();
+    text.lines()
+        .filter(|l| {
+            l.starts_with("ratelimit_calls_total{") && l.contains("outcome=\"bad_request\"")
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as u64
+}
+
+/// Adds Envoy `i`'s counters to `into`, under their names (summed over the Envoys) and as
+/// `<name>@<i>` (its own: [`super::topology::LLM_ENVOY`] alone carries `llm`).
+pub fn add_envoy_counters(into: &mut Vec<(String, u64)>, t: &Topology, i: usize) {
+    for (name, v) in envoy_counters(t, i) {
+        add(into, &name, v);
+        add(into, &format!("{name}@{i}"), v);
+    }
 }
 
 /// Adds `v` to the counter `name` of `into`.

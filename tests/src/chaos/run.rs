@@ -132,11 +132,13 @@ pub fn run(plan: &Plan) -> Outcome {
     let sent = workload.finish();
     drain(&topology);
     let served = topology.upstream.served();
-    let mut counters = log.envoy_counters.clone();
+    let mut counters = log.counters.clone();
     for i in 0..topology.envoys.len() {
-        for (name, v) in nemesis::envoy_counters(&topology, i) {
-            add(&mut counters, &name, v);
-        }
+        nemesis::add_envoy_counters(&mut counters, &topology, i);
+    }
+    for i in 0..topology.sidecars.len() {
+        let refused = nemesis::calls_refused(&topology, i);
+        add(&mut counters, nemesis::CALLS_REFUSED, refused);
     }
     let mut logs = topology.logs();
     logs.extend(log.replaced_logs.iter().cloned());

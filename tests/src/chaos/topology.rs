@@ -1,8 +1,8 @@
 //! The processes of a run, and the hands the nemesis breaks them with: a Redis primary with a
 //! replica and three Sentinels; two sidecars on the Sentinels; two Envoys with the wasm filter
 //! (one and two workers), each to its own sidecar through a [`Relay`]; the recording upstream.
-//! The plugin names clients by API key (`<app>-key`), the policy file is the run's
-//! ([`policy_yaml`]).
+//! The plugin names clients by API key (`<app>-key`; the app as [`app_name`] gives it), the
+//! policy file is the run's ([`policy_yaml`]).
 
 use std::time::Duration;
 
@@ -16,6 +16,21 @@ use crate::{wait_until, Envoy, EnvoyConfig, Redis, Sentinel, Sidecar, Upstream};
 /// The apps the plugin knows, beyond [`HOT`], [`WARM`] and [`QUIET`].
 pub const LLM: &str = "llm";
 pub const HOLD: &str = "hold";
+/// The bulk client's app: many metered streams at once under a name of [`BULK_NAME_BYTES`], so
+/// that the settlements queued while a sidecar is away come to more than one call may carry.
+pub const BULK: &str = "bulk";
+/// The Envoys that carry `llm` and `bulk`, each alone, so that each rule's lost settlements
+/// are counted apart (the filter's counter names no rule).
+pub const LLM_ENVOY: usize = 1;
+pub const BULK_ENVOY: usize = 0;
+/// `bulk`'s reservation, and the most a bulk request really costs.
+pub const BULK_RESERVE: u64 = 10;
+pub const BULK_MAX_TOKENS: u64 = 20;
+/// The length of the bulk app's name as the plugin names it (a subject value may be 4,096 bytes):
+/// about 17 of its settlements fill a call's 64 KiB.
+pub const BULK_NAME_BYTES: usize = 3_800;
+/// `bulk`'s bucket: never the limit (what its client checks is that settlements arrive).
+pub const BULK_BUCKET: (u64, f64) = (1_000_000, 1_000_000.0);
 
 /// `llm`'s reservation bounds: the most a request may reserve, and what an answer whose cost
 /// cannot be read settles at (the rule's `reserve_max`, `unreported_cost` by default).
@@ -56,9 +71,23 @@ pub fn policy_yaml(p: &Policy) -> String {
         format!("    overrides:\n      - when: {{app: {WARM}}}\n        capacity: {c}\n        refill_per_sec: {r}\n")
     };
     format!(
-        "rules:\n  per-app:\n    capacity: {}\n    refill_per_sec: {}\n{block}  llm: {{capacity: 200, refill_per_sec: 50}}\n  inflight: {{concurrency: {CONCURRENCY}, slot_ttl_ms: {}}}\n  direct: {{capacity: 10, refill_per_sec: 5}}\n",
-        p.per_app.0, p.per_app.1, p.slot_ttl_ms
+        "rules:\n  per-app:\n    capacity: {}\n    refill_per_sec: {}\n{block}  llm: {{capacity: 200, refill_per_sec: 50}}\n  inflight: {{concurrency: {CONCURRENCY}, slot_ttl_ms: {}}}\n  direct: {{capacity: 10, refill_per_sec: 5}}\n  \
+         bulk: {{capacity: {}, refill_per_sec: {}}}\n",
+        p.per_app.0,
+        p.per_app.1,
+        p.slot_ttl_ms,
+        BULK_BUCKET.0,
+        BULK_BUCKET.1
     )
+}
+
+/// The name the plugin gives `app` (its key's app): the app itself, but for [`BULK`].
+pub fn app_name(app: &str) -> String {
+    if app == BULK {
+        format!("{BULK}-{}", "x".repeat(BULK_NAME_BYTES - BULK.len() - 1))
+    } else {
+        app.to_string()
+    }
 }
 
 /// The API key of `app`.
@@ -68,14 +97,16 @@ pub fn key_of(app: &str) -> String {
 
 /// The filter's configuration: every app by its API key, three rules.
 fn plugin() -> Value {
-    let apps = [HOT, WARM, LLM, HOLD].into_iter().chain(QUIET);
+    let apps = [HOT, WARM, LLM, HOLD, BULK].into_iter().chain(QUIET);
     let keys: serde_json::Map<String, Value> = apps
         .map(|app| {
             let digest = Sha256::digest(key_of(app).as_bytes());
             let hex: String = digest.iter().map(|b| format!("{b:02x}")).collect();
-            (hex, json!(app))
+            (hex, json!(app_name(app)))
         })
         .collect();
+    let bulk = json!([{"name": "x-bulk", "present": true}]);
+    let not_bulk = json!([{"name": "x-bulk", "present": false}]);
     json!({
         "domain": "ratelimit",
         "sidecar": {"cluster": "ratelimit_sidecar", "timeout_ms": 200},
@@ -83,10 +114,13 @@ fn plugin() -> Value {
         "rules": [
             {"name": "per-app", "match": {"path_prefix": "/api/"}, "subject": ["app"],
              "on_error": "deny"},
-            {"name": "llm", "match": {"path_prefix": "/usage/"}, "subject": ["app"],
-             "on_error": "deny",
+            {"name": "llm", "match": {"path_prefix": "/usage/", "headers": not_bulk},
+             "subject": ["app"], "on_error": "deny",
              "cost": {"reserve": 10, "reserve_from_request_header": "x-max-tokens",
                       "reserve_max": LLM_RESERVE_MAX, "response_json": "usage.total_tokens"}},
+            {"name": "bulk", "match": {"path_prefix": "/usage/", "headers": bulk},
+             "subject": ["app"], "on_error": "deny",
+             "cost": {"reserve": BULK_RESERVE, "response_json": "usage.total_tokens"}},
             {"name": "inflight", "match": {"path_prefix": "/hold/"}, "subject": ["app"],
              "on_error": "deny"},
         ]

@@ -1,7 +1,8 @@
 //! The clients of a run, each a thread until told to stop, every request tagged with an id
 //! (`x-chaos-id`) the upstream records: a hot app hammering both Envoys, quiet apps, an LLM
 //! client whose costs are settled from the answers (JSON and streams, asking for gzip, some
-//! answers compressed anyway, without usage or cut short), long requests under `concurrency`,
+//! answers compressed anyway, without usage or cut short), a bulk client of many metered streams
+//! at once under a long name, long requests under `concurrency`,
 //! and an authenticated caller straight at a sidecar (attempt ids repeated and reused, forged
 //! settlements on the hot app's bucket: it must not create budget).
 
@@ -16,15 +17,23 @@ use serde_json::{json, Value};
 
 use super::clock_ns;
 use super::schedule::{ENVOYS, HOT, QUIET, WARM};
-use super::topology::{key_of, CONCURRENCY, HOLD, LLM, LLM_RESERVE_MAX};
+use super::topology::{
+    key_of, BULK, BULK_ENVOY, BULK_MAX_TOKENS, BULK_RESERVE, CONCURRENCY, HOLD, LLM, LLM_ENVOY,
+    LLM_RESERVE_MAX,
+};
+
+/// The bulk client's streams at once, each about a second long, all through Envoy 0 (one
+/// worker, one outbox: [`BULK_ENVOY`]): about 50 settlements a second, so that what queues behind a batch
+/// stuck on a paused sidecar (three sends of up to 200 ms) comes to more than one call holds.
+const BULK_STREAMS: u64 = 48;
 
 /// What a request was, for the checker.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Kind {
     /// `per-app`, cost 1.
     Api,
-    /// `llm`: it reserved `reserve`, really cost `tokens`; `readable`: its answer reports the
-    /// cost in a way the filter reads (else it settles at `reserve_max`).
+    /// `llm` (or `bulk`): it reserved `reserve`, really cost `tokens`; `readable`: its answer
+    /// reports the cost in a way the filter reads (else it settles at `reserve_max`).
     Llm {
         reserve: u64,
         tokens: u64,
@@ -113,6 +122,9 @@ impl Workload {
             }),
         ));
         threads.push(spawn(20, Box::new(|c: &mut Ctx| c.llm())));
+        for n in 0..BULK_STREAMS {
+            threads.push(spawn(100 + n, Box::new(|c: &mut Ctx| c.bulk())));
+        }
         // Twice as many holders as `concurrency`, so that a slot lost or expired shows.
         for n in 0..2 * CONCURRENCY {
             threads.push(spawn(30 + n, Box::new(|c: &mut Ctx| c.hold())));
@@ -227,7 +239,7 @@ impl Ctx {
     }
 
     fn llm(&mut self) {
-        let (id, envoy) = (next_id(), self.envoy());
+        let (id, envoy) = (next_id(), LLM_ENVOY);
         let reserve = self.rng.random_range(1..=LLM_RESERVE_MAX);
         let tokens = self.rng.random_range(1..=LLM_RESERVE_MAX);
         let stream = self.rng.random_bool(0.5);
@@ -268,6 +280,34 @@ impl Ctx {
             status,
         });
         std::thread::sleep(Duration::from_millis(30));
+    }
+
+    /// One metered stream of the bulk app (`bulk`: reserved [`BULK_RESERVE`], settled on the
+    /// usage its last event reports) through [`BULK_ENVOY`], about a second long.
+    fn bulk(&mut self) {
+        let (id, envoy) = (next_id(), BULK_ENVOY);
+        let tokens = self.rng.random_range(1..=BULK_MAX_TOKENS);
+        let path = format!("/usage/sse?tokens={tokens}&events=4&gap_ms=250");
+        let sent_ns = clock_ns();
+        let status = self.get(envoy, &path, BULK, id, &[("x-bulk", "1".into())]);
+        self.record(Sent {
+            id,
+            rule: "bulk",
+            app: BULK.into(),
+            kind: Kind::Llm {
+                reserve: BULK_RESERVE,
+                tokens,
+                readable: true,
+                cut: false,
+            },
+            envoy: Some(envoy),
+            sent_ns,
+            answered_ns: clock_ns(),
+            status,
+        });
+        if status != 200 {
+            std::thread::sleep(Duration::from_millis(100));
+        }
     }
 
     fn hold(&mut self) {

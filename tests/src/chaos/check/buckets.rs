@@ -76,7 +76,12 @@ impl Checker<'_> {
     /// Replays every bucket.
     pub(super) fn buckets(&mut self) {
         let mut by_bucket: BTreeMap<(&str, &str), Timeline> = BTreeMap::new();
-        let lost = self.counter("settlements_lost");
+        // Per rule, the settlements its Envoy lost ([`LLM_ENVOY`], [`BULK_ENVOY`]), at most
+        // those that owed tokens (a lost one costs its excess) and were answered while a fault
+        // could make their sends fail.
+        let lost_on = |envoy: usize| self.counter(&format!("settlements_lost@{envoy}"));
+        let lost = [("llm", lost_on(LLM_ENVOY)), ("bulk", lost_on(BULK_ENVOY))];
+        let mut at_risk: BTreeMap<&str, u64> = BTreeMap::new();
         for s in self.r.sent {
             let key = (s.rule, s.app.as_str());
             let admitted_at = match s.kind {
@@ -117,6 +122,9 @@ impl Checker<'_> {
                     // grants (docs/costs.md, an Envoy that stops): not debited.
                     if real > cost && !self.settlement_cut_by_restart(s) {
                         events.push((s.answered_ns, s.id, Event::Debit(real - cost)));
+                        if self.settlement_may_fail(s.answered_ns) {
+                            *at_risk.entry(s.rule).or_default() += 1;
+                        }
                     }
                 }
                 None if s.status == 429 => {
@@ -132,13 +140,26 @@ impl Checker<'_> {
                 }
             }
             events.sort_by_key(|(t, id, _)| (*t, *id));
-            let extra = if rule == "llm" {
-                lost as f64 * LLM_RESERVE_MAX as f64
-            } else {
-                0.0
+            let lost = lost.iter().find(|(r, _)| *r == rule).map_or(0, |l| l.1);
+            let lost = lost.min(at_risk.get(rule).copied().unwrap_or(0)) as f64;
+            let extra = match rule {
+                "llm" => lost * LLM_RESERVE_MAX as f64,
+                "bulk" => lost * BULK_MAX_TOKENS as f64,
+                _ => 0.0,
             };
             self.replay(rule, app, &events, extra);
         }
+    }
+
+    /// Whether a settlement answered at `t` may have been given up (its sends failed): a fault
+    /// began before its sends could have ended, and it was answered before the fault's
+    /// aftermath ended.
+    pub(super) fn settlement_may_fail(&self, t: u64) -> bool {
+        self.r
+            .log
+            .faults
+            .iter()
+            .any(|f| f.start_ns <= t + SETTLE_NS && t <= f.recovered_ns + SETTLE_AFTER_FAULT_NS)
     }
 
     /// Whether `s`'s settlement may have been lost with its Envoy: the Envoy was restarted
@@ -175,6 +196,7 @@ impl Checker<'_> {
             "per-app" => (p.per_app.0 as f64, p.per_app.1),
             "llm" => (200.0, 50.0),
             "direct" => (10.0, 5.0),
+            "bulk" => (BULK_BUCKET.0 as f64, BULK_BUCKET.1),
             other => unreachable!("no bucket for rule {other}"),
         };
         self.policies_around(t)

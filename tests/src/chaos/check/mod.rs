@@ -40,16 +40,19 @@
 //!
 //! **Answers**: 200, 429 and 503 only (every rule's `on_error` is `deny`); no answer only from an
 //! Envoy that was restarted, a stream the upstream cut, or the direct caller's sidecar while it
-//! was down. **Settlements**: every admitted `llm` request whose real cost was not its
-//! reservation queued one. **Processes**: none panicked; each one's peak memory under its bound.
+//! was down. **Settlements**: every admitted `llm` or `bulk` request whose real cost was not its
+//! reservation queued one. **Calls**: the sidecars refused none of the gateways' calls as
+//! malformed or too large. **Processes**: none panicked; each one's peak memory under its bound.
 
 use std::collections::{BTreeMap, HashMap};
 
 use ratelimit_bucket::refill;
 
-use super::nemesis::{Caused, Log};
+use super::nemesis::{Caused, Log, CALLS_REFUSED};
 use super::schedule::{Fault, StoreReset, HOT, WARM, WARM_BUCKET};
-use super::topology::{Policy, CONCURRENCY, LLM_RESERVE_MAX};
+use super::topology::{
+    Policy, BULK_BUCKET, BULK_ENVOY, BULK_MAX_TOKENS, CONCURRENCY, LLM_ENVOY, LLM_RESERVE_MAX,
+};
 use super::workload::{Kind, Sent};
 use crate::upstream::Served;
 
@@ -91,7 +94,7 @@ pub struct Record<'a> {
     pub sent: &'a [Sent],
     pub served: &'a [Served],
     pub log: &'a Log,
-    /// The Envoys' filter counters, summed over their restarts.
+    /// The Envoys' filter counters and the sidecars' refused calls, summed over restarts.
     pub counters: &'a [(String, u64)],
     /// Every process's log, the replaced ones included.
     pub logs: &'a [(String, String)],
@@ -145,6 +148,7 @@ pub fn check(r: &Record) -> Verdict {
     c.concurrency();
     c.answers();
     c.settlements();
+    c.calls_refused();
     c.processes();
     Verdict {
         rows: c.rows.into_values().collect(),

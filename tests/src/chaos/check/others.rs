@@ -109,7 +109,8 @@ impl Checker<'_> {
             .map_or(0, |c| c.1)
     }
 
-    /// Every admitted `llm` request whose real cost was not its reservation queued a settlement
+    /// Every admitted `llm` or `bulk` request whose real cost was not its reservation queued a
+    /// settlement
     /// (those an Envoy restart cut excepted).
     pub(super) fn settlements(&mut self) {
         let mut expected = 0;
@@ -151,10 +152,26 @@ impl Checker<'_> {
         if queued < expected || queued > expected + unsure {
             self.violations.push(Violation {
                 what: format!(
-                    "llm: the gateways queued {queued} settlements; the record expects {expected} \
+                    "llm and bulk: the gateways queued {queued} settlements; the record expects {expected} \
                      (and up to {unsure} more cut by an Envoy restart); they found {} costs \
                      unreported, the record {unreadable} unreadable answers",
                     self.counter("costs_unreported")
+                ),
+                at_ns: 0,
+                window: (0, 0),
+            });
+        }
+    }
+
+    /// No call of a gateway was refused as malformed or too large: each batch it builds fits
+    /// what its sidecar accepts (the authenticated caller sends only well-formed calls).
+    pub(super) fn calls_refused(&mut self) {
+        let refused = self.counter(CALLS_REFUSED);
+        if refused > 0 {
+            self.violations.push(Violation {
+                what: format!(
+                    "the sidecars refused {refused} calls as malformed or too large (400, 413): \
+                     a gateway built a batch its sidecar does not accept"
                 ),
                 at_ns: 0,
                 window: (0, 0),

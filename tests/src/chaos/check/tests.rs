@@ -248,3 +248,119 @@ fn the_first_policy_holds_from_the_start() {
         Vec::<String>::new()
     );
 }
+
+/// An `llm` request through its Envoy that reserved `reserve` and really cost `tokens` (its
+/// answer readable), served at `at`, and its served record.
+fn llm(id: u64, reserve: u64, tokens: u64, at: u64) -> (Sent, crate::upstream::Served) {
+    let sent = Sent {
+        id,
+        rule: "llm",
+        app: "llm".into(),
+        kind: Kind::Llm {
+            reserve,
+            tokens,
+            readable: true,
+            cut: false,
+        },
+        envoy: Some(LLM_ENVOY),
+        sent_ns: at - MS,
+        answered_ns: at + MS,
+        status: 200,
+    };
+    let served = crate::upstream::Served {
+        id,
+        path: "/usage/json".into(),
+        arrival_ns: at,
+        done_ns: at,
+    };
+    (sent, served)
+}
+
+/// The violations of `llm/` with eight settlements counted lost on Envoy `envoy`.
+fn llm_violations_with_eight_lost_on(
+    envoy: usize,
+    sent: &[Sent],
+    served: &[crate::upstream::Served],
+    faults: Vec<Caused>,
+) -> Vec<String> {
+    let log = Log {
+        faults,
+        policies: vec![(0, Policy::default())],
+        ..Log::default()
+    };
+    let counters = [
+        ("settlements_lost".to_string(), 8),
+        (format!("settlements_lost@{envoy}"), 8),
+        ("costs_settled".to_string(), 8),
+    ];
+    check(&Record {
+        store_reset: StoreReset::Full,
+        sent,
+        served,
+        log: &log,
+        counters: &counters,
+        logs: &[],
+        peak_rss_kib: &[],
+    })
+    .violations
+    .into_iter()
+    .map(|v| v.what)
+    .filter(|w| w.starts_with("llm/"))
+    .collect()
+}
+
+#[test]
+fn a_lost_settlement_is_granted_only_to_the_rule_of_its_envoy_and_while_a_fault_put_it_at_risk() {
+    // Eight requests at 1 s reserve 1 and cost 50 (49 each owed by their settlements: the
+    // bucket 200 in debt), then 200 admitted at 7 s, past the aftermath of any fault below: the
+    // bucket holds 100 by then, so 84 past its slack unless those settlements were lost.
+    let (mut sent, mut served): (Vec<Sent>, Vec<_>) =
+        (0..8).map(|i| llm(1 + i, 1, 50, S + i * MS)).unzip();
+    let (more, more_served): (Vec<Sent>, Vec<_>) =
+        (0..4).map(|i| llm(10 + i, 50, 50, 7 * S + i * MS)).unzip();
+    sent.extend(more);
+    served.extend(more_served);
+    // A sidecar paused around them: the eight may be the ones lost.
+    let pause = fault(
+        Fault::SidecarPause {
+            sidecar: 0,
+            ms: 500,
+        },
+        S + 50 * MS,
+        S + 550 * MS,
+        S + 600 * MS,
+        false,
+    );
+    assert_eq!(
+        llm_violations_with_eight_lost_on(LLM_ENVOY, &sent, &served, vec![pause.clone()]),
+        Vec::<String>::new()
+    );
+    // Lost on the other Envoy (bulk's): these were charged.
+    assert!(!llm_violations_with_eight_lost_on(BULK_ENVOY, &sent, &served, vec![pause]).is_empty());
+    // No fault near them: they cannot be among the eight lost.
+    assert!(!llm_violations_with_eight_lost_on(LLM_ENVOY, &sent, &served, vec![]).is_empty());
+}
+
+#[test]
+fn a_call_the_sidecar_refused_is_a_violation() {
+    let log = Log {
+        policies: vec![(0, Policy::default())],
+        ..Log::default()
+    };
+    let refused = |n: u64| {
+        let counters = [(CALLS_REFUSED.to_string(), n)];
+        check(&Record {
+            store_reset: StoreReset::Full,
+            sent: &[],
+            served: &[],
+            log: &log,
+            counters: &counters,
+            logs: &[],
+            peak_rss_kib: &[],
+        })
+        .violations
+        .len()
+    };
+    assert_eq!(refused(0), 0);
+    assert_eq!(refused(1), 1);
+}
