@@ -213,7 +213,6 @@ pub async fn serve(
     if let Some(region) = &args.region {
         let shares = RegionalShares::new(
             region.clone(),
-            args.key_prefix.clone(),
             Duration::from_millis(args.redis_timeout_ms),
             metrics.clone(),
         );

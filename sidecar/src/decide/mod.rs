@@ -959,7 +959,7 @@ rules:
             ..Bounds::default()
         };
         let p = Policy::from_sources(&[("limits.yaml".into(), REGIONAL.into())], &bounds).unwrap();
-        let shares = RegionalShares::new("eu", "rl:", std::time::Duration::ZERO, metrics.clone());
+        let shares = RegionalShares::new("eu", std::time::Duration::ZERO, metrics.clone());
         shares.refresh(&*store, &p).await;
         let d = Decider::new(
             store,
@@ -998,14 +998,17 @@ rules:
     #[tokio::test]
     async fn a_share_without_a_lease_answers_unavailable_and_demand_is_counted() {
         let store = Arc::new(MemoryStore::new(T0, 0.1, 10_000));
-        store.set_hash(
-            "rl:share:{ratelimit|global}",
-            &[
-                ("version", "4"),
-                ("share_ppm", "500000"),
-                ("lease_ms", "30"),
-                ("history", "0:500000"),
-            ],
+        let fields = [
+            ("version", "4"),
+            ("share_ppm", "500000"),
+            ("lease_ms", "30"),
+            ("history", "0:500000"),
+        ]
+        .map(|(k, v)| (k.to_string(), v.to_string()));
+        store.set_share(
+            "ratelimit",
+            "global",
+            crate::regional::record::parse(&fields),
         );
         let (d, shares) = regional_decider(store.clone()).await;
         let a = d
@@ -1020,11 +1023,7 @@ rules:
             "the record's 0.5"
         );
         shares.flush_demand(&*store).await;
-        assert_eq!(
-            crate::regional::record::parse_demand(&store.hash("rl:demand:{ratelimit|global}"))
-                .unwrap(),
-            (50, 10)
-        );
+        assert_eq!(store.demand("ratelimit", "global"), (50, 10));
         std::thread::sleep(std::time::Duration::from_millis(40));
         let a = d
             .decide(call(vec![vec![decision("global", &[("app", Some("a"))])]]))

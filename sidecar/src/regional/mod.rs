@@ -25,7 +25,7 @@
 //!   the bucket script takes the bucket under the smallest share since its last decision.
 //! - Demand: per rule, tokens admitted (cost plus lease grants) and rejected, counted in memory
 //!   and added to the region's counters ([`record::ADMITTED`], [`record::REJECTED`]) every
-//!   [`DEMAND_FLUSH`] with `HINCRBY`.
+//!   [`DEMAND_FLUSH`] ([`crate::store::ShareStore::add_demand`]).
 
 pub mod record;
 
@@ -35,7 +35,6 @@ use std::time::{Duration, Instant};
 
 use ratelimit_regions::{Share, ShareHistory};
 
-use crate::keys::{demand_key, share_key};
 use crate::metrics::Metrics;
 use crate::policy::reload::PolicyHandle;
 use crate::policy::{Policy, Regional};
@@ -50,7 +49,6 @@ type RuleId = (String, String);
 /// This region's shares of the regional rules, and their demand.
 pub struct RegionalShares {
     region: String,
-    key_prefix: String,
     /// How long before its lease ends a share stops being applied: a decision planned under the
     /// lease reaches Redis at most this much later (`--redis-timeout-ms`).
     decision_time: Duration,
@@ -119,13 +117,11 @@ impl RegionalShares {
     /// (the Redis timeout), so a share stops being applied that long before its lease ends.
     pub fn new(
         region: impl Into<String>,
-        key_prefix: impl Into<String>,
         decision_time: Duration,
         metrics: Arc<Metrics>,
     ) -> Arc<RegionalShares> {
         Arc::new(RegionalShares {
             region: region.into(),
-            key_prefix: key_prefix.into(),
             decision_time,
             views: Mutex::new(HashMap::new()),
             demand: Mutex::new(HashMap::new()),
@@ -190,12 +186,9 @@ impl RegionalShares {
     }
 
     async fn refresh_rule<S: ShareStore>(&self, store: &S, rule: &Regional) {
-        let key = share_key(&self.key_prefix, &rule.domain, &rule.rule);
         let sent = Instant::now();
-        let read = match store.read_share_record(key.clone()).await {
-            Ok((fields, live_run_id)) => {
-                record::parse(&fields).map(|r| r.map(|r| (r, live_run_id)))
-            }
+        let read = match store.read_share(&rule.domain, &rule.rule).await {
+            Ok(read) => Ok(read.record.map(|r| (r, read.answered_by))),
             Err(e) => Err(e.to_string()),
         };
         let mut views = self.views.lock().expect("not poisoned");
@@ -204,8 +197,9 @@ impl RegionalShares {
             .or_default();
         let read = match read {
             Ok(None) if view.seen_record => Err(format!(
-                "the share record {key} is gone (the region's Redis lost it?); the rule stays \
-                 unavailable until a record is written"
+                "the share record of {}/{} is gone (the region's Redis lost it?); the rule stays \
+                 unavailable until a record is written",
+                rule.domain, rule.rule
             )),
             other => other,
         };
@@ -317,8 +311,7 @@ impl RegionalShares {
         let counts: Vec<(RuleId, (u64, u64))> =
             self.demand.lock().expect("not poisoned").drain().collect();
         for ((domain, rule), (admitted, rejected)) in counts {
-            let key = demand_key(&self.key_prefix, &domain, &rule);
-            let added = store.add_demand(key, admitted, rejected).await;
+            let added = store.add_demand(&domain, &rule, admitted, rejected).await;
             if let Err(e) = added {
                 tracing::debug!(%rule, "demand counters not updated, kept for the next flush: {e}");
                 let mut demand = self.demand.lock().expect("not poisoned");
@@ -461,16 +454,20 @@ mod tests {
         ]
     }
 
+    /// Sets `g`'s record as the Redis layout's `fields` read ([`record::parse`]).
     fn set(store: &MemoryStore, fields: &[(&'static str, String)]) {
-        let f: Vec<(&str, &str)> = fields.iter().map(|(k, v)| (*k, v.as_str())).collect();
-        store.set_hash("rl:share:{ratelimit|g}", &f);
+        let f: Vec<(String, String)> = fields
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.clone()))
+            .collect();
+        store.set_share("ratelimit", "g", record::parse(&f));
     }
 
     #[tokio::test]
     async fn the_initial_share_applies_until_a_record_exists_then_the_record() {
         let p = policy();
         let store = MemoryStore::new(0, 0.1, 10_000);
-        let shares = RegionalShares::new("eu", "rl:", Duration::ZERO, Arc::new(Metrics::new()));
+        let shares = RegionalShares::new("eu", Duration::ZERO, Arc::new(Metrics::new()));
         assert!(shares
             .share_for(&rule(&p))
             .unwrap_err()
@@ -499,7 +496,7 @@ mod tests {
         assert!(status[0].leased);
 
         // Gone after it was seen: not the initial share again.
-        store.set_hash("rl:share:{ratelimit|g}", &[]);
+        store.set_share("ratelimit", "g", Ok(None));
         shares.refresh(&store, &p).await;
         assert_eq!(
             shares.status(&p)[0].version,
@@ -518,7 +515,7 @@ mod tests {
         let p = policy();
         let store = MemoryStore::new(0, 0.1, 10_000);
         set(&store, &fields("1", "600000", "40", "0:600000"));
-        let shares = RegionalShares::new("eu", "rl:", Duration::ZERO, Arc::new(Metrics::new()));
+        let shares = RegionalShares::new("eu", Duration::ZERO, Arc::new(Metrics::new()));
         shares.refresh(&store, &p).await;
         assert!(shares.share_for(&rule(&p)).is_ok());
         assert_eq!(shares.refresh_interval(), Duration::from_millis(10));
@@ -540,7 +537,7 @@ mod tests {
         let store = MemoryStore::new(0, 0.1, 10_000);
         store.set_run_id("live");
         let metrics = Arc::new(Metrics::new());
-        let shares = RegionalShares::new("eu", "rl:", Duration::ZERO, metrics.clone());
+        let shares = RegionalShares::new("eu", Duration::ZERO, metrics.clone());
         let stamped = |version: &str, ppm: &str, history: &str, run_id: &str| {
             let mut f = fields(version, ppm, "5000", history);
             f.push(("run_id", run_id.into()));
@@ -583,7 +580,7 @@ mod tests {
         );
 
         // A sidecar that starts now (it saw no version) does not trust it either.
-        let fresh = RegionalShares::new("eu", "rl:", Duration::ZERO, Arc::new(Metrics::new()));
+        let fresh = RegionalShares::new("eu", Duration::ZERO, Arc::new(Metrics::new()));
         fresh.refresh(&store, &p).await;
         assert_eq!(fresh.share_for(&rule(&p)).unwrap().current().ppm(), 50_000);
 
@@ -612,7 +609,7 @@ mod tests {
         assert!(metrics
             .encode()
             .contains("ratelimit_regional_share_suspect_total{rule=\"ratelimit/g\"} 2\n"));
-        let fresh = RegionalShares::new("eu", "rl:", Duration::ZERO, Arc::new(Metrics::new()));
+        let fresh = RegionalShares::new("eu", Duration::ZERO, Arc::new(Metrics::new()));
         fresh.refresh(&store, &p).await;
         assert_eq!(fresh.share_for(&rule(&p)).unwrap().current().ppm(), 600_000);
     }
@@ -621,13 +618,12 @@ mod tests {
     async fn demand_is_added_to_the_regions_counters() {
         let p = policy();
         let store = MemoryStore::new(0, 0.1, 10_000);
-        let shares = RegionalShares::new("eu", "rl:", Duration::ZERO, Arc::new(Metrics::new()));
+        let shares = RegionalShares::new("eu", Duration::ZERO, Arc::new(Metrics::new()));
         shares.count(&rule(&p), 5, 0);
         shares.count(&rule(&p), 0, 2);
         shares.flush_demand(&store).await;
         shares.count(&rule(&p), 1, 1);
         shares.flush_demand(&store).await;
-        let fields = store.hash("rl:demand:{ratelimit|g}");
-        assert_eq!(record::parse_demand(&fields).unwrap(), (6, 3));
+        assert_eq!(store.demand("ratelimit", "g"), (6, 3));
     }
 }

@@ -18,6 +18,8 @@ use std::future::Future;
 use std::sync::Arc;
 
 use ratelimit_regions::ShareHistory;
+
+use crate::regional::record::ShareRecord;
 use ratelimit_wire::Reason;
 
 pub use self::redis::script::Script;
@@ -402,24 +404,35 @@ pub trait BucketStore: Send + Sync + 'static {
 }
 
 /// Where this region's shares of the regional rules live ([`crate::regional`]): each rule's share
-/// record, read under a lease, and its demand counters, added to.
+/// record, read under a lease, and its demand counters, added to. The backend keeps its own
+/// layout (Redis: [`crate::regional::record`]); this speaks rules and records.
 pub trait ShareStore: Send + Sync + 'static {
-    /// The fields of the share record at `key` ([`crate::regional::record`]), none when the key
-    /// is missing, and the run_id of the Redis process that answered (read together,
-    /// `lua/share_read.lua`): a record stamped by another process may be older than the last one
-    /// written. Bounded like every call.
-    fn read_share_record(
+    /// The share record of regional rule `rule` of `domain`, none when there is none, with the
+    /// process that answered (read together): a record stamped by another process may be older
+    /// than the last one written ([`ShareRecord::written_by`]). A record that cannot be read is
+    /// an error naming why. Bounded like every call.
+    fn read_share(
         &self,
-        key: String,
-    ) -> impl Future<Output = Result<(Vec<(String, String)>, String), StoreError>> + Send;
+        domain: &str,
+        rule: &str,
+    ) -> impl Future<Output = Result<ShareRead, StoreError>> + Send;
 
-    /// Adds `admitted` and `rejected` tokens to the demand counters at `key`.
+    /// Adds `admitted` and `rejected` tokens to the demand counters of `rule` of `domain`.
     fn add_demand(
         &self,
-        key: String,
+        domain: &str,
+        rule: &str,
         admitted: u64,
         rejected: u64,
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
+}
+
+/// A read of a share record ([`ShareStore::read_share`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShareRead {
+    pub record: Option<ShareRecord>,
+    /// The id of the store process that answered (Redis's `run_id`).
+    pub answered_by: String,
 }
 
 /// What the store tells `/readyz` (the decider adds the regional shares:

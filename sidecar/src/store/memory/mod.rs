@@ -20,11 +20,11 @@ use ratelimit_wire::Reason;
 
 use super::{
     Applied, BucketLimits, BucketOutcome, BucketStore, Decided, GrantCap, Group, Readiness,
-    RequestOutcome, SettleBatch, Settled, Settlement, ShareStore, Slot, SlotUpdate, SlotsTaken,
-    Status, StoreError, StoreReset, Work, SHARE_MARGIN_MS,
+    RequestOutcome, SettleBatch, Settled, Settlement, ShareRead, ShareStore, Slot, SlotUpdate,
+    SlotsTaken, Status, StoreError, StoreReset, Work, SHARE_MARGIN_MS,
 };
 use crate::keys::{record_key, settle_record_key};
-use crate::regional::record;
+use crate::regional::record::ShareRecord;
 
 mod script_run;
 mod settle;
@@ -89,8 +89,10 @@ struct Recorded {
 struct Inner {
     buckets: HashMap<Arc<str>, Stored>,
     records: HashMap<String, (Vec<Recorded>, u64)>,
-    /// Hashes (regional share records, demand counters): key -> fields.
-    hashes: HashMap<String, Vec<(String, String)>>,
+    /// Regional share records by (domain, rule): a record, or why it cannot be read.
+    shares: HashMap<(String, String), Result<ShareRecord, String>>,
+    /// Regional demand counters by (domain, rule): admitted and rejected tokens.
+    demand: HashMap<(String, String), (u64, u64)>,
     /// The store's epoch marker (`--store-reset empty`).
     epoch_us: Option<f64>,
     /// The run_id a share record's read answers with, as a Redis process's (empty until set).
@@ -193,15 +195,14 @@ impl MemoryStore {
             .map(|s| s.tokens)
     }
 
-    /// Replaces a hash (a regional share record).
-    pub fn set_hash(&self, key: &str, fields: &[(&str, &str)]) {
-        self.inner.lock().expect("not poisoned").hashes.insert(
-            key.to_string(),
-            fields
-                .iter()
-                .map(|(k, v)| (k.to_string(), v.to_string()))
-                .collect(),
-        );
+    /// Replaces the share record of `rule` of `domain`: a record, none, or why it cannot be read.
+    pub fn set_share(&self, domain: &str, rule: &str, record: Result<Option<ShareRecord>, String>) {
+        let id = (domain.to_string(), rule.to_string());
+        let mut inner = self.inner.lock().expect("not poisoned");
+        match record.transpose() {
+            Some(r) => inner.shares.insert(id, r),
+            None => inner.shares.remove(&id),
+        };
     }
 
     /// The run_id a share record's read answers with from now on (a Redis process's: a new one
@@ -210,15 +211,11 @@ impl MemoryStore {
         self.inner.lock().expect("not poisoned").run_id = run_id.to_string();
     }
 
-    /// The fields of a hash (empty when missing).
-    pub fn hash(&self, key: &str) -> Vec<(String, String)> {
-        self.inner
-            .lock()
-            .expect("not poisoned")
-            .hashes
-            .get(key)
-            .cloned()
-            .unwrap_or_default()
+    /// The demand counters of `rule` of `domain`: admitted and rejected tokens.
+    pub fn demand(&self, domain: &str, rule: &str) -> (u64, u64) {
+        let id = (domain.to_string(), rule.to_string());
+        let inner = self.inner.lock().expect("not poisoned");
+        inner.demand.get(&id).copied().unwrap_or_default()
     }
 
     /// Decides `work` at the store's clock, as `lua/apply.lua` (after the returns of
@@ -522,20 +519,26 @@ impl BucketStore for MemoryStore {
 }
 
 impl ShareStore for MemoryStore {
-    async fn read_share_record(
-        &self,
-        key: String,
-    ) -> Result<(Vec<(String, String)>, String), StoreError> {
+    async fn read_share(&self, domain: &str, rule: &str) -> Result<ShareRead, StoreError> {
         if let Some(e) = self.fail.lock().expect("not poisoned").clone() {
             return Err(e);
         }
-        let run_id = self.inner.lock().expect("not poisoned").run_id.clone();
-        Ok((self.hash(&key), run_id))
+        let inner = self.inner.lock().expect("not poisoned");
+        let record = match inner.shares.get(&(domain.to_string(), rule.to_string())) {
+            None => None,
+            Some(Ok(r)) => Some(r.clone()),
+            Some(Err(e)) => return Err(StoreError::Reply(e.clone())),
+        };
+        Ok(ShareRead {
+            record,
+            answered_by: inner.run_id.clone(),
+        })
     }
 
     async fn add_demand(
         &self,
-        key: String,
+        domain: &str,
+        rule: &str,
         admitted: u64,
         rejected: u64,
     ) -> Result<(), StoreError> {
@@ -543,13 +546,12 @@ impl ShareStore for MemoryStore {
             return Err(e);
         }
         let mut inner = self.inner.lock().expect("not poisoned");
-        let fields = inner.hashes.entry(key).or_default();
-        for (name, n) in [(record::ADMITTED, admitted), (record::REJECTED, rejected)] {
-            match fields.iter_mut().find(|(k, _)| k == name) {
-                Some((_, v)) => *v = (v.parse::<u64>().unwrap_or(0) + n).to_string(),
-                None => fields.push((name.to_string(), n.to_string())),
-            }
-        }
+        let c = inner
+            .demand
+            .entry((domain.to_string(), rule.to_string()))
+            .or_default();
+        c.0 += admitted;
+        c.1 += rejected;
         Ok(())
     }
 }

@@ -55,10 +55,10 @@ use self::script::{parse_apply, Script, ScriptArgs};
 pub use self::slot_map::SlotMap;
 use super::{
     eviction_warning, Applied, BucketStore, Call, Decided, Group, Readiness, RequestOutcome,
-    SettleBatch, Settled, Settlement, ShareStore, Slot, SlotUpdate, SlotsTaken, StoreError,
-    StoreReset, Work,
+    SettleBatch, Settled, Settlement, ShareRead, ShareStore, Slot, SlotUpdate, SlotsTaken,
+    StoreError, StoreReset, Work,
 };
-use crate::keys::cluster_slot;
+use crate::keys::{cluster_slot, demand_key, share_key};
 use crate::metrics::Metrics;
 use crate::regional::record;
 
@@ -538,20 +538,27 @@ impl Nodes for RedisStore {
 }
 
 impl ShareStore for RedisStore {
-    async fn read_share_record(
-        &self,
-        key: String,
-    ) -> Result<(Vec<(String, String)>, String), StoreError> {
+    async fn read_share(&self, domain: &str, rule: &str) -> Result<ShareRead, StoreError> {
+        let key = share_key(&self.inner.options.key_prefix, domain, rule);
         let v = self.bounded(self.query(record::read_cmd(&key))).await?;
-        record::parse_read(v).map_err(|e| StoreError::Reply(format!("{key}: {e}")))
+        let (fields, answered_by) =
+            record::parse_read(v).map_err(|e| StoreError::Reply(format!("{key}: {e}")))?;
+        let record =
+            record::parse(&fields).map_err(|e| StoreError::Reply(format!("{key}: {e}")))?;
+        Ok(ShareRead {
+            record,
+            answered_by,
+        })
     }
 
     async fn add_demand(
         &self,
-        key: String,
+        domain: &str,
+        rule: &str,
         admitted: u64,
         rejected: u64,
     ) -> Result<(), StoreError> {
+        let key = demand_key(&self.inner.options.key_prefix, domain, rule);
         let counters = [(record::ADMITTED, admitted), (record::REJECTED, rejected)];
         for (field, n) in counters.into_iter().filter(|(_, n)| *n > 0) {
             let mut cmd = redis::cmd("HINCRBY");
