@@ -45,7 +45,7 @@ use nix::unistd::Pid;
 
 pub use envoy::{plugin_json, Envoy, EnvoyConfig};
 pub use fault_proxy::FaultProxy;
-pub use redis::{Redis, RedisCluster, RedisOptions, Sentinel, SentinelOptions};
+pub use redis::{Redis, RedisCluster, RedisOptions, Sentinel, SentinelOptions, SentinelProbe};
 pub use tls::TestPki;
 pub use upstream::Upstream;
 

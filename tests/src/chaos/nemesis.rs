@@ -3,6 +3,8 @@
 //! policy in force from when its file was written. The checker reads only this log: an
 //! allowance is granted for a fault the nemesis caused, never for one it only planned.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
@@ -10,7 +12,7 @@ use nix::sys::signal::Signal;
 use super::clock_ns;
 use super::schedule::{Action, Fault, Plan, Reload};
 use super::topology::{policy_yaml, Policy, Topology};
-use crate::wait_until;
+use crate::{wait_until, Sentinel, SentinelProbe};
 
 /// One fault as it happened.
 #[derive(Debug, Clone)]
@@ -59,6 +61,7 @@ pub fn carry_out(plan: &Plan, topology: &mut Topology, started: Instant) -> Log 
         policies: vec![(clock_ns(), topology.policy.clone())],
         ..Log::default()
     };
+    let watch = Watch::start(topology);
     let mut snapshot: Option<Vec<u8>> = None;
     for step in &plan.steps {
         let at = started + Duration::from_millis(step.at_ms);
@@ -93,7 +96,75 @@ pub fn carry_out(plan: &Plan, topology: &mut Topology, started: Instant) -> Log 
     if let Some(wait) = end.checked_duration_since(Instant::now()) {
         std::thread::sleep(wait);
     }
+    for (before_ns, seen_ns) in watch.finish() {
+        let logged = log
+            .faults
+            .iter()
+            .any(|f| f.failover && f.start_ns <= seen_ns && seen_ns <= f.recovered_ns);
+        if !logged {
+            log.faults.push(Caused {
+                fault: Fault::Failover,
+                start_ns: before_ns,
+                end_ns: seen_ns,
+                recovered_ns: seen_ns,
+                failover: true,
+            });
+        }
+    }
+    log.faults.sort_by_key(|f| f.start_ns);
     log
+}
+
+/// Which primary the Sentinels agree on, looked at every [`WATCH_EVERY`] from a thread of its
+/// own for the whole run: a failover is logged even when no fault was under way, or when it
+/// completed after its fault was over (a primary paused past the down-after was once failed
+/// over seconds after the nemesis saw it answer again, and once for no fault of the nemesis's
+/// at all, 3 s after a restart).
+struct Watch {
+    stop: Arc<AtomicBool>,
+    thread: std::thread::JoinHandle<Vec<(u64, u64)>>,
+}
+
+/// How often the [`Watch`] asks the Sentinels.
+const WATCH_EVERY: Duration = Duration::from_millis(200);
+
+impl Watch {
+    fn start(t: &Topology) -> Watch {
+        let probes: Vec<SentinelProbe> = t.sentinels.iter().map(Sentinel::probe).collect();
+        let stop = Arc::new(AtomicBool::new(false));
+        let stopped = stop.clone();
+        let thread = std::thread::spawn(move || {
+            let agreed = || {
+                let ports: Vec<u16> = probes
+                    .iter()
+                    .filter_map(SentinelProbe::master_port)
+                    .collect();
+                (ports.len() >= 2 && ports.iter().all(|p| *p == ports[0])).then(|| ports[0])
+            };
+            let (mut primary, mut seen_ns) = (agreed(), clock_ns());
+            let mut changes = Vec::new();
+            while !stopped.load(Ordering::Relaxed) {
+                std::thread::sleep(WATCH_EVERY);
+                let (now, at) = (agreed(), clock_ns());
+                match (primary, now) {
+                    (Some(before), Some(after)) if before != after => changes.push((seen_ns, at)),
+                    _ => {}
+                }
+                if now.is_some() {
+                    (primary, seen_ns) = (now, at);
+                }
+            }
+            changes
+        });
+        Watch { stop, thread }
+    }
+
+    /// Stops watching; each change of primary: when the old one was last agreed on, and when
+    /// the new one was first.
+    fn finish(self) -> Vec<(u64, u64)> {
+        self.stop.store(true, Ordering::Relaxed);
+        self.thread.join().unwrap_or_default()
+    }
 }
 
 fn cause(fault: &Fault, t: &mut Topology, snapshot: Option<&[u8]>, log: &mut Log) -> Caused {
@@ -147,6 +218,8 @@ fn cause(fault: &Fault, t: &mut Topology, snapshot: Option<&[u8]>, log: &mut Log
             sleep(ms);
             t.relays[envoy].set_cut(false);
         }
+        // Never drawn: logged by the watch.
+        Fault::Failover => {}
         Fault::GatewayDelay {
             envoy,
             ms,

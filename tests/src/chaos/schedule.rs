@@ -64,6 +64,9 @@ pub enum Fault {
         ms: u64,
         delay_ms: u64,
     },
+    /// A failover the Sentinels made while no fault was under way, or after its fault was
+    /// logged over: never drawn, logged when the nemesis's watch sees the primary change.
+    Failover,
 }
 
 impl Fault {
@@ -80,11 +83,12 @@ impl Fault {
             Fault::EnvoyRestart { .. } => "Envoy restarted",
             Fault::GatewayCut { .. } => "gateway cut from its sidecar",
             Fault::GatewayDelay { .. } => "gateway delayed to its sidecar",
+            Fault::Failover => "failover without a fault",
         }
     }
 
     /// Every class, in table order.
-    pub const CLASSES: [&'static str; 10] = [
+    pub const CLASSES: [&'static str; 11] = [
         "sidecar paused",
         "sidecar killed",
         "primary paused",
@@ -95,6 +99,7 @@ impl Fault {
         "Envoy restarted",
         "gateway cut from its sidecar",
         "gateway delayed to its sidecar",
+        "failover without a fault",
     ];
 
     /// How long the fault itself lasts, in ms (its recovery comes after).
@@ -108,7 +113,8 @@ impl Fault {
             Fault::StoreFlush
             | Fault::StoreRestartEmpty
             | Fault::StoreSnapshotRestore { .. }
-            | Fault::EnvoyRestart { .. } => 0,
+            | Fault::EnvoyRestart { .. }
+            | Fault::Failover => 0,
         }
     }
 
@@ -122,6 +128,7 @@ impl Fault {
                 | Fault::StoreFlush
                 | Fault::StoreRestartEmpty
                 | Fault::StoreSnapshotRestore { .. }
+                | Fault::Failover
         )
     }
 
@@ -129,7 +136,7 @@ impl Fault {
     /// replication lag, at most its capacity, under either store policy.
     pub fn is_failover(&self) -> bool {
         matches!(self, Fault::PrimaryPause { ms } if *ms >= 1_000)
-            || matches!(self, Fault::PrimaryKill { .. })
+            || matches!(self, Fault::PrimaryKill { .. } | Fault::Failover)
     }
 }
 

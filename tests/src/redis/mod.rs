@@ -283,4 +283,4 @@ mod cluster;
 mod sentinel;
 
 pub use self::cluster::{even_slot_ranges, RedisCluster};
-pub use self::sentinel::{Sentinel, SentinelOptions};
+pub use self::sentinel::{Sentinel, SentinelOptions, SentinelProbe};

@@ -146,12 +146,16 @@ impl Sentinel {
 
     /// The port of the primary this Sentinel names now (`SENTINEL get-master-addr-by-name`).
     pub fn master_port(&self) -> Option<u16> {
-        let out = cli_with(
-            self.port,
-            &self.options.cli_args(),
-            &["SENTINEL", "get-master-addr-by-name", &self.master],
-        );
-        out.lines().nth(1)?.trim().parse().ok()
+        self.probe().master_port()
+    }
+
+    /// What asks this Sentinel which primary it names, from another thread.
+    pub fn probe(&self) -> SentinelProbe {
+        SentinelProbe {
+            port: self.port,
+            master: self.master.clone(),
+            options: self.options.clone(),
+        }
     }
 
     /// The flags this Sentinel holds on its primary (`SENTINEL MASTER`: `master` at rest; also
@@ -166,5 +170,25 @@ impl Sentinel {
             }
         }
         None
+    }
+}
+
+/// A [`Sentinel`]'s address and credentials, to ask it from another thread.
+#[derive(Clone)]
+pub struct SentinelProbe {
+    port: u16,
+    master: String,
+    options: SentinelOptions,
+}
+
+impl SentinelProbe {
+    /// The port of the primary the Sentinel names now (`SENTINEL get-master-addr-by-name`).
+    pub fn master_port(&self) -> Option<u16> {
+        let out = cli_with(
+            self.port,
+            &self.options.cli_args(),
+            &["SENTINEL", "get-master-addr-by-name", &self.master],
+        );
+        out.lines().nth(1)?.trim().parse().ok()
     }
 }
