@@ -371,13 +371,7 @@ fn a_failover_the_watch_saw_without_a_fault_grants_what_a_failover_does() {
     // (the old primary last agreed on at 1.9 s): the promoted replica may not have had the
     // first spending.
     let sent = spent_restarted_spent();
-    let failover = vec![fault(
-        Fault::Failover,
-        2 * S - 100 * MS,
-        2 * S,
-        2 * S,
-        true,
-    )];
+    let failover = vec![fault(Fault::Failover, 2 * S - 100 * MS, 2 * S, 2 * S, true)];
     assert_eq!(
         violations(StoreReset::Empty, &sent, failover),
         Vec::<String>::new()
