@@ -202,12 +202,7 @@ pub async fn serve(
     let store = Arc::new(RedisStore::new(connection, options, metrics.clone()));
     store.start_background();
     let startup_check = tokio::spawn(check_redis_until_ready(store.clone()));
-    let mut decider = Decider::new(
-        store.clone(),
-        policy.clone(),
-        args.key_prefix.clone(),
-        metrics.clone(),
-    );
+    let mut decider = Decider::new(store.clone(), policy.clone(), metrics.clone());
     // With a region: read its shares of the regional rules, publish their demand.
     let mut regional_tasks = Vec::new();
     if let Some(region) = &args.region {

@@ -850,7 +850,6 @@ fn sidecar() -> Sidecar {
         decider: Arc::new(Decider::new(
             store.clone(),
             PolicyHandle::fixed(policy, metrics.clone()),
-            "rl:",
             metrics.clone(),
         )),
         metrics,

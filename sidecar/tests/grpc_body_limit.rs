@@ -38,7 +38,6 @@ fn app() -> (axum::Router, Arc<MemoryStore>) {
         decider: Arc::new(Decider::new(
             store.clone(),
             PolicyHandle::fixed(policy, metrics.clone()),
-            "rl:",
             metrics.clone(),
         )),
         metrics,

@@ -44,7 +44,6 @@ fn app(renew_ms: u64) -> (axum::Router, Arc<Metrics>) {
     let decider = Arc::new(Decider::new(
         store,
         PolicyHandle::fixed(policy, metrics.clone()),
-        "rl:",
         metrics.clone(),
     ));
     let settings = RlqsSettings {

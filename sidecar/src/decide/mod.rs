@@ -97,7 +97,6 @@ pub struct SidecarReadiness {
 pub struct Decider<S> {
     store: Arc<S>,
     policy: Arc<PolicyHandle>,
-    key_prefix: String,
     metrics: Arc<Metrics>,
     /// When each unknown (domain, rule) was last logged and how often it was met since, so a
     /// misconfigured gateway warns once a minute with a count instead of a line per request
@@ -108,16 +107,10 @@ pub struct Decider<S> {
 }
 
 impl<S: BucketStore> Decider<S> {
-    pub fn new(
-        store: Arc<S>,
-        policy: Arc<PolicyHandle>,
-        key_prefix: impl Into<String>,
-        metrics: Arc<Metrics>,
-    ) -> Self {
+    pub fn new(store: Arc<S>, policy: Arc<PolicyHandle>, metrics: Arc<Metrics>) -> Self {
         Self {
             store,
             policy,
-            key_prefix: key_prefix.into(),
             metrics,
             logged_unknown: Mutex::new(HashMap::new()),
             regional: None,
@@ -509,7 +502,7 @@ rules:
     fn decider<S: BucketStore>(store: Arc<S>) -> (Decider<S>, Arc<Metrics>) {
         let metrics = Arc::new(Metrics::new());
         (
-            Decider::new(store, policy(&metrics), "rl:", metrics.clone()),
+            Decider::new(store, policy(&metrics), metrics.clone()),
             metrics,
         )
     }
@@ -668,7 +661,7 @@ rules:
         let handle =
             PolicyHandle::load(vec![path.clone()], Bounds::default(), metrics.clone()).unwrap();
         let store = Arc::new(MemoryStore::new(T0, 0.1, 10_000));
-        let d = Decider::new(store, handle.clone(), "rl:", metrics.clone());
+        let d = Decider::new(store, handle.clone(), metrics.clone());
         d.decide(call(vec![vec![
             decision("per-ip", &[("ip", Some("1.2.3.4"))]),
             decision("nope", &[]),
@@ -961,13 +954,8 @@ rules:
         let p = Policy::from_sources(&[("limits.yaml".into(), REGIONAL.into())], &bounds).unwrap();
         let shares = RegionalShares::new("eu", std::time::Duration::ZERO, metrics.clone());
         shares.refresh(&*store, &p).await;
-        let d = Decider::new(
-            store,
-            PolicyHandle::fixed(p, metrics.clone()),
-            "rl:",
-            metrics,
-        )
-        .with_regional(shares.clone());
+        let d = Decider::new(store, PolicyHandle::fixed(p, metrics.clone()), metrics)
+            .with_regional(shares.clone());
         (d, shares)
     }
 

@@ -23,10 +23,9 @@ use ratelimit_regions::ShareHistory;
 use ratelimit_wire::{ErrorCode, RequestError, MAX_RECEIPT};
 
 use super::{Caller, Decider, Item, ReturnItem, SettleItem};
-use crate::keys::bucket_key;
 use crate::policy::own_format::RULE_KEY;
 use crate::policy::{Limit, LimitKind, Policy, Resolution};
-use crate::store::{BucketLimits, Charge, GrantCap, Return, Settlement};
+use crate::store::{BucketLimits, BucketStore, Charge, GrantCap, Return, Settlement};
 
 /// A resolved decision.
 pub(super) enum Plan {
@@ -46,7 +45,7 @@ pub(super) enum Plan {
     Unknown { error: RequestError },
 }
 
-impl<S> Decider<S> {
+impl<S: BucketStore> Decider<S> {
     /// Resolves a request's items; an unknown rule (filter) is that item's error, an unknown
     /// domain or a request of unknown rules only fails the request.
     pub(super) fn plan(
@@ -71,7 +70,7 @@ impl<S> Decider<S> {
                             capacity,
                             refill_per_sec,
                         } => Plan::Charge {
-                            key: Arc::from(bucket_key(&self.key_prefix, domain, &entries)),
+                            key: self.store.bucket_key(domain, &entries),
                             bucket: BucketLimits {
                                 capacity,
                                 refill_per_sec,
@@ -196,7 +195,7 @@ impl<S> Decider<S> {
     }
 }
 
-impl<S> Decider<S> {
+impl<S: BucketStore> Decider<S> {
     /// The bucket a settlement on `entries` settles, under the policy in force: `None` when there
     /// is none (an unknown rule, an unlimited or blocked limit, a regional rule without a share
     /// under lease or with a share of 0 in force: nothing of this region's to settle).
@@ -242,7 +241,7 @@ impl<S> Decider<S> {
         };
         let share = self.share_for(limit).ok()?;
         Some((
-            Arc::from(bucket_key(&self.key_prefix, domain, &entries)),
+            self.store.bucket_key(domain, &entries),
             BucketLimits {
                 capacity,
                 refill_per_sec,
@@ -357,7 +356,6 @@ mod tests {
         let d = Decider::new(
             Arc::new(MemoryStore::new(0, 0.1, 10_000)),
             PolicyHandle::fixed(p, metrics.clone()),
-            "rl:",
             metrics,
         );
         let policy = d.policy.current().clone();

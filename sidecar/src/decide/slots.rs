@@ -14,7 +14,6 @@ use ratelimit_wire::{
 
 use super::plan::Plan;
 use super::{rule_entries, Decider, Item};
-use crate::keys::{bucket_key, slots_key};
 use crate::metrics::SlotOutcome;
 use crate::policy::{Limit, Resolution};
 use crate::store::{BucketStore, Slot, SlotUpdate, SlotsTaken, StoreError};
@@ -75,15 +74,12 @@ impl<S: BucketStore> Decider<S> {
             let Some(c) = limit.concurrency else {
                 continue;
             };
-            let key = match p {
-                Plan::Charge { key, .. } => slots_key(key),
-                _ => slots_key(&self.bucket_key_of(domain, &item.entries)),
-            };
+            let key = self.slot_set_of(domain, &item.entries);
             let id = shared_id
                 .get_or_insert_with(|| Arc::from(new_slot_id()))
                 .clone();
             slots.push(Slot {
-                key: Arc::from(key),
+                key,
                 id,
                 ttl_ms: c.slot_ttl_ms,
                 limit: c.limit,
@@ -94,12 +90,12 @@ impl<S: BucketStore> Decider<S> {
         (!slots.is_empty()).then_some(RequestSlots { slots, of })
     }
 
-    fn bucket_key_of(&self, domain: &str, entries: &[(String, Option<String>)]) -> String {
+    fn slot_set_of(&self, domain: &str, entries: &[(String, Option<String>)]) -> Arc<str> {
         let entries: Vec<(&str, Option<&str>)> = entries
             .iter()
             .map(|(k, v)| (k.as_str(), v.as_deref()))
             .collect();
-        bucket_key(&self.key_prefix, domain, &entries)
+        self.store.slot_set_key(domain, &entries)
     }
 
     /// Takes a request's slots: counted per limit (`taken` or `full`).
@@ -192,7 +188,7 @@ impl<S: BucketStore> Decider<S> {
         let mut names = Vec::with_capacity(refs.len());
         for r in refs {
             let entries = rule_entries(r.rule, r.subject);
-            let key = self.bucket_key_of(domain, &entries);
+            let key = self.slot_set_of(domain, &entries);
             let view: Vec<(&str, Option<&str>)> = entries
                 .iter()
                 .map(|(k, v)| (k.as_str(), v.as_deref()))
@@ -211,7 +207,7 @@ impl<S: BucketStore> Decider<S> {
                 _ => {
                     let ttl_ms = c.map_or(1, |c| c.slot_ttl_ms);
                     slots.push(Slot {
-                        key: Arc::from(slots_key(&key)),
+                        key: key.clone(),
                         id: Arc::from(r.slot),
                         ttl_ms,
                         limit: c.map_or(1, |c| c.limit),
@@ -269,7 +265,7 @@ rules:
             .unwrap();
         let policy = PolicyHandle::fixed(p, metrics.clone());
         (
-            Decider::new(store.clone(), policy, "rl:", metrics.clone()),
+            Decider::new(store.clone(), policy, metrics.clone()),
             metrics,
         )
     }
@@ -523,7 +519,7 @@ rules:
         let metrics = Arc::new(Metrics::new());
         let policy =
             PolicyHandle::load(vec![file.clone()], Bounds::default(), metrics.clone()).unwrap();
-        let d = Decider::new(store.clone(), policy.clone(), "rl:", metrics);
+        let d = Decider::new(store.clone(), policy.clone(), metrics);
         let reload = move || {
             std::fs::write(&file, "rules:\n  r: {concurrency: 2, slot_ttl_ms: 1000}\n").unwrap();
             assert!(policy.reload("test").unwrap());

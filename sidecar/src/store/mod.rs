@@ -319,7 +319,7 @@ pub struct Applied {
 /// One concurrency slot of a request, as `lua/slots.lua` takes it (`docs/concurrency.md`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Slot {
-    /// The rule's and subject's set: `<bucket key>:c` ([`crate::keys::slots_key`]).
+    /// The rule's and subject's set ([`BucketStore::slot_set_key`]).
     pub key: Arc<str>,
     /// The gateway's id of the request's slot (unique per request).
     pub id: Arc<str>,
@@ -354,6 +354,20 @@ pub enum SlotUpdate {
 
 /// Where buckets live.
 pub trait BucketStore: Send + Sync + 'static {
+    /// The key the store's calls name the bucket of `entries` in `domain` by: a handle the
+    /// decider passes back ([`Charge::key`]), its layout the store's. By default the Redis
+    /// layout under `--key-prefix`'s default ([`crate::keys::bucket_key`]), so that the memory
+    /// store names the keys Redis does.
+    fn bucket_key(&self, domain: &str, entries: &[(&str, Option<&str>)]) -> Arc<str> {
+        Arc::from(crate::keys::bucket_key(DEFAULT_KEY_PREFIX, domain, entries))
+    }
+
+    /// The key of the set of slots of `entries` in `domain` ([`Slot::key`]): by default the
+    /// bucket's key and `:c` ([`crate::keys::slots_key`]).
+    fn slot_set_key(&self, domain: &str, entries: &[(&str, Option<&str>)]) -> Arc<str> {
+        Arc::from(crate::keys::slots_key(&self.bucket_key(domain, entries)))
+    }
+
     /// Takes one request's slots, all or none (`lua/slots.lua`, `take`). A slot the set holds
     /// already under its id (a retry) is held again and counts once.
     fn take_slots(
@@ -402,6 +416,9 @@ pub trait BucketStore: Send + Sync + 'static {
     /// Whether the store can decide (for `/readyz`).
     fn readiness(&self) -> impl Future<Output = Readiness> + Send;
 }
+
+/// `--key-prefix`'s default: what [`BucketStore::bucket_key`] names keys under by default.
+pub const DEFAULT_KEY_PREFIX: &str = "rl:";
 
 /// Where this region's shares of the regional rules live ([`crate::regional`]): each rule's share
 /// record, read under a lease, and its demand counters, added to. The backend keeps its own

@@ -58,7 +58,7 @@ use super::{
     SettleBatch, Settled, Settlement, ShareRead, ShareStore, Slot, SlotUpdate, SlotsTaken,
     StoreError, StoreReset, Work,
 };
-use crate::keys::{cluster_slot, demand_key, share_key};
+use crate::keys::{bucket_key, cluster_slot, demand_key, share_key, slots_key};
 use crate::metrics::Metrics;
 use crate::regional::record;
 
@@ -377,6 +377,15 @@ impl RedisStore {
 }
 
 impl BucketStore for RedisStore {
+    fn bucket_key(&self, domain: &str, entries: &[(&str, Option<&str>)]) -> Arc<str> {
+        Arc::from(bucket_key(&self.inner.options.key_prefix, domain, entries))
+    }
+
+    fn slot_set_key(&self, domain: &str, entries: &[(&str, Option<&str>)]) -> Arc<str> {
+        let bucket = bucket_key(&self.inner.options.key_prefix, domain, entries);
+        Arc::from(slots_key(&bucket))
+    }
+
     /// One script call per node, one node after the other: a part that finds a set full (or
     /// fails) releases the parts taken before it, so the request holds all or none. A release
     /// that fails leaves those slots to expire by themselves (`slot_ttl_ms`).

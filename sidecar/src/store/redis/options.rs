@@ -33,7 +33,7 @@ impl Default for StoreOptions {
             max_in_flight: 4,
             max_call_decisions: 512,
             store_reset: StoreReset::Full,
-            key_prefix: "rl:".into(),
+            key_prefix: crate::store::DEFAULT_KEY_PREFIX.into(),
         }
     }
 }
