@@ -456,6 +456,7 @@ pub struct ShareRead {
 /// [`crate::decide::SidecarReadiness`]).
 #[derive(Debug, Clone, Default, serde::Serialize)]
 pub struct Readiness {
+    /// The store answers (named as `/readyz` has always shown it: Redis is the store).
     pub redis_ok: bool,
     pub script_loaded: bool,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -464,34 +465,4 @@ pub struct Readiness {
     pub maxmemory_policy: Vec<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub warning: Option<String>,
-}
-
-/// The warning for a `maxmemory-policy` that can evict buckets, if it can.
-pub fn eviction_warning(policies: &[String]) -> Option<String> {
-    let evicting: Vec<&str> = policies
-        .iter()
-        .map(String::as_str)
-        .filter(|p| *p != "noeviction")
-        .collect();
-    if evicting.is_empty() {
-        return None;
-    }
-    Some(format!(
-        "maxmemory-policy is {} (not noeviction): Redis may evict buckets under memory pressure, \
-         which hands out budget early; set maxmemory-policy noeviction",
-        evicting.join(",")
-    ))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn policies_that_evict_are_warned_about() {
-        assert_eq!(eviction_warning(&["noeviction".into()]), None);
-        let w = eviction_warning(&["noeviction".into(), "allkeys-lru".into()]).unwrap();
-        assert!(w.contains("allkeys-lru"), "{w}");
-        assert!(eviction_warning(&["volatile-ttl".into()]).is_some());
-    }
 }

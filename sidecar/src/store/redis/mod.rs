@@ -54,9 +54,8 @@ pub use self::options::StoreOptions;
 use self::script::{parse_apply, Script, ScriptArgs};
 pub use self::slot_map::SlotMap;
 use super::{
-    eviction_warning, Applied, BucketStore, Call, Decided, Group, Readiness, RequestOutcome,
-    SettleBatch, Settled, Settlement, ShareRead, ShareStore, Slot, SlotUpdate, SlotsTaken,
-    StoreError, StoreReset, Work,
+    Applied, BucketStore, Call, Decided, Group, Readiness, RequestOutcome, SettleBatch, Settled,
+    Settlement, ShareRead, ShareStore, Slot, SlotUpdate, SlotsTaken, StoreError, StoreReset, Work,
 };
 use crate::keys::{bucket_key, cluster_slot, demand_key, share_key, slots_key};
 use crate::metrics::Metrics;

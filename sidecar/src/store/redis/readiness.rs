@@ -121,3 +121,33 @@ pub(super) fn maxmemory_policies(v: &Value, out: &mut Vec<String>, refused: &mut
         _ => {}
     }
 }
+
+/// The warning for a `maxmemory-policy` that can evict buckets, if it can.
+fn eviction_warning(policies: &[String]) -> Option<String> {
+    let evicting: Vec<&str> = policies
+        .iter()
+        .map(String::as_str)
+        .filter(|p| *p != "noeviction")
+        .collect();
+    if evicting.is_empty() {
+        return None;
+    }
+    Some(format!(
+        "maxmemory-policy is {} (not noeviction): Redis may evict buckets under memory pressure, \
+         which hands out budget early; set maxmemory-policy noeviction",
+        evicting.join(",")
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn policies_that_evict_are_warned_about() {
+        assert_eq!(eviction_warning(&["noeviction".into()]), None);
+        let w = eviction_warning(&["noeviction".into(), "allkeys-lru".into()]).unwrap();
+        assert!(w.contains("allkeys-lru"), "{w}");
+        assert!(eviction_warning(&["volatile-ttl".into()]).is_some());
+    }
+}
