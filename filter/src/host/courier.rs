@@ -9,7 +9,7 @@ use log::{debug, warn};
 use proxy_wasm::hostcalls;
 use ratelimit_wire::RequestAnswer;
 
-use super::{abi, answered_under, callout, now_ns, resolve, stats, SharedVm};
+use super::{abi, answered_under, now_ns, resolve, stats, SharedVm};
 use crate::config::Config;
 use crate::flow::courier::{self, Answers, Forward, Sender};
 use crate::flow::{Stat, Stats};
@@ -157,7 +157,8 @@ pub fn answer_carried(
 }
 
 /// Reads this worker's wake queue: other workers' requests to carry (as the courier), the
-/// courier's answers to this worker's forwarded requests, wake-ups; then sends what waits.
+/// courier's answers to this worker's forwarded requests, wake-ups (the caller then sends what
+/// waits).
 pub fn receive(vm: &SharedVm, queue_id: u32) {
     while let Ok(Some(message)) = abi::dequeue_shared_queue(queue_id) {
         match message.split_first() {
@@ -187,5 +188,4 @@ pub fn receive(vm: &SharedVm, queue_id: u32) {
     let root = vm.borrow().root_id;
     let _ = abi::set_effective_context(root);
     vm.borrow_mut().queue.woken();
-    callout::send_queued(vm);
 }

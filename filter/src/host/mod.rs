@@ -210,7 +210,10 @@ impl RootContext for Root {
 
     fn on_queue_ready(&mut self, queue_id: u32) {
         match self.vm.clone() {
-            Some(vm) => courier::receive(&vm, queue_id),
+            Some(vm) => {
+                courier::receive(&vm, queue_id);
+                callout::send_queued(&vm);
+            }
             None => while let Ok(Some(_)) = abi::dequeue_shared_queue(queue_id) {},
         }
     }
