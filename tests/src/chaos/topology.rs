@@ -1,8 +1,9 @@
 //! The processes of a run, and the hands the nemesis breaks them with: a Redis primary with a
 //! replica and three Sentinels; two sidecars on the Sentinels; two Envoys with the wasm filter
 //! (one and two workers), each to its own sidecar through a [`Relay`]; the recording upstream.
-//! The plugin names clients by API key (`<app>-key`; the app as [`app_name`] gives it), the
-//! policy file is the run's ([`policy_yaml`]).
+//! The plugin names clients by API key (`<app>-key`; the app as [`app_name`] gives it) and users
+//! by a JWT Envoy verified (`envoy/envoy-jwt.yaml`), the policy file is the run's
+//! ([`policy_yaml`]).
 
 use std::time::Duration;
 
@@ -29,6 +30,9 @@ pub const BULK_MAX_TOKENS: u64 = 20;
 /// The length of the bulk app's name as the plugin names it (a subject value may be 4,096 bytes):
 /// about 17 of its settlements fill a call's 64 KiB.
 pub const BULK_NAME_BYTES: usize = 3_800;
+/// The users the JWT client names (its tokens' `sub`), and `per-user`'s bucket for each.
+pub const USERS: [&str; 3] = ["u0", "u1", "u2"];
+pub const USER_BUCKET: (u64, f64) = (8, 4.0);
 /// `bulk`'s bucket: never the limit (what its client checks is that settlements arrive).
 pub const BULK_BUCKET: (u64, f64) = (1_000_000, 1_000_000.0);
 
@@ -72,12 +76,15 @@ pub fn policy_yaml(p: &Policy) -> String {
     };
     format!(
         "rules:\n  per-app:\n    capacity: {}\n    refill_per_sec: {}\n{block}  llm: {{capacity: 200, refill_per_sec: 50}}\n  inflight: {{concurrency: {CONCURRENCY}, slot_ttl_ms: {}}}\n  direct: {{capacity: 10, refill_per_sec: 5}}\n  \
-         bulk: {{capacity: {}, refill_per_sec: {}}}\n",
+         bulk: {{capacity: {}, refill_per_sec: {}}}\n  \
+         per-user: {{capacity: {}, refill_per_sec: {}}}\n",
         p.per_app.0,
         p.per_app.1,
         p.slot_ttl_ms,
         BULK_BUCKET.0,
-        BULK_BUCKET.1
+        BULK_BUCKET.1,
+        USER_BUCKET.0,
+        USER_BUCKET.1
     )
 }
 
@@ -106,11 +113,14 @@ fn plugin() -> Value {
         })
         .collect();
     let bulk = json!([{"name": "x-bulk", "present": true}]);
+    // Users by a JWT Envoy's jwt_authn verified (`envoy/envoy-jwt.yaml`: a request without a
+    // token passes on to be named by its API key).
+    let jwt = json!({"provider": "example", "user_claim": "sub"});
     let not_bulk = json!([{"name": "x-bulk", "present": false}]);
     json!({
         "domain": "ratelimit",
         "sidecar": {"cluster": "ratelimit_sidecar", "timeout_ms": 200},
-        "identity": {"api_key": {"header": "x-api-key", "keys": keys}},
+        "identity": {"api_key": {"header": "x-api-key", "keys": keys}, "jwt": jwt},
         "rules": [
             {"name": "per-app", "match": {"path_prefix": "/api/"}, "subject": ["app"],
              "on_error": "deny"},
@@ -121,6 +131,8 @@ fn plugin() -> Value {
             {"name": "bulk", "match": {"path_prefix": "/usage/", "headers": bulk},
              "subject": ["app"], "on_error": "deny",
              "cost": {"reserve": BULK_RESERVE, "response_json": "usage.total_tokens"}},
+            {"name": "per-user", "match": {"path_prefix": "/user/"}, "subject": ["user"],
+             "on_error": "deny"},
             {"name": "inflight", "match": {"path_prefix": "/hold/"}, "subject": ["app"],
              "on_error": "deny"},
         ]
@@ -214,7 +226,7 @@ impl Topology {
             .collect();
         let configs: Vec<EnvoyConfig> = (0..ENVOYS)
             .map(|i| {
-                EnvoyConfig::shipped("envoy.yaml", relays[i].port, upstream.port)
+                EnvoyConfig::shipped("envoy-jwt.yaml", relays[i].port, upstream.port)
                     .plugin(&plugin().to_string())
                     .concurrency(i as u32 + 1)
             })

@@ -1,5 +1,6 @@
 //! The clients of a run, each a thread until told to stop, every request tagged with an id
-//! (`x-chaos-id`) the upstream records: a hot app hammering both Envoys, quiet apps, an LLM
+//! (`x-chaos-id`) the upstream records: a hot app hammering both Envoys, quiet apps, users by
+//! JWT, an LLM
 //! client whose costs are settled from the answers (JSON and streams, asking for gzip, some
 //! answers compressed anyway, without usage or cut short), a bulk client of many metered streams
 //! at once under a long name, long requests under `concurrency`,
@@ -19,7 +20,7 @@ use super::clock_ns;
 use super::schedule::{ENVOYS, HOT, QUIET, WARM};
 use super::topology::{
     key_of, BULK, BULK_ENVOY, BULK_MAX_TOKENS, BULK_RESERVE, CONCURRENCY, HOLD, LLM, LLM_ENVOY,
-    LLM_RESERVE_MAX,
+    LLM_RESERVE_MAX, USERS,
 };
 
 /// The bulk client's streams at once, each about a second long, all through Envoy 0 (one
@@ -122,6 +123,22 @@ impl Workload {
             }),
         ));
         threads.push(spawn(20, Box::new(|c: &mut Ctx| c.llm())));
+        // Users by JWT, one request each in turn, on both Envoys.
+        let tokens: Vec<(String, String)> = USERS
+            .iter()
+            .map(|u| {
+                let exp = 4_000_000_000u64; // far past any run
+                let claims = json!({"iss": crate::JWT_ISSUER, "sub": u, "exp": exp});
+                (u.to_string(), crate::signed_jwt(&claims))
+            })
+            .collect();
+        threads.push(spawn(
+            25,
+            Box::new(move |c: &mut Ctx| {
+                let (user, token) = &tokens[c.rng.random_range(0..tokens.len())];
+                c.user(user, token)
+            }),
+        ));
         for n in 0..BULK_STREAMS {
             threads.push(spawn(100 + n, Box::new(|c: &mut Ctx| c.bulk())));
         }
@@ -188,13 +205,16 @@ impl Ctx {
         self.rng.random_range(0..ENVOYS.min(self.ports.len()))
     }
 
-    /// GET `path` through Envoy `envoy` as `app`, with `headers`: the status (0: none).
+    /// GET `path` through Envoy `envoy` as `app` (none: ""), with `headers`: the status (0:
+    /// none).
     fn get(&self, envoy: usize, path: &str, app: &str, id: u64, headers: &[(&str, String)]) -> u16 {
         let mut req = self
             .client
             .get(format!("http://127.0.0.1:{}{path}", self.ports[envoy]))
-            .header("x-api-key", key_of(app))
             .header("x-chaos-id", id.to_string());
+        if !app.is_empty() {
+            req = req.header("x-api-key", key_of(app));
+        }
         for (k, v) in headers {
             req = req.header(*k, v);
         }
@@ -280,6 +300,25 @@ impl Ctx {
             status,
         });
         std::thread::sleep(Duration::from_millis(30));
+    }
+
+    /// A request of `user` by its JWT (`per-user`).
+    fn user(&mut self, user: &str, token: &str) {
+        let (id, envoy) = (next_id(), self.envoy());
+        let sent_ns = clock_ns();
+        let auth = format!("Bearer {token}");
+        let status = self.get(envoy, "/user/x", "", id, &[("authorization", auth)]);
+        self.record(Sent {
+            id,
+            rule: "per-user",
+            app: user.to_string(),
+            kind: Kind::Api,
+            envoy: Some(envoy),
+            sent_ns,
+            answered_ns: clock_ns(),
+            status,
+        });
+        std::thread::sleep(Duration::from_millis(60));
     }
 
     /// One metered stream of the bulk app (`bulk`: reserved [`BULK_RESERVE`], settled on the
