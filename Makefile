@@ -13,7 +13,7 @@ SIDECAR      := target/release/ratelimit-sidecar
 REBALANCER   := target/release/ratelimit-rebalancer
 export ENVOY_BIN ?= $(CURDIR)/.venv/bin/envoy
 
-.PHONY: all deps build test test-native test-wasm run bench reliability chaos simulate lint fmt clean
+.PHONY: all deps build test test-native test-wasm run bench reliability chaos chaos-bites simulate lint fmt clean
 
 all: build
 
@@ -64,6 +64,13 @@ CHAOS_ARGS ?= --seeds 3
 chaos: build
 	RATELIMIT_SIDECAR_BIN=$(CURDIR)/$(SIDECAR) RATELIMIT_FILTER_WASM=$(CURDIR)/$(WASM) \
 		$(CARGO) run --release -p ratelimit-e2e --bin ratelimit-chaos -- $(CHAOS_ARGS)
+
+# Shows that make chaos bites (docs/failure-behaviour.md, "What it finds"): each fix of
+# tests/bites/ reverted in a worktree of its own, and chaos run from seed 1 until it violates.
+# About 2 to 15 minutes per fix (shrinking included). BITES=settle-bytes,... picks some.
+chaos-bites: build
+	$(CARGO) build --release -p ratelimit-e2e --bin ratelimit-chaos
+	BITES="$(BITES)" scripts/chaos-bites.sh
 
 # The shard model (docs/scaling.md): the decision path over a Redis Cluster of 1, 2 and 3
 # primaries (uniform and Zipf keys), a hot key with and without leases, the latency a network hop
