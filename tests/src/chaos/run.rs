@@ -125,7 +125,7 @@ pub fn accumulate(total: &mut Vec<Row>, rows: &[Row]) {
 /// Runs `plan` on a topology of its own.
 pub fn run(plan: &Plan) -> Outcome {
     let mut topology = Topology::start(plan.store_reset);
-    let ports = topology.envoys.iter().map(|e| e.listen_port).collect();
+    let ports = topology.listen_ports();
     let workload = Workload::start(plan.seed, ports, topology.sidecar_url(0));
     let (started, zero_ns) = (Instant::now(), clock_ns());
     let log = nemesis::carry_out(plan, &mut topology, started);

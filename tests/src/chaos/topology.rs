@@ -33,6 +33,10 @@ pub const BULK_NAME_BYTES: usize = 3_800;
 /// The users the JWT client names (its tokens' `sub`), and `per-user`'s bucket for each.
 pub const USERS: [&str; 3] = ["u0", "u1", "u2"];
 pub const USER_BUCKET: (u64, f64) = (8, 4.0);
+/// The native Envoy's index among the workload's ports ([`Topology::listen_ports`]), and
+/// `per-ip`'s bucket (one address: every client of it shares it).
+pub const NATIVE_ENVOY: usize = ENVOYS;
+pub const NATIVE_BUCKET: (u64, f64) = (15, 6.0);
 /// `bulk`'s bucket: never the limit (what its client checks is that settlements arrive).
 pub const BULK_BUCKET: (u64, f64) = (1_000_000, 1_000_000.0);
 
@@ -77,14 +81,17 @@ pub fn policy_yaml(p: &Policy) -> String {
     format!(
         "rules:\n  per-app:\n    capacity: {}\n    refill_per_sec: {}\n{block}  llm: {{capacity: 200, refill_per_sec: 50}}\n  inflight: {{concurrency: {CONCURRENCY}, slot_ttl_ms: {}}}\n  direct: {{capacity: 10, refill_per_sec: 5}}\n  \
          bulk: {{capacity: {}, refill_per_sec: {}}}\n  \
-         per-user: {{capacity: {}, refill_per_sec: {}}}\n",
+         per-user: {{capacity: {}, refill_per_sec: {}}}\n  \
+         per-ip: {{capacity: {}, refill_per_sec: {}}}\n",
         p.per_app.0,
         p.per_app.1,
         p.slot_ttl_ms,
         BULK_BUCKET.0,
         BULK_BUCKET.1,
         USER_BUCKET.0,
-        USER_BUCKET.1
+        USER_BUCKET.1,
+        NATIVE_BUCKET.0,
+        NATIVE_BUCKET.1
     )
 }
 
@@ -174,6 +181,10 @@ pub struct Topology {
     pub relays: Vec<Relay>,
     pub envoys: Vec<Envoy>,
     pub configs: Vec<EnvoyConfig>,
+    /// An Envoy with Envoy's native rate limit filter (`envoy/envoy-native-ratelimit.yaml`,
+    /// failing closed) calling sidecar 0 over gRPC: rule `per-ip`, every client one address.
+    /// Not one the nemesis restarts or cuts (its sidecar's and Redis's faults reach it).
+    pub native: Envoy,
     pub upstream: Upstream,
     pub policy: Policy,
 }
@@ -232,6 +243,15 @@ impl Topology {
             })
             .collect();
         let envoys = configs.iter().map(Envoy::start).collect();
+        let native = Envoy::start(
+            &EnvoyConfig::shipped(
+                "envoy-native-ratelimit.yaml",
+                sidecars[0].sidecar.port,
+                upstream.port,
+            )
+            .replace("timeout: 0.05s", "timeout: 0.2s")
+            .replace("failure_mode_deny: false", "failure_mode_deny: true"),
+        );
         Topology {
             store_reset,
             nodes: [primary, replica],
@@ -240,6 +260,7 @@ impl Topology {
             relays,
             envoys,
             configs,
+            native,
             upstream,
             policy,
         }
@@ -308,6 +329,7 @@ impl Topology {
         for (i, e) in self.envoys.iter().enumerate() {
             out.push((format!("envoy {i}"), e.process.pid()));
         }
+        out.push(("envoy native".into(), self.native.process.pid()));
         for (i, n) in self.nodes.iter().enumerate() {
             out.push((format!("redis {i}"), n.pid()));
         }
@@ -323,6 +345,15 @@ impl Topology {
         for (i, e) in self.envoys.iter().enumerate() {
             out.push((format!("envoy {i}"), e.process.log()));
         }
+        out.push(("envoy native".into(), self.native.process.log()));
         out
+    }
+
+    /// The listeners the workload sends to: the wasm Envoys' (by index), then the native one's
+    /// ([`NATIVE_ENVOY`]).
+    pub fn listen_ports(&self) -> Vec<u16> {
+        let wasm = self.envoys.iter().map(|e| e.listen_port);
+        wasm.chain(std::iter::once(self.native.listen_port))
+            .collect()
     }
 }

@@ -20,7 +20,7 @@ use super::clock_ns;
 use super::schedule::{ENVOYS, HOT, QUIET, WARM};
 use super::topology::{
     key_of, BULK, BULK_ENVOY, BULK_MAX_TOKENS, BULK_RESERVE, CONCURRENCY, HOLD, LLM, LLM_ENVOY,
-    LLM_RESERVE_MAX, USERS,
+    LLM_RESERVE_MAX, NATIVE_ENVOY, USERS,
 };
 
 /// The bulk client's streams at once, each about a second long, all through Envoy 0 (one
@@ -123,6 +123,26 @@ impl Workload {
             }),
         ));
         threads.push(spawn(20, Box::new(|c: &mut Ctx| c.llm())));
+        // Through the native filter's Envoy: `per-ip`, one bucket for every client.
+        threads.push(spawn(
+            22,
+            Box::new(|c: &mut Ctx| {
+                let id = next_id();
+                let sent_ns = clock_ns();
+                let status = c.get(NATIVE_ENVOY, "/native/x", "", id, &[]);
+                c.record(Sent {
+                    id,
+                    rule: "per-ip",
+                    app: "127.0.0.1".into(),
+                    kind: Kind::Api,
+                    envoy: Some(NATIVE_ENVOY),
+                    sent_ns,
+                    answered_ns: clock_ns(),
+                    status,
+                });
+                std::thread::sleep(Duration::from_millis(50));
+            }),
+        ));
         // Users by JWT, one request each in turn, on both Envoys.
         let tokens: Vec<(String, String)> = USERS
             .iter()

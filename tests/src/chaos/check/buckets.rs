@@ -198,6 +198,7 @@ impl Checker<'_> {
             "direct" => (10.0, 5.0),
             "bulk" => (BULK_BUCKET.0 as f64, BULK_BUCKET.1),
             "per-user" => (USER_BUCKET.0 as f64, USER_BUCKET.1),
+            "per-ip" => (NATIVE_BUCKET.0 as f64, NATIVE_BUCKET.1),
             other => unreachable!("no bucket for rule {other}"),
         };
         self.policies_around(t)

@@ -52,7 +52,7 @@ use super::nemesis::{Caused, Log, CALLS_REFUSED};
 use super::schedule::{Fault, StoreReset, HOT, WARM, WARM_BUCKET};
 use super::topology::{
     Policy, BULK_BUCKET, BULK_ENVOY, BULK_MAX_TOKENS, CONCURRENCY, LLM_ENVOY, LLM_RESERVE_MAX,
-    USER_BUCKET,
+    NATIVE_BUCKET, USER_BUCKET,
 };
 use super::workload::{Kind, Sent};
 use crate::upstream::Served;
