@@ -7,11 +7,12 @@
 //! it, and [`shrink`] re-runs the schedule with fewer faults until none can be dropped.
 //!
 //! - [`schedule`]: the seed's plan (store policy, faults, reloads), the same for the same seed;
-//! - [`topology`]: the processes (Redis, its replica and Sentinels, sidecars, Envoys behind
-//!   relays, the recording upstream) and the hands the nemesis breaks them with;
+//! - [`topology`]: the processes (Redis, its replica and Sentinels, sidecars, wasm Envoys behind
+//!   relays, an Envoy with the native rate limit filter, the recording upstream) and the hands
+//!   the nemesis breaks them with;
 //! - [`relay`]: a TCP relay that passes, delays or cuts (this kernel has no netem);
 //! - [`workload`]: the clients, each request tagged with an id the upstream records;
-//! - [`nemesis`]: carries the schedule out and logs each fault;
+//! - [`nemesis`]: carries the schedule out and logs each fault (and each failover it sees);
 //! - [`check`]: the checker; [`run`]: one run, start to table; [`shrink`]: the smallest schedule.
 
 pub mod check;
