@@ -74,7 +74,10 @@ impl<S: BucketStore> Decider<S> {
             let Some(c) = limit.concurrency else {
                 continue;
             };
-            let key = self.slot_set_of(domain, &item.entries);
+            let key = match p {
+                Plan::Charge { key, .. } => self.store.slot_set_key(key),
+                _ => self.slot_set_of(domain, &item.entries),
+            };
             let id = shared_id
                 .get_or_insert_with(|| Arc::from(new_slot_id()))
                 .clone();
@@ -95,7 +98,8 @@ impl<S: BucketStore> Decider<S> {
             .iter()
             .map(|(k, v)| (k.as_str(), v.as_deref()))
             .collect();
-        self.store.slot_set_key(domain, &entries)
+        self.store
+            .slot_set_key(&self.store.bucket_key(domain, &entries))
     }
 
     /// Takes a request's slots: counted per limit (`taken` or `full`).

@@ -362,10 +362,10 @@ pub trait BucketStore: Send + Sync + 'static {
         Arc::from(crate::keys::bucket_key(DEFAULT_KEY_PREFIX, domain, entries))
     }
 
-    /// The key of the set of slots of `entries` in `domain` ([`Slot::key`]): by default the
-    /// bucket's key and `:c` ([`crate::keys::slots_key`]).
-    fn slot_set_key(&self, domain: &str, entries: &[(&str, Option<&str>)]) -> Arc<str> {
-        Arc::from(crate::keys::slots_key(&self.bucket_key(domain, entries)))
+    /// The key of the set of slots of the bucket `bucket_key` names ([`Slot::key`]; a key
+    /// [`Self::bucket_key`] made): the bucket's key and `:c` ([`crate::keys::slots_key`]).
+    fn slot_set_key(&self, bucket_key: &str) -> Arc<str> {
+        Arc::from(crate::keys::slots_key(bucket_key))
     }
 
     /// Takes one request's slots, all or none (`lua/slots.lua`, `take`). A slot the set holds

@@ -57,7 +57,7 @@ use super::{
     Applied, BucketStore, Call, Decided, Group, Readiness, RequestOutcome, SettleBatch, Settled,
     Settlement, ShareRead, ShareStore, Slot, SlotUpdate, SlotsTaken, StoreError, StoreReset, Work,
 };
-use crate::keys::{bucket_key, cluster_slot, demand_key, share_key, slots_key};
+use crate::keys::{bucket_key, cluster_slot, demand_key, share_key};
 use crate::metrics::Metrics;
 use crate::regional::record;
 
@@ -378,11 +378,6 @@ impl RedisStore {
 impl BucketStore for RedisStore {
     fn bucket_key(&self, domain: &str, entries: &[(&str, Option<&str>)]) -> Arc<str> {
         Arc::from(bucket_key(&self.inner.options.key_prefix, domain, entries))
-    }
-
-    fn slot_set_key(&self, domain: &str, entries: &[(&str, Option<&str>)]) -> Arc<str> {
-        let bucket = bucket_key(&self.inner.options.key_prefix, domain, entries);
-        Arc::from(slots_key(&bucket))
     }
 
     /// One script call per node, one node after the other: a part that finds a set full (or
