@@ -15,6 +15,7 @@
 mod answer;
 pub mod batch;
 pub mod courier;
+pub mod link;
 mod response;
 mod start;
 pub mod streams;

@@ -348,9 +348,10 @@ pub fn protect(router: Router, auth: Arc<Auth>, metrics: Arc<Metrics>) -> Router
 }
 
 /// The `api` label of a call to `path` (docs/observability.md, `ratelimit_calls_total`): any
-/// gRPC call is `grpc`, any path but settlements' and slots' `http`.
+/// gRPC call but the stream per worker's is `grpc`, any path but settlements' and slots' `http`.
 fn api_of(path: &str, grpc: bool) -> &'static str {
     match path {
+        ratelimit_wire::stream::STREAM_PATH => "stream",
         _ if grpc => "grpc",
         "/v1/settle" => "settle",
         "/v1/slots" => "slots",

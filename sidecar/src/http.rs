@@ -27,10 +27,39 @@ use crate::store::{BucketStore, StoreError};
 pub struct AppState<S> {
     pub decider: Arc<Decider<S>>,
     pub metrics: Arc<Metrics>,
+    /// Says when the sidecar begins to stop: the streams per worker then end
+    /// ([`crate::stream`]).
+    pub stopping: Stopping,
 }
 
-/// The sidecar's routes: the decision endpoints (`POST /v1/decide` and the gRPC rate limit
-/// service) and the health and metrics paths.
+/// The sidecar's "stopping" signal, as long-lived streams watch it.
+#[derive(Clone, Debug)]
+pub struct Stopping(tokio::sync::watch::Receiver<bool>);
+
+impl Stopping {
+    /// A signal and its sender (`send(true)`: the sidecar begins to stop).
+    pub fn new() -> (tokio::sync::watch::Sender<bool>, Stopping) {
+        let (tx, rx) = tokio::sync::watch::channel(false);
+        (tx, Stopping(rx))
+    }
+
+    /// A signal that never comes (a router of a test).
+    pub fn never() -> Stopping {
+        Stopping::new().1
+    }
+
+    /// Completes once the sidecar begins to stop (never, if the sender is gone without saying
+    /// so).
+    pub async fn stopped(&self) {
+        let mut rx = self.0.clone();
+        if rx.wait_for(|s| *s).await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    }
+}
+
+/// The sidecar's routes: the decision endpoints (`POST /v1/decide`, the stream per worker and
+/// the gRPC rate limit service) and the health and metrics paths.
 pub fn router<S: BucketStore>(state: Arc<AppState<S>>, max_body_bytes: usize) -> Router {
     let decide_json = Router::new()
         .route(DECIDE_PATH, post(decide::<S>))
@@ -48,7 +77,8 @@ pub fn router<S: BucketStore>(state: Arc<AppState<S>>, max_body_bytes: usize) ->
     // (`crate::auth::protect`, applied by `serve` around this whole router) covers both alike
     // (gRPC metadata are HTTP/2 headers: `authorization: Bearer <token>`), and `GET /v1/epoch`
     // with them, and leaves only /healthz, /readyz and /metrics open.
-    let decisions: Router = decide_json.merge(grpc);
+    let stream = crate::stream::CallStream::new(state.clone(), max_body_bytes).into_router();
+    let decisions: Router = decide_json.merge(grpc).merge(stream);
     Router::new()
         .merge(health_router(state.clone()).with_state(state))
         .merge(decisions)
@@ -76,8 +106,7 @@ async fn decide<S: BucketStore>(
     State(s): State<Arc<AppState<S>>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    let started = Instant::now();
-    let response = match body {
+    match body {
         Err(rejection) => {
             s.metrics.call("http", CallOutcome::BadRequest);
             let status = rejection.status();
@@ -88,37 +117,74 @@ async fn decide<S: BucketStore>(
             };
             error(status, text)
         }
-        Ok(body) => match parse_request(&body) {
-            Err(e) => {
-                s.metrics.call("http", CallOutcome::BadRequest);
-                error(StatusCode::BAD_REQUEST, e.to_string())
-            }
-            Ok(call) => {
-                // The decision runs in a task of its own: a caller that hangs up (Envoy's
-                // callout timeout resets the stream) cancels neither its Redis calls nor the
-                // refunds that follow them.
-                let decider = s.decider.clone();
-                // The epoch read before deciding: the decision's policy is this one or a later
-                // one, so what the filter learns is never tagged newer than it is.
-                let epoch = decider.policy().current().epoch();
-                match tokio::spawn(async move { decider.decide(call).await }).await {
-                    Ok(mut answer) => {
-                        answer.epoch = Some(epoch);
-                        respond(&s.metrics, answer)
-                    }
-                    Err(e) => {
-                        s.metrics.call("http", CallOutcome::Error);
-                        tracing::error!("decision task failed: {e}");
-                        error(StatusCode::INTERNAL_SERVER_ERROR, "decision failed".into())
-                    }
+        Ok(body) => {
+            let answered = decide_call(&s, "http", &body).await;
+            (
+                answered.status,
+                [(header::CONTENT_TYPE, "application/json")],
+                answered.body,
+            )
+                .into_response()
+        }
+    }
+}
+
+/// A decision call's answer, whichever transport carried it: its HTTP status and JSON body
+/// ([`DecideResponse`], or [`ErrorBody`]).
+#[derive(Debug)]
+pub struct Answered {
+    pub status: StatusCode,
+    pub body: Vec<u8>,
+}
+
+impl Answered {
+    pub fn error(status: StatusCode, error: String) -> Answered {
+        Answered {
+            status,
+            body: serde_json::to_vec(&ErrorBody { error }).unwrap_or_default(),
+        }
+    }
+}
+
+/// Decides one `POST /v1/decide` body that came over `api` (`"http"`, or `"stream"`: a call of
+/// the stream per worker, [`crate::stream`]): 200 with the answers, 400 for a malformed call, 503
+/// (500 when the script failed) when no decision could be made.
+pub async fn decide_call<S: BucketStore>(
+    s: &AppState<S>,
+    api: &'static str,
+    body: &[u8],
+) -> Answered {
+    let started = Instant::now();
+    let answered = match parse_request(body) {
+        Err(e) => {
+            s.metrics.call(api, CallOutcome::BadRequest);
+            Answered::error(StatusCode::BAD_REQUEST, e.to_string())
+        }
+        Ok(call) => {
+            // The decision runs in a task of its own: a caller that hangs up (Envoy's
+            // callout timeout resets the stream) cancels neither its Redis calls nor the
+            // refunds that follow them.
+            let decider = s.decider.clone();
+            // The epoch read before deciding: the decision's policy is this one or a later
+            // one, so what the filter learns is never tagged newer than it is.
+            let epoch = decider.policy().current().epoch();
+            match tokio::spawn(async move { decider.decide(call).await }).await {
+                Ok(mut answer) => {
+                    answer.epoch = Some(epoch);
+                    respond(&s.metrics, api, answer)
+                }
+                Err(e) => {
+                    s.metrics.call(api, CallOutcome::Error);
+                    tracing::error!("decision task failed: {e}");
+                    Answered::error(StatusCode::INTERNAL_SERVER_ERROR, "decision failed".into())
                 }
             }
-        },
+        }
     };
     s.metrics
         .decision_duration
         .observe(started.elapsed().as_secs_f64());
-    response
+    answered
 }
 
 /// `POST /v1/settle`: 200 with what was applied, 400 for a malformed call, 503 (500 when the
@@ -197,7 +263,7 @@ where
 
 /// 200 with the answers, unless every request failed for one reason: then 503 (Redis
 /// unavailable) or 500 (the script failed), so a simple caller sees the outage in the status.
-fn respond(metrics: &Metrics, answer: DecideResponse) -> Response {
+fn respond(metrics: &Metrics, api: &'static str, answer: DecideResponse) -> Answered {
     // The call's requests by outcome, and its leased tokens: counted once each.
     let mut counts = [0u64; RequestOutcome::ALL.len()];
     let mut leased = 0u64;
@@ -227,19 +293,25 @@ fn respond(metrics: &Metrics, answer: DecideResponse) -> Response {
             .unwrap_or_default()
     };
     if all(ErrorCode::Unavailable) {
-        metrics.call("http", CallOutcome::Unavailable);
+        metrics.call(api, CallOutcome::Unavailable);
         let e = first_error();
         tracing::warn!("decision failed: {e}");
-        return error(StatusCode::SERVICE_UNAVAILABLE, e);
+        return Answered::error(StatusCode::SERVICE_UNAVAILABLE, e);
     }
     if all(ErrorCode::ScriptFailed) {
-        metrics.call("http", CallOutcome::Error);
+        metrics.call(api, CallOutcome::Error);
         let e = first_error();
         tracing::error!("decision failed: {e}");
-        return error(StatusCode::INTERNAL_SERVER_ERROR, e);
+        return Answered::error(StatusCode::INTERNAL_SERVER_ERROR, e);
     }
-    metrics.call("http", CallOutcome::Answered);
-    Json(answer).into_response()
+    metrics.call(api, CallOutcome::Answered);
+    match serde_json::to_vec(&answer) {
+        Ok(body) => Answered {
+            status: StatusCode::OK,
+            body,
+        },
+        Err(e) => Answered::error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+    }
 }
 
 /// `GET /v1/epoch`: the policy's epoch, for the filter's poll (docs/fast-paths.md#policy-reloads).
@@ -314,12 +386,13 @@ mod tests {
         ];
         let r = respond(
             &m,
+            "http",
             DecideResponse {
                 answers,
                 epoch: None,
             },
         );
-        assert_eq!(r.status(), StatusCode::OK);
+        assert_eq!(r.status, StatusCode::OK);
         let text = m.encode();
         for line in [
             "ratelimit_requests_total{outcome=\"allowed\"} 3",

@@ -23,6 +23,7 @@ pub mod regional;
 pub mod rlqs;
 pub mod secret;
 pub mod store;
+pub mod stream;
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -215,9 +216,11 @@ pub async fn serve(
         decider = decider.with_regional(shares);
         tracing::info!(%region, "regional shares of this region apply to regional rules");
     }
+    let (begin_stopping, stopping) = http::Stopping::new();
     let state = Arc::new(AppState {
         decider: Arc::new(decider),
         metrics,
+        stopping,
     });
     let app = http::router(state.clone(), args.max_body_bytes)
         .merge(rlqs::RlqsApi::new(state.decider.clone(), rlqs_settings(&args)?).into_router());
@@ -242,6 +245,8 @@ pub async fn serve(
     let (stop, stopped) = tokio::sync::watch::channel(());
     let signal = tokio::spawn(async move {
         shutdown.await;
+        // The streams per worker end first: a connection drains only once its streams have.
+        let _ = begin_stopping.send(true);
         let _ = stop.send(());
     });
     let on_stop = |mut rx: tokio::sync::watch::Receiver<()>| async move {

@@ -43,7 +43,7 @@ use ratelimit_sidecar::decide::{
     parse_request, DecideError, Decider, MAX_ERROR_BYTES, MAX_LEASE_TTL_MS,
 };
 use ratelimit_sidecar::grpc;
-use ratelimit_sidecar::http::{router, AppState};
+use ratelimit_sidecar::http::{router, AppState, Stopping};
 use ratelimit_sidecar::keys::{
     bucket_key, cluster_slot, record_key, MAX_VALUE_BYTES as KEY_VALUE_BYTES,
 };
@@ -853,6 +853,7 @@ fn sidecar() -> Sidecar {
             metrics.clone(),
         )),
         metrics,
+        stopping: Stopping::never(),
     });
     let metrics = state.metrics.clone();
     let app = router(state, MAX_BODY_BYTES);

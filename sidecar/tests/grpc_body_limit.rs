@@ -13,7 +13,7 @@ use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 use http_body_util::BodyExt;
 use prost::Message;
 use ratelimit_sidecar::decide::Decider;
-use ratelimit_sidecar::http::{router, AppState};
+use ratelimit_sidecar::http::{router, AppState, Stopping};
 use ratelimit_sidecar::metrics::Metrics;
 use ratelimit_sidecar::policy::reload::PolicyHandle;
 use ratelimit_sidecar::policy::{Bounds, Policy};
@@ -41,6 +41,7 @@ fn app() -> (axum::Router, Arc<MemoryStore>) {
             metrics.clone(),
         )),
         metrics,
+        stopping: Stopping::never(),
     });
     (router(state, MAX_BODY_BYTES), store)
 }

@@ -24,6 +24,8 @@ fn envoy(sidecar: &Sidecar, upstream: &Upstream, share: bool, timeout_ms: u64) -
     let rules = json!([{"name": "per-ip", "match": {"path_prefix": "/"}, "subject": ["ip"],
                         "on_error": "deny"}]);
     let mut plugin = plugin_with(rules, timeout_ms);
+    // Callouts over HTTP (the courier shares those; the stream per worker has none).
+    plugin["sidecar"]["transport"] = json!("http");
     plugin["fast_paths"] = json!({"share_callouts": share, "leases": {"enabled": false}});
     let config = EnvoyConfig::shipped("envoy.yaml", sidecar.port, upstream.port)
         .plugin(&plugin.to_string())

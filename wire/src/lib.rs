@@ -23,6 +23,7 @@ use std::fmt;
 pub mod budget;
 pub mod headers;
 pub mod names;
+pub mod stream;
 
 use serde::de::{MapAccess, Visitor};
 use serde::ser::SerializeMap;

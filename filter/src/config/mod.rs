@@ -231,6 +231,22 @@ pub struct Sidecar {
     /// `vm_config.environment_variables`). Default: none.
     #[serde(default)]
     pub token_env: Option<String>,
+    /// How coalesced batches reach the sidecar (docs/fast-paths.md#the-stream-per-worker).
+    #[serde(default)]
+    pub transport: Transport,
+}
+
+/// How a worker sends its coalesced batches to the sidecar.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Transport {
+    /// An HTTP callout per batch (`POST /v1/decide`), shared between workers by the courier
+    /// with `fast_paths.share_callouts`.
+    Http,
+    /// One long-lived gRPC stream per worker, a message per batch (the cluster must speak
+    /// HTTP/2); no courier.
+    #[default]
+    Stream,
 }
 
 fn default_timeout_ms() -> u64 {

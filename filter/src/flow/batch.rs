@@ -60,6 +60,9 @@ pub struct Flight {
     pub own: Vec<u32>,
     pub carried: Vec<(u64, u32)>,
     pub dispatched_ns: u64,
+    /// When its earliest request's deadline passes (a call on the stream per worker has no
+    /// timeout of the host's: [`Queue::overdue_flights`]).
+    pub deadline_ns: u64,
 }
 
 /// Decisions, returns and bytes taken into one call so far, against the wire's bounds.
@@ -211,8 +214,29 @@ impl Queue {
             own: batch.own,
             carried: batch.carried,
             dispatched_ns,
+            deadline_ns: dispatched_ns.saturating_add(batch.timeout_ms.saturating_mul(1_000_000)),
         };
         self.flights.insert(token, flight);
+    }
+
+    /// The calls in flight whose deadline passed at `now_ns`, no longer awaited (an answer that
+    /// comes later finds no flight): their requests' failure policies apply.
+    pub fn overdue_flights(&mut self, now_ns: u64) -> Vec<Flight> {
+        let overdue: Vec<u32> = self
+            .flights
+            .iter()
+            .filter(|(_, f)| f.deadline_ns <= now_ns)
+            .map(|(t, _)| *t)
+            .collect();
+        overdue
+            .into_iter()
+            .filter_map(|t| self.flights.remove(&t))
+            .collect()
+    }
+
+    /// Every call in flight, no longer awaited (the stream that carried them closed).
+    pub fn all_flights(&mut self) -> Vec<Flight> {
+        self.flights.drain().map(|(_, f)| f).collect()
     }
 
     /// The callout `token` was answered (or failed): what it carried.

@@ -990,6 +990,32 @@ fn a_callout_carries_at_most_max_batch_requests_with_one_in_flight() {
 }
 
 #[test]
+fn a_call_on_the_stream_is_given_up_at_its_earliest_deadline_or_when_the_stream_closes() {
+    let c = batching(2, 4);
+    let mut q = Queue::default();
+    q.enqueue(1, waiting(1, 0, T0 + 30 * MS), 4);
+    q.enqueue(2, waiting(1, 0, T0 + 50 * MS), 4);
+    q.enqueue(3, waiting(1, 0, T0 + 50 * MS), 4);
+    q.woken();
+    let first = q.next_batch(&c, T0).unwrap();
+    q.dispatched(1, first, T0);
+    let second = q.next_batch(&c, T0).unwrap();
+    q.dispatched(2, second, T0);
+    assert!(q.overdue_flights(T0 + 30 * MS - 1).is_empty());
+    let overdue = q.overdue_flights(T0 + 30 * MS);
+    assert_eq!(overdue.len(), 1);
+    assert_eq!(overdue[0].own, [1, 2], "the batch's earliest deadline");
+    assert!(
+        q.landed(1).is_none(),
+        "an answer that comes later finds nothing"
+    );
+    let closed = q.all_flights();
+    assert_eq!(closed.len(), 1);
+    assert_eq!(closed[0].own, [3]);
+    assert!(q.landed(2).is_none());
+}
+
+#[test]
 fn a_callout_stays_within_the_wires_bounds_on_decisions_and_returns() {
     let c = batching(256, 64);
     let mut q = Queue::default();

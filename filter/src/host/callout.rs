@@ -15,7 +15,9 @@ use proxy_wasm::hostcalls;
 use proxy_wasm::types::{BufferType, MapType};
 use ratelimit_wire::DecideResponse;
 
-use super::{abi, answered_under, courier, now_ns, resolve, stats, Plugin, SharedVm};
+use super::{abi, answered_under, courier, link, now_ns, resolve, stats, Plugin, SharedVm};
+use crate::config::Transport;
+use crate::flow::batch::Flight;
 use crate::flow::courier::WAKE;
 use crate::flow::{Stat, Stats, Waiting};
 use crate::verdict::{self, LimiterError, MAX_ANSWER_BYTES};
@@ -46,7 +48,7 @@ pub fn send_queued(vm: &SharedVm) {
     }
     loop {
         let now = now_ns();
-        let (plugin, batch) = {
+        let (plugin, mut batch) = {
             let mut v = vm.borrow_mut();
             let plugin = v.plugin.clone();
             let Some(batch) = v.queue.next_batch(&plugin.config, now) else {
@@ -54,8 +56,15 @@ pub fn send_queued(vm: &SharedVm) {
             };
             (plugin, batch)
         };
-        let path = plugin.config.sidecar.path();
-        let dispatched = dispatch(&plugin, path, &batch.body, batch.timeout_ms);
+        let dispatched = match plugin.config.sidecar.transport {
+            Transport::Http => dispatch(
+                &plugin,
+                plugin.config.sidecar.path(),
+                &batch.body,
+                batch.timeout_ms,
+            ),
+            Transport::Stream => link::send(vm, std::mem::take(&mut batch.body), now),
+        };
         let carried = (batch.own.len() + batch.carried.len()) as u64;
         plugin
             .metrics
@@ -101,9 +110,37 @@ pub fn send_alone(vm: &SharedVm, ctx: u32, w: Waiting, now: u64) -> Result<u64, 
 /// The answer to the root's callout `token`: settles the worker's requests it carried, posts
 /// the other workers' answers back to them, and sends what queued meanwhile.
 pub fn answered(vm: &SharedVm, token: u32, num_headers: usize, body_size: usize) {
+    landed(vm, token, |expected| {
+        read_answer(num_headers, body_size, expected)
+    });
+}
+
+/// The answer to the call `token` (a callout, or a call on the stream per worker), read by
+/// `read` for the number of requests it carried, if the call is still awaited.
+pub fn landed(
+    vm: &SharedVm,
+    token: u32,
+    read: impl FnOnce(usize) -> Result<DecideResponse, LimiterError>,
+) {
     let Some(flight) = vm.borrow_mut().queue.landed(token) else {
         return;
     };
+    settle_flight(vm, flight, read);
+}
+
+/// A call in flight that will get no answer (its stream closed, or its deadline passed): its
+/// requests' failure policies.
+pub fn failed(vm: &SharedVm, flight: Flight, e: LimiterError) {
+    settle_flight(vm, flight, |_| Err(e));
+}
+
+/// Settles the requests `flight` carried by the answer `read` gives, then sends what queued
+/// meanwhile.
+fn settle_flight(
+    vm: &SharedVm,
+    flight: Flight,
+    read: impl FnOnce(usize) -> Result<DecideResponse, LimiterError>,
+) {
     let plugin = vm.borrow().plugin.clone();
     let now = now_ns();
     plugin.metrics.record(
@@ -111,7 +148,7 @@ pub fn answered(vm: &SharedVm, token: u32, num_headers: usize, body_size: usize)
         now.saturating_sub(flight.dispatched_ns) / 1_000,
     );
     let own = flight.own.len();
-    let answers = read_answer(num_headers, body_size, own + flight.carried.len());
+    let answers = read(own + flight.carried.len());
     let answer = |i: usize| match &answers {
         Ok(a) => Ok(a.answers[i].clone()),
         Err(e) => Err(e.clone()),

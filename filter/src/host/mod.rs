@@ -7,6 +7,7 @@
 //! - [`abi`]: host calls that never panic; [`stats`]: the filter's Envoy stats;
 //! - [`callout`]: the callouts to the sidecar, sent and answered by the root context;
 //! - [`courier`]: the shared queues between the workers of one Envoy (shared callouts);
+//! - [`link`]: the stream per worker to the sidecar (`sidecar.transport: stream`);
 //! - [`facts`]: the clock, the request, shared data and local replies, as the host gives them.
 //!
 //! No `RefCell` borrow of the [`Vm`] is held across a host call that can call back into the VM
@@ -16,6 +17,7 @@ mod abi;
 mod callout;
 mod courier;
 mod facts;
+mod link;
 mod stats;
 
 use std::cell::RefCell;
@@ -32,9 +34,11 @@ use ratelimit_wire::RequestAnswer;
 
 use crate::clock;
 use crate::config::Config;
+use crate::config::Transport;
 use crate::costs::MAX_METERED_BYTES;
 use crate::emergency::{self, EmergencyBucket};
 use crate::flow::batch::Queue;
+use crate::flow::link::Link;
 use crate::flow::streams::Streams;
 use crate::flow::{Flow, RequestReads, Start, Worker};
 use crate::verdict::{self, LimiterError, Verdict};
@@ -89,6 +93,8 @@ struct Vm {
     /// The tokens of the calls carrying settlements, and slot renewals or releases.
     settle_flight: Option<u32>,
     slots_flight: Option<u32>,
+    /// The stream to the sidecar (`sidecar.transport: stream`).
+    link: Link,
 }
 
 type SharedVm = Rc<RefCell<Vm>>;
@@ -120,6 +126,21 @@ impl Context for Root {
                 Some((_, sent_ns)) => callout::epoch_polled(&vm, sent_ns, num_headers, body_size),
                 None => callout::answered(&vm, token_id, num_headers, body_size),
             }
+        }
+    }
+
+    fn on_grpc_stream_message(&mut self, token_id: u32, message_size: usize) {
+        if let Some(vm) = self.vm.clone() {
+            link::message(&vm, token_id, message_size);
+        }
+    }
+
+    fn on_grpc_stream_close(&mut self, token_id: u32, status_code: u32) {
+        if let Some(vm) = self.vm.clone() {
+            debug!(
+                "ratelimit filter: the stream to the sidecar closed with gRPC status {status_code}"
+            );
+            link::closed(&vm, token_id, now_ns());
         }
     }
 }
@@ -166,7 +187,8 @@ impl RootContext for Root {
                     return false;
                 }
             }
-            if config.fast_paths.share_callouts {
+            // Each worker's own stream replaces the courier.
+            if config.fast_paths.share_callouts && config.sidecar.transport == Transport::Http {
                 sharing = courier::Sharing::start(&config, nonce);
             }
         }
@@ -204,6 +226,7 @@ impl RootContext for Root {
             streams: Streams::new(nonce),
             settle_flight: None,
             slots_flight: None,
+            link: Link::default(),
         })));
         true
     }
@@ -243,6 +266,13 @@ impl RootContext for Root {
         let expired = vm.borrow_mut().queue.expired(now);
         for ctx in expired {
             resolve(&vm, ctx, Err(LimiterError::NoAnswer), None, now, now, true);
+        }
+        // Calls on the stream unanswered by their deadline (a callout has Envoy's timeout).
+        if plugin.config.sidecar.transport == Transport::Stream {
+            let overdue = vm.borrow_mut().queue.overdue_flights(now);
+            for flight in overdue {
+                callout::failed(&vm, flight, LimiterError::NoAnswer);
+            }
         }
         // Requests forwarded to the courier and not answered by their deadline: their failure
         // policy, and this worker takes the courier's place.

@@ -67,8 +67,8 @@ pub(crate) async fn ab_filter(b: &Bench, other: &Path) {
         workload.name(),
         b.wasm.display(),
         other.display(),
-        if b.args.ab_b_http2 {
-            ", its callouts over HTTP/2"
+        if b.args.ab_b_http1 {
+            ", its sidecar cluster on HTTP/1.1"
         } else {
             ""
         }
@@ -95,10 +95,10 @@ pub(crate) async fn ab_filter(b: &Bench, other: &Path) {
             let (label, wasm) = [("A", b.wasm.as_path()), ("B", other)][i];
             let name = format!("round {round}: {label}");
             let mut config = b.envoy(Filter::Wasm(wasm), true, workers);
-            if i == 1 && b.args.ab_b_http2 {
+            if i == 1 && b.args.ab_b_http1 {
                 config = config.replace(
-                    "explicit_http_config: { http_protocol_options: {} }",
                     "explicit_http_config: { http2_protocol_options: {} }",
+                    "explicit_http_config: { http_protocol_options: {} }",
                 );
             }
             let (r, callouts) = b.envoy_stage(name, config, workload, c).await;

@@ -72,11 +72,11 @@ pub struct Args {
     /// Envoy workers in `--ab-filter`.
     #[arg(long, default_value_t = 1)]
     pub ab_workers: u32,
-    /// With `--ab-filter`: B's callouts reach the sidecar over HTTP/2 (h2c, which its listener
-    /// also serves) instead of the shipped HTTP/1.1; `--ab-filter` names the same build as A to
-    /// measure the protocol alone.
+    /// With `--ab-filter`: B's sidecar cluster speaks HTTP/1.1 instead of the shipped HTTP/2, as
+    /// shipped before the stream per worker: for B a build from before it (whose callouts went
+    /// over HTTP/1.1).
     #[arg(long)]
-    pub ab_b_http2: bool,
+    pub ab_b_http1: bool,
     /// Only the RLQS comparison: per worker count, Envoy alone, local_ratelimit, the wasm filter
     /// as shipped and Envoy's quota filter (RLQS), on the hot key and many keys.
     #[arg(long)]

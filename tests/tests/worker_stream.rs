@@ -1,0 +1,190 @@
+//! The stream per worker (`sidecar.transport: stream`), in a real Envoy of two workers calling a
+//! real sidecar: every worker sends its batches on its own gRPC stream and every answer reaches
+//! its own request, exactly (no request handed to another worker); a frozen sidecar leaves the
+//! calls on the stream unanswered and their requests get their failure policy within their
+//! deadline; a sidecar killed and started again on its port closes the streams, the requests
+//! they carried get their failure policy, and the next batches reopen them; a sidecar asked to
+//! stop ends the open streams and exits.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::Signal;
+use ratelimit_e2e::scenario::{one_connection_client, plugin_with};
+use ratelimit_e2e::{http, wait_until, Envoy, EnvoyConfig, FaultProxy, Redis, Sidecar, Upstream};
+use serde_json::json;
+
+/// Clients of a round, told apart by address (X-Forwarded-For).
+const KEYS: usize = 60;
+/// Each client's bucket: 2 tokens, a refill too slow to matter in a test.
+const POLICY: &str = "rules:\n  per-ip: {capacity: 2, refill_per_sec: 0.001}\n";
+
+/// An Envoy of two workers as shipped (the stream per worker, the default `sidecar.transport`, on
+/// a sidecar cluster that speaks HTTP/2), one rule per client address; leases off, so every
+/// request is decided by the sidecar.
+fn envoy(sidecar_port: u16, upstream: &Upstream, timeout_ms: u64) -> Envoy {
+    let rules = json!([{"name": "per-ip", "match": {"path_prefix": "/"}, "subject": ["ip"],
+                        "on_error": "deny"}]);
+    let mut plugin = plugin_with(rules, timeout_ms);
+    plugin["fast_paths"] = json!({"leases": {"enabled": false}});
+    let config = EnvoyConfig::shipped("envoy.yaml", sidecar_port, upstream.port)
+        .plugin(&plugin.to_string())
+        // The client's address comes from X-Forwarded-For (as behind a trusted balancer).
+        .replace("use_remote_address: true", "use_remote_address: false")
+        .concurrency(2);
+    Envoy::start(&config)
+}
+
+/// One answer: the client's index, the status, how long it took.
+struct Answer {
+    key: usize,
+    status: u16,
+    elapsed: Duration,
+}
+
+/// The address of client `key` of `round`.
+fn address(round: u8, key: usize) -> String {
+    format!("10.{round}.{}.{}", key / 256, key % 256)
+}
+
+/// `per_key` requests for each of `keys` clients, interleaved, 24 at a time, each on a new
+/// connection so that both workers get some.
+fn round(envoy: &Envoy, round: u8, keys: usize, per_key: usize) -> Vec<Answer> {
+    let url = envoy.url("/x");
+    let answers = Mutex::new(Vec::new());
+    let next = AtomicUsize::new(0);
+    let n = keys * per_key;
+    std::thread::scope(|s| {
+        for _ in 0..24 {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, Ordering::SeqCst);
+                if i >= n {
+                    break;
+                }
+                let key = i % keys;
+                let started = Instant::now();
+                let status = one_connection_client()
+                    .get(&url)
+                    .header("x-forwarded-for", address(round, key))
+                    .send()
+                    .unwrap_or_else(|e| panic!("GET {url}: {e}"))
+                    .status()
+                    .as_u16();
+                answers.lock().expect("not poisoned").push(Answer {
+                    key,
+                    status,
+                    elapsed: started.elapsed(),
+                });
+            });
+        }
+    });
+    answers.into_inner().expect("not poisoned")
+}
+
+/// Every client got exactly its bucket: 2 admitted, the rest rejected.
+fn assert_exact(answers: &[Answer], keys: usize, per_key: usize) {
+    for key in 0..keys {
+        let mine: Vec<u16> = answers
+            .iter()
+            .filter(|a| a.key == key)
+            .map(|a| a.status)
+            .collect();
+        let admitted = mine.iter().filter(|&&s| s == 200).count();
+        let rejected = mine.iter().filter(|&&s| s == 429).count();
+        assert_eq!(
+            (admitted, rejected),
+            (2, per_key - 2),
+            "client {key}: {mine:?}"
+        );
+    }
+}
+
+fn stream_calls(sidecar: &Sidecar) -> f64 {
+    sidecar.metric("ratelimit_calls_total{api=\"stream\",outcome=\"answered\"}")
+}
+
+fn http_calls(sidecar: &Sidecar) -> f64 {
+    sidecar.metric("ratelimit_calls_total{api=\"http\",outcome=\"answered\"}")
+}
+
+#[test]
+fn every_worker_decides_on_its_own_stream_and_every_answer_reaches_its_own_request() {
+    let redis = Redis::start();
+    let upstream = Upstream::start();
+    // Redis's answers held 20 ms on their way to the sidecar: requests pile up while a call is
+    // out, so calls carry many, and several are in flight on a stream at once.
+    let slow = FaultProxy::start(redis.port);
+    let sidecar = Sidecar::with_policy(&slow.url(), POLICY, &["--redis-timeout-ms", "1000"]);
+    let envoy = envoy(sidecar.port, &upstream, 2000);
+    slow.delay_replies(20);
+    let hits = upstream.hits() as usize;
+    let answers = round(&envoy, 1, KEYS, 4);
+    assert_exact(&answers, KEYS, 4);
+    assert_eq!(upstream.hits() as usize - hits, 2 * KEYS);
+    let (calls, http) = (stream_calls(&sidecar), http_calls(&sidecar));
+    let callouts = envoy.counter("ratelimit.callouts");
+    println!(
+        "{} requests, {callouts} calls on the streams ({calls} answered by the sidecar), {http} HTTP decision calls",
+        answers.len()
+    );
+    assert!(calls > 0.0, "no call came on a stream");
+    assert_eq!(http, 0.0, "a decision went over HTTP");
+    assert_eq!(envoy.counter("ratelimit.forwarded"), 0, "no courier");
+    assert!((callouts as usize) < answers.len(), "calls carry batches");
+}
+
+#[test]
+fn a_frozen_or_restarted_sidecar_fails_the_calls_on_the_stream_by_their_policy_and_it_reopens() {
+    let redis = Redis::start();
+    let upstream = Upstream::start();
+    // 250 ms of Redis timeout stays below the filter's 300 on a loaded machine.
+    let mut sidecar = Sidecar::with_policy(&redis.url(), POLICY, &["--redis-timeout-ms", "250"]);
+    let port = sidecar.port;
+    let envoy = envoy(port, &upstream, 300);
+    assert_exact(&round(&envoy, 1, KEYS, 3), KEYS, 3);
+
+    sidecar.process.signal(Signal::SIGSTOP);
+    let frozen = round(&envoy, 2, 40, 1);
+    sidecar.process.signal(Signal::SIGCONT);
+    let slowest = frozen.iter().map(|a| a.elapsed).max().unwrap_or_default();
+    println!("sidecar frozen: 40 requests, the slowest answered in {slowest:?}");
+    // `on_error: deny` answers every request 503 by its deadline (300 ms, the next tick after).
+    assert!(
+        frozen.iter().all(|a| a.status == 503),
+        "fail closed answers 503"
+    );
+    assert!(frozen.iter().all(|a| a.elapsed < Duration::from_secs(2)));
+    assert!(envoy.counter("ratelimit.failed_closed") >= 40);
+    // The same stream carries on once the sidecar wakes.
+    assert_exact(&round(&envoy, 3, KEYS, 3), KEYS, 3);
+
+    // Killed: the streams close (requests meanwhile fail closed), and reopen to the sidecar
+    // started again on the same port.
+    sidecar.process.stop();
+    let down = round(&envoy, 4, 20, 1);
+    assert!(
+        down.iter().all(|a| a.status == 503),
+        "fail closed answers 503"
+    );
+    let mut sidecar = Sidecar::start_on(port, &redis.url(), POLICY, &["--redis-timeout-ms", "250"]);
+    wait_until("decisions resume", Duration::from_secs(30), || {
+        http()
+            .get(envoy.url("/x"))
+            .header("x-forwarded-for", "10.9.9.9")
+            .send()
+            .is_ok_and(|r| r.status() == 200)
+    });
+    assert_exact(&round(&envoy, 5, KEYS, 3), KEYS, 3);
+    assert!(stream_calls(&sidecar) > 0.0);
+    assert_eq!(http_calls(&sidecar), 0.0, "a decision went over HTTP");
+
+    // Asked to stop, the sidecar ends the open streams (a connection drains only once its
+    // streams have) and exits.
+    sidecar.process.signal(Signal::SIGTERM);
+    wait_until(
+        "the sidecar exits with streams open",
+        Duration::from_secs(20),
+        || !sidecar.process.running(),
+    );
+}
