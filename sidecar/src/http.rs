@@ -117,15 +117,7 @@ async fn decide<S: BucketStore>(
             };
             error(status, text)
         }
-        Ok(body) => {
-            let answered = decide_call(&s, "http", &body).await;
-            (
-                answered.status,
-                [(header::CONTENT_TYPE, "application/json")],
-                answered.body,
-            )
-                .into_response()
-        }
+        Ok(body) => decide_call(&s, "http", &body).await.into_response(),
     }
 }
 
@@ -193,10 +185,10 @@ async fn settle<S: BucketStore>(
     State(s): State<Arc<AppState<S>>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    applied(&s, "settle", body, parse_settle, |d, call| async move {
-        d.settle(call).await
-    })
-    .await
+    match body {
+        Ok(body) => settle_call(&s, &body).await.into_response(),
+        Err(rejection) => rejected(&s, "settle", rejection),
+    }
 }
 
 /// `POST /v1/slots`: 200 with what was renewed and released, 400 for a malformed call, 503 (500
@@ -206,42 +198,90 @@ async fn slots<S: BucketStore>(
     State(s): State<Arc<AppState<S>>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    applied(&s, "slots", body, parse_slots, |d, call| async move {
+    match body {
+        Ok(body) => slots_call(&s, &body).await.into_response(),
+        Err(rejection) => rejected(&s, "slots", rejection),
+    }
+}
+
+/// A body the HTTP edge could not take (too large, unreadable), counted as a bad request.
+fn rejected<S>(s: &AppState<S>, api: &'static str, rejection: BytesRejection) -> Response {
+    s.metrics.call(api, CallOutcome::BadRequest);
+    error(rejection.status(), rejection.body_text())
+}
+
+/// One `/v1/settle` body, whichever transport carried it.
+pub async fn settle_call<S: BucketStore>(s: &AppState<S>, body: &[u8]) -> Answered {
+    applied(s, "settle", body, parse_settle, |d, call| async move {
+        d.settle(call).await
+    })
+    .await
+}
+
+/// One `/v1/slots` body, whichever transport carried it.
+pub async fn slots_call<S: BucketStore>(s: &AppState<S>, body: &[u8]) -> Answered {
+    applied(s, "slots", body, parse_slots, |d, call| async move {
         d.update_slots(call).await
     })
     .await
 }
 
-/// The edge of a call the store applies (`api`: `settle`, `slots`): the body parsed (400), the
-/// call run in a task of its own, as a decision, so that a caller that hangs up does not cancel
-/// the script call in flight (its retry then finds what was applied); 500 when the script
-/// failed, 503 when the store could not be reached; counted per outcome.
+/// The policy's epoch, as `GET /v1/epoch` answers it.
+pub fn epoch_call<S: BucketStore>(s: &AppState<S>) -> Answered {
+    json_answer(&EpochResponse {
+        epoch: s.decider.policy().current().epoch(),
+    })
+}
+
+/// 200 with `answer` as JSON.
+fn json_answer(answer: &impl serde::Serialize) -> Answered {
+    match serde_json::to_vec(answer) {
+        Ok(body) => Answered {
+            status: StatusCode::OK,
+            body,
+        },
+        Err(e) => Answered::error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+    }
+}
+
+impl IntoResponse for Answered {
+    fn into_response(self) -> Response {
+        (
+            self.status,
+            [(header::CONTENT_TYPE, "application/json")],
+            self.body,
+        )
+            .into_response()
+    }
+}
+
+/// A call the store applies (`api`: `settle`, `slots`): the body parsed (400), the call run in a
+/// task of its own, as a decision, so that a caller that hangs up does not cancel the script
+/// call in flight (its retry then finds what was applied); 500 when the script failed, 503 when
+/// the store could not be reached; counted per outcome.
 async fn applied<S, C, A, F>(
     s: &AppState<S>,
     api: &'static str,
-    body: Result<Bytes, BytesRejection>,
+    body: &[u8],
     parse: fn(&[u8]) -> Result<C, DecideError>,
     run: impl FnOnce(Arc<Decider<S>>, C) -> F,
-) -> Response
+) -> Answered
 where
     S: BucketStore,
     A: serde::Serialize + Send + 'static,
     F: Future<Output = Result<A, StoreError>> + Send + 'static,
 {
-    let call = match body
-        .map_err(|r| (r.status(), r.body_text()))
-        .and_then(|b| parse(&b).map_err(|e| (StatusCode::BAD_REQUEST, e.to_string())))
-    {
+    let call = match parse(body) {
         Ok(call) => call,
-        Err((status, text)) => {
+        Err(e) => {
             s.metrics.call(api, CallOutcome::BadRequest);
-            return error(status, text);
+            return Answered::error(StatusCode::BAD_REQUEST, e.to_string());
         }
     };
     match tokio::spawn(run(s.decider.clone(), call)).await {
         Ok(Ok(answer)) => {
             s.metrics.call(api, CallOutcome::Answered);
-            Json(answer).into_response()
+            json_answer(&answer)
         }
         Ok(Err(e)) => {
             let status = if e.is_deterministic() {
@@ -251,12 +291,12 @@ where
                 s.metrics.call(api, CallOutcome::Unavailable);
                 StatusCode::SERVICE_UNAVAILABLE
             };
-            error(status, e.to_string())
+            Answered::error(status, e.to_string())
         }
         Err(e) => {
             s.metrics.call(api, CallOutcome::Error);
             tracing::error!("{api} task failed: {e}");
-            error(StatusCode::INTERNAL_SERVER_ERROR, format!("{api} failed"))
+            Answered::error(StatusCode::INTERNAL_SERVER_ERROR, format!("{api} failed"))
         }
     }
 }
@@ -305,20 +345,12 @@ fn respond(metrics: &Metrics, api: &'static str, answer: DecideResponse) -> Answ
         return Answered::error(StatusCode::INTERNAL_SERVER_ERROR, e);
     }
     metrics.call(api, CallOutcome::Answered);
-    match serde_json::to_vec(&answer) {
-        Ok(body) => Answered {
-            status: StatusCode::OK,
-            body,
-        },
-        Err(e) => Answered::error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
-    }
+    json_answer(&answer)
 }
 
 /// `GET /v1/epoch`: the policy's epoch, for the filter's poll (docs/fast-paths.md#policy-reloads).
-async fn epoch<S: BucketStore>(State(s): State<Arc<AppState<S>>>) -> Json<EpochResponse> {
-    Json(EpochResponse {
-        epoch: s.decider.policy().current().epoch(),
-    })
+async fn epoch<S: BucketStore>(State(s): State<Arc<AppState<S>>>) -> Response {
+    epoch_call(&s).into_response()
 }
 
 async fn readyz<S: BucketStore>(State(s): State<Arc<AppState<S>>>) -> Response {

@@ -1,7 +1,8 @@
 //! The stream per worker ([`ratelimit_wire::stream`]): each worker of an Envoy opens one
-//! bidirectional gRPC stream and sends its coalesced batches on it as calls; every call is decided
-//! in a task of its own, as a `POST /v1/decide` is ([`crate::http::decide_call`]), and answered on
-//! the stream with the call's id as soon as it is decided, so one slow call holds up no other.
+//! bidirectional gRPC stream and sends its coalesced batches, settlements, slot renewals and
+//! releases and epoch polls on it as calls; every call runs in a task of its own, as the HTTP
+//! endpoint of its kind does ([`crate::http::decide_call`] and its neighbours), and is answered on
+//! the stream with the call's id as soon as it is done, so one slow call holds up no other.
 //! Concurrent calls, of one stream or many, meet in the decider's merging of script calls as
 //! concurrent HTTP calls do.
 //!
@@ -26,7 +27,7 @@ use tonic::{Request, Response, Status, Streaming};
 use tonic_prost::ProstCodec;
 
 use crate::auth::Credential;
-use crate::http::{decide_call, Answered, AppState};
+use crate::http::{decide_call, epoch_call, settle_call, slots_call, Answered, AppState};
 use crate::metrics::CallOutcome;
 use crate::store::BucketStore;
 
@@ -139,6 +140,9 @@ async fn read_calls<S: BucketStore>(
         tokio::spawn(async move {
             let answered = match Kind::try_from(call.kind) {
                 Ok(Kind::Decide) => decide_call(&state, "stream", &call.body).await,
+                Ok(Kind::Settle) => settle_call(&state, &call.body).await,
+                Ok(Kind::Slots) => slots_call(&state, &call.body).await,
+                Ok(Kind::Epoch) => epoch_call(&state),
                 Err(_) => {
                     state.metrics.call("stream", CallOutcome::BadRequest);
                     Answered::error(

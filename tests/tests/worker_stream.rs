@@ -4,7 +4,8 @@
 //! calls on the stream unanswered and their requests get their failure policy within their
 //! deadline; a sidecar killed and started again on its port closes the streams, the requests
 //! they carried get their failure policy, and the next batches reopen them; a sidecar asked to
-//! stop ends the open streams and exits.
+//! stop ends the open streams and exits; settlements, slot renewals and releases and the epoch
+//! poll ride the streams too.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
@@ -187,4 +188,59 @@ fn a_frozen_or_restarted_sidecar_fails_the_calls_on_the_stream_by_their_policy_a
         Duration::from_secs(20),
         || !sidecar.process.running(),
     );
+}
+
+#[test]
+fn settlements_slots_and_epoch_polls_ride_the_stream_too() {
+    let redis = Redis::start();
+    let upstream = Upstream::start();
+    // Every cost settled (the upstream reports 3 tokens for a reservation of 10), every request
+    // holding a concurrency slot until its response ends, the epoch polled every 100 ms.
+    let policy = "rules:\n  llm: {capacity: 1000, refill_per_sec: 0.001, concurrency: 50}\n";
+    let sidecar = Sidecar::with_policy(&redis.url(), policy, &["--redis-timeout-ms", "500"]);
+    let rules = json!([{"name": "llm", "match": {"path_prefix": "/usage/"}, "subject": [],
+                        "on_error": "deny",
+                        "cost": {"reserve": 10, "response_header": "x-usage-tokens"}}]);
+    let mut plugin = plugin_with(rules, 2000);
+    plugin["fast_paths"] = json!({"policy_poll_ms": 100});
+    let config = EnvoyConfig::shipped("envoy.yaml", sidecar.port, upstream.port)
+        .plugin(&plugin.to_string())
+        .concurrency(2);
+    let envoy = Envoy::start(&config);
+    let client = http();
+    for _ in 0..20 {
+        let r = client
+            .get(envoy.url("/usage/header?tokens=3"))
+            .send()
+            .expect("envoy answers");
+        assert_eq!(r.status(), 200);
+    }
+    let metric = |name: &str| sidecar.metric(name);
+    wait_until(
+        "every settlement and slot release applied",
+        Duration::from_secs(10),
+        || {
+            metric("ratelimit_calls_total{api=\"settle\",outcome=\"answered\"}") > 0.0
+                && metric("ratelimit_calls_total{api=\"slots\",outcome=\"answered\"}") > 0.0
+                && metric("ratelimit_slots_total{rule=\"llm\",outcome=\"released\"}") == 20.0
+                && metric("ratelimit_settlements_total{outcome=\"given_back\"}") == 20.0
+                // The filter read the answers on the stream (it counts the releases they report).
+                && envoy.counter("ratelimit.slots_released") == 20
+        },
+    );
+    assert_eq!(envoy.counter("ratelimit.settlements_lost"), 0);
+    assert_eq!(envoy.counter("ratelimit.slots_lost"), 0);
+    // Polls come every 100 ms; let a few go out.
+    let polls = envoy.counter("cluster.ratelimit_sidecar.upstream_rq_total");
+    std::thread::sleep(Duration::from_millis(500));
+    // Every call of both workers went on their streams: Envoy opened no other request to the
+    // sidecar (one stream per worker: two workers, and the root context of the main thread,
+    // which polls the epoch too).
+    let requests = envoy.counter("cluster.ratelimit_sidecar.upstream_rq_total");
+    println!("requests Envoy opened to the sidecar: {requests} (before the polls: {polls})");
+    assert!(
+        requests <= 3,
+        "{requests} requests: a call left the streams"
+    );
+    assert_eq!(http_calls(&sidecar), 0.0);
 }

@@ -19,6 +19,13 @@ pub const STREAM_PATH: &str = "/ratelimit.wire.v1.Sidecar/Calls";
 pub enum Kind {
     /// Decisions: `body` is a [`crate::DecideRequest`], as `POST /v1/decide` takes it.
     Decide = 0,
+    /// Settlements: `body` is a [`crate::SettleRequest`], as `POST /v1/settle` takes it.
+    Settle = 1,
+    /// Slot renewals and releases: `body` is a [`crate::SlotsRequest`], as `POST /v1/slots`
+    /// takes it.
+    Slots = 2,
+    /// The policy epoch, as `GET /v1/epoch` answers it (`body` empty).
+    Epoch = 3,
 }
 
 /// One call from a worker.

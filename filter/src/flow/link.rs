@@ -116,6 +116,83 @@ pub fn status_text(answer: &Answer) -> Vec<u8> {
     answer.status.to_string().into_bytes()
 }
 
+/// A call out besides the decisions: settlements, slot renewals and releases, or the epoch
+/// poll (at most one of each kind per worker).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Pending {
+    /// The callout's token, or the call's id on the stream.
+    pub token: u32,
+    pub on_stream: bool,
+    pub sent_ns: u64,
+    /// Past it, a call on the stream is given up (a callout has Envoy's timeout).
+    pub deadline_ns: u64,
+}
+
+/// The worker's calls out besides the decisions, by kind.
+#[derive(Debug, Default)]
+pub struct SideCalls {
+    settle: Option<Pending>,
+    slots: Option<Pending>,
+    epoch: Option<Pending>,
+}
+
+impl SideCalls {
+    fn slot(&mut self, kind: Kind) -> Option<&mut Option<Pending>> {
+        match kind {
+            Kind::Settle => Some(&mut self.settle),
+            Kind::Slots => Some(&mut self.slots),
+            Kind::Epoch => Some(&mut self.epoch),
+            Kind::Decide => None,
+        }
+    }
+
+    /// Whether a call of `kind` is out.
+    pub fn out(&self, kind: Kind) -> bool {
+        match kind {
+            Kind::Settle => self.settle.is_some(),
+            Kind::Slots => self.slots.is_some(),
+            Kind::Epoch => self.epoch.is_some(),
+            Kind::Decide => false,
+        }
+    }
+
+    /// A call of `kind` went out.
+    pub fn sent(&mut self, kind: Kind, pending: Pending) {
+        if let Some(slot) = self.slot(kind) {
+            *slot = Some(pending);
+        }
+    }
+
+    /// The call answered as `token` (a callout's, or a call's id on the stream), no longer out:
+    /// its kind and what was kept of it; none when it is not one of these.
+    pub fn take(&mut self, token: u32, on_stream: bool) -> Option<(Kind, Pending)> {
+        self.take_where(|p| p.token == token && p.on_stream == on_stream)
+            .pop()
+    }
+
+    /// The calls on the stream whose deadline passed at `now_ns`, no longer out.
+    pub fn overdue(&mut self, now_ns: u64) -> Vec<(Kind, Pending)> {
+        self.take_where(|p| p.on_stream && p.deadline_ns <= now_ns)
+    }
+
+    /// Every call on the stream, no longer out (the stream closed).
+    pub fn on_stream(&mut self) -> Vec<(Kind, Pending)> {
+        self.take_where(|p| p.on_stream)
+    }
+
+    fn take_where(&mut self, pick: impl Fn(&Pending) -> bool) -> Vec<(Kind, Pending)> {
+        let mut taken = Vec::new();
+        for kind in [Kind::Settle, Kind::Slots, Kind::Epoch] {
+            if let Some(slot) = self.slot(kind) {
+                if slot.as_ref().is_some_and(&pick) {
+                    taken.extend(slot.take().map(|p| (kind, p)));
+                }
+            }
+        }
+        taken
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -177,6 +254,39 @@ mod tests {
         assert!(!link.closed(1, 0));
         assert!(!link.answered_on(1));
         assert_eq!(link.route(0), Route::Send { token: 2 });
+    }
+
+    fn pending(token: u32, on_stream: bool, deadline_ns: u64) -> Pending {
+        Pending {
+            token,
+            on_stream,
+            sent_ns: 0,
+            deadline_ns,
+        }
+    }
+
+    #[test]
+    fn a_side_call_is_found_by_its_token_on_its_own_transport_only() {
+        let mut side = SideCalls::default();
+        side.sent(Kind::Settle, pending(5, true, 10));
+        side.sent(Kind::Epoch, pending(5, false, 10));
+        assert!(side.out(Kind::Settle) && side.out(Kind::Epoch) && !side.out(Kind::Slots));
+        assert_eq!(side.take(5, false).map(|(k, _)| k), Some(Kind::Epoch));
+        assert_eq!(side.take(5, false), None);
+        assert_eq!(side.take(5, true).map(|(k, _)| k), Some(Kind::Settle));
+        assert!(!side.out(Kind::Settle));
+    }
+
+    #[test]
+    fn side_calls_on_the_stream_end_at_their_deadline_or_with_it() {
+        let mut side = SideCalls::default();
+        side.sent(Kind::Settle, pending(1, true, 10));
+        side.sent(Kind::Slots, pending(2, true, 20));
+        side.sent(Kind::Epoch, pending(3, false, 5));
+        assert!(side.overdue(9).is_empty());
+        assert_eq!(side.overdue(10), [(Kind::Settle, pending(1, true, 10))]);
+        assert_eq!(side.on_stream(), [(Kind::Slots, pending(2, true, 20))]);
+        assert!(side.out(Kind::Epoch), "a callout ends by Envoy's timeout");
     }
 
     #[test]

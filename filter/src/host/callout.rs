@@ -19,8 +19,10 @@ use super::{abi, answered_under, courier, link, now_ns, resolve, stats, Plugin, 
 use crate::config::Transport;
 use crate::flow::batch::Flight;
 use crate::flow::courier::WAKE;
+use crate::flow::link::Pending;
 use crate::flow::{Stat, Stats, Waiting};
 use crate::verdict::{self, LimiterError, MAX_ANSWER_BYTES};
+use ratelimit_wire::stream::Kind;
 
 /// Queues a waiting request for the next coalesced callout, waking the root if it must send.
 pub fn enqueue(vm: &SharedVm, ctx: u32, w: Waiting) {
@@ -59,11 +61,12 @@ pub fn send_queued(vm: &SharedVm) {
         let dispatched = match plugin.config.sidecar.transport {
             Transport::Http => dispatch(
                 &plugin,
+                "POST",
                 plugin.config.sidecar.path(),
-                &batch.body,
+                Some(&batch.body),
                 batch.timeout_ms,
             ),
-            Transport::Stream => link::send(vm, std::mem::take(&mut batch.body), now),
+            Transport::Stream => link::send(vm, Kind::Decide, std::mem::take(&mut batch.body), now),
         };
         let carried = (batch.own.len() + batch.carried.len()) as u64;
         plugin
@@ -99,8 +102,9 @@ pub fn send_alone(vm: &SharedVm, ctx: u32, w: Waiting, now: u64) -> Result<u64, 
     };
     dispatch(
         &plugin,
+        "POST",
         plugin.config.sidecar.path(),
-        &batch.body,
+        Some(&batch.body),
         batch.timeout_ms,
     )?;
     plugin.metrics.count(Stat::Callouts);
@@ -181,47 +185,96 @@ pub fn answered_alone(vm: &SharedVm, ctx: u32, sent_ns: u64, num_headers: usize,
     resolve(vm, ctx, answer, epoch, sent_ns, now, false);
 }
 
+/// What a call besides the decisions got back: the HTTP status (none: no answer, a timeout, a
+/// reset, a stream closed) and the body.
+pub struct Reply {
+    pub status: Option<Vec<u8>>,
+    pub body: Vec<u8>,
+}
+
+impl Reply {
+    /// No answer.
+    pub fn none() -> Reply {
+        Reply {
+            status: None,
+            body: Vec::new(),
+        }
+    }
+
+    /// A callout's answer, its body read up to `max_body` bytes.
+    pub fn of_callout(num_headers: usize, body_size: usize, max_body: usize) -> Reply {
+        let status = call_status(num_headers);
+        let body = if body_size == 0 || body_size > max_body {
+            Vec::new()
+        } else {
+            abi::buffer(BufferType::HttpCallResponseBody, body_size).unwrap_or_default()
+        };
+        Reply { status, body }
+    }
+}
+
+/// The most bytes read of an epoch poll's answer.
+pub const MAX_EPOCH_ANSWER_BYTES: usize = 256;
+
+/// Sends a call of `kind` besides the decisions (`method` and `path` as a callout), with
+/// `timeout_ms`, from the root context at `now`, on the worker's transport.
+fn send_side(
+    vm: &SharedVm,
+    plugin: &Plugin,
+    kind: Kind,
+    (method, path): (&str, &str),
+    body: Vec<u8>,
+    timeout_ms: u64,
+    now: u64,
+) -> Result<(), LimiterError> {
+    let (token, on_stream) = match plugin.config.sidecar.transport {
+        Transport::Http => {
+            let body = (method == "POST").then_some(body.as_slice());
+            (dispatch(plugin, method, path, body, timeout_ms)?, false)
+        }
+        Transport::Stream => (link::send(vm, kind, body, now)?, true),
+    };
+    vm.borrow_mut().side.sent(
+        kind,
+        Pending {
+            token,
+            on_stream,
+            sent_ns: now,
+            deadline_ns: now.saturating_add(timeout_ms.saturating_mul(1_000_000)),
+        },
+    );
+    Ok(())
+}
+
+/// The answer to a call besides the decisions, of `kind`, sent as `pending`.
+pub fn side_answered(vm: &SharedVm, kind: Kind, pending: Pending, reply: Reply) {
+    match kind {
+        Kind::Settle => settlements_answered(vm, reply),
+        Kind::Slots => slots_answered(vm, reply),
+        Kind::Epoch => epoch_polled(vm, pending.sent_ns, reply),
+        Kind::Decide => {}
+    }
+}
+
 /// Sends this Envoy's policy epoch poll (`GET /v1/epoch`) from the root context, at `now`
 /// ([`crate::epoch`]); a poll that cannot be sent counts as one without an answer.
 pub fn poll_epoch(vm: &SharedVm, now: u64) {
     let plugin = vm.borrow().plugin.clone();
-    let sidecar = &plugin.config.sidecar;
-    let mut headers = vec![
-        (":method", "GET"),
-        (":path", ratelimit_wire::EPOCH_PATH),
-        (":authority", sidecar.authority()),
-    ];
-    if let Some(a) = &plugin.authorization {
-        headers.push(("authorization", a.as_str()));
-    }
-    match hostcalls::dispatch_http_call(
-        &sidecar.cluster,
-        headers,
-        None,
-        vec![],
-        Duration::from_millis(sidecar.timeout_ms),
-    ) {
-        Ok(token) => vm.borrow_mut().epoch_poll = Some((token, now)),
-        Err(status) => {
-            debug!("ratelimit filter: cannot send the policy epoch poll: status {status:?}");
-            plugin.flow().polled(&mut vm.borrow_mut().worker, None, now);
-        }
+    let path = ("GET", ratelimit_wire::EPOCH_PATH);
+    let timeout_ms = plugin.config.sidecar.timeout_ms;
+    if let Err(e) = send_side(vm, &plugin, Kind::Epoch, path, Vec::new(), timeout_ms, now) {
+        debug!("ratelimit filter: cannot send the policy epoch poll: {e}");
+        plugin.flow().polled(&mut vm.borrow_mut().worker, None, now);
     }
 }
 
 /// The answer to this worker's policy epoch poll, sent at `sent_ns`: published.
-pub fn epoch_polled(vm: &SharedVm, sent_ns: u64, num_headers: usize, body_size: usize) {
-    let status = call_status(num_headers);
-    let body = if body_size == 0 || body_size > 256 {
-        Vec::new()
-    } else {
-        abi::buffer(BufferType::HttpCallResponseBody, body_size).unwrap_or_default()
-    };
-    let epoch = crate::epoch::parse(status.as_deref(), &body);
+fn epoch_polled(vm: &SharedVm, sent_ns: u64, reply: Reply) {
+    let epoch = crate::epoch::parse(reply.status.as_deref(), &reply.body);
     let plugin = vm.borrow().plugin.clone();
-    let mut v = vm.borrow_mut();
-    v.epoch_poll = None;
-    plugin.flow().polled(&mut v.worker, epoch, sent_ns);
+    plugin
+        .flow()
+        .polled(&mut vm.borrow_mut().worker, epoch, sent_ns);
 }
 
 /// Sends the next batch of settlements (`POST /v1/settle`) from the root context, if one is
@@ -229,7 +282,7 @@ pub fn epoch_polled(vm: &SharedVm, sent_ns: u64, num_headers: usize, body_size: 
 pub fn send_settlements(vm: &SharedVm) {
     let (plugin, body) = {
         let mut v = vm.borrow_mut();
-        if v.settle_flight.is_some() {
+        if v.side.out(Kind::Settle) {
             return;
         }
         let plugin = v.plugin.clone();
@@ -243,26 +296,23 @@ pub fn send_settlements(vm: &SharedVm) {
         .sidecar
         .timeout_ms
         .max(crate::costs::SEND_TIMEOUT_MS);
-    match dispatch(&plugin, ratelimit_wire::SETTLE_PATH, &body, timeout_ms) {
-        Ok(token) => vm.borrow_mut().settle_flight = Some(token),
-        Err(e) => {
-            debug!("ratelimit filter: cannot send settlements: {e}");
-            let d = vm.borrow_mut().streams.outbox.answered(false);
-            plugin.flow().count_delivery(d);
-        }
+    let path = ("POST", ratelimit_wire::SETTLE_PATH);
+    if let Err(e) = send_side(vm, &plugin, Kind::Settle, path, body, timeout_ms, now_ns()) {
+        debug!("ratelimit filter: cannot send settlements: {e}");
+        let d = vm.borrow_mut().streams.outbox.answered(false);
+        plugin.flow().count_delivery(d);
     }
 }
 
-/// The answer to the settlements' callout: delivered on a 200, else sent again (bounded); then
-/// the next batch.
-pub fn settlements_answered(vm: &SharedVm, num_headers: usize) {
-    let status = call_status(num_headers);
+/// The answer to the settlements' call: delivered on a 200, else sent again (bounded); then the
+/// next batch.
+fn settlements_answered(vm: &SharedVm, reply: Reply) {
     let plugin = vm.borrow().plugin.clone();
-    let d = {
-        let mut v = vm.borrow_mut();
-        v.settle_flight = None;
-        v.streams.outbox.answered(status.as_deref() == Some(b"200"))
-    };
+    let d = vm
+        .borrow_mut()
+        .streams
+        .outbox
+        .answered(reply.status.as_deref() == Some(b"200"));
     plugin.flow().count_delivery(d);
     send_settlements(vm);
 }
@@ -272,7 +322,7 @@ pub fn settlements_answered(vm: &SharedVm, num_headers: usize) {
 pub fn send_slots(vm: &SharedVm, now: u64) {
     let (plugin, body) = {
         let mut v = vm.borrow_mut();
-        if v.slots_flight.is_some() {
+        if v.side.out(Kind::Slots) {
             return;
         }
         let plugin = v.plugin.clone();
@@ -282,35 +332,22 @@ pub fn send_slots(vm: &SharedVm, now: u64) {
         (plugin, body)
     };
     let timeout_ms = plugin.config.sidecar.timeout_ms;
-    match dispatch(&plugin, ratelimit_wire::SLOTS_PATH, &body, timeout_ms) {
-        Ok(token) => vm.borrow_mut().slots_flight = Some(token),
-        Err(e) => {
-            debug!("ratelimit filter: cannot send slot renewals and releases: {e}");
-            let d = vm.borrow_mut().streams.slots.answered(None);
-            plugin.flow().count_slots(d);
-        }
+    let path = ("POST", ratelimit_wire::SLOTS_PATH);
+    if let Err(e) = send_side(vm, &plugin, Kind::Slots, path, body, timeout_ms, now) {
+        debug!("ratelimit filter: cannot send slot renewals and releases: {e}");
+        let d = vm.borrow_mut().streams.slots.answered(None);
+        plugin.flow().count_slots(d);
     }
 }
 
-/// The answer to the slots' callout: applied on a 200 (its counts read), else its releases are
-/// sent again (bounded); then the next call.
-pub fn slots_answered(vm: &SharedVm, num_headers: usize, body_size: usize) {
-    let status = call_status(num_headers);
-    let answer = (status.as_deref() == Some(b"200"))
-        .then(|| {
-            abi::buffer(
-                BufferType::HttpCallResponseBody,
-                body_size.min(MAX_ANSWER_BYTES),
-            )
-        })
-        .flatten()
-        .and_then(|b| serde_json::from_slice::<ratelimit_wire::SlotsResponse>(&b).ok());
+/// The answer to the slots' call: applied on a 200 (its counts read), else its releases are sent
+/// again (bounded); then the next call.
+fn slots_answered(vm: &SharedVm, reply: Reply) {
+    let answer = (reply.status.as_deref() == Some(b"200"))
+        .then(|| serde_json::from_slice::<ratelimit_wire::SlotsResponse>(&reply.body).ok())
+        .flatten();
     let plugin = vm.borrow().plugin.clone();
-    let d = {
-        let mut v = vm.borrow_mut();
-        v.slots_flight = None;
-        v.streams.slots.answered(answer)
-    };
+    let d = vm.borrow_mut().streams.slots.answered(answer);
     plugin.flow().count_slots(d);
     send_slots(vm, now_ns());
 }
@@ -318,24 +355,27 @@ pub fn slots_answered(vm: &SharedVm, num_headers: usize, body_size: usize) {
 /// Sends a callout to `path` from the current context.
 fn dispatch(
     plugin: &Plugin,
+    method: &str,
     path: &str,
-    body: &[u8],
+    body: Option<&[u8]>,
     timeout_ms: u64,
 ) -> Result<u32, LimiterError> {
     let sidecar = &plugin.config.sidecar;
     let mut headers = vec![
-        (":method", "POST"),
+        (":method", method),
         (":path", path),
         (":authority", sidecar.authority()),
-        ("content-type", "application/json"),
     ];
+    if body.is_some() {
+        headers.push(("content-type", "application/json"));
+    }
     if let Some(a) = &plugin.authorization {
         headers.push(("authorization", a.as_str()));
     }
     hostcalls::dispatch_http_call(
         &sidecar.cluster,
         headers,
-        Some(body),
+        body,
         vec![],
         Duration::from_millis(timeout_ms),
     )

@@ -1,7 +1,8 @@
 //! The stream per worker, host side (`sidecar.transport: stream`): the root context opens it
 //! (`open_grpc_stream`, to the service of [`ratelimit_wire::stream`] on `sidecar.cluster`), sends
-//! a batch as a call on it, and reads the answers and the close Envoy reports; the state of the
-//! stream and of its calls is [`crate::flow::link`]'s and the queue's.
+//! a batch, settlements, slot renewals and releases or the epoch poll as a call on it, and reads
+//! the answers and the close Envoy reports; the state of the stream and of its calls is
+//! [`crate::flow::link`]'s and the queue's.
 
 use log::{debug, warn};
 use prost::Message;
@@ -10,7 +11,8 @@ use proxy_wasm::types::BufferType;
 use ratelimit_wire::stream::{Answer, Kind, STREAM_METHOD, STREAM_SERVICE};
 use ratelimit_wire::DecideResponse;
 
-use super::{abi, callout, Plugin, SharedVm};
+use super::callout::{self, Reply};
+use super::{abi, Plugin, SharedVm};
 use crate::flow::link::{self, Route};
 use crate::verdict::{self, LimiterError, MAX_ANSWER_BYTES};
 
@@ -30,9 +32,9 @@ struct EnvoyGrpc {
     authority: String,
 }
 
-/// Sends a batch's `body` as a call on the stream at `now`, opening it first if needed: the
+/// Sends `body` as a call of `kind` on the stream at `now`, opening it first if needed: the
 /// call's id (its flight's key), or why it could not go out.
-pub fn send(vm: &SharedVm, body: Vec<u8>, now: u64) -> Result<u32, LimiterError> {
+pub fn send(vm: &SharedVm, kind: Kind, body: Vec<u8>, now: u64) -> Result<u32, LimiterError> {
     let plugin = vm.borrow().plugin.clone();
     let route = vm.borrow().link.route(now);
     let token = match route {
@@ -53,7 +55,7 @@ pub fn send(vm: &SharedVm, body: Vec<u8>, now: u64) -> Result<u32, LimiterError>
             }
         },
     };
-    let call = vm.borrow_mut().link.call(Kind::Decide, body);
+    let call = vm.borrow_mut().link.call(kind, body);
     match hostcalls::send_grpc_stream_message(token, Some(&call.encode_to_vec()), false) {
         Ok(()) => Ok(call.id),
         Err(status) => {
@@ -112,6 +114,15 @@ pub fn message(vm: &SharedVm, token: u32, size: usize) {
         return;
     };
     let status = link::status_text(&answer);
+    let side = vm.borrow_mut().side.take(answer.id, true);
+    if let Some((kind, pending)) = side {
+        let reply = Reply {
+            status: Some(status),
+            body: answer.body,
+        };
+        callout::side_answered(vm, kind, pending, reply);
+        return;
+    }
     callout::landed(
         vm,
         answer.id,
@@ -132,5 +143,22 @@ pub fn closed(vm: &SharedVm, token: u32, now: u64) {
     let flights = vm.borrow_mut().queue.all_flights();
     for flight in flights {
         callout::failed(vm, flight, LimiterError::NoAnswer);
+    }
+    let side = vm.borrow_mut().side.on_stream();
+    for (kind, pending) in side {
+        callout::side_answered(vm, kind, pending, Reply::none());
+    }
+}
+
+/// At a tick at `now`: the calls on the stream unanswered by their deadline are given up (a
+/// callout has Envoy's timeout instead).
+pub fn tick(vm: &SharedVm, now: u64) {
+    let overdue = vm.borrow_mut().queue.overdue_flights(now);
+    for flight in overdue {
+        callout::failed(vm, flight, LimiterError::NoAnswer);
+    }
+    let side = vm.borrow_mut().side.overdue(now);
+    for (kind, pending) in side {
+        callout::side_answered(vm, kind, pending, Reply::none());
     }
 }

@@ -30,6 +30,7 @@ use log::{debug, error, info, warn};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType};
+use ratelimit_wire::stream::Kind;
 use ratelimit_wire::RequestAnswer;
 
 use crate::clock;
@@ -38,10 +39,10 @@ use crate::config::Transport;
 use crate::costs::MAX_METERED_BYTES;
 use crate::emergency::{self, EmergencyBucket};
 use crate::flow::batch::Queue;
-use crate::flow::link::Link;
+use crate::flow::link::{Link, SideCalls};
 use crate::flow::streams::Streams;
 use crate::flow::{Flow, RequestReads, Start, Worker};
-use crate::verdict::{self, LimiterError, Verdict};
+use crate::verdict::{self, LimiterError, Verdict, MAX_ANSWER_BYTES};
 use facts::{clock_kind, now_ns, send, HostRequest, HostShared};
 use stats::Metrics;
 
@@ -85,14 +86,12 @@ struct Vm {
     worker: Worker,
     /// Shared callouts, when on.
     sharing: Option<courier::Sharing>,
-    /// The policy epoch poll this worker sent: (its token, when).
-    epoch_poll: Option<(u32, u64)>,
     /// What this worker keeps of its streams (bodies awaited, response headers, meters, slots,
     /// settlements).
     streams: Streams,
-    /// The tokens of the calls carrying settlements, and slot renewals or releases.
-    settle_flight: Option<u32>,
-    slots_flight: Option<u32>,
+    /// The calls out besides the decisions: settlements, slot renewals or releases, the epoch
+    /// poll.
+    side: SideCalls,
     /// The stream to the sidecar (`sidecar.transport: stream`).
     link: Link,
 }
@@ -113,17 +112,16 @@ impl Context for Root {
         _num_trailers: usize,
     ) {
         if let Some(vm) = self.vm.clone() {
-            if vm.borrow().settle_flight == Some(token_id) {
-                callout::settlements_answered(&vm, num_headers);
-                return;
-            }
-            if vm.borrow().slots_flight == Some(token_id) {
-                callout::slots_answered(&vm, num_headers, body_size);
-                return;
-            }
-            let poll = vm.borrow().epoch_poll.filter(|(t, _)| *t == token_id);
-            match poll {
-                Some((_, sent_ns)) => callout::epoch_polled(&vm, sent_ns, num_headers, body_size),
+            let side = vm.borrow_mut().side.take(token_id, false);
+            match side {
+                Some((kind, pending)) => {
+                    let max = match kind {
+                        Kind::Epoch => callout::MAX_EPOCH_ANSWER_BYTES,
+                        _ => MAX_ANSWER_BYTES,
+                    };
+                    let reply = callout::Reply::of_callout(num_headers, body_size, max);
+                    callout::side_answered(&vm, kind, pending, reply);
+                }
                 None => callout::answered(&vm, token_id, num_headers, body_size),
             }
         }
@@ -222,10 +220,8 @@ impl RootContext for Root {
             queue: Queue::default(),
             worker: Worker::new(nonce),
             sharing,
-            epoch_poll: None,
             streams: Streams::new(nonce),
-            settle_flight: None,
-            slots_flight: None,
+            side: SideCalls::default(),
             link: Link::default(),
         })));
         true
@@ -267,12 +263,8 @@ impl RootContext for Root {
         for ctx in expired {
             resolve(&vm, ctx, Err(LimiterError::NoAnswer), None, now, now, true);
         }
-        // Calls on the stream unanswered by their deadline (a callout has Envoy's timeout).
         if plugin.config.sidecar.transport == Transport::Stream {
-            let overdue = vm.borrow_mut().queue.overdue_flights(now);
-            for flight in overdue {
-                callout::failed(&vm, flight, LimiterError::NoAnswer);
-            }
+            link::tick(&vm, now);
         }
         // Requests forwarded to the courier and not answered by their deadline: their failure
         // policy, and this worker takes the courier's place.
