@@ -222,8 +222,14 @@ pub async fn serve(
         metrics,
         stopping,
     });
-    let app = http::router(state.clone(), args.max_body_bytes)
-        .merge(rlqs::RlqsApi::new(state.decider.clone(), rlqs_settings(&args)?).into_router());
+    let app = http::router(state.clone(), args.max_body_bytes).merge(
+        rlqs::RlqsApi::new(
+            state.decider.clone(),
+            rlqs_settings(&args)?,
+            state.stopping.clone(),
+        )
+        .into_router(),
+    );
     let token_watch = auth
         .clone()
         .and_then(|a| a.watch_token_file(auth::TOKEN_FILE_CHECK_INTERVAL));

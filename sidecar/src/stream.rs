@@ -121,9 +121,16 @@ async fn read_calls<S: BucketStore>(
             // The worker closed its side, or the stream broke (a malformed or oversized
             // message): calls still being decided are answered while the answers can go out.
             Ok(None) => return,
-            Err(status) => {
+            // A message that does not decode, or one over the limit, is the caller's error; a
+            // stream reset or a connection gone (a gateway cut off, restarted) is not.
+            Err(status) if malformed(&status) => {
                 state.metrics.call("stream", CallOutcome::BadRequest);
+                tracing::warn!("a stream per worker sent a call this sidecar refuses: {status}");
                 let _ = tx.send(Err(status)).await;
+                return;
+            }
+            Err(status) => {
+                tracing::debug!("a stream per worker ended: {status}");
                 return;
             }
         };
@@ -164,6 +171,19 @@ async fn read_calls<S: BucketStore>(
     }
 }
 
+/// Whether a stream's read error is the caller's message, not the transport's: one over the size
+/// limit (`OUT_OF_RANGE`) or one that does not decode (`INTERNAL` with prost's error; a reset
+/// or a broken connection is `INTERNAL` too, as an h2 or I/O error).
+fn malformed(status: &Status) -> bool {
+    match status.code() {
+        tonic::Code::OutOfRange => true,
+        tonic::Code::Internal => status
+            .message()
+            .starts_with("failed to decode Protobuf message"),
+        _ => false,
+    }
+}
+
 impl<S: BucketStore> tower::Service<axum::extract::Request> for CallStream<S> {
     type Response = axum::response::Response;
     type Error = Infallible;
@@ -190,6 +210,18 @@ impl<S: BucketStore> tower::Service<axum::extract::Request> for CallStream<S> {
 mod tests {
     use super::*;
     use prost::Message;
+
+    #[test]
+    fn only_the_callers_message_counts_as_malformed() {
+        let undecodable = Call::decode(&b"\xff\xff"[..]).unwrap_err();
+        assert!(malformed(&Status::internal(undecodable.to_string())));
+        assert!(malformed(&Status::out_of_range("too large")));
+        assert!(!malformed(&Status::internal(
+            "h2 protocol error: broken pipe"
+        )));
+        assert!(!malformed(&Status::cancelled("reset")));
+        assert!(!malformed(&Status::unknown("connection closed")));
+    }
 
     #[test]
     fn an_answer_carries_its_calls_id_and_status() {

@@ -15,10 +15,12 @@ use envoy_types::pb::envoy::service::rate_limit_quota::v3::{
     BucketId, RateLimitQuotaResponse, RateLimitQuotaUsageReports,
 };
 use envoy_types::pb::envoy::r#type::v3::rate_limit_strategy::Strategy;
+use futures::StreamExt;
 use http_body_util::BodyExt;
 use prost::Message;
 use ratelimit_sidecar::auth::{self, Auth};
 use ratelimit_sidecar::decide::Decider;
+use ratelimit_sidecar::http::Stopping;
 use ratelimit_sidecar::metrics::Metrics;
 use ratelimit_sidecar::policy::reload::PolicyHandle;
 use ratelimit_sidecar::policy::{Bounds, Policy};
@@ -31,6 +33,10 @@ const PATH: &str = "/envoy.service.rate_limit_quota.v3.RateLimitQuotaService/Str
 const MAX_MESSAGE_BYTES: usize = 65_536;
 
 fn app(renew_ms: u64) -> (axum::Router, Arc<Metrics>) {
+    app_stopping_on(renew_ms, Stopping::never())
+}
+
+fn app_stopping_on(renew_ms: u64, stopping: Stopping) -> (axum::Router, Arc<Metrics>) {
     let metrics = Arc::new(Metrics::new());
     let policy = Policy::from_sources(
         &[(
@@ -56,7 +62,10 @@ fn app(renew_ms: u64) -> (axum::Router, Arc<Metrics>) {
         max_message_bytes: MAX_MESSAGE_BYTES,
         store_calls_in_flight: 4,
     };
-    (RlqsApi::new(decider, settings).into_router(), metrics)
+    (
+        RlqsApi::new(decider, settings, stopping).into_router(),
+        metrics,
+    )
 }
 
 /// One report of the buckets `{rule: per-ip, ip: 127.1.x.y}`, `n` of them, as a gRPC message.
@@ -130,6 +139,33 @@ async fn answers(app: axum::Router, request: Request<Body>) -> (Vec<Vec<u8>>, St
         bytes = bytes.slice(5 + len..);
     }
     (messages, status)
+}
+
+#[tokio::test]
+async fn a_stopping_sidecar_ends_an_open_stream_once_its_reports_are_answered() {
+    let (stop, stopping) = Stopping::new();
+    let (app, _) = app_stopping_on(60_000, stopping);
+    // Envoy's side stays open: one report, then nothing, never an end.
+    let reports = futures::stream::once(async { Ok::<_, std::io::Error>(report(3)) })
+        .chain(futures::stream::pending());
+    let request = stream_request(Body::from_stream(reports), None);
+    let response = app.oneshot(request).await.expect("infallible");
+    assert_eq!(response.status(), StatusCode::OK);
+    let mut body = response.into_body();
+    let first = tokio::time::timeout(Duration::from_secs(60), body.frame())
+        .await
+        .expect("an answer")
+        .expect("a frame")
+        .expect("no error");
+    assert!(first.is_data(), "the report's assignments come first");
+    stop.send(true).unwrap();
+    // The stream ends (its trailers, grpc-status 0) instead of waiting for Envoy.
+    let rest = tokio::time::timeout(Duration::from_secs(60), body.collect())
+        .await
+        .expect("the stream ended")
+        .expect("no error");
+    let status = rest.trailers().and_then(|t| t.get("grpc-status")).cloned();
+    assert_eq!(status.as_ref().map(|v| v.as_bytes()), Some(&b"0"[..]));
 }
 
 #[tokio::test]

@@ -320,12 +320,13 @@ fn the_wasmplugin_and_the_configmap_as_istio_hands_them_limit_each_kind_of_clien
         .send()
         .and_then(|r| r.text())
         .expect("the sidecar's metrics");
-    let calls = |outcome: &str| {
+    // Decisions ride each worker's stream (`stream`, a token refused there counted there too).
+    let calls = |api: &str, outcome: &str| {
         metrics
             .lines()
             .find_map(|l| {
                 l.strip_prefix(&format!(
-                    "ratelimit_calls_total{{api=\"http\",outcome=\"{outcome}\"}} "
+                    "ratelimit_calls_total{{api=\"{api}\",outcome=\"{outcome}\"}} "
                 ))
             })
             .and_then(|v| v.parse::<f64>().ok())
@@ -333,16 +334,16 @@ fn the_wasmplugin_and_the_configmap_as_istio_hands_them_limit_each_kind_of_clien
     };
     println!(
         "{to_sidecar} callouts through {ISTIO_CLUSTER}; the sidecar answered {} and refused {}",
-        calls("answered"),
-        calls("unauthorized")
+        calls("stream", "answered"),
+        calls("stream", "unauthorized")
     );
     assert!(
         to_sidecar > 0,
         "no callout through {ISTIO_CLUSTER}:\n{stats}"
     );
-    assert!(calls("answered") > 0.0);
+    assert!(calls("stream", "answered") > 0.0);
     assert_eq!(
-        calls("unauthorized"),
+        calls("stream", "unauthorized") + calls("http", "unauthorized"),
         0.0,
         "the token from the environment was refused"
     );

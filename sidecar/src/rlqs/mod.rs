@@ -70,6 +70,7 @@ use self::plan::{Demand, Holding, Proposal, Strategy, Target, Timing};
 use self::split::Splitter;
 use crate::auth::Credential;
 use crate::decide::{Caller, Decider, Entries, Item};
+use crate::http::Stopping;
 use crate::metrics::{Metrics, StrategyLabels};
 use crate::policy::{LimitKind, Resolution};
 use crate::store::BucketStore;
@@ -106,10 +107,13 @@ struct Shared<S> {
     next_stream: AtomicU64,
     /// Every stream's smoothed demand per bucket: (domain, bucket) -> stream -> requests/s.
     demand: Mutex<HashMap<(String, String), HashMap<u64, f64>>>,
+    /// When the sidecar begins to stop, every stream ends once what it reported is answered.
+    stopping: Stopping,
 }
 
 impl<S: BucketStore> RlqsApi<S> {
-    pub fn new(decider: Arc<Decider<S>>, settings: RlqsSettings) -> Self {
+    /// The service; its streams end when `stopping` says the sidecar begins to stop.
+    pub fn new(decider: Arc<Decider<S>>, settings: RlqsSettings, stopping: Stopping) -> Self {
         Self {
             shared: Arc::new(Shared {
                 decider,
@@ -117,6 +121,7 @@ impl<S: BucketStore> RlqsApi<S> {
                 started: Instant::now(),
                 next_stream: AtomicU64::new(1),
                 demand: Mutex::new(HashMap::new()),
+                stopping,
             }),
         }
     }

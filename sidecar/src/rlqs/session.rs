@@ -53,8 +53,10 @@ impl<S: BucketStore> Session<S> {
         // The answers of the last round not yet taken by the stream; no round starts before.
         let mut outbox: VecDeque<RateLimitQuotaResponse> = VecDeque::new();
         let tx = self.tx.clone();
-        // Envoy closed its side: what it reported is still answered, then the stream ends.
+        // Envoy closed its side: what it reported is still answered, then the stream ends. So too
+        // when the sidecar begins to stop (a connection drains only once its streams have).
         let mut reports_ended = false;
+        let stopping = self.shared.stopping.clone();
         loop {
             if reports_ended && round.is_none() && fresh.is_empty() && outbox.is_empty() {
                 break;
@@ -90,6 +92,10 @@ impl<S: BucketStore> Session<S> {
                         break;
                     }
                 },
+                () = stopping.stopped(), if !reports_ended => {
+                    tracing::info!("rlqs stream {}: the sidecar is stopping", self.id);
+                    reports_ended = true;
+                }
                 _ = ticker.tick(), if !reports_ended => {
                     if self.revoked() {
                         self.end_unauthenticated().await;

@@ -46,7 +46,7 @@ pub struct Args {
     #[arg(long, default_value_t = 10_000)]
     pub keys: usize,
     /// Envoy worker counts to measure, comma separated.
-    #[arg(long, value_delimiter = ',', default_value = "1,2")]
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
     pub workers: Vec<u32>,
     /// Decisions per call in the batched component stages.
     #[arg(long, default_value_t = 32)]
