@@ -292,7 +292,7 @@ fn two_gateways_share_one_budget_and_ride_out_a_paused_a_killed_primary_and_a_cu
         let outcome = |o: &str| {
             metric(
                 &m,
-                &format!("ratelimit_calls_total{{api=\"http\",outcome=\"{o}\"}}"),
+                &format!("ratelimit_calls_total{{api=\"stream\",outcome=\"{o}\"}}"),
             )
         };
         (outcome("answered"), outcome("unavailable"))
@@ -432,7 +432,7 @@ fn two_gateways_share_one_budget_and_ride_out_a_paused_a_killed_primary_and_a_cu
     );
     let decided_b = metric(
         &sidecar_metrics(GATEWAYS[1].3),
-        "ratelimit_calls_total{api=\"http\",outcome=\"answered\"}",
+        "ratelimit_calls_total{api=\"stream\",outcome=\"answered\"}",
     );
     docker(&["network", "disconnect", &network, &sidecar_a]);
     let [a, b] = alternate_for(Duration::from_millis(1500), "/api/cut", &[ALPHA]);
@@ -442,7 +442,7 @@ fn two_gateways_share_one_budget_and_ride_out_a_paused_a_killed_primary_and_a_cu
     ];
     let b_decided = metric(
         &sidecar_metrics(GATEWAYS[1].3),
-        "ratelimit_calls_total{api=\"http\",outcome=\"answered\"}",
+        "ratelimit_calls_total{api=\"stream\",outcome=\"answered\"}",
     ) - decided_b;
     println!(
         "gateway a cut off: a {} requests, {} limiter errors, p50 {:.1?}, slowest {:.1?}; b {} requests, {} limiter errors, {b_decided} callouts answered",

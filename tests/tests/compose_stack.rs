@@ -166,13 +166,13 @@ fn the_shipped_compose_file_runs_the_quick_start_reloads_survives_outages_and_le
     let metrics = sidecar_metrics(SIDECAR_ADMIN);
     let answered = metric(
         &metrics,
-        "ratelimit_calls_total{api=\"http\",outcome=\"answered\"}",
+        "ratelimit_calls_total{api=\"stream\",outcome=\"answered\"}",
     );
     assert!(answered > 0.0, "the sidecar answered no call:\n{metrics}");
     assert_eq!(
         metric(
             &metrics,
-            "ratelimit_calls_total{api=\"http\",outcome=\"unauthorized\"}"
+            "ratelimit_calls_total{api=\"stream\",outcome=\"unauthorized\"}"
         ),
         0.0,
         "the filter's token was refused"
