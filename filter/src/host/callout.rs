@@ -1,12 +1,16 @@
-//! Callouts to the sidecar. With coalescing, the ROOT context sends the queue's batches
-//! ([`send_queued`]) while fewer than `max_in_flight` are out, and answers each request of a batch
+//! Calls to the sidecar: as messages on the worker's stream ([`super::link`], the default
+//! `sidecar.transport`) or as HTTP callouts. With coalescing, the ROOT context sends the queue's
+//! batches ([`send_queued`]) while fewer than `max_in_flight` are out, and answers each request of
+//! a batch
 //! by switching Envoy's effective context to it (`proxy_set_effective_context`), then back. The
 //! root owns the callouts (Envoy does not cancel them when one client goes away); an HTTP context
 //! cannot make it send directly (the SDK ties a callout to the context it is dispatched from),
 //! so it wakes the root through the worker's own wake queue (`on_queue_ready` runs on the same
 //! worker, right after the current event). Without coalescing a request sends its own callout, a
 //! batch of one ([`send_alone`]). Either way the body comes from the one builder of
-//! [`crate::flow::batch`] and each answer is settled by [`super::settle`].
+//! [`crate::flow::batch`] and each answer is settled by [`super::settle`]. Settlements, slot
+//! renewals and releases and the epoch poll go the same way as calls of their own kinds
+//! ([`send_side`], answered by [`side_answered`]).
 
 use std::time::Duration;
 
