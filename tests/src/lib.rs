@@ -23,6 +23,7 @@ pub mod probe;
 pub mod redis;
 pub mod reload;
 pub mod report;
+pub mod rounds;
 pub mod scenario;
 pub mod script_cost;
 pub mod snapshot_restore;

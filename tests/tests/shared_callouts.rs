@@ -4,12 +4,11 @@
 //! requests are settled by their failure policy within their deadline, and sharing resumes when
 //! it wakes.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use nix::sys::signal::Signal;
-use ratelimit_e2e::scenario::{one_connection_client, plugin_with};
+use ratelimit_e2e::rounds::{address, assert_exact, round, statuses_of, RoundAnswer};
+use ratelimit_e2e::scenario::plugin_with;
 use ratelimit_e2e::{http, wait_until, Envoy, EnvoyConfig, FaultProxy, Redis, Sidecar, Upstream};
 use serde_json::json;
 
@@ -35,61 +34,6 @@ fn envoy(sidecar: &Sidecar, upstream: &Upstream, share: bool, timeout_ms: u64) -
     Envoy::start(&config)
 }
 
-/// One answer: the client's index, the status, how long it took.
-struct Answer {
-    key: usize,
-    status: u16,
-    elapsed: Duration,
-}
-
-/// The address of client `key` of `round`.
-fn address(round: u8, key: usize) -> String {
-    format!("10.{round}.{}.{}", key / 256, key % 256)
-}
-
-/// The statuses client `key` got.
-fn statuses_of(answers: &[Answer], key: usize) -> Vec<u16> {
-    answers
-        .iter()
-        .filter(|a| a.key == key)
-        .map(|a| a.status)
-        .collect()
-}
-
-/// `per_key` requests for each of `keys` clients (addresses `10.<round>.x.y`), interleaved, 24 at
-/// a time, each on a new connection so that both workers get some.
-fn round(envoy: &Envoy, round: u8, keys: usize, per_key: usize) -> Vec<Answer> {
-    let url = envoy.url("/x");
-    let answers = Mutex::new(Vec::new());
-    let next = AtomicUsize::new(0);
-    let n = keys * per_key;
-    std::thread::scope(|s| {
-        for _ in 0..24 {
-            s.spawn(|| loop {
-                let i = next.fetch_add(1, Ordering::SeqCst);
-                if i >= n {
-                    break;
-                }
-                let key = i % keys;
-                let started = Instant::now();
-                let status = one_connection_client()
-                    .get(&url)
-                    .header("x-forwarded-for", address(round, key))
-                    .send()
-                    .unwrap_or_else(|e| panic!("GET {url}: {e}"))
-                    .status()
-                    .as_u16();
-                answers.lock().expect("not poisoned").push(Answer {
-                    key,
-                    status,
-                    elapsed: started.elapsed(),
-                });
-            });
-        }
-    });
-    answers.into_inner().expect("not poisoned")
-}
-
 /// Spends the bucket of every odd client of `round` beforehand (two requests each, one at a time),
 /// so that a round's batches mix clients to admit and clients to reject.
 fn spend_odd(envoy: &Envoy, round: u8, keys: usize) {
@@ -110,25 +54,11 @@ fn spend_odd(envoy: &Envoy, round: u8, keys: usize) {
 /// After [`spend_odd`], two requests per client: even clients admitted twice, odd ones rejected
 /// twice. An answer that reached another request than its own would show as a client with the
 /// other's statuses.
-fn assert_even_admitted_odd_rejected(answers: &[Answer], keys: usize) {
+fn assert_even_admitted_odd_rejected(answers: &[RoundAnswer], keys: usize) {
     for key in 0..keys {
         let mine = statuses_of(answers, key);
         let expected = if key % 2 == 0 { [200, 200] } else { [429, 429] };
         assert_eq!(mine, expected, "client {key}");
-    }
-}
-
-/// Every client got exactly its bucket: 2 admitted, the rest rejected.
-fn assert_exact(answers: &[Answer], keys: usize, per_key: usize) {
-    for key in 0..keys {
-        let mine = statuses_of(answers, key);
-        let admitted = mine.iter().filter(|&&s| s == 200).count();
-        let rejected = mine.iter().filter(|&&s| s == 429).count();
-        assert_eq!(
-            (admitted, rejected),
-            (2, per_key - 2),
-            "client {key}: {mine:?}"
-        );
     }
 }
 

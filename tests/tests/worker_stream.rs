@@ -7,12 +7,11 @@
 //! stop ends the open streams and exits; settlements, slot renewals and releases and the epoch
 //! poll ride the streams too.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use nix::sys::signal::Signal;
-use ratelimit_e2e::scenario::{one_connection_client, plugin_with};
+use ratelimit_e2e::rounds::{assert_exact, round};
+use ratelimit_e2e::scenario::plugin_with;
 use ratelimit_e2e::{http, wait_until, Envoy, EnvoyConfig, FaultProxy, Redis, Sidecar, Upstream};
 use serde_json::json;
 
@@ -35,70 +34,6 @@ fn envoy(sidecar_port: u16, upstream: &Upstream, timeout_ms: u64) -> Envoy {
         .replace("use_remote_address: true", "use_remote_address: false")
         .concurrency(2);
     Envoy::start(&config)
-}
-
-/// One answer: the client's index, the status, how long it took.
-struct Answer {
-    key: usize,
-    status: u16,
-    elapsed: Duration,
-}
-
-/// The address of client `key` of `round`.
-fn address(round: u8, key: usize) -> String {
-    format!("10.{round}.{}.{}", key / 256, key % 256)
-}
-
-/// `per_key` requests for each of `keys` clients, interleaved, 24 at a time, each on a new
-/// connection so that both workers get some.
-fn round(envoy: &Envoy, round: u8, keys: usize, per_key: usize) -> Vec<Answer> {
-    let url = envoy.url("/x");
-    let answers = Mutex::new(Vec::new());
-    let next = AtomicUsize::new(0);
-    let n = keys * per_key;
-    std::thread::scope(|s| {
-        for _ in 0..24 {
-            s.spawn(|| loop {
-                let i = next.fetch_add(1, Ordering::SeqCst);
-                if i >= n {
-                    break;
-                }
-                let key = i % keys;
-                let started = Instant::now();
-                let status = one_connection_client()
-                    .get(&url)
-                    .header("x-forwarded-for", address(round, key))
-                    .send()
-                    .unwrap_or_else(|e| panic!("GET {url}: {e}"))
-                    .status()
-                    .as_u16();
-                answers.lock().expect("not poisoned").push(Answer {
-                    key,
-                    status,
-                    elapsed: started.elapsed(),
-                });
-            });
-        }
-    });
-    answers.into_inner().expect("not poisoned")
-}
-
-/// Every client got exactly its bucket: 2 admitted, the rest rejected.
-fn assert_exact(answers: &[Answer], keys: usize, per_key: usize) {
-    for key in 0..keys {
-        let mine: Vec<u16> = answers
-            .iter()
-            .filter(|a| a.key == key)
-            .map(|a| a.status)
-            .collect();
-        let admitted = mine.iter().filter(|&&s| s == 200).count();
-        let rejected = mine.iter().filter(|&&s| s == 429).count();
-        assert_eq!(
-            (admitted, rejected),
-            (2, per_key - 2),
-            "client {key}: {mine:?}"
-        );
-    }
 }
 
 fn stream_calls(sidecar: &Sidecar) -> f64 {
