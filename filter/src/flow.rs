@@ -3,8 +3,8 @@
 //! identity it cannot name, a known rejection, leases that pay every decision) or says what to
 //! ask the sidecar ([`Waiting`]); [`Flow::resolve`] turns the sidecar's answer, or why there is
 //! none, into the [`Verdict`], learns the fast paths' facts from it, and gives back what the
-//! request took from leases if it does not pass. [`batch`] picks the requests each callout
-//! carries; [`courier`] is how the workers of one Envoy share callouts.
+//! request took from leases if it does not pass. [`batch`] picks the requests each call carries;
+//! [`link`] is the worker's stream to the sidecar that carries the calls.
 //!
 //! The host adapter (`crate::host`) gathers the facts, calls these and carries the verdicts out.
 //! What the flow needs from it comes in explicitly: the request through [`RequestView`], shared
@@ -14,7 +14,6 @@
 
 mod answer;
 pub mod batch;
-pub mod courier;
 pub mod link;
 mod response;
 mod start;
@@ -59,7 +58,6 @@ pub enum Stat {
     KnownRejections,
     LeaseAdmitted,
     Callouts,
-    Forwarded,
     /// Responses that reported a real cost other than the reservation (a settlement queued).
     CostsSettled,
     /// Responses of a rule with a `cost` object whose cost could not be read (not reported,

@@ -7,7 +7,7 @@
 //! - [`identity`]: the request's [`identity::Subject`] from trustworthy facts;
 //! - [`rules`]: which rules apply, and what each asks the sidecar (rule and subject);
 //! - [`flow`]: the life of a request (its start, the fast paths, the sidecar's answer or its
-//!   absence), the batcher that fills each callout, and the courier hand-over between workers;
+//!   absence), the batcher that fills each call, and the worker's stream to the sidecar;
 //! - [`fastpath`]: known rejections and leases in shared data (the exact local fast paths);
 //! - [`emergency`]: the local token bucket of the `local` failure policy;
 //! - [`shared`]: shared data, where both of those live, and its one compare-and-swap loop;

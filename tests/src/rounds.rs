@@ -1,7 +1,7 @@
 //! Rounds of requests from many clients told apart by address (X-Forwarded-For), each on a new
 //! connection so that every worker of an Envoy gets some; and the check that every client got
-//! exactly its bucket. Shared by the tests of how a multi-worker Envoy reaches its sidecar
-//! (`shared_callouts.rs`, `worker_stream.rs`).
+//! exactly its bucket. Used by the tests of how a multi-worker Envoy reaches its sidecar
+//! (`worker_stream.rs`).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;

@@ -1,11 +1,11 @@
-//! The stream per worker (`sidecar.transport: stream`), in a real Envoy of two workers calling a
+//! The stream per worker, in a real Envoy of two workers calling a
 //! real sidecar: every worker sends its batches on its own gRPC stream and every answer reaches
 //! its own request, exactly (no request handed to another worker); a frozen sidecar leaves the
 //! calls on the stream unanswered and their requests get their failure policy within their
 //! deadline; a sidecar killed and started again on its port closes the streams, the requests
 //! they carried get their failure policy, and the next batches reopen them; a sidecar asked to
 //! stop ends the open streams and exits; settlements, slot renewals and releases and the epoch
-//! poll ride the streams too.
+//! poll ride the streams too; a sidecar cluster kept on HTTP/1.1 works as well.
 
 use std::time::Duration;
 
@@ -13,27 +13,43 @@ use nix::sys::signal::Signal;
 use ratelimit_e2e::rounds::{assert_exact, round};
 use ratelimit_e2e::scenario::plugin_with;
 use ratelimit_e2e::{http, wait_until, Envoy, EnvoyConfig, FaultProxy, Redis, Sidecar, Upstream};
-use serde_json::json;
+use serde_json::{json, Value};
 
 /// Clients of a round, told apart by address (X-Forwarded-For).
 const KEYS: usize = 60;
 /// Each client's bucket: 2 tokens, a refill too slow to matter in a test.
 const POLICY: &str = "rules:\n  per-ip: {capacity: 2, refill_per_sec: 0.001}\n";
 
-/// An Envoy of two workers as shipped (the stream per worker, the default `sidecar.transport`, on
-/// a sidecar cluster that speaks HTTP/2), one rule per client address; leases off, so every
-/// request is decided by the sidecar.
+/// An Envoy of two workers as shipped (the stream per worker, on a sidecar cluster that speaks
+/// HTTP/2), one rule per client address; leases off, so every request is decided by the sidecar.
 fn envoy(sidecar_port: u16, upstream: &Upstream, timeout_ms: u64) -> Envoy {
+    Envoy::start(&envoy_config(sidecar_port, upstream, timeout_ms))
+}
+
+fn envoy_config(sidecar_port: u16, upstream: &Upstream, timeout_ms: u64) -> EnvoyConfig {
+    config_with(
+        sidecar_port,
+        upstream,
+        timeout_ms,
+        json!({"leases": {"enabled": false}}),
+    )
+}
+
+fn config_with(
+    sidecar_port: u16,
+    upstream: &Upstream,
+    timeout_ms: u64,
+    fast_paths: Value,
+) -> EnvoyConfig {
     let rules = json!([{"name": "per-ip", "match": {"path_prefix": "/"}, "subject": ["ip"],
                         "on_error": "deny"}]);
     let mut plugin = plugin_with(rules, timeout_ms);
-    plugin["fast_paths"] = json!({"leases": {"enabled": false}});
-    let config = EnvoyConfig::shipped("envoy.yaml", sidecar_port, upstream.port)
+    plugin["fast_paths"] = fast_paths;
+    EnvoyConfig::shipped("envoy.yaml", sidecar_port, upstream.port)
         .plugin(&plugin.to_string())
         // The client's address comes from X-Forwarded-For (as behind a trusted balancer).
         .replace("use_remote_address: true", "use_remote_address: false")
-        .concurrency(2);
-    Envoy::start(&config)
+        .concurrency(2)
 }
 
 fn stream_calls(sidecar: &Sidecar) -> f64 {
@@ -66,8 +82,25 @@ fn every_worker_decides_on_its_own_stream_and_every_answer_reaches_its_own_reque
     );
     assert!(calls > 0.0, "no call came on a stream");
     assert_eq!(http, 0.0, "a decision went over HTTP");
-    assert_eq!(envoy.counter("ratelimit.forwarded"), 0, "no courier");
     assert!((callouts as usize) < answers.len(), "calls carry batches");
+}
+
+#[test]
+fn without_coalescing_each_request_is_a_call_of_its_own_on_the_stream() {
+    let redis = Redis::start();
+    let upstream = Upstream::start();
+    let sidecar = Sidecar::with_policy(&redis.url(), POLICY, &["--redis-timeout-ms", "1000"]);
+    let off = json!({"coalesce": false, "known_rejections": false, "leases": {"enabled": false}});
+    let envoy = Envoy::start(&config_with(sidecar.port, &upstream, 2000, off));
+    let answers = round(&envoy, 1, KEYS, 3);
+    assert_exact(&answers, KEYS, 3);
+    assert_eq!(
+        envoy.counter("ratelimit.callouts") as usize,
+        answers.len(),
+        "a call per request"
+    );
+    assert_eq!(stream_calls(&sidecar) as usize, answers.len());
+    assert_eq!(http_calls(&sidecar), 0.0, "a decision went over HTTP");
 }
 
 #[test]
@@ -103,14 +136,26 @@ fn a_frozen_or_restarted_sidecar_fails_the_calls_on_the_stream_by_their_policy_a
         down.iter().all(|a| a.status == 503),
         "fail closed answers 503"
     );
+    assert!(
+        envoy
+            .process
+            .log()
+            .contains("the stream to the sidecar (cluster \"ratelimit_sidecar\") closed"),
+        "Envoy's log says the stream closed"
+    );
     let mut sidecar = Sidecar::start_on(port, &redis.url(), POLICY, &["--redis-timeout-ms", "250"]);
-    wait_until("decisions resume", Duration::from_secs(30), || {
-        http()
-            .get(envoy.url("/x"))
-            .header("x-forwarded-for", "10.9.9.9")
-            .send()
-            .is_ok_and(|r| r.status() == 200)
-    });
+    // Each worker reopens its stream at its next batch after its backoff (up to 1 s): decisions
+    // resume when a round of new connections, which reach both workers, is all admitted (each
+    // try with clients of its own).
+    let mut tries = 10..250u8;
+    wait_until(
+        "decisions resume on both workers",
+        Duration::from_secs(30),
+        || {
+            let r = tries.next().expect("tries left");
+            round(&envoy, r, 8, 1).iter().all(|a| a.status == 200)
+        },
+    );
     assert_exact(&round(&envoy, 5, KEYS, 3), KEYS, 3);
     assert!(stream_calls(&sidecar) > 0.0);
     assert_eq!(http_calls(&sidecar), 0.0, "a decision went over HTTP");
@@ -178,4 +223,21 @@ fn settlements_slots_and_epoch_polls_ride_the_stream_too() {
         "{requests} requests: a call left the streams"
     );
     assert_eq!(http_calls(&sidecar), 0.0);
+}
+
+#[test]
+fn a_sidecar_cluster_kept_on_http1_from_an_earlier_release_still_decides_exactly() {
+    let redis = Redis::start();
+    let upstream = Upstream::start();
+    let sidecar = Sidecar::with_policy(&redis.url(), POLICY, &["--redis-timeout-ms", "1000"]);
+    // The cluster as the callouts of an earlier release needed it: HTTP/1.1. Envoy carries each
+    // worker's stream on a connection of its own.
+    let config = envoy_config(sidecar.port, &upstream, 2000).replace(
+        "explicit_http_config: { http2_protocol_options: {} }",
+        "explicit_http_config: { http_protocol_options: {} }",
+    );
+    let envoy = Envoy::start(&config);
+    assert_exact(&round(&envoy, 1, KEYS, 3), KEYS, 3);
+    assert!(stream_calls(&sidecar) > 0.0);
+    assert_eq!(http_calls(&sidecar), 0.0, "a decision went over HTTP");
 }

@@ -83,11 +83,10 @@ pub struct FastPaths {
     /// Callouts in flight per worker at once. Default: 1.
     #[serde(default = "default_max_in_flight")]
     pub max_in_flight: usize,
-    /// With `coalesce`: the workers of one Envoy share callouts. One worker (the courier) sends
-    /// the queued requests of every worker in its callouts and posts each answer back to the
-    /// request's own worker, through proxy-wasm shared queues. Default: true.
-    #[serde(default = "yes")]
-    pub share_callouts: bool,
+    /// Retired: accepted and ignored, with a warning ([`Config::retired_fields`]). Each worker
+    /// has its own stream to the sidecar; no worker sends another's requests any more.
+    #[serde(default)]
+    pub share_callouts: Option<bool>,
     /// After a rejection, answer the same bucket and cost 429 locally until its `retry_after`.
     /// Default: true.
     #[serde(default = "yes")]
@@ -126,7 +125,7 @@ impl Default for FastPaths {
             coalesce: true,
             max_batch: default_max_batch(),
             max_in_flight: default_max_in_flight(),
-            share_callouts: true,
+            share_callouts: None,
             known_rejections: true,
             max_rejection_ms: default_max_rejection_ms(),
             policy_poll_ms: default_policy_poll_ms(),
@@ -212,41 +211,27 @@ fn default_stat_prefix() -> String {
 pub struct Sidecar {
     /// The Envoy cluster name of the sidecar (required).
     pub cluster: String,
-    /// The whole callout's deadline, in milliseconds, counted from the request's arrival (its time
+    /// The whole decision's deadline, in milliseconds, counted from the request's arrival (its time
     /// in the coalescing queue included); past it the rule's `on_error` applies. Default: 50,
     /// above the sidecar's default `--redis-timeout-ms` of 30, so the sidecar answers 503 before
     /// Envoy gives up.
     #[serde(default = "default_timeout_ms")]
     pub timeout_ms: u64,
-    /// The `:authority` of the callout. Default: the cluster name.
+    /// The `:authority` of the stream to the sidecar. Default: the cluster name.
     #[serde(default)]
     pub authority: Option<String>,
-    /// The `:path` of the callout. Default: [`ratelimit_wire::DECIDE_PATH`] (`/v1/decide`).
+    /// Retired: accepted and ignored, with a warning ([`Config::retired_fields`]). The stream's
+    /// path is the gRPC method's ([`ratelimit_wire::stream::STREAM_PATH`]).
     #[serde(default)]
     pub path: Option<String>,
-    /// A bearer token sent as `authorization: Bearer <token>` on every callout. Default: none.
+    /// A bearer token sent as `authorization: Bearer <token>` when the stream opens. Default:
+    /// none.
     #[serde(default)]
     pub token: Option<String>,
     /// The environment variable holding that token, as the VM sees it (Envoy's
     /// `vm_config.environment_variables`). Default: none.
     #[serde(default)]
     pub token_env: Option<String>,
-    /// How coalesced batches reach the sidecar (docs/fast-paths.md#the-stream-per-worker).
-    #[serde(default)]
-    pub transport: Transport,
-}
-
-/// How a worker sends its coalesced batches to the sidecar.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Transport {
-    /// An HTTP callout per batch (`POST /v1/decide`), shared between workers by the courier
-    /// with `fast_paths.share_callouts`.
-    Http,
-    /// One long-lived gRPC stream per worker, a message per batch (the cluster must speak
-    /// HTTP/2); no courier.
-    #[default]
-    Stream,
 }
 
 fn default_timeout_ms() -> u64 {
@@ -257,11 +242,6 @@ impl Sidecar {
     /// The `:authority` to send: `authority`, or the cluster name.
     pub fn authority(&self) -> &str {
         self.authority.as_deref().unwrap_or(&self.cluster)
-    }
-
-    /// The `:path` to send: `path`, or [`ratelimit_wire::DECIDE_PATH`].
-    pub fn path(&self) -> &str {
-        self.path.as_deref().unwrap_or(ratelimit_wire::DECIDE_PATH)
     }
 }
 

@@ -86,7 +86,7 @@ fn the_example_parses_with_its_defaults() {
     assert_eq!(c.sidecar.cluster, "ratelimit_sidecar");
     assert_eq!(c.sidecar.timeout_ms, 50);
     assert_eq!(c.sidecar.authority(), "ratelimit_sidecar");
-    assert_eq!(c.sidecar.path(), "/v1/decide");
+    assert_eq!(c.sidecar.path, None);
     assert_eq!((&c.sidecar.token, &c.sidecar.token_env), (&None, &None));
     assert_eq!(c.rules.len(), 2);
     let (app, ip) = (&c.rules[0], &c.rules[1]);
@@ -134,7 +134,7 @@ fn a_minimal_config_takes_every_default() {
     assert_eq!(c.domain, ratelimit_wire::DEFAULT_DOMAIN);
     assert_eq!(c.sidecar.timeout_ms, 50);
     assert_eq!(c.sidecar.authority(), "s");
-    assert_eq!(c.sidecar.path(), ratelimit_wire::DECIDE_PATH);
+    assert!(c.retired_fields().is_empty());
     assert_eq!((&c.sidecar.token, &c.sidecar.token_env), (&None, &None));
     assert_eq!(c.identity, Identity::default());
     assert_eq!(
@@ -154,7 +154,7 @@ fn a_minimal_config_takes_every_default() {
     assert_eq!(c.rate_limit_headers, RateLimitHeaders::OnReject);
     assert_eq!(c.stat_prefix, "ratelimit");
     let f = &c.fast_paths;
-    assert!(f.coalesce && f.share_callouts);
+    assert!(f.coalesce && f.share_callouts.is_none());
     assert_eq!((f.max_batch, f.max_in_flight, f.slots), (64, 1, 4096));
     assert!(f.known_rejections);
     assert_eq!(
@@ -179,7 +179,7 @@ fn fast_path_defaults_are_the_same_omitted_empty_or_in_part() {
     let some =
         accepted(|v| v["fast_paths"] = json!({"coalesce": false, "leases": {"enabled": false}}))
             .fast_paths;
-    assert!(!some.coalesce && !some.leases.enabled && some.share_callouts);
+    assert!(!some.coalesce && !some.leases.enabled && some.share_callouts.is_none());
     assert_eq!(
         (some.max_batch, some.leases.ttl_ms, some.leases.max_tokens),
         (64, 1000, 1000)
@@ -434,7 +434,6 @@ fn bad_names_paths_and_emergency_misuse_are_refused() {
         v["rules"][0]["match"]["path_prefix"] = "api".into();
         v["rules"][0]["emergency"]["refill_per_sec"] = 0.into();
         v["rules"][1]["emergency"] = json!({"capacity": 1, "refill_per_sec": 1});
-        v["sidecar"]["path"] = "v1/decide".into();
         v["stat_prefix"] = "".into();
     }));
     assert_has(
@@ -449,13 +448,9 @@ fn bad_names_paths_and_emergency_misuse_are_refused() {
     );
     assert_has(
         &p,
-        "sidecar.path: must start with '/' and contain no spaces",
-    );
-    assert_has(
-        &p,
         "stat_prefix: \"\" must be 1 to 128 characters of [A-Za-z0-9_.-], not starting with '.'",
     );
-    assert_eq!(p.len(), 6, "{p:#?}");
+    assert_eq!(p.len(), 5, "{p:#?}");
     let p = problems(&edited(|v| {
         v["rules"][0]["name"] = "n".repeat(MAX_RULE_NAME_BYTES + 1).into();
         v["rules"][0]["emergency"]["capacity"] = 0.into();
@@ -708,18 +703,15 @@ fn a_token_or_its_environment_variable_but_not_both() {
 }
 
 #[test]
-fn the_sidecar_cluster_timeout_authority_and_path_are_checked() {
+fn the_sidecar_cluster_timeout_and_authority_are_checked() {
     let c = accepted(|v| {
         v["sidecar"]["timeout_ms"] = MAX_TIMEOUT_MS.into();
         v["sidecar"]["authority"] = "ratelimit.internal:8081".into();
-        v["sidecar"]["path"] = "/v2/decide".into();
     });
     assert_eq!(c.sidecar.timeout_ms, 60_000);
     assert_eq!(c.sidecar.authority(), "ratelimit.internal:8081");
-    assert_eq!(c.sidecar.path(), "/v2/decide");
     let p = problems(&edited(|v| {
-        v["sidecar"] = json!({"cluster": " ", "timeout_ms": 60_001, "authority": "a b",
-                                  "path": "/v1/ decide"});
+        v["sidecar"] = json!({"cluster": " ", "timeout_ms": 60_001, "authority": "a b"});
     }));
     assert_eq!(
         p,
@@ -727,9 +719,22 @@ fn the_sidecar_cluster_timeout_authority_and_path_are_checked() {
             "sidecar.cluster: must name an Envoy cluster",
             "sidecar.timeout_ms: must be between 1 and 60000, got 60001",
             "sidecar.authority: must be a non-empty host[:port] without spaces",
-            "sidecar.path: must start with '/' and contain no spaces",
         ]
     );
+}
+
+#[test]
+fn retired_fields_are_taken_with_a_warning_each() {
+    // Configurations written for the HTTP callouts and the courier still load: what those
+    // fields set no longer exists, and Envoy's log says so once per worker.
+    let c = accepted(|v| {
+        v["sidecar"]["path"] = "/v1/ decide".into();
+        v["fast_paths"] = json!({"share_callouts": false});
+    });
+    let retired = c.retired_fields();
+    assert_eq!(retired.len(), 2, "{retired:?}");
+    assert!(retired[0].starts_with("sidecar.path is ignored"));
+    assert!(retired[1].starts_with("fast_paths.share_callouts is ignored"));
 }
 
 #[test]
@@ -775,7 +780,7 @@ fn fast_path_bounds_are_checked_with_every_problem_named() {
     // The bounds themselves are accepted.
     let f = accepted(|v| {
         v["fast_paths"] = json!({
-            "coalesce": false, "known_rejections": false, "share_callouts": false,
+            "coalesce": false, "known_rejections": false,
             "max_batch": 256, "max_in_flight": 64, "slots": 1 << 20,
             "max_rejection_ms": 86_400_000, "policy_poll_ms": 60_000,
             "leases": {"enabled": false, "min_rate_per_sec": 0.001, "ttl_ms": 60_000,
@@ -789,7 +794,7 @@ fn fast_path_bounds_are_checked_with_every_problem_named() {
             coalesce: false,
             max_batch: 256,
             max_in_flight: 64,
-            share_callouts: false,
+            share_callouts: None,
             known_rejections: false,
             max_rejection_ms: 86_400_000,
             policy_poll_ms: 60_000,

@@ -37,6 +37,19 @@ impl Config {
         Ok(config)
     }
 
+    /// The fields this configuration sets that no longer do anything, each with why: Envoy logs
+    /// them as warnings, and the configuration is taken (docs/configuration.md#retired-fields).
+    pub fn retired_fields(&self) -> Vec<String> {
+        let mut retired = Vec::new();
+        if self.sidecar.path.is_some() {
+            retired.push("sidecar.path is ignored: decisions travel on each worker's gRPC stream, whose path is fixed; remove it".to_string());
+        }
+        if self.fast_paths.share_callouts.is_some() {
+            retired.push("fast_paths.share_callouts is ignored: each worker has its own stream to the sidecar and sends its own requests; remove it".to_string());
+        }
+        retired
+    }
+
     /// Every semantic problem of the configuration, with its field path.
     pub fn validate(&self) -> Result<(), ConfigError> {
         let mut p = Problems::default();
@@ -85,11 +98,6 @@ impl Config {
                     "sidecar.authority",
                     "must be a non-empty host[:port] without spaces",
                 );
-            }
-        }
-        if let Some(path) = &s.path {
-            if !path.starts_with('/') || path.bytes().any(|b| b <= b' ' || b == 0x7f) {
-                p.add("sidecar.path", "must start with '/' and contain no spaces");
             }
         }
         if let Some(t) = &s.token {

@@ -1,67 +1,49 @@
-//! The requests of one worker waiting for the sidecar, and the batcher that picks what each
-//! callout carries: at most `fast_paths.max_batch` requests, within the wire's bounds on
-//! decisions ([`MAX_CALL_DECISIONS`]), lease returns ([`MAX_RETURNS`]) and bytes
-//! ([`ratelimit_wire::budget`]) per call, other workers'
-//! requests (as the courier) up to half the batch first, so neither side waits behind the other.
-//! Also which waiting requests are past their deadline (in the queue, or forwarded to a courier
-//! that has not answered). How coalescing works: docs/fast-paths.md#coalesced-callouts.
+//! The requests of one worker waiting for the sidecar, and the batcher that picks what each call
+//! on the worker's stream carries: at most `fast_paths.max_batch` requests, within the wire's
+//! bounds on decisions ([`MAX_CALL_DECISIONS`]), lease returns ([`MAX_RETURNS`]) and bytes
+//! ([`ratelimit_wire::budget`]) per call. Also which waiting requests are past their deadline (in
+//! the queue, or in a call the sidecar has not answered). How coalescing works:
+//! docs/fast-paths.md#coalesced-calls.
 
 use std::collections::{HashMap, VecDeque};
 
-use ratelimit_wire::budget::{self, ITEMS_BYTES};
+use ratelimit_wire::budget::ITEMS_BYTES;
 use ratelimit_wire::{DecideRequest, RequestDecisions, MAX_CALL_DECISIONS, MAX_RETURNS};
 
-use super::courier::{Forward, Forwarded};
 use super::Waiting;
 use crate::config::Config;
 
 /// A worker's requests on their way to the sidecar, by context id.
 #[derive(Debug, Default)]
 pub struct Queue {
-    /// Every request paused for the sidecar: queued, in a flight, forwarded, or in its own
-    /// callout (without coalescing).
+    /// Every request paused for the sidecar: queued or in a flight.
     waiting: HashMap<u32, Waiting>,
-    /// Those waiting for the next callout, in arrival order.
+    /// Those waiting for the next call, in arrival order.
     queued: VecDeque<u32>,
-    /// Those forwarded to the courier, with when.
-    forwarded: HashMap<u32, u64>,
-    /// As the courier: other workers' requests waiting for a callout.
-    carried: VecDeque<Carried>,
-    /// The callouts in flight, by token.
+    /// The calls in flight, by id.
     flights: HashMap<u32, Flight>,
     /// A wake-up of the root is on its way.
     wake_pending: bool,
 }
 
-/// A request of another worker, carried by this worker as the courier.
-#[derive(Debug)]
-pub struct Carried {
-    /// Its worker's nonce.
-    pub origin: u64,
-    pub request: Forwarded,
-}
-
-/// What the next callout carries.
+/// What the next call carries.
 #[derive(Debug, PartialEq, Eq)]
 pub struct Batch {
-    /// Requests of this worker (contexts), first in the call.
-    pub own: Vec<u32>,
-    /// Requests of other workers (their worker's nonce, their context), after `own`.
-    pub carried: Vec<(u64, u32)>,
+    /// The requests (contexts), in the call's order.
+    pub requests: Vec<u32>,
     /// The call's body ([`DecideRequest`]).
     pub body: Vec<u8>,
     /// The earliest deadline among its requests, from now, in milliseconds (at least 1).
     pub timeout_ms: u64,
 }
 
-/// A callout in flight: the requests it carries, and when it was sent.
+/// A call in flight: the requests it carries, and when it was sent.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Flight {
-    pub own: Vec<u32>,
-    pub carried: Vec<(u64, u32)>,
+    pub requests: Vec<u32>,
     pub dispatched_ns: u64,
-    /// When its earliest request's deadline passes (a call on the stream per worker has no
-    /// timeout of the host's: [`Queue::overdue_flights`]).
+    /// When its earliest request's deadline passes (a call on the stream has no timeout of the
+    /// host's: [`Queue::overdue_flights`]).
     pub deadline_ns: u64,
 }
 
@@ -101,38 +83,25 @@ impl Budget {
     }
 }
 
-/// The size of a forwarded request.
-fn carried_size(c: &Forwarded) -> Size {
-    let returns: usize = c.returns.iter().map(budget::return_bytes).sum();
-    Size {
-        decisions: c.decisions.decisions.len(),
-        returns: c.returns.len(),
-        bytes: budget::request_bytes(&c.decisions.decisions) + returns,
+/// How many requests one call carries and how many calls may be out at once: with
+/// `fast_paths.coalesce`, `max_batch` and `max_in_flight`; without, one request a call, sent at
+/// once.
+pub fn limits(config: &Config) -> (usize, usize) {
+    let fp = &config.fast_paths;
+    if fp.coalesce {
+        (fp.max_batch, fp.max_in_flight)
+    } else {
+        (1, usize::MAX)
     }
 }
 
 impl Queue {
-    /// Holds a request with a callout of its own (without coalescing) and returns that callout:
-    /// a batch of one, built as every batch is.
-    pub fn alone(&mut self, ctx: u32, w: Waiting, config: &Config, now_ns: u64) -> Batch {
-        let timeout_ms = timeout_ms(w.deadline_ns, now_ns);
-        let body = call_body(config, [&w], &[]);
-        self.waiting.insert(ctx, w);
-        Batch {
-            own: vec![ctx],
-            carried: Vec::new(),
-            body,
-            timeout_ms,
-        }
-    }
-
-    /// Queues a request for the next callout. True when the root must be woken to send it (no
-    /// wake-up on its way, room for a callout, no forward out).
+    /// Queues a request for the next call. True when the root must be woken to send it (no
+    /// wake-up on its way, room for a call: `max_in_flight` of [`limits`]).
     pub fn enqueue(&mut self, ctx: u32, w: Waiting, max_in_flight: usize) -> bool {
         self.waiting.insert(ctx, w);
         self.queued.push_back(ctx);
-        let wake =
-            !self.wake_pending && self.flights.len() < max_in_flight && self.forwarded.is_empty();
+        let wake = !self.wake_pending && self.flights.len() < max_in_flight;
         self.wake_pending |= wake;
         wake
     }
@@ -155,64 +124,37 @@ impl Queue {
 
     /// Forgets a request that went away while it waited; returns it, for its lease takes.
     pub fn forget(&mut self, ctx: u32) -> Option<Waiting> {
-        self.forwarded.remove(&ctx);
         self.waiting.remove(&ctx)
     }
 
-    /// The next callout, at `now_ns`, unless `max_in_flight` are out or nothing waits. Other
-    /// workers' requests past their deadline are dropped unsent (their own worker settles them).
+    /// The next call, at `now_ns`, unless as many as [`limits`] allows are out or nothing waits.
     pub fn next_batch(&mut self, config: &Config, now_ns: u64) -> Option<Batch> {
-        let fp = &config.fast_paths;
-        if self.flights.len() >= fp.max_in_flight
-            || (self.queued.is_empty() && self.carried.is_empty())
-        {
+        let (max_batch, max_in_flight) = limits(config);
+        if self.flights.len() >= max_in_flight || self.queued.is_empty() {
             return None;
         }
-        self.carried.retain(|c| c.request.deadline_ns > now_ns);
-        let mut budget = Budget::default();
-        let reserved = self.carried.len().min(fp.max_batch / 2);
-        let mut own = self.take_queued(config, fp.max_batch - reserved, &mut budget);
-        let mut carried = Vec::new();
-        while own.len() + carried.len() < fp.max_batch {
-            let Some(c) = self.carried.front() else {
-                break;
-            };
-            let size = carried_size(&c.request);
-            if !budget.admits(size) {
-                break;
-            }
-            budget.add(size);
-            carried.extend(self.carried.pop_front());
-        }
-        let room = fp.max_batch - own.len() - carried.len();
-        own.extend(self.take_queued(config, room, &mut budget));
-        if own.is_empty() && carried.is_empty() {
+        let own = self.take_queued(config, max_batch, &mut Budget::default());
+        if own.is_empty() {
             return None;
         }
         let waiting: Vec<&Waiting> = own.iter().filter_map(|c| self.waiting.get(c)).collect();
         let deadline_ns = waiting
             .iter()
             .map(|w| w.deadline_ns)
-            .chain(carried.iter().map(|c| c.request.deadline_ns))
             .min()
             .unwrap_or(now_ns);
-        let body = call_body(config, waiting, &carried);
+        let body = call_body(config, waiting);
         Some(Batch {
-            own,
-            carried: carried
-                .iter()
-                .map(|c| (c.origin, c.request.context))
-                .collect(),
+            requests: own,
             body,
             timeout_ms: timeout_ms(deadline_ns, now_ns),
         })
     }
 
-    /// A callout of `batch` went out at `dispatched_ns`, as `token`.
+    /// A call of `batch` went out at `dispatched_ns`, as `token`.
     pub fn dispatched(&mut self, token: u32, batch: Batch, dispatched_ns: u64) {
         let flight = Flight {
-            own: batch.own,
-            carried: batch.carried,
+            requests: batch.requests,
             dispatched_ns,
             deadline_ns: dispatched_ns.saturating_add(batch.timeout_ms.saturating_mul(1_000_000)),
         };
@@ -239,73 +181,9 @@ impl Queue {
         self.flights.drain().map(|(_, f)| f).collect()
     }
 
-    /// The callout `token` was answered (or failed): what it carried.
+    /// The call `token` was answered: what it carried.
     pub fn landed(&mut self, token: u32) -> Option<Flight> {
         self.flights.remove(&token)
-    }
-
-    /// As the courier: another worker's forwarded requests, for the next callouts.
-    pub fn carry(&mut self, forward: Forward) {
-        let origin = forward.origin;
-        self.carried.extend(
-            forward
-                .requests
-                .into_iter()
-                .map(|request| Carried { origin, request }),
-        );
-    }
-
-    /// Whether this worker holds other workers' requests (it then sends them itself: see
-    /// [`super::courier::sender`]).
-    pub fn carries_others(&self) -> bool {
-        !self.carried.is_empty()
-    }
-
-    /// The queued requests to forward to the courier (at most `max_batch`, within the wire's
-    /// bounds) as a message from this worker (`origin`), unless a forward is still out or
-    /// nothing is queued. They leave the queue: [`Queue::forwarded`] or [`Queue::unforward`]
-    /// once the message was posted or not.
-    pub fn next_forward(&mut self, config: &Config, origin: u64) -> Option<(Vec<u32>, Forward)> {
-        if !self.forwarded.is_empty() || self.queued.is_empty() {
-            return None;
-        }
-        let contexts =
-            self.take_queued(config, config.fast_paths.max_batch, &mut Budget::default());
-        let requests = contexts
-            .iter()
-            .filter_map(|c| {
-                let w = self.waiting.get(c)?;
-                Some(Forwarded {
-                    context: *c,
-                    decisions: RequestDecisions {
-                        decisions: w.decisions(config),
-                    },
-                    returns: w.returns.clone(),
-                    deadline_ns: w.deadline_ns,
-                })
-            })
-            .collect();
-        Some((contexts, Forward { origin, requests }))
-    }
-
-    /// The forward of `contexts` went out at `now_ns`.
-    pub fn forwarded(&mut self, contexts: Vec<u32>, now_ns: u64) {
-        self.forwarded
-            .extend(contexts.into_iter().map(|c| (c, now_ns)));
-    }
-
-    /// The forward of `contexts` could not be posted: they go back to the front of the queue,
-    /// in their order.
-    pub fn unforward(&mut self, contexts: Vec<u32>) {
-        for c in contexts.into_iter().rev() {
-            self.queued.push_front(c);
-        }
-    }
-
-    /// The courier answered a forwarded request: when it was forwarded, if it still waits for
-    /// that answer.
-    pub fn forward_answered(&mut self, ctx: u32) -> Option<u64> {
-        self.forwarded.remove(&ctx)
     }
 
     /// The queued requests whose deadline passed at `now_ns` (or that are gone), taken out of
@@ -324,25 +202,6 @@ impl Queue {
             !overdue
         });
         expired
-    }
-
-    /// The forwarded requests the courier did not answer by their deadline (`now_ns`), no
-    /// longer awaited from it: their failure policies apply, and this worker takes the courier's
-    /// place (it may be gone or stuck).
-    pub fn overdue_forwards(&mut self, now_ns: u64) -> Vec<u32> {
-        let Queue {
-            forwarded, waiting, ..
-        } = self;
-        let mut overdue = Vec::new();
-        forwarded.retain(|c, _| match waiting.get(c) {
-            Some(w) if w.deadline_ns <= now_ns => {
-                overdue.push(*c);
-                false
-            }
-            Some(_) => true,
-            None => false,
-        });
-        overdue
     }
 
     /// Takes up to `max` requests from the front of the queue, within `budget` (a request that
@@ -381,17 +240,12 @@ fn timeout_ms(deadline_ns: u64, now_ns: u64) -> u64 {
         .max(1)
 }
 
-/// The body of a callout for `own` (waiting requests of this worker) and `carried` (other
-/// workers' requests), in that order.
+/// The body of a call for `own` (waiting requests of this worker), in that order.
 ///
-/// It carries no attempt id: Envoy never repeats a callout, so deduplication would cost Redis a
+/// It carries no attempt id: Envoy never repeats a message, so deduplication would cost Redis a
 /// record per request for nothing (a request split across Cluster nodes gets an id from the
 /// sidecar, for its refunds).
-fn call_body<'a>(
-    config: &Config,
-    own: impl IntoIterator<Item = &'a Waiting>,
-    carried: &[Carried],
-) -> Vec<u8> {
+fn call_body<'a>(config: &Config, own: impl IntoIterator<Item = &'a Waiting>) -> Vec<u8> {
     let mut requests = Vec::new();
     let mut returns = Vec::new();
     for w in own {
@@ -399,10 +253,6 @@ fn call_body<'a>(
             decisions: w.decisions(config),
         });
         returns.extend(w.returns.iter().cloned());
-    }
-    for c in carried {
-        requests.push(c.request.decisions.clone());
-        returns.extend(c.request.returns.iter().cloned());
     }
     let call = DecideRequest {
         domain: config.domain.clone(),

@@ -1,5 +1,5 @@
-//! The worker's stream to the sidecar (`sidecar.transport: stream`,
-//! docs/fast-paths.md#the-stream-per-worker), without host calls: whether a call can go out on
+//! The worker's stream to the sidecar (docs/fast-paths.md#the-stream-per-worker), without host
+//! calls: whether a call can go out on
 //! it now, is sent after opening it, or finds it down; the ids of its calls; and the backoff
 //! after it breaks. The host opens the stream, sends and reads the messages
 //! (`crate::host`); what each call carried is the queue's flight under the call's id
@@ -78,6 +78,12 @@ impl Link {
         true
     }
 
+    /// Breaks in a row without an answer in between (the host warns at 1, 2, 4, 8, ...: a stream
+    /// that never opens, as to a cluster without HTTP/2, is logged without flooding the log).
+    pub fn breaks(&self) -> u32 {
+        self.breaks
+    }
+
     /// Whether `token` is this worker's open stream: an answer on it also ends the backoff.
     pub fn answered_on(&mut self, token: u32) -> bool {
         let ours = self.state == State::Open { token };
@@ -120,11 +126,10 @@ pub fn status_text(answer: &Answer) -> Vec<u8> {
 /// poll (at most one of each kind per worker).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Pending {
-    /// The callout's token, or the call's id on the stream.
+    /// The call's id on the stream.
     pub token: u32,
-    pub on_stream: bool,
     pub sent_ns: u64,
-    /// Past it, a call on the stream is given up (a callout has Envoy's timeout).
+    /// Past it, the call is given up.
     pub deadline_ns: u64,
 }
 
@@ -163,21 +168,20 @@ impl SideCalls {
         }
     }
 
-    /// The call answered as `token` (a callout's, or a call's id on the stream), no longer out:
-    /// its kind and what was kept of it; none when it is not one of these.
-    pub fn take(&mut self, token: u32, on_stream: bool) -> Option<(Kind, Pending)> {
-        self.take_where(|p| p.token == token && p.on_stream == on_stream)
-            .pop()
+    /// The call answered as `token` (its id on the stream), no longer out: its kind and what
+    /// was kept of it; none when it is not one of these.
+    pub fn take(&mut self, token: u32) -> Option<(Kind, Pending)> {
+        self.take_where(|p| p.token == token).pop()
     }
 
-    /// The calls on the stream whose deadline passed at `now_ns`, no longer out.
+    /// The calls whose deadline passed at `now_ns`, no longer out.
     pub fn overdue(&mut self, now_ns: u64) -> Vec<(Kind, Pending)> {
-        self.take_where(|p| p.on_stream && p.deadline_ns <= now_ns)
+        self.take_where(|p| p.deadline_ns <= now_ns)
     }
 
-    /// Every call on the stream, no longer out (the stream closed).
-    pub fn on_stream(&mut self) -> Vec<(Kind, Pending)> {
-        self.take_where(|p| p.on_stream)
+    /// Every call out, no longer out (the stream closed).
+    pub fn all(&mut self) -> Vec<(Kind, Pending)> {
+        self.take_where(|_| true)
     }
 
     fn take_where(&mut self, pick: impl Fn(&Pending) -> bool) -> Vec<(Kind, Pending)> {
@@ -256,37 +260,37 @@ mod tests {
         assert_eq!(link.route(0), Route::Send { token: 2 });
     }
 
-    fn pending(token: u32, on_stream: bool, deadline_ns: u64) -> Pending {
+    fn pending(token: u32, deadline_ns: u64) -> Pending {
         Pending {
             token,
-            on_stream,
             sent_ns: 0,
             deadline_ns,
         }
     }
 
     #[test]
-    fn a_side_call_is_found_by_its_token_on_its_own_transport_only() {
+    fn a_side_call_is_found_by_its_id_once() {
         let mut side = SideCalls::default();
-        side.sent(Kind::Settle, pending(5, true, 10));
-        side.sent(Kind::Epoch, pending(5, false, 10));
+        side.sent(Kind::Settle, pending(5, 10));
+        side.sent(Kind::Epoch, pending(6, 10));
         assert!(side.out(Kind::Settle) && side.out(Kind::Epoch) && !side.out(Kind::Slots));
-        assert_eq!(side.take(5, false).map(|(k, _)| k), Some(Kind::Epoch));
-        assert_eq!(side.take(5, false), None);
-        assert_eq!(side.take(5, true).map(|(k, _)| k), Some(Kind::Settle));
+        assert_eq!(side.take(6).map(|(k, _)| k), Some(Kind::Epoch));
+        assert_eq!(side.take(6), None);
+        assert_eq!(side.take(7), None);
+        assert_eq!(side.take(5).map(|(k, _)| k), Some(Kind::Settle));
         assert!(!side.out(Kind::Settle));
     }
 
     #[test]
-    fn side_calls_on_the_stream_end_at_their_deadline_or_with_it() {
+    fn side_calls_end_at_their_deadline_or_with_the_stream() {
         let mut side = SideCalls::default();
-        side.sent(Kind::Settle, pending(1, true, 10));
-        side.sent(Kind::Slots, pending(2, true, 20));
-        side.sent(Kind::Epoch, pending(3, false, 5));
+        side.sent(Kind::Settle, pending(1, 10));
+        side.sent(Kind::Slots, pending(2, 20));
         assert!(side.overdue(9).is_empty());
-        assert_eq!(side.overdue(10), [(Kind::Settle, pending(1, true, 10))]);
-        assert_eq!(side.on_stream(), [(Kind::Slots, pending(2, true, 20))]);
-        assert!(side.out(Kind::Epoch), "a callout ends by Envoy's timeout");
+        assert_eq!(side.overdue(10), [(Kind::Settle, pending(1, 10))]);
+        assert!(side.out(Kind::Slots));
+        assert_eq!(side.all(), [(Kind::Slots, pending(2, 20))]);
+        assert!(!side.out(Kind::Slots));
     }
 
     #[test]

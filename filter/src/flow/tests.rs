@@ -5,13 +5,12 @@ use std::cell::RefCell;
 use std::collections::BTreeMap;
 
 use ratelimit_wire::{
-    AppliedLimit, DecideRequest, ErrorCode, RequestDecisions, RequestError, Subject as WireSubject,
+    AppliedLimit, DecideRequest, ErrorCode, RequestError, Subject as WireSubject,
     MAX_CALL_DECISIONS, MAX_RETURNS,
 };
 use serde_json::{json, Value};
 
-use super::batch::Queue;
-use super::courier::{Forward, Forwarded};
+use super::batch::{limits, Queue};
 use super::*;
 use crate::shared::fake::Memory;
 #[cfg(target_arch = "wasm32")]
@@ -946,24 +945,11 @@ fn call(body: &[u8]) -> DecideRequest {
     serde_json::from_slice(body).unwrap()
 }
 
-/// Another worker's request (its context `context`), with that deadline.
-fn forwarded(context: u32, deadline_ns: u64) -> Forwarded {
-    Forwarded {
-        context,
-        decisions: RequestDecisions {
-            decisions: waiting(1, 0, 0).decisions(&config(|_| {})),
-        },
-        returns: Vec::new(),
-        deadline_ns,
-    }
-}
-
-/// The requests the next callout carries: this worker's, the others' contexts.
-fn next(q: &mut Queue, c: &Config, now_ns: u64) -> Option<(Vec<u32>, Vec<u32>)> {
+/// The requests the next call carries.
+fn next(q: &mut Queue, c: &Config, now_ns: u64) -> Option<Vec<u32>> {
     let b = q.next_batch(c, now_ns)?;
-    assert_eq!(call(&b.body).requests.len(), b.own.len() + b.carried.len());
-    let others = b.carried.iter().map(|(_, ctx)| *ctx).collect();
-    Some((b.own, others))
+    assert_eq!(call(&b.body).requests.len(), b.requests.len());
+    Some(b.requests)
 }
 
 #[test]
@@ -980,12 +966,12 @@ fn a_callout_carries_at_most_max_batch_requests_with_one_in_flight() {
     );
     q.woken();
     let b = q.next_batch(&c, T0).unwrap();
-    assert_eq!((b.own.as_slice(), b.timeout_ms), (&[1, 2][..], 50));
+    assert_eq!((b.requests.as_slice(), b.timeout_ms), (&[1, 2][..], 50));
     q.dispatched(7, b, T0);
-    assert!(q.next_batch(&c, T0).is_none(), "one callout in flight");
-    assert_eq!(q.landed(7).unwrap().own, [1, 2]);
-    assert_eq!(next(&mut q, &c, T0), Some((vec![3, 4], vec![])));
-    assert_eq!(next(&mut q, &c, T0), Some((vec![5], vec![])));
+    assert!(q.next_batch(&c, T0).is_none(), "one call in flight");
+    assert_eq!(q.landed(7).unwrap().requests, [1, 2]);
+    assert_eq!(next(&mut q, &c, T0), Some(vec![3, 4]));
+    assert_eq!(next(&mut q, &c, T0), Some(vec![5]));
     assert_eq!(next(&mut q, &c, T0), None);
 }
 
@@ -1004,14 +990,14 @@ fn a_call_on_the_stream_is_given_up_at_its_earliest_deadline_or_when_the_stream_
     assert!(q.overdue_flights(T0 + 30 * MS - 1).is_empty());
     let overdue = q.overdue_flights(T0 + 30 * MS);
     assert_eq!(overdue.len(), 1);
-    assert_eq!(overdue[0].own, [1, 2], "the batch's earliest deadline");
+    assert_eq!(overdue[0].requests, [1, 2], "the batch's earliest deadline");
     assert!(
         q.landed(1).is_none(),
         "an answer that comes later finds nothing"
     );
     let closed = q.all_flights();
     assert_eq!(closed.len(), 1);
-    assert_eq!(closed[0].own, [3]);
+    assert_eq!(closed[0].requests, [3]);
     assert!(q.landed(2).is_none());
 }
 
@@ -1023,20 +1009,17 @@ fn a_callout_stays_within_the_wires_bounds_on_decisions_and_returns() {
     for ctx in 0..20 {
         q.enqueue(ctx, waiting(64, 0, T0 + S), 64);
     }
-    assert_eq!(
-        next(&mut q, &c, T0).unwrap().0.len(),
-        MAX_CALL_DECISIONS / 64
-    );
-    assert_eq!(next(&mut q, &c, T0).unwrap().0.len(), 4);
+    assert_eq!(next(&mut q, &c, T0).unwrap().len(), MAX_CALL_DECISIONS / 64);
+    assert_eq!(next(&mut q, &c, T0).unwrap().len(), 4);
     // 100 returns a request: a third would pass MAX_RETURNS (256).
     for ctx in 20..23 {
         q.enqueue(ctx, waiting(1, 100, T0 + S), 64);
     }
-    assert_eq!(next(&mut q, &c, T0).unwrap().0, [20, 21]);
-    assert_eq!(next(&mut q, &c, T0).unwrap().0, [22]);
+    assert_eq!(next(&mut q, &c, T0).unwrap(), [20, 21]);
+    assert_eq!(next(&mut q, &c, T0).unwrap(), [22]);
     // A request alone always goes.
     q.enqueue(23, waiting(1, MAX_RETURNS + 1, T0 + S), 64);
-    assert_eq!(next(&mut q, &c, T0).unwrap().0, [23]);
+    assert_eq!(next(&mut q, &c, T0).unwrap(), [23]);
 }
 
 #[test]
@@ -1059,41 +1042,12 @@ fn a_callout_stays_within_the_wires_byte_budget_with_the_longest_subjects() {
             "{} bytes",
             b.body.len()
         );
-        sent += b.own.len();
+        sent += b.requests.len();
         let token = sent as u32;
         q.dispatched(token, b, T0);
         q.landed(token);
     }
     assert_eq!(sent, 200);
-}
-
-#[test]
-fn other_workers_requests_get_up_to_half_the_batch_first() {
-    let c = batching(8, 8);
-    let mut q = Queue::default();
-    for ctx in 0..10 {
-        q.enqueue(ctx, waiting(1, 0, T0 + S), 8);
-    }
-    q.carry(Forward {
-        origin: 9,
-        requests: (100..110).map(|ctx| forwarded(ctx, T0 + S)).collect(),
-    });
-    assert!(q.carries_others());
-    let b = q.next_batch(&c, T0).unwrap();
-    assert_eq!(b.own, [0, 1, 2, 3]);
-    assert_eq!(b.carried, [(9, 100), (9, 101), (9, 102), (9, 103)]);
-    assert_eq!(
-        next(&mut q, &c, T0),
-        Some((vec![4, 5, 6, 7], vec![104, 105, 106, 107]))
-    );
-    // Fewer of the others' than half: this worker's fill the rest.
-    assert_eq!(next(&mut q, &c, T0), Some((vec![8, 9], vec![108, 109])));
-    q.enqueue(10, waiting(1, 0, T0 + S), 8);
-    q.carry(Forward {
-        origin: 9,
-        requests: vec![forwarded(110, T0 + S)],
-    });
-    assert_eq!(next(&mut q, &c, T0), Some((vec![10], vec![110])));
 }
 
 #[test]
@@ -1108,59 +1062,35 @@ fn requests_past_their_deadline_leave_the_queue_and_a_callouts_timeout_is_the_ea
     assert_eq!(q.expired(T0 + 10 * MS - 1), [4]);
     assert_eq!(q.expired(T0 + 10 * MS), [1]);
     assert!(q.take(1).is_some(), "settled by its failure policy");
-    // Another worker's request past its deadline is dropped unsent.
-    q.carry(Forward {
-        origin: 9,
-        requests: vec![forwarded(100, T0 + 15 * MS), forwarded(101, T0 + 30 * MS)],
-    });
     let b = q.next_batch(&c, T0 + 20 * MS).unwrap();
-    assert_eq!((b.own, b.carried), (vec![2, 3], vec![(9, 101)]));
-    assert_eq!(b.timeout_ms, 10, "the earliest deadline, 30 ms, from now");
+    assert_eq!(b.requests, [2, 3]);
+    assert_eq!(b.timeout_ms, 20, "the earliest deadline, 40 ms, from now");
 }
 
 #[test]
-fn a_worker_forwards_one_batch_at_a_time_and_gives_up_on_a_courier_past_the_deadline() {
-    let c = batching(64, 1);
+fn without_coalescing_each_request_is_a_call_of_its_own_sent_at_once() {
+    let mut c = batching(64, 1);
+    c.fast_paths.coalesce = false;
+    assert_eq!(limits(&c), (1, usize::MAX));
     let mut q = Queue::default();
-    q.enqueue(1, waiting(1, 0, T0 + 50 * MS), 1);
-    q.enqueue(2, waiting(1, 0, T0 + 60 * MS), 1);
+    let (_, max_in_flight) = limits(&c);
+    assert!(q.enqueue(1, waiting(2, 1, T0 + 50 * MS), max_in_flight));
+    q.enqueue(2, waiting(1, 0, T0 + 50 * MS), max_in_flight);
     q.woken();
-    let (contexts, forward) = q.next_forward(&c, 5).unwrap();
-    assert_eq!((contexts.as_slice(), forward.origin), (&[1, 2][..], 5));
-    assert_eq!(forward.requests[1].deadline_ns, T0 + 60 * MS);
-    q.forwarded(contexts, T0);
-    assert!(
-        !q.enqueue(3, waiting(1, 0, T0 + 70 * MS), 1),
-        "no wake-up while a forward is out"
-    );
-    assert!(q.next_forward(&c, 5).is_none(), "one forward out at a time");
-    assert_eq!(q.forward_answered(1), Some(T0));
-    // The courier does not answer 2 by its deadline: it is no longer awaited from it.
-    assert_eq!(q.overdue_forwards(T0 + 60 * MS - 1), [0u32; 0]);
-    assert_eq!(q.overdue_forwards(T0 + 60 * MS), [2]);
-    assert_eq!(q.forward_answered(2), None, "a late answer is dropped");
-    // A forward that cannot be posted leaves the queue as it was.
-    let (contexts, _) = q.next_forward(&c, 5).unwrap();
-    assert_eq!(contexts, [3]);
-    q.unforward(contexts);
-    assert_eq!(q.next_forward(&c, 5).unwrap().0, [3]);
-}
-
-#[test]
-fn without_coalescing_a_request_is_a_batch_of_one_built_like_any_batch() {
-    let c = batching(64, 1);
-    let mut alone = Queue::default();
-    let b = alone.alone(1, waiting(2, 1, T0 + 50 * MS), &c, T0);
-    assert_eq!((b.own.as_slice(), b.timeout_ms), (&[1][..], 50));
-    let mut coalesced = Queue::default();
-    coalesced.enqueue(1, waiting(2, 1, T0 + 50 * MS), 1);
-    assert_eq!(coalesced.next_batch(&c, T0).unwrap().body, b.body);
-    let call = call(&b.body);
+    let first = q.next_batch(&c, T0).unwrap();
+    let call = call(&first.body);
     assert_eq!(
-        (call.requests[0].decisions.len(), call.returns.len()),
-        (2, 1)
+        (
+            first.requests.as_slice(),
+            call.requests[0].decisions.len(),
+            call.returns.len()
+        ),
+        (&[1][..], 2, 1)
     );
-    assert!(alone.take(1).is_some(), "it waits for its answer");
+    q.dispatched(1, first, T0);
+    // Not held behind the call in flight, as a coalesced request would be.
+    assert_eq!(next(&mut q, &c, T0), Some(vec![2]));
+    assert!(q.enqueue(3, waiting(1, 0, T0 + 50 * MS), max_in_flight));
 }
 
 #[test]

@@ -1,4 +1,4 @@
-//! The stream per worker, host side (`sidecar.transport: stream`): the root context opens it
+//! The stream per worker, host side: the root context opens it
 //! (`open_grpc_stream`, to the service of [`ratelimit_wire::stream`] on `sidecar.cluster`), sends
 //! a batch, settlements, slot renewals and releases or the epoch poll as a call on it, and reads
 //! the answers and the close Envoy reports; the state of the stream and of its calls is
@@ -60,7 +60,7 @@ pub fn send(vm: &SharedVm, kind: Kind, body: Vec<u8>, now: u64) -> Result<u32, L
         Ok(()) => Ok(call.id),
         Err(status) => {
             // The stream is gone under us: the calls it carried are failed now, as by a close.
-            closed(vm, token, now);
+            closed(vm, token, now, None);
             Err(LimiterError::Dispatch(format!(
                 "cannot send on the stream to the sidecar: {status:?}"
             )))
@@ -114,7 +114,7 @@ pub fn message(vm: &SharedVm, token: u32, size: usize) {
         return;
     };
     let status = link::status_text(&answer);
-    let side = vm.borrow_mut().side.take(answer.id, true);
+    let side = vm.borrow_mut().side.take(answer.id);
     if let Some((kind, pending)) = side {
         let reply = Reply {
             status: Some(status),
@@ -132,26 +132,33 @@ pub fn message(vm: &SharedVm, token: u32, size: usize) {
     );
 }
 
-/// The stream `token` closed (the sidecar ended it, or the connection broke) at `now`: every
-/// call in flight on it gets its requests' failure policies; the next batch reopens it (after a
-/// backoff when it breaks again).
-pub fn closed(vm: &SharedVm, token: u32, now: u64) {
+/// The stream `token` closed (the sidecar ended it, or the connection broke; `status`: the gRPC
+/// status Envoy gave) at `now`: every call in flight on it gets its requests' failure policies;
+/// the next batch reopens it (after a backoff when it breaks again).
+pub fn closed(vm: &SharedVm, token: u32, now: u64, status: Option<u32>) {
     if !vm.borrow_mut().link.closed(token, now) {
         return;
     }
-    debug!("ratelimit filter: the stream to the sidecar closed ({token})");
+    let breaks = vm.borrow().link.breaks();
+    if breaks.is_power_of_two() {
+        let cluster = vm.borrow().plugin.config.sidecar.cluster.clone();
+        warn!(
+            "ratelimit filter: the stream to the sidecar (cluster {cluster:?}) closed with gRPC status {status:?}, {breaks} time(s) in a row without an answer; requests get their on_error until it answers again"
+        );
+    } else {
+        debug!("ratelimit filter: the stream to the sidecar closed ({token}, status {status:?})");
+    }
     let flights = vm.borrow_mut().queue.all_flights();
     for flight in flights {
         callout::failed(vm, flight, LimiterError::NoAnswer);
     }
-    let side = vm.borrow_mut().side.on_stream();
+    let side = vm.borrow_mut().side.all();
     for (kind, pending) in side {
         callout::side_answered(vm, kind, pending, Reply::none());
     }
 }
 
-/// At a tick at `now`: the calls on the stream unanswered by their deadline are given up (a
-/// callout has Envoy's timeout instead).
+/// At a tick at `now`: the calls on the stream unanswered by their deadline are given up.
 pub fn tick(vm: &SharedVm, now: u64) {
     let overdue = vm.borrow_mut().queue.overdue_flights(now);
     for flight in overdue {

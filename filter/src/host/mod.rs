@@ -5,9 +5,8 @@
 //! by its root context and its HTTP contexts.
 //!
 //! - [`abi`]: host calls that never panic; [`stats`]: the filter's Envoy stats;
-//! - [`callout`]: the callouts to the sidecar, sent and answered by the root context;
-//! - [`courier`]: the shared queues between the workers of one Envoy (shared callouts);
-//! - [`link`]: the stream per worker to the sidecar (`sidecar.transport: stream`);
+//! - [`callout`]: the calls to the sidecar, sent and answered by the root context;
+//! - [`link`]: the stream per worker to the sidecar that carries them;
 //! - [`facts`]: the clock, the request, shared data and local replies, as the host gives them.
 //!
 //! No `RefCell` borrow of the [`Vm`] is held across a host call that can call back into the VM
@@ -15,7 +14,6 @@
 
 mod abi;
 mod callout;
-mod courier;
 mod facts;
 mod link;
 mod stats;
@@ -30,19 +28,17 @@ use log::{debug, error, info, warn};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType};
-use ratelimit_wire::stream::Kind;
 use ratelimit_wire::RequestAnswer;
 
 use crate::clock;
 use crate::config::Config;
-use crate::config::Transport;
 use crate::costs::MAX_METERED_BYTES;
 use crate::emergency::{self, EmergencyBucket};
 use crate::flow::batch::Queue;
 use crate::flow::link::{Link, SideCalls};
 use crate::flow::streams::Streams;
 use crate::flow::{Flow, RequestReads, Start, Worker};
-use crate::verdict::{self, LimiterError, Verdict, MAX_ANSWER_BYTES};
+use crate::verdict::{self, LimiterError, Verdict};
 use facts::{clock_kind, now_ns, send, HostRequest, HostShared};
 use stats::Metrics;
 
@@ -58,7 +54,7 @@ struct Plugin {
     config: Config,
     reads: RequestReads,
     metrics: Metrics,
-    /// `authorization` header value for the callouts, if a token is configured.
+    /// `authorization` metadata of the stream, if a token is configured.
     authorization: Option<String>,
 }
 
@@ -77,22 +73,18 @@ impl Plugin {
 struct Vm {
     plugin: Rc<Plugin>,
     root_id: u32,
-    /// This worker's random id: names its wake queue, and it as the courier.
-    nonce: u64,
-    /// This worker's wake queue (with coalescing).
-    wake_queue: Option<u32>,
+    /// This worker's wake queue.
+    wake_queue: u32,
     /// The requests waiting for the sidecar.
     queue: Queue,
     worker: Worker,
-    /// Shared callouts, when on.
-    sharing: Option<courier::Sharing>,
     /// What this worker keeps of its streams (bodies awaited, response headers, meters, slots,
     /// settlements).
     streams: Streams,
     /// The calls out besides the decisions: settlements, slot renewals or releases, the epoch
     /// poll.
     side: SideCalls,
-    /// The stream to the sidecar (`sidecar.transport: stream`).
+    /// The stream to the sidecar.
     link: Link,
 }
 
@@ -104,29 +96,6 @@ struct Root {
 }
 
 impl Context for Root {
-    fn on_http_call_response(
-        &mut self,
-        token_id: u32,
-        num_headers: usize,
-        body_size: usize,
-        _num_trailers: usize,
-    ) {
-        if let Some(vm) = self.vm.clone() {
-            let side = vm.borrow_mut().side.take(token_id, false);
-            match side {
-                Some((kind, pending)) => {
-                    let max = match kind {
-                        Kind::Epoch => callout::MAX_EPOCH_ANSWER_BYTES,
-                        _ => MAX_ANSWER_BYTES,
-                    };
-                    let reply = callout::Reply::of_callout(num_headers, body_size, max);
-                    callout::side_answered(&vm, kind, pending, reply);
-                }
-                None => callout::answered(&vm, token_id, num_headers, body_size),
-            }
-        }
-    }
-
     fn on_grpc_stream_message(&mut self, token_id: u32, message_size: usize) {
         if let Some(vm) = self.vm.clone() {
             link::message(&vm, token_id, message_size);
@@ -135,10 +104,7 @@ impl Context for Root {
 
     fn on_grpc_stream_close(&mut self, token_id: u32, status_code: u32) {
         if let Some(vm) = self.vm.clone() {
-            debug!(
-                "ratelimit filter: the stream to the sidecar closed with gRPC status {status_code}"
-            );
-            link::closed(&vm, token_id, now_ns());
+            link::closed(&vm, token_id, now_ns(), Some(status_code));
         }
     }
 }
@@ -175,20 +141,15 @@ impl RootContext for Root {
             }
         }
         let nonce = RandomState::new().hash_one(now);
-        let mut wake_queue = None;
-        let mut sharing = None;
-        if config.fast_paths.coalesce {
-            match courier::register_wake_queue(nonce) {
-                Ok(id) => wake_queue = Some(id),
-                Err(status) => {
-                    error!("ratelimit filter: cannot register the wake-up queue: status {status}");
-                    return false;
-                }
+        let wake_queue = match callout::register_wake_queue(nonce) {
+            Ok(id) => id,
+            Err(status) => {
+                error!("ratelimit filter: cannot register the wake-up queue: status {status}");
+                return false;
             }
-            // Each worker's own stream replaces the courier.
-            if config.fast_paths.share_callouts && config.sidecar.transport == Transport::Http {
-                sharing = courier::Sharing::start(&config, nonce);
-            }
+        };
+        for warning in config.retired_fields() {
+            warn!("ratelimit filter: {warning}");
         }
         let clock = clock_kind();
         metrics.clock(clock);
@@ -215,11 +176,9 @@ impl RootContext for Root {
         self.vm = Some(Rc::new(RefCell::new(Vm {
             plugin,
             root_id: self.id,
-            nonce,
             wake_queue,
             queue: Queue::default(),
             worker: Worker::new(nonce),
-            sharing,
             streams: Streams::new(nonce),
             side: SideCalls::default(),
             link: Link::default(),
@@ -229,10 +188,7 @@ impl RootContext for Root {
 
     fn on_queue_ready(&mut self, queue_id: u32) {
         match self.vm.clone() {
-            Some(vm) => {
-                courier::receive(&vm, queue_id);
-                callout::send_queued(&vm);
-            }
+            Some(vm) => callout::woken(&vm, queue_id),
             None => while let Ok(Some(_)) = abi::dequeue_shared_queue(queue_id) {},
         }
     }
@@ -263,20 +219,7 @@ impl RootContext for Root {
         for ctx in expired {
             resolve(&vm, ctx, Err(LimiterError::NoAnswer), None, now, now, true);
         }
-        if plugin.config.sidecar.transport == Transport::Stream {
-            link::tick(&vm, now);
-        }
-        // Requests forwarded to the courier and not answered by their deadline: their failure
-        // policy, and this worker takes the courier's place.
-        let overdue = vm.borrow_mut().queue.overdue_forwards(now);
-        if !overdue.is_empty() {
-            courier::take_over(&vm);
-            for ctx in overdue {
-                resolve(&vm, ctx, Err(LimiterError::NoAnswer), None, now, now, true);
-            }
-            let _ = abi::set_effective_context(self.id);
-            callout::send_queued(&vm);
-        }
+        link::tick(&vm, now);
         let _ = abi::set_effective_context(self.id);
     }
 
@@ -284,7 +227,6 @@ impl RootContext for Root {
         Some(Box::new(Request {
             id: context_id,
             vm: self.vm.clone(),
-            alone_since: None,
         }))
     }
 
@@ -293,7 +235,7 @@ impl RootContext for Root {
     }
 }
 
-/// The `authorization` header of the callouts: `sidecar.token`, or the environment variable
+/// The `authorization` metadata of the stream: `sidecar.token`, or the environment variable
 /// `sidecar.token_env` names; an error says what is wrong.
 fn authorization(config: &Config) -> Result<Option<String>, String> {
     match (&config.sidecar.token, &config.sidecar.token_env) {
@@ -316,8 +258,6 @@ struct Request {
     /// `None` only if Envoy created a stream although the configuration was refused: such a
     /// request is answered 503, never let through unlimited.
     vm: Option<SharedVm>,
-    /// Without coalescing: when the request's own callout was sent.
-    alone_since: Option<u64>,
 }
 
 impl Request {
@@ -341,22 +281,10 @@ impl Request {
                 return Action::Pause;
             }
             Start::Decided(verdict) => verdict,
-            Start::Wait(w) if plugin.config.fast_paths.coalesce => {
+            Start::Wait(w) => {
                 callout::enqueue(&vm, self.id, w);
                 return Action::Pause;
             }
-            Start::Wait(w) => match callout::send_alone(&vm, self.id, w, now) {
-                Ok(sent_ns) => {
-                    self.alone_since = Some(sent_ns);
-                    return Action::Pause;
-                }
-                Err(e) => {
-                    let Some(mut w) = vm.borrow_mut().queue.take(self.id) else {
-                        return Action::Pause;
-                    };
-                    flow.resolve(&mut w, Err(e), now, now)
-                }
-            },
         };
         flow.delivered(&verdict);
         match verdict {
@@ -374,19 +302,7 @@ impl Request {
     }
 }
 
-impl Context for Request {
-    fn on_http_call_response(
-        &mut self,
-        _token_id: u32,
-        num_headers: usize,
-        body_size: usize,
-        _num_trailers: usize,
-    ) {
-        if let (Some(vm), Some(sent_ns)) = (self.vm.clone(), self.alone_since.take()) {
-            callout::answered_alone(&vm, self.id, sent_ns, num_headers, body_size);
-        }
-    }
-}
+impl Context for Request {}
 
 impl HttpContext for Request {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
@@ -493,7 +409,7 @@ fn start_paused(vm: &SharedVm, ctx: u32, now: u64) {
         Start::Reply(reply) => return send(&reply),
         Start::Decided(verdict) => verdict,
         Start::Wait(w) => {
-            let max_in_flight = plugin.config.fast_paths.max_in_flight;
+            let (_, max_in_flight) = crate::flow::batch::limits(&plugin.config);
             vm.borrow_mut().queue.enqueue(ctx, w, max_in_flight);
             vm.borrow_mut().queue.woken();
             return;
