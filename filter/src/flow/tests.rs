@@ -887,17 +887,17 @@ fn a_rule_reserving_from_the_request_json_waits_for_the_body() {
 }
 
 #[test]
-fn settlements_and_slots_tick_at_least_every_100_ms() {
-    // Any rule may hold concurrency slots (the sidecar's policy says which): a tick renews them.
-    let g = Gateway::new(config(|v| {
-        v["fast_paths"] = json!({"coalesce": false, "policy_poll_ms": 0});
-    }));
-    assert_eq!(g.flow().tick_period_ms(), Some(crate::slots::TICK_MS));
-    let g = Gateway::new(config(|v| {
-        metered(v);
-        v["fast_paths"] = json!({"coalesce": false, "policy_poll_ms": 0});
-    }));
-    assert_eq!(g.flow().tick_period_ms(), Some(SETTLE_TICK_MS));
+fn a_worker_ticks_for_its_calls_deadlines_with_coalescing_or_without() {
+    // A call on the stream has no timeout of the host's: the tick gives it up at its deadline.
+    for coalesce in [true, false] {
+        for (timeout_ms, tick_ms) in [(50, 25), (400, 50), (1, 1)] {
+            let g = Gateway::new(config(|v| {
+                v["sidecar"]["timeout_ms"] = json!(timeout_ms);
+                v["fast_paths"] = json!({"coalesce": coalesce, "policy_poll_ms": 0});
+            }));
+            assert_eq!(g.flow().tick_period_ms(), Some(tick_ms), "{timeout_ms} ms");
+        }
+    }
 }
 
 // The batcher.

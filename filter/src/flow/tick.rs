@@ -3,14 +3,13 @@
 use super::*;
 
 impl Flow<'_> {
-    /// How often the host ticks, in milliseconds (`None`: no tick needed): with coalescing, for
-    /// the queue's deadlines (half the callout timeout, at most 50 ms); with the policy epoch
-    /// polled, at least [`epoch::TICKS_PER_POLL`] times per poll period.
+    /// How often the host ticks, in milliseconds (`None`: no tick needed): for the deadlines of
+    /// the requests queued and of the calls on the stream, which has no timeout of the host's
+    /// (half `sidecar.timeout_ms`, at most 50 ms, with coalescing or without); with the policy
+    /// epoch polled, at least [`epoch::TICKS_PER_POLL`] times per poll period.
     pub fn tick_period_ms(&self) -> Option<u64> {
         let fp = &self.config.fast_paths;
-        let queue = fp
-            .coalesce
-            .then(|| (self.config.sidecar.timeout_ms / 2).clamp(1, 50));
+        let queue = Some((self.config.sidecar.timeout_ms / 2).clamp(1, 50));
         let poll = fp
             .polls_epoch()
             .then(|| (fp.policy_poll_ms / epoch::TICKS_PER_POLL).max(1));
