@@ -19,21 +19,21 @@ mod response;
 mod start;
 pub mod streams;
 mod tick;
+mod worker;
+
+pub use worker::{Begun, Carry, Host, Worker};
 
 use std::collections::BTreeMap;
 
 use log::{debug, warn};
-use ratelimit_wire::{
-    Decision, DecisionResult, LeaseAsk, LeaseReturn, Reason, RequestAnswer, MAX_LEASE_ID,
-};
+use ratelimit_wire::{Decision, DecisionResult, LeaseAsk, LeaseReturn, Reason, RequestAnswer};
 
 use crate::config::{self, Config};
 use crate::costs::{self, Meter};
 use crate::emergency;
 use crate::epoch;
 use crate::fastpath::{
-    self, DecisionOutcome, Hotness, KnownLimit, Learned, LeaseStart, Probe, ProbeFor,
-    RejectionCause, Table,
+    self, DecisionOutcome, KnownLimit, Learned, LeaseStart, Probe, ProbeFor, RejectionCause, Table,
 };
 use crate::identity::{self, Facts, ROUTE_NAME_PROPERTY, SOURCE_ADDRESS_PROPERTY};
 use crate::rules::{self, Planned, RequestFacts};
@@ -90,9 +90,21 @@ pub trait Stats {
     /// Adds `n` to `stat`.
     fn add(&self, stat: Stat, n: u64);
 
+    /// Records `value` in `histogram`.
+    fn record(&self, histogram: Histogram, value: u64);
+
     fn count(&self, stat: Stat) {
         self.add(stat, 1);
     }
+}
+
+/// A histogram of the filter (the host defines each as the Envoy stat `<stat_prefix>.<name>`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Histogram {
+    /// Requests per call to the sidecar (`batch_requests`).
+    BatchRequests,
+    /// Microseconds from a call's sending to its answer, or to giving up on it (`decision_us`).
+    DecisionUs,
 }
 
 /// What the flow may read of a request; it reads each only when a matching rule needs it.
@@ -118,47 +130,6 @@ impl RequestReads {
             header_names: config.matched_header_names().into_iter().collect(),
             method: config.matches_methods(),
         }
-    }
-}
-
-/// What one worker VM keeps across its requests: how busy each bucket is here, and a counter for
-/// the ids of its lease asks.
-#[derive(Debug)]
-pub struct Worker {
-    hotness: Hotness,
-    nonce: u64,
-    lease_counter: u64,
-    /// The sidecar's policy epoch as this worker last read it ([`crate::epoch`]; 0: unknown).
-    epoch: u64,
-}
-
-impl Worker {
-    /// A worker whose lease ids derive from `nonce` (random per VM).
-    pub fn new(nonce: u64) -> Worker {
-        Worker {
-            hotness: Hotness::default(),
-            nonce,
-            lease_counter: 0,
-            epoch: 0,
-        }
-    }
-
-    /// The policy epoch this worker's fast paths answer under.
-    pub fn epoch(&self) -> u64 {
-        self.epoch
-    }
-
-    /// The id of the next lease ask: splitmix64 of (nonce + counter), distinct per VM and per
-    /// ask, below 2^53 (JSON carries it exactly), never 0.
-    fn lease_id(&mut self) -> u64 {
-        self.lease_counter = self.lease_counter.wrapping_add(1);
-        let mut z = self
-            .nonce
-            .wrapping_add(self.lease_counter.wrapping_mul(0x9e3779b97f4a7c15));
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58476d1ce4e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d049bb133111eb);
-        z ^= z >> 31;
-        (z & MAX_LEASE_ID).max(1)
     }
 }
 

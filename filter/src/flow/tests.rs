@@ -61,6 +61,8 @@ impl Stats for Counts {
     fn add(&self, stat: Stat, n: u64) {
         *self.0.borrow_mut().entry(stat).or_default() += n;
     }
+
+    fn record(&self, _histogram: Histogram, _value: u64) {}
 }
 
 /// A request's headers and properties (a property by its path joined with `.`).
@@ -1209,3 +1211,5 @@ fn a_stream_that_ends_gives_its_slots_back_at_the_next_call() {
         "it names the slot"
     );
 }
+
+mod worker;

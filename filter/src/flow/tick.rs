@@ -28,7 +28,7 @@ impl Flow<'_> {
 
     /// A tick of `worker` at `now_ns`: it reads the published policy epoch, and whether it sends
     /// the poll for this Envoy now (then [`Flow::polled`] with its answer).
-    pub fn tick(&self, worker: &mut Worker, now_ns: u64) -> bool {
+    pub(super) fn epoch_tick(&self, worker: &mut Worker, now_ns: u64) -> bool {
         if !self.config.fast_paths.polls_epoch() {
             return false;
         }
@@ -40,7 +40,7 @@ impl Flow<'_> {
 
     /// The answer to the epoch poll `worker` sent at `dispatched_ns`: the epoch read (`None`: no
     /// answer, or not one), published for every worker.
-    pub fn polled(&self, worker: &mut Worker, epoch: Option<u64>, dispatched_ns: u64) {
+    pub(super) fn polled(&self, worker: &mut Worker, epoch: Option<u64>, dispatched_ns: u64) {
         let period_ns = self
             .config
             .fast_paths

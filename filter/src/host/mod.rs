@@ -5,15 +5,14 @@
 //! by its root context and its HTTP contexts.
 //!
 //! - [`abi`]: host calls that never panic; [`stats`]: the filter's Envoy stats;
-//! - [`callout`]: the calls to the sidecar, sent and answered by the root context;
-//! - [`link`]: the stream per worker to the sidecar that carries them;
+//! - [`link`]: the stream per worker to the sidecar, opened and written for the worker's
+//!   [`crate::flow::Host`];
 //! - [`facts`]: the clock, the request, shared data and local replies, as the host gives them.
 //!
 //! No `RefCell` borrow of the [`Vm`] is held across a host call that can call back into the VM
 //! (a local reply, a resume).
 
 mod abi;
-mod callout;
 mod facts;
 mod link;
 mod stats;
@@ -25,21 +24,20 @@ use std::rc::Rc;
 use std::time::Duration;
 
 use log::{debug, error, info, warn};
+use prost::Message;
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType};
-use ratelimit_wire::RequestAnswer;
+use ratelimit_wire::stream::Answer;
 
 use crate::clock;
 use crate::config::Config;
 use crate::costs::MAX_METERED_BYTES;
 use crate::emergency::{self, EmergencyBucket};
-use crate::flow::batch::Queue;
-use crate::flow::link::{Link, SideCalls};
-use crate::flow::streams::Streams;
-use crate::flow::{Flow, RequestReads, Start, Worker};
-use crate::verdict::{self, LimiterError, Verdict};
+use crate::flow::{Begun, Carry, Flow, RequestReads, Worker};
+use crate::verdict::{self, MAX_ANSWER_BYTES};
 use facts::{clock_kind, now_ns, send, HostRequest, HostShared};
+use link::HostIo;
 use stats::Metrics;
 
 proxy_wasm::main! {{
@@ -75,17 +73,7 @@ struct Vm {
     root_id: u32,
     /// This worker's wake queue.
     wake_queue: u32,
-    /// The requests waiting for the sidecar.
-    queue: Queue,
     worker: Worker,
-    /// What this worker keeps of its streams (bodies awaited, response headers, meters, slots,
-    /// settlements).
-    streams: Streams,
-    /// The calls out besides the decisions: settlements, slot renewals or releases, the epoch
-    /// poll.
-    side: SideCalls,
-    /// The stream to the sidecar.
-    link: Link,
 }
 
 type SharedVm = Rc<RefCell<Vm>>;
@@ -97,14 +85,23 @@ struct Root {
 
 impl Context for Root {
     fn on_grpc_stream_message(&mut self, token_id: u32, message_size: usize) {
-        if let Some(vm) = self.vm.clone() {
-            link::message(&vm, token_id, message_size);
+        if let Some(vm) = &self.vm {
+            // An answer's body is at most MAX_ANSWER_BYTES; its envelope adds a few bytes.
+            let answer = (message_size <= MAX_ANSWER_BYTES + 64)
+                .then(|| abi::buffer(BufferType::GrpcReceiveBuffer, message_size))
+                .flatten()
+                .and_then(|b| Answer::decode(b.as_slice()).ok());
+            root_event(vm, |flow, worker, io, now| {
+                flow.stream_message(worker, io, token_id, answer, now)
+            });
         }
     }
 
     fn on_grpc_stream_close(&mut self, token_id: u32, status_code: u32) {
-        if let Some(vm) = self.vm.clone() {
-            link::closed(&vm, token_id, now_ns(), Some(status_code));
+        if let Some(vm) = &self.vm {
+            root_event(vm, |flow, worker, io, now| {
+                flow.stream_closed(worker, io, token_id, Some(status_code), now)
+            });
         }
     }
 }
@@ -141,7 +138,7 @@ impl RootContext for Root {
             }
         }
         let nonce = RandomState::new().hash_one(now);
-        let wake_queue = match callout::register_wake_queue(nonce) {
+        let wake_queue = match abi::register_shared_queue(&format!("ratelimit.wake.{nonce:016x}")) {
             Ok(id) => id,
             Err(status) => {
                 error!("ratelimit filter: cannot register the wake-up queue: status {status}");
@@ -177,50 +174,23 @@ impl RootContext for Root {
             plugin,
             root_id: self.id,
             wake_queue,
-            queue: Queue::default(),
             worker: Worker::new(nonce),
-            streams: Streams::new(nonce),
-            side: SideCalls::default(),
-            link: Link::default(),
         })));
         true
     }
 
     fn on_queue_ready(&mut self, queue_id: u32) {
-        match self.vm.clone() {
-            Some(vm) => callout::woken(&vm, queue_id),
-            None => while let Ok(Some(_)) = abi::dequeue_shared_queue(queue_id) {},
+        // Wake-ups only: what waits is sent.
+        while let Ok(Some(_)) = abi::dequeue_shared_queue(queue_id) {}
+        if let Some(vm) = &self.vm {
+            root_event(vm, |flow, worker, io, now| flow.woken(worker, io, now));
         }
     }
 
     fn on_tick(&mut self) {
-        let Some(vm) = self.vm.clone() else {
-            return;
-        };
-        // Requests whose deadline passed while they waited in the queue: their failure policy.
-        let now = now_ns();
-        let plugin = vm.borrow().plugin.clone();
-        let poll = plugin.flow().tick(&mut vm.borrow_mut().worker, now);
-        if poll {
-            callout::poll_epoch(&vm, now);
+        if let Some(vm) = &self.vm {
+            root_event(vm, |flow, worker, io, now| flow.tick(worker, io, now));
         }
-        callout::send_settlements(&vm);
-        callout::send_slots(&vm, now);
-        // Requests whose body never came by their deadline: decided on the fallback reservation.
-        let late = vm.borrow_mut().streams.late_bodies(now);
-        if !late.is_empty() {
-            for ctx in late {
-                start_paused(&vm, ctx, now);
-            }
-            let _ = abi::set_effective_context(self.id);
-            callout::send_queued(&vm);
-        }
-        let expired = vm.borrow_mut().queue.expired(now);
-        for ctx in expired {
-            resolve(&vm, ctx, Err(LimiterError::NoAnswer), None, now, now, true);
-        }
-        link::tick(&vm, now);
-        let _ = abi::set_effective_context(self.id);
     }
 
     fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
@@ -264,38 +234,30 @@ impl Request {
     /// Starts the request's flow (with its body when it waited for it) and carries the verdict
     /// out, or pauses it for the sidecar.
     fn begin(&mut self, vm: &SharedVm, body: Option<Vec<u8>>) -> Action {
-        let vm = vm.clone();
-        let plugin = vm.borrow().plugin.clone();
-        let flow = plugin.flow();
-        let now = now_ns();
-        let start = flow.start_with_body(
-            &HostRequest,
-            body.as_deref(),
-            now,
-            &mut vm.borrow_mut().worker,
-        );
-        let verdict = match start {
-            Start::Pass => return Action::Continue,
-            Start::Reply(reply) => {
-                send(&reply);
-                return Action::Pause;
-            }
-            Start::Decided(verdict) => verdict,
-            Start::Wait(w) => {
-                callout::enqueue(&vm, self.id, w);
-                return Action::Pause;
-            }
+        let begun = {
+            let mut v = vm.borrow_mut();
+            let plugin = v.plugin.clone();
+            let now = now_ns();
+            plugin
+                .flow()
+                .begin(&mut v.worker, &HostRequest, self.id, body.as_deref(), now)
         };
-        flow.delivered(&verdict);
-        match verdict {
-            Verdict::Admit { headers } => {
-                vm.borrow_mut()
-                    .streams
-                    .admitted(self.id, headers, Vec::new());
-                Action::Continue
-            }
-            Verdict::Reject(reply) => {
+        match begun {
+            Begun::Continue => Action::Continue,
+            Begun::Reply(reply) => {
                 send(&reply);
+                Action::Pause
+            }
+            Begun::Wait { wake } => {
+                // The root sends (it owns the stream), woken through this worker's own queue:
+                // `on_queue_ready` runs right after this event.
+                let queue = vm.borrow().wake_queue;
+                if wake {
+                    if let Err(status) = abi::enqueue_shared_queue(queue, b"w") {
+                        error!("ratelimit filter: cannot wake the root: status {status}");
+                        vm.borrow_mut().worker.woken();
+                    }
+                }
                 Action::Pause
             }
         }
@@ -324,7 +286,7 @@ impl HttpContext for Request {
             // `allow_on_headers_stop_iteration: true` (docs/costs.md); without it the request is
             // decided without its body at the deadline (a tick), on the fallback reservation.
             let deadline = now_ns() + plugin.config.sidecar.timeout_ms * 1_000_000;
-            vm.borrow_mut().streams.await_body(self.id, deadline);
+            vm.borrow_mut().worker.streams.await_body(self.id, deadline);
             return Action::Pause;
         }
         self.begin(&vm, None)
@@ -334,9 +296,9 @@ impl HttpContext for Request {
         let Some(vm) = self.vm.clone() else {
             return Action::Pause;
         };
-        if !vm.borrow().streams.awaits_body(self.id) {
+        if !vm.borrow().worker.streams.awaits_body(self.id) {
             // Paused for the sidecar: the body waits with it (Envoy buffers it).
-            let held = vm.borrow().queue.holds(self.id);
+            let held = vm.borrow().worker.holds(self.id);
             return if held {
                 Action::Pause
             } else {
@@ -346,7 +308,7 @@ impl HttpContext for Request {
         if !end_of_stream {
             return Action::Pause; // Envoy buffers the body until its end
         }
-        vm.borrow_mut().streams.body_came(self.id);
+        vm.borrow_mut().worker.streams.body_came(self.id);
         let body = (body_size <= MAX_METERED_BYTES)
             .then(|| abi::buffer(BufferType::HttpRequestBody, body_size))
             .flatten();
@@ -359,10 +321,12 @@ impl HttpContext for Request {
         };
         let plugin = vm.borrow().plugin.clone();
         let read = |name: &str| abi::header_map_value(MapType::HttpResponseHeaders, name);
-        let headers =
-            vm.borrow_mut()
-                .streams
-                .response_headers(&plugin.flow(), self.id, end_of_stream, &read);
+        let headers = vm.borrow_mut().worker.streams.response_headers(
+            &plugin.flow(),
+            self.id,
+            end_of_stream,
+            &read,
+        );
         for (name, value) in headers {
             if let Err(status) = abi::replace_header(MapType::HttpResponseHeaders, &name, &value) {
                 debug!("ratelimit filter: cannot set response header {name:?}: status {status}");
@@ -375,7 +339,7 @@ impl HttpContext for Request {
         let Some(vm) = &self.vm else {
             return Action::Continue;
         };
-        if !vm.borrow().streams.reads_response_body(self.id) {
+        if !vm.borrow().worker.streams.reads_response_body(self.id) {
             return Action::Continue;
         }
         // The chunk passing now (the body is never held back for metering).
@@ -384,51 +348,19 @@ impl HttpContext for Request {
             .flatten()
             .unwrap_or_default();
         let plugin = vm.borrow().plugin.clone();
-        vm.borrow_mut()
-            .streams
-            .response_body(&plugin.flow(), self.id, &chunk, end_of_stream);
+        vm.borrow_mut().worker.streams.response_body(
+            &plugin.flow(),
+            self.id,
+            &chunk,
+            end_of_stream,
+        );
         Action::Continue
-    }
-}
-
-/// Starts, from the root, the flow of paused request `ctx` without its body (it did not come
-/// by its deadline): a verdict is carried out at once, a wait queues it for the root's next
-/// callout.
-fn start_paused(vm: &SharedVm, ctx: u32, now: u64) {
-    if abi::set_effective_context(ctx).is_err() {
-        return; // gone
-    }
-    let plugin = vm.borrow().plugin.clone();
-    let flow = plugin.flow();
-    let start = flow.start(&HostRequest, now, &mut vm.borrow_mut().worker);
-    let verdict = match start {
-        Start::Pass => {
-            let _ = abi::resume_http_request();
-            return;
-        }
-        Start::Reply(reply) => return send(&reply),
-        Start::Decided(verdict) => verdict,
-        Start::Wait(w) => {
-            let (_, max_in_flight) = crate::flow::batch::limits(&plugin.config);
-            vm.borrow_mut().queue.enqueue(ctx, w, max_in_flight);
-            vm.borrow_mut().queue.woken();
-            return;
-        }
-    };
-    flow.delivered(&verdict);
-    match verdict {
-        Verdict::Admit { headers } => {
-            vm.borrow_mut().streams.admitted(ctx, headers, Vec::new());
-            let _ = abi::resume_http_request();
-        }
-        Verdict::Reject(reply) => send(&reply),
     }
 }
 
 impl Drop for Request {
     fn drop(&mut self) {
-        // A request that goes away while it waits (its client hung up): forget it, and give its
-        // lease takes back (it never reached the upstream).
+        // A request that goes away (its stream ended, or its client hung up while it waited).
         let Some(vm) = self.vm.take() else {
             return;
         };
@@ -436,69 +368,45 @@ impl Drop for Request {
             return;
         };
         let plugin = v.plugin.clone();
-        let flow = plugin.flow();
-        v.streams.ended(&flow, self.id);
-        let w = v.queue.forget(self.id);
-        drop(v);
-        if let Some(mut w) = w {
-            flow.give_back(&mut w, now_ns());
-        }
+        plugin.flow().ended(&mut v.worker, self.id, now_ns());
     }
 }
 
-/// A call's answer said it was decided under policy epoch `epoch`: the flow may make the poll due.
-fn answered_under(vm: &SharedVm, epoch: Option<u64>) {
-    let v = vm.borrow();
-    v.plugin.flow().answered_under(&v.worker, epoch);
-}
-
-/// Resolves a paused request with the sidecar's answer (or why there is none: `answer` is the
-/// error; `epoch`: the policy epoch its call said) and carries the verdict out. `switch`: the
-/// root answers for the request, so its context is made the effective one first.
-fn resolve(
+/// Works an event of the root through the worker (`event` gets the flow, the worker, the host and
+/// the time), then carries out the verdicts it came to, each in its request's context, once the
+/// worker is no longer borrowed (a reply or a resume can call back into the VM); the counters it
+/// increments are added once per event ([`stats::counting`]).
+fn root_event(
     vm: &SharedVm,
-    ctx: u32,
-    answer: Result<RequestAnswer, LimiterError>,
-    epoch: Option<u64>,
-    dispatched_ns: u64,
-    now_ns: u64,
-    switch: bool,
+    event: impl FnOnce(&Flow<'_>, &mut Worker, &mut HostIo<'_>, u64) -> Vec<Carry>,
 ) {
-    let Some(mut w) = vm.borrow_mut().queue.take(ctx) else {
-        return;
-    };
-    let plugin = vm.borrow().plugin.clone();
-    let flow = plugin.flow();
-    // The concurrency slots the sidecar took for the request: held while its stream runs, given
-    // back at once if it does not pass after all.
-    let held = answer.as_ref().ok().and_then(|a| a.slot.clone());
-    if let Some(held) = &held {
-        let decisions = w.decisions(&plugin.config);
-        vm.borrow_mut()
-            .streams
-            .slots
-            .hold(ctx, held, &decisions, now_ns);
-    }
-    let verdict = flow.resolve_under(&mut w, answer, epoch, dispatched_ns, now_ns);
-    if switch && abi::set_effective_context(ctx).is_err() {
-        // The request is gone (its client went away): nothing to answer; its leases back, and
-        // its reservations stand (it never reached the upstream).
-        flow.give_back(&mut w, now_ns);
-        vm.borrow_mut().streams.release_slots(&flow, ctx);
-        return;
-    }
-    flow.delivered(&verdict);
-    if !matches!(verdict, Verdict::Admit { .. }) && held.is_some() {
-        vm.borrow_mut().streams.release_slots(&flow, ctx);
-    }
-    match verdict {
-        Verdict::Admit { headers } => {
-            let metered = flow.metered(&w);
-            vm.borrow_mut().streams.admitted(ctx, headers, metered);
-            if let Err(status) = abi::resume_http_request() {
-                error!("ratelimit filter: cannot resume the request: status {status}");
+    stats::counting(|| {
+        let (plugin, root) = {
+            let v = vm.borrow();
+            (v.plugin.clone(), v.root_id)
+        };
+        let carries = {
+            let mut v = vm.borrow_mut();
+            let mut io = HostIo::new(&plugin, root);
+            event(&plugin.flow(), &mut v.worker, &mut io, now_ns())
+        };
+        for carry in carries {
+            let (ctx, reply) = match carry {
+                Carry::Resume(ctx) => (ctx, None),
+                Carry::Reply(ctx, reply) => (ctx, Some(reply)),
+            };
+            if abi::set_effective_context(ctx).is_err() {
+                continue; // gone meanwhile
+            }
+            match reply {
+                Some(reply) => send(&reply),
+                None => {
+                    if let Err(status) = abi::resume_http_request() {
+                        error!("ratelimit filter: cannot resume the request: status {status}");
+                    }
+                }
             }
         }
-        Verdict::Reject(reply) => send(&reply),
-    }
+        let _ = abi::set_effective_context(root);
+    });
 }

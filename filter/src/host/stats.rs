@@ -9,7 +9,7 @@ use proxy_wasm::types::MetricType;
 use super::abi;
 use crate::clock;
 use crate::config::Config;
-use crate::flow::{Stat, Stats};
+use crate::flow::{Histogram, Stat, Stats};
 
 /// The counters of one rule.
 #[derive(Debug, Clone, Copy)]
@@ -45,10 +45,8 @@ pub struct Metrics {
     slots_expired: u32,
     slots_retried: u32,
     slots_lost: u32,
-    /// Histogram: a callout's time, from its dispatch to its answer, in microseconds.
-    pub decision_us: u32,
-    /// Histogram: the requests one coalesced callout carries.
-    pub batch_requests: u32,
+    decision_us: u32,
+    batch_requests: u32,
     /// Gauge: 1 when the VM's clock is the host's monotonic clock, 0 on the wall-clock fallback.
     monotonic_clock: u32,
     rules: Vec<RuleStats>,
@@ -145,11 +143,6 @@ impl Metrics {
             u64::from(kind == clock::Kind::Monotonic),
         );
     }
-
-    /// Records `value` in a histogram.
-    pub fn record(&self, histogram: u32, value: u64) {
-        let _ = abi::record_metric(histogram, value);
-    }
 }
 
 impl Stats for Metrics {
@@ -157,6 +150,14 @@ impl Stats for Metrics {
         if let Some(metric) = self.counter(stat) {
             add(metric, i64::try_from(n).unwrap_or(i64::MAX));
         }
+    }
+
+    fn record(&self, histogram: Histogram, value: u64) {
+        let id = match histogram {
+            Histogram::BatchRequests => self.batch_requests,
+            Histogram::DecisionUs => self.decision_us,
+        };
+        let _ = abi::record_metric(id, value);
     }
 }
 
