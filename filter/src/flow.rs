@@ -21,7 +21,7 @@ pub mod streams;
 mod tick;
 mod worker;
 
-pub use worker::{Begun, Carry, Host, Worker};
+pub use worker::{Begun, Body, Carry, Headers, Host, Worker};
 
 use std::collections::BTreeMap;
 
@@ -83,6 +83,57 @@ pub enum Stat {
     RuleRejected(usize),
     /// `rule.<name>.shadow_rejected`.
     RuleShadowRejected(usize),
+}
+
+impl Stat {
+    /// Every counter but the rules' own, with its name, in the order the host defines them.
+    pub const GLOBAL: [(Stat, &'static str); 23] = [
+        (Stat::Admitted, "admitted"),
+        (Stat::Rejected, "rejected"),
+        (Stat::LimiterError, "limiter_error"),
+        (Stat::ConfigError, "config_error"),
+        (Stat::FailedOpen, "failed_open"),
+        (Stat::FailedClosed, "failed_closed"),
+        (Stat::EmergencyActivations, "emergency_activations"),
+        (Stat::EmergencyRejected, "emergency_rejected"),
+        (Stat::SubjectUnknown, "subject_unknown"),
+        (Stat::UnknownRejected, "unknown_rejected"),
+        (Stat::RepeatedIdentity, "repeated_identity"),
+        (Stat::KnownRejections, "known_rejections"),
+        (Stat::LeaseAdmitted, "lease_admitted"),
+        (Stat::Callouts, "callouts"),
+        (Stat::CostsSettled, "costs_settled"),
+        (Stat::CostsUnreported, "costs_unreported"),
+        (Stat::SettlementsRetried, "settlements_retried"),
+        (Stat::SettlementsLost, "settlements_lost"),
+        (Stat::SlotsRenewed, "slots_renewed"),
+        (Stat::SlotsReleased, "slots_released"),
+        (Stat::SlotsExpired, "slots_expired"),
+        (Stat::SlotsRetried, "slots_retried"),
+        (Stat::SlotsLost, "slots_lost"),
+    ];
+
+    /// The names of the counters of `config`, each under `<stat_prefix>.`: [`Stat::GLOBAL`]'s,
+    /// then three per rule (`rule.<name>.admitted`, `.rejected`, `.shadow_rejected`).
+    pub fn names(config: &Config) -> Vec<String> {
+        let global = Stat::GLOBAL.iter().map(|(_, name)| name.to_string());
+        let rules = config.rules.iter().flat_map(|r| {
+            ["admitted", "rejected", "shadow_rejected"].map(|c| format!("rule.{}.{c}", r.name))
+        });
+        global.chain(rules).collect()
+    }
+
+    /// Where this counter is in [`Stat::names`] of a configuration of `rules` rules (`None`: a
+    /// rule it does not have).
+    pub fn index(self, rules: usize) -> Option<usize> {
+        let rule = |i: usize, k: usize| (i < rules).then_some(Stat::GLOBAL.len() + 3 * i + k);
+        match self {
+            Stat::RuleAdmitted(i) => rule(i, 0),
+            Stat::RuleRejected(i) => rule(i, 1),
+            Stat::RuleShadowRejected(i) => rule(i, 2),
+            global => Stat::GLOBAL.iter().position(|(s, _)| *s == global),
+        }
+    }
 }
 
 /// Where the flow counts.

@@ -57,7 +57,10 @@ struct Pair {
 fn pair() -> Pair {
     let redis = Redis::start();
     let upstream = Upstream::start();
-    let sidecars = [0, 1].map(|_| Sidecar::with_policy(&redis.url(), &policy(), &[]));
+    // The test is about slots, not timeouts: Redis's answers on a loaded machine must not trip
+    // the sidecar's Redis timeout (30 ms by default), which answers 503.
+    let flags = ["--redis-timeout-ms", "1000"];
+    let sidecars = [0, 1].map(|_| Sidecar::with_policy(&redis.url(), &policy(), &flags));
     let envoys = [
         envoy(&sidecars[0], &upstream),
         envoy(&sidecars[1], &upstream),

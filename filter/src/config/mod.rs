@@ -243,6 +243,26 @@ impl Sidecar {
     pub fn authority(&self) -> &str {
         self.authority.as_deref().unwrap_or(&self.cluster)
     }
+
+    /// The `authorization` metadata of the stream: `token`, or the environment variable
+    /// `token_env` names (read through `env`); an error says what is wrong.
+    pub fn authorization(
+        &self,
+        env: impl Fn(&str) -> Option<String>,
+    ) -> Result<Option<String>, String> {
+        match (&self.token, &self.token_env) {
+            (Some(t), _) => Ok(Some(format!("Bearer {t}"))),
+            (None, Some(var)) => match env(var) {
+                Some(t) if !t.is_empty() && t.bytes().all(|b| b.is_ascii_graphic()) => {
+                    Ok(Some(format!("Bearer {t}")))
+                }
+                _ => Err(format!(
+                    "sidecar.token_env: the environment variable {var:?} is not set (or not printable ASCII) in the VM; expose it with vm_config.environment_variables"
+                )),
+            },
+            (None, None) => Ok(None),
+        }
+    }
 }
 
 /// The trustworthy sources of identity. A source that is not configured names no one.

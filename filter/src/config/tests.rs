@@ -808,3 +808,30 @@ fn fast_path_bounds_are_checked_with_every_problem_named() {
         }
     );
 }
+
+#[test]
+fn the_streams_authorization_comes_from_the_token_or_its_environment_variable() {
+    let env = |var: &str| (var == "RL_TOKEN").then(|| "s3cret".to_string());
+    let token = accepted(|v| v["sidecar"]["token"] = "t0k".into());
+    assert_eq!(
+        token.sidecar.authorization(env),
+        Ok(Some("Bearer t0k".into()))
+    );
+    let from_env = accepted(|v| v["sidecar"]["token_env"] = "RL_TOKEN".into());
+    assert_eq!(
+        from_env.sidecar.authorization(env),
+        Ok(Some("Bearer s3cret".into()))
+    );
+    let unset = accepted(|v| v["sidecar"]["token_env"] = "RL_OTHER".into());
+    let e = unset.sidecar.authorization(env).unwrap_err();
+    assert!(
+        e.starts_with("sidecar.token_env: the environment variable \"RL_OTHER\""),
+        "{e}"
+    );
+    let spaced = |_: &str| Some("a b".to_string());
+    assert!(
+        from_env.sidecar.authorization(spaced).is_err(),
+        "not printable ASCII"
+    );
+    assert_eq!(example().sidecar.authorization(env), Ok(None));
+}

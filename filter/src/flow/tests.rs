@@ -1212,4 +1212,31 @@ fn a_stream_that_ends_gives_its_slots_back_at_the_next_call() {
     );
 }
 
+#[test]
+fn every_counter_has_one_name_and_its_index_finds_it() {
+    let c = config(per_ip);
+    let names = Stat::names(&c);
+    let unique: std::collections::BTreeSet<&String> = names.iter().collect();
+    assert_eq!(unique.len(), names.len(), "{names:?}");
+    assert_eq!(names.len(), Stat::GLOBAL.len() + 3 * 2);
+    for (stat, name) in Stat::GLOBAL {
+        assert_eq!(names[stat.index(2).unwrap()], name);
+    }
+    let name_of = |s: Stat| s.index(2).map(|i| names[i].as_str());
+    assert_eq!(
+        name_of(Stat::RuleAdmitted(0)),
+        Some("rule.per-app.admitted")
+    );
+    assert_eq!(name_of(Stat::RuleRejected(1)), Some("rule.per-ip.rejected"));
+    assert_eq!(
+        name_of(Stat::RuleShadowRejected(1)),
+        Some("rule.per-ip.shadow_rejected")
+    );
+    assert_eq!(
+        Stat::RuleAdmitted(2).index(2),
+        None,
+        "a rule it does not have"
+    );
+}
+
 mod worker;

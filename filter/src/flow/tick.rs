@@ -3,6 +3,18 @@
 use super::*;
 
 impl Flow<'_> {
+    /// At configuration, at `now_ns`: the emergency buckets of the `local` failure policy that
+    /// shared data does not hold yet are put there full (once per Envoy process).
+    pub fn prepare_emergency(&self, now_ns: u64) {
+        for rule in &self.config.rules {
+            if let Some(e) = &rule.emergency {
+                let key = emergency::shared_key(&rule.name);
+                let bucket = emergency::EmergencyBucket::from(e);
+                emergency::ensure_initialized(self.store, &key, &bucket, now_ns);
+            }
+        }
+    }
+
     /// How often the host ticks, in milliseconds (`None`: no tick needed): for the deadlines of
     /// the requests queued and of the calls on the stream, which has no timeout of the host's
     /// (half `sidecar.timeout_ms`, at most 50 ms, with coalescing or without); with the policy

@@ -76,6 +76,28 @@ struct Turn<'a> {
     out: Vec<Carry>,
 }
 
+/// What a request's headers come to ([`Flow::request_headers`]).
+#[derive(Debug, PartialEq)]
+pub struct Headers {
+    /// Ask the upstream for an uncompressed response (`accept-encoding: identity`): a matching
+    /// rule reads its real cost from the response's body.
+    pub identity: bool,
+    /// `None`: the request waits for its body ([`Flow::request_body`]); else what it came to.
+    pub begun: Option<Begun>,
+}
+
+/// What a chunk of a request's body comes to ([`Flow::request_body`]).
+#[derive(Debug, PartialEq, Eq)]
+pub enum Body {
+    /// Let it pass: the request is not paused.
+    Continue,
+    /// Hold it: the request waits for its verdict, or for the rest of its body.
+    Pause,
+    /// The body is whole: read it (at most this many bytes: a longer one is decided without
+    /// it) and begin the request with it ([`Flow::begin`]).
+    Begin { max_bytes: usize },
+}
+
 /// What a call besides the decisions got back: the HTTP status its answer stands for (none: no
 /// answer by its deadline, or the stream closed) and the body.
 struct Reply {
@@ -133,12 +155,6 @@ impl Worker {
     pub fn woken(&mut self) {
         self.queue.woken();
     }
-
-    /// Whether request `ctx` is paused for the sidecar (its body, if more comes, is held back
-    /// until its verdict).
-    pub fn holds(&self, ctx: u32) -> bool {
-        self.queue.holds(ctx)
-    }
 }
 
 impl Flow<'_> {
@@ -170,6 +186,54 @@ impl Flow<'_> {
                 let wake = worker.queue.enqueue(ctx, w, max_in_flight);
                 Begun::Wait { wake }
             }
+        }
+    }
+
+    /// Request `ctx`'s headers came at `now_ns` (`end_of_stream`: without a body). A request a
+    /// matching rule reserves for from its JSON waits for its body until `sidecar.timeout_ms`;
+    /// Envoy delivers it to a paused filter only with the Wasm filter's
+    /// `allow_on_headers_stop_iteration: true` (docs/costs.md), and without it the request is
+    /// decided without its body at that deadline (a tick), on the fallback reservation.
+    pub fn request_headers(
+        &self,
+        worker: &mut Worker,
+        request: &dyn RequestView,
+        ctx: u32,
+        end_of_stream: bool,
+        now_ns: u64,
+    ) -> Headers {
+        let identity = self.reads_response_body(request);
+        if !end_of_stream && self.wants_request_body(request) {
+            let deadline = now_ns.saturating_add(self.config.sidecar.timeout_ms * 1_000_000);
+            worker.streams.await_body(ctx, deadline);
+            return Headers {
+                identity,
+                begun: None,
+            };
+        }
+        let begun = self.begin(worker, request, ctx, None, now_ns);
+        Headers {
+            identity,
+            begun: Some(begun),
+        }
+    }
+
+    /// A chunk of request `ctx`'s body came (`end_of_stream`: its last).
+    pub fn request_body(&self, worker: &mut Worker, ctx: u32, end_of_stream: bool) -> Body {
+        if !worker.streams.awaits_body(ctx) {
+            // Paused for the sidecar: the body waits with it (Envoy buffers it).
+            return if worker.queue.holds(ctx) {
+                Body::Pause
+            } else {
+                Body::Continue
+            };
+        }
+        if !end_of_stream {
+            return Body::Pause; // Envoy buffers the body until its end
+        }
+        worker.streams.body_came(ctx);
+        Body::Begin {
+            max_bytes: crate::costs::MAX_METERED_BYTES,
         }
     }
 

@@ -2,9 +2,9 @@
 //! or `Err(status)`, which the caller handles; a failed read is "unknown". The SDK's wrappers
 //! (`proxy_wasm::hostcalls`) panic on a non-UTF-8 value or on a status they did not expect (a
 //! timed-out callout has no response headers and Envoy answers `BadArgument`), and a panic takes
-//! the VM down. Called through the SDK all the same: `dispatch_http_call` (it registers the
-//! callout with the SDK's dispatcher, so that its answer reaches the context that sent it),
-//! `resolve_shared_queue` and `set_tick_period`.
+//! the VM down. Called through the SDK all the same: `open_grpc_stream` and
+//! `send_grpc_stream_message` (the SDK's dispatcher then hands the stream's messages to the root
+//! context that opened it) and `set_tick_period`.
 
 use std::ptr::null_mut;
 

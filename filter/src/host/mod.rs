@@ -32,9 +32,7 @@ use ratelimit_wire::stream::Answer;
 
 use crate::clock;
 use crate::config::Config;
-use crate::costs::MAX_METERED_BYTES;
-use crate::emergency::{self, EmergencyBucket};
-use crate::flow::{Begun, Carry, Flow, RequestReads, Worker};
+use crate::flow::{Begun, Body, Carry, Flow, RequestReads, Worker};
 use crate::verdict::{self, MAX_ANSWER_BYTES};
 use facts::{clock_kind, now_ns, send, HostRequest, HostShared};
 use link::HostIo;
@@ -116,7 +114,7 @@ impl RootContext for Root {
                 return false;
             }
         };
-        let authorization = match authorization(&config) {
+        let authorization = match config.sidecar.authorization(|var| std::env::var(var).ok()) {
             Ok(a) => a,
             Err(e) => {
                 error!("ratelimit filter: invalid configuration: {e}");
@@ -131,12 +129,6 @@ impl RootContext for Root {
             }
         };
         let now = now_ns();
-        for rule in &config.rules {
-            if let Some(e) = &rule.emergency {
-                let key = emergency::shared_key(&rule.name);
-                emergency::ensure_initialized(&HostShared, &key, &EmergencyBucket::from(e), now);
-            }
-        }
         let nonce = RandomState::new().hash_one(now);
         let wake_queue = match abi::register_shared_queue(&format!("ratelimit.wake.{nonce:016x}")) {
             Ok(id) => id,
@@ -167,6 +159,7 @@ impl RootContext for Root {
             metrics,
             authorization,
         });
+        plugin.flow().prepare_emergency(now);
         if let Some(tick_ms) = plugin.flow().tick_period_ms() {
             let _ = hostcalls::set_tick_period(Duration::from_millis(tick_ms));
         }
@@ -205,23 +198,6 @@ impl RootContext for Root {
     }
 }
 
-/// The `authorization` metadata of the stream: `sidecar.token`, or the environment variable
-/// `sidecar.token_env` names; an error says what is wrong.
-fn authorization(config: &Config) -> Result<Option<String>, String> {
-    match (&config.sidecar.token, &config.sidecar.token_env) {
-        (Some(t), _) => Ok(Some(format!("Bearer {t}"))),
-        (None, Some(var)) => match std::env::var(var) {
-            Ok(t) if !t.is_empty() && t.bytes().all(|b| b.is_ascii_graphic()) => {
-                Ok(Some(format!("Bearer {t}")))
-            }
-            _ => Err(format!(
-                "sidecar.token_env: the environment variable {var:?} is not set (or not printable ASCII) in the VM; expose it with vm_config.environment_variables"
-            )),
-        },
-        (None, None) => Ok(None),
-    }
-}
-
 /// One HTTP request going through the filter.
 struct Request {
     id: u32,
@@ -230,36 +206,25 @@ struct Request {
     vm: Option<SharedVm>,
 }
 
-impl Request {
-    /// Starts the request's flow (with its body when it waited for it) and carries the verdict
-    /// out, or pauses it for the sidecar.
-    fn begin(&mut self, vm: &SharedVm, body: Option<Vec<u8>>) -> Action {
-        let begun = {
-            let mut v = vm.borrow_mut();
-            let plugin = v.plugin.clone();
-            let now = now_ns();
-            plugin
-                .flow()
-                .begin(&mut v.worker, &HostRequest, self.id, body.as_deref(), now)
-        };
-        match begun {
-            Begun::Continue => Action::Continue,
-            Begun::Reply(reply) => {
-                send(&reply);
-                Action::Pause
-            }
-            Begun::Wait { wake } => {
-                // The root sends (it owns the stream), woken through this worker's own queue:
-                // `on_queue_ready` runs right after this event.
-                let queue = vm.borrow().wake_queue;
-                if wake {
-                    if let Err(status) = abi::enqueue_shared_queue(queue, b"w") {
-                        error!("ratelimit filter: cannot wake the root: status {status}");
-                        vm.borrow_mut().worker.woken();
-                    }
+/// Carries out what the current request's own event came to (with a wake-up of the root when
+/// it waits: the root sends, as it owns the stream, and `on_queue_ready` runs right after this
+/// event).
+fn carry_out(vm: &SharedVm, begun: Begun) -> Action {
+    match begun {
+        Begun::Continue => Action::Continue,
+        Begun::Reply(reply) => {
+            send(&reply);
+            Action::Pause
+        }
+        Begun::Wait { wake } => {
+            let queue = vm.borrow().wake_queue;
+            if wake {
+                if let Err(status) = abi::enqueue_shared_queue(queue, b"w") {
+                    error!("ratelimit filter: cannot wake the root: status {status}");
+                    vm.borrow_mut().worker.woken();
                 }
-                Action::Pause
             }
+            Action::Pause
         }
     }
 }
@@ -272,8 +237,15 @@ impl HttpContext for Request {
             send(&verdict::unavailable());
             return Action::Pause;
         };
-        let plugin = vm.borrow().plugin.clone();
-        if plugin.flow().reads_response_body(&HostRequest) {
+        let headers = {
+            let mut v = vm.borrow_mut();
+            let plugin = v.plugin.clone();
+            let now = now_ns();
+            plugin
+                .flow()
+                .request_headers(&mut v.worker, &HostRequest, self.id, end_of_stream, now)
+        };
+        if headers.identity {
             // The real cost is read from the response's body: it must come uncompressed.
             if let Err(status) =
                 abi::replace_header(MapType::HttpRequestHeaders, "accept-encoding", "identity")
@@ -281,38 +253,41 @@ impl HttpContext for Request {
                 debug!("ratelimit filter: cannot set accept-encoding: status {status}");
             }
         }
-        if !end_of_stream && plugin.flow().wants_request_body(&HostRequest) {
-            // Envoy delivers the body to a paused filter only with the Wasm filter's
-            // `allow_on_headers_stop_iteration: true` (docs/costs.md); without it the request is
-            // decided without its body at the deadline (a tick), on the fallback reservation.
-            let deadline = now_ns() + plugin.config.sidecar.timeout_ms * 1_000_000;
-            vm.borrow_mut().worker.streams.await_body(self.id, deadline);
-            return Action::Pause;
+        match headers.begun {
+            Some(begun) => carry_out(&vm, begun),
+            None => Action::Pause,
         }
-        self.begin(&vm, None)
     }
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
         let Some(vm) = self.vm.clone() else {
             return Action::Pause;
         };
-        if !vm.borrow().worker.streams.awaits_body(self.id) {
-            // Paused for the sidecar: the body waits with it (Envoy buffers it).
-            let held = vm.borrow().worker.holds(self.id);
-            return if held {
-                Action::Pause
-            } else {
-                Action::Continue
-            };
+        let body = {
+            let mut v = vm.borrow_mut();
+            let plugin = v.plugin.clone();
+            plugin
+                .flow()
+                .request_body(&mut v.worker, self.id, end_of_stream)
+        };
+        match body {
+            Body::Continue => Action::Continue,
+            Body::Pause => Action::Pause,
+            Body::Begin { max_bytes } => {
+                let body = (body_size <= max_bytes)
+                    .then(|| abi::buffer(BufferType::HttpRequestBody, body_size))
+                    .flatten();
+                let begun = {
+                    let mut v = vm.borrow_mut();
+                    let plugin = v.plugin.clone();
+                    let now = now_ns();
+                    plugin
+                        .flow()
+                        .begin(&mut v.worker, &HostRequest, self.id, body.as_deref(), now)
+                };
+                carry_out(&vm, begun)
+            }
         }
-        if !end_of_stream {
-            return Action::Pause; // Envoy buffers the body until its end
-        }
-        vm.borrow_mut().worker.streams.body_came(self.id);
-        let body = (body_size <= MAX_METERED_BYTES)
-            .then(|| abi::buffer(BufferType::HttpRequestBody, body_size))
-            .flatten();
-        self.begin(&vm, body)
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {

@@ -301,3 +301,59 @@ fn a_request_whose_body_does_not_come_by_its_deadline_is_decided_on_the_fallback
     );
     assert!(!g.worker.streams.awaits_body(1));
 }
+
+#[test]
+fn a_request_reserving_from_its_json_waits_for_its_whole_body_and_begins_with_it() {
+    let mut g = Gateway::new(config(|v| {
+        no_leases(v);
+        v["rules"][0]["cost"] = json!({"reserve_from_request_json": "max_tokens",
+            "reserve": 4096, "response_json": "usage.total_tokens"});
+    }));
+    let flow = Flow {
+        config: &g.config,
+        reads: &g.reads,
+        store: &g.store,
+        stats: &g.counts,
+    };
+    let headers = flow.request_headers(&mut g.worker, &alpha(), 1, false, T0);
+    // Its cost is read from the response's JSON body: asked for uncompressed.
+    assert_eq!((headers.identity, headers.begun), (true, None));
+    assert_eq!(flow.request_body(&mut g.worker, 1, false), Body::Pause);
+    let whole = flow.request_body(&mut g.worker, 1, true);
+    assert_eq!(
+        whole,
+        Body::Begin {
+            max_bytes: crate::costs::MAX_METERED_BYTES
+        }
+    );
+    let begun = flow.begin(
+        &mut g.worker,
+        &alpha(),
+        1,
+        Some(br#"{"max_tokens": 7}"#),
+        T0,
+    );
+    assert_eq!(begun, Begun::Wait { wake: true });
+    // Paused for the sidecar now: more body is held with it; another request's passes.
+    assert_eq!(flow.request_body(&mut g.worker, 1, true), Body::Pause);
+    assert_eq!(flow.request_body(&mut g.worker, 2, true), Body::Continue);
+    // Without a body (headers only) it begins at once.
+    let at_once = flow.request_headers(&mut g.worker, &alpha(), 3, true, T0);
+    assert_eq!(at_once.begun, Some(Begun::Wait { wake: false }));
+}
+
+#[test]
+fn the_emergency_buckets_are_put_in_shared_data_full_once() {
+    let g = Gateway::new(config(|v| {
+        v["rules"][0]["on_error"] = json!("local");
+        v["rules"][0]["emergency"] = json!({"capacity": 5, "refill_per_sec": 1});
+    }));
+    let key = crate::emergency::shared_key("per-app");
+    assert!(g.store.get(&key).0.is_none());
+    g.flow().prepare_emergency(T0);
+    let first = g.store.get(&key).0.expect("put there");
+    // Spent meanwhile by another worker: a second configuration leaves it as it is.
+    g.store.set(&key, b"spent", None).unwrap();
+    g.flow().prepare_emergency(T0 + S);
+    assert_ne!(g.store.get(&key).0.unwrap(), first);
+}
