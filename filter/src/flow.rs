@@ -16,6 +16,7 @@ mod answer;
 pub mod batch;
 pub mod link;
 mod response;
+mod root;
 mod start;
 pub mod streams;
 mod tick;
