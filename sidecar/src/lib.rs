@@ -11,6 +11,7 @@
 //! [`auth`] decides who may ask, [`listener`] accepts connections (TLS, HTTP/1.1 and HTTP/2).
 
 pub mod auth;
+pub mod calls;
 pub mod config;
 pub mod decide;
 pub mod grpc;
@@ -34,8 +35,8 @@ pub use config::Args;
 use tokio::net::TcpListener;
 
 use crate::auth::{Auth, AuthConfigError};
+use crate::calls::AppState;
 use crate::decide::Decider;
-use crate::http::AppState;
 use crate::listener::TlsConfigError;
 use crate::metrics::Metrics;
 use crate::policy::reload::PolicyHandle;
@@ -216,7 +217,7 @@ pub async fn serve(
         decider = decider.with_regional(shares);
         tracing::info!(%region, "regional shares of this region apply to regional rules");
     }
-    let (begin_stopping, stopping) = http::Stopping::new();
+    let (begin_stopping, stopping) = calls::Stopping::new();
     let state = Arc::new(AppState {
         decider: Arc::new(decider),
         metrics,

@@ -1,7 +1,7 @@
 //! The stream per worker ([`ratelimit_wire::stream`]): each worker of an Envoy opens one
 //! bidirectional gRPC stream and sends its coalesced batches, settlements, slot renewals and
 //! releases and epoch polls on it as calls; every call runs in a task of its own, as the HTTP
-//! endpoint of its kind does ([`crate::http::decide_call`] and its neighbours), and is answered on
+//! endpoint of its kind does ([`crate::calls::decide_call`] and its neighbours), and is answered on
 //! the stream with the call's id as soon as it is done, so one slow call holds up no other.
 //! Concurrent calls, of one stream or many, meet in the decider's merging of script calls as
 //! concurrent HTTP calls do.
@@ -27,7 +27,7 @@ use tonic::{Request, Response, Status, Streaming};
 use tonic_prost::ProstCodec;
 
 use crate::auth::Credential;
-use crate::http::{decide_call, epoch_call, settle_call, slots_call, Answered, AppState};
+use crate::calls::{decide_call, epoch_call, settle_call, slots_call, Answered, AppState};
 use crate::metrics::CallOutcome;
 use crate::store::BucketStore;
 

@@ -38,12 +38,13 @@ use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
 use prost::Message;
 use ratelimit_sidecar::auth::{self, Auth};
+use ratelimit_sidecar::calls::{AppState, Stopping};
 use ratelimit_sidecar::config::Secret;
 use ratelimit_sidecar::decide::{
     parse_request, DecideError, Decider, MAX_ERROR_BYTES, MAX_LEASE_TTL_MS,
 };
 use ratelimit_sidecar::grpc;
-use ratelimit_sidecar::http::{router, AppState, Stopping};
+use ratelimit_sidecar::http::router;
 use ratelimit_sidecar::keys::{
     bucket_key, cluster_slot, record_key, MAX_VALUE_BYTES as KEY_VALUE_BYTES,
 };

@@ -12,8 +12,9 @@ use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescript
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 use http_body_util::BodyExt;
 use prost::Message;
+use ratelimit_sidecar::calls::{AppState, Stopping};
 use ratelimit_sidecar::decide::Decider;
-use ratelimit_sidecar::http::{router, AppState, Stopping};
+use ratelimit_sidecar::http::router;
 use ratelimit_sidecar::metrics::Metrics;
 use ratelimit_sidecar::policy::reload::PolicyHandle;
 use ratelimit_sidecar::policy::{Bounds, Policy};

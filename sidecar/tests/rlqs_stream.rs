@@ -20,7 +20,7 @@ use http_body_util::BodyExt;
 use prost::Message;
 use ratelimit_sidecar::auth::{self, Auth};
 use ratelimit_sidecar::decide::Decider;
-use ratelimit_sidecar::http::Stopping;
+use ratelimit_sidecar::calls::Stopping;
 use ratelimit_sidecar::metrics::Metrics;
 use ratelimit_sidecar::policy::reload::PolicyHandle;
 use ratelimit_sidecar::policy::{Bounds, Policy};

@@ -8,8 +8,9 @@ use std::sync::Arc;
 
 use axum::http::uri::PathAndQuery;
 use prost::Message;
+use ratelimit_sidecar::calls::{AppState, Stopping};
 use ratelimit_sidecar::decide::Decider;
-use ratelimit_sidecar::http::{router, AppState, Stopping};
+use ratelimit_sidecar::http::router;
 use ratelimit_sidecar::metrics::Metrics;
 use ratelimit_sidecar::policy::reload::PolicyHandle;
 use ratelimit_sidecar::policy::{Bounds, Policy};
