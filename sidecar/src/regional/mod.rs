@@ -401,7 +401,7 @@ impl RegionalShares {
 /// Why a record read with the run_id `live` of the Redis answering is not trusted, if it is not:
 /// stamped by another process (that Redis restarted or failed over since the write, and may hold
 /// an older record), or unstamped and older than `highest_seen`.
-fn suspicion(r: &record::ShareRecord, live: &str, highest_seen: u64) -> Option<String> {
+fn suspicion(r: &record::StoredShare, live: &str, highest_seen: u64) -> Option<String> {
     match &r.run_id {
         Some(writer) if !r.written_by(live) => Some(format!(
             "version {} was written by Redis run_id {writer}, not by the process answering \

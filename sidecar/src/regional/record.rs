@@ -32,9 +32,11 @@ pub fn default_lease_ms() -> u64 {
     Params::default().lease_ms
 }
 
-/// A share record as read.
+/// A share record as a region's store holds it, as read: the plan's share and version
+/// (`ratelimit_regions::ShareRecord`, what the rebalancer writes) with what the store keeps beside
+/// them.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ShareRecord {
+pub struct StoredShare {
     pub version: u64,
     pub share: Share,
     pub lease_ms: u64,
@@ -44,7 +46,7 @@ pub struct ShareRecord {
     pub run_id: Option<String>,
 }
 
-impl ShareRecord {
+impl StoredShare {
     /// Whether the record was written by the Redis process now answering (`live_run_id`), so it
     /// is the last one written there: a process that restarted from a snapshot, or a replica
     /// promoted after a failover, may hold an older record than the rebalancer last wrote. An
@@ -77,7 +79,7 @@ pub fn parse_read(reply: redis::Value) -> Result<(Vec<(String, String)>, String)
 
 /// Parses the fields of a record (`HGETALL`): `Ok(None)` when there is none, `Err` naming what is
 /// wrong with one that cannot be trusted.
-pub fn parse(fields: &[(String, String)]) -> Result<Option<ShareRecord>, String> {
+pub fn parse(fields: &[(String, String)]) -> Result<Option<StoredShare>, String> {
     if fields.is_empty() {
         return Ok(None);
     }
@@ -134,7 +136,7 @@ pub fn parse(fields: &[(String, String)]) -> Result<Option<ShareRecord>, String>
         .find(|(k, _)| k == "run_id")
         .map(|(_, v)| v.clone())
         .filter(|v| !v.is_empty());
-    Ok(Some(ShareRecord {
+    Ok(Some(StoredShare {
         version,
         share,
         lease_ms,

@@ -19,7 +19,7 @@ use std::sync::Arc;
 
 use ratelimit_regions::ShareHistory;
 
-use crate::regional::record::ShareRecord;
+use crate::regional::record::StoredShare;
 use ratelimit_wire::Reason;
 
 pub use self::redis::script::Script;
@@ -426,7 +426,7 @@ pub const DEFAULT_KEY_PREFIX: &str = "rl:";
 pub trait ShareStore: Send + Sync + 'static {
     /// The share record of regional rule `rule` of `domain`, none when there is none, with the
     /// process that answered (read together): a record stamped by another process may be older
-    /// than the last one written ([`ShareRecord::written_by`]). A record that cannot be read is
+    /// than the last one written ([`StoredShare::written_by`]). A record that cannot be read is
     /// an error naming why. Bounded like every call.
     fn read_share(
         &self,
@@ -447,7 +447,7 @@ pub trait ShareStore: Send + Sync + 'static {
 /// A read of a share record ([`ShareStore::read_share`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ShareRead {
-    pub record: Option<ShareRecord>,
+    pub record: Option<StoredShare>,
     /// The id of the store process that answered (Redis's `run_id`).
     pub answered_by: String,
 }

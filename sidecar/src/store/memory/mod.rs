@@ -24,7 +24,7 @@ use super::{
     SlotsTaken, Status, StoreError, StoreReset, Work, SHARE_MARGIN_MS,
 };
 use crate::keys::{record_key, settle_record_key};
-use crate::regional::record::ShareRecord;
+use crate::regional::record::StoredShare;
 
 mod script_run;
 mod settle;
@@ -90,7 +90,7 @@ struct Inner {
     buckets: HashMap<Arc<str>, Stored>,
     records: HashMap<String, (Vec<Recorded>, u64)>,
     /// Regional share records by (domain, rule): a record, or why it cannot be read.
-    shares: HashMap<(String, String), Result<ShareRecord, String>>,
+    shares: HashMap<(String, String), Result<StoredShare, String>>,
     /// Regional demand counters by (domain, rule): admitted and rejected tokens.
     demand: HashMap<(String, String), (u64, u64)>,
     /// The store's epoch marker (`--store-reset empty`).
@@ -196,7 +196,7 @@ impl MemoryStore {
     }
 
     /// Replaces the share record of `rule` of `domain`: a record, none, or why it cannot be read.
-    pub fn set_share(&self, domain: &str, rule: &str, record: Result<Option<ShareRecord>, String>) {
+    pub fn set_share(&self, domain: &str, rule: &str, record: Result<Option<StoredShare>, String>) {
         let id = (domain.to_string(), rule.to_string());
         let mut inner = self.inner.lock().expect("not poisoned");
         match record.transpose() {
