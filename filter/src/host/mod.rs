@@ -206,6 +206,14 @@ struct Request {
     vm: Option<SharedVm>,
 }
 
+/// Runs `f` over the flow, the worker and the time, the worker borrowed only meanwhile (no host
+/// call in `f` calls back into the VM: it reads the request and shared data only).
+fn with_worker<T>(vm: &SharedVm, f: impl FnOnce(&Flow<'_>, &mut Worker, u64) -> T) -> T {
+    let mut v = vm.borrow_mut();
+    let plugin = v.plugin.clone();
+    f(&plugin.flow(), &mut v.worker, now_ns())
+}
+
 /// Carries out what the current request's own event came to (with a wake-up of the root when
 /// it waits: the root sends, as it owns the stream, and `on_queue_ready` runs right after this
 /// event).
@@ -237,14 +245,9 @@ impl HttpContext for Request {
             send(&verdict::unavailable());
             return Action::Pause;
         };
-        let headers = {
-            let mut v = vm.borrow_mut();
-            let plugin = v.plugin.clone();
-            let now = now_ns();
-            plugin
-                .flow()
-                .request_headers(&mut v.worker, &HostRequest, self.id, end_of_stream, now)
-        };
+        let headers = with_worker(&vm, |flow, worker, now| {
+            flow.request_headers(worker, &HostRequest, self.id, end_of_stream, now)
+        });
         if headers.identity {
             // The real cost is read from the response's body: it must come uncompressed.
             if let Err(status) =
@@ -263,13 +266,9 @@ impl HttpContext for Request {
         let Some(vm) = self.vm.clone() else {
             return Action::Pause;
         };
-        let body = {
-            let mut v = vm.borrow_mut();
-            let plugin = v.plugin.clone();
-            plugin
-                .flow()
-                .request_body(&mut v.worker, self.id, end_of_stream)
-        };
+        let body = with_worker(&vm, |flow, worker, _| {
+            flow.request_body(worker, self.id, end_of_stream)
+        });
         match body {
             Body::Continue => Action::Continue,
             Body::Pause => Action::Pause,
@@ -277,14 +276,9 @@ impl HttpContext for Request {
                 let body = (body_size <= max_bytes)
                     .then(|| abi::buffer(BufferType::HttpRequestBody, body_size))
                     .flatten();
-                let begun = {
-                    let mut v = vm.borrow_mut();
-                    let plugin = v.plugin.clone();
-                    let now = now_ns();
-                    plugin
-                        .flow()
-                        .begin(&mut v.worker, &HostRequest, self.id, body.as_deref(), now)
-                };
+                let begun = with_worker(&vm, |flow, worker, now| {
+                    flow.begin(worker, &HostRequest, self.id, body.as_deref(), now)
+                });
                 carry_out(&vm, begun)
             }
         }
@@ -294,14 +288,12 @@ impl HttpContext for Request {
         let Some(vm) = &self.vm else {
             return Action::Continue;
         };
-        let plugin = vm.borrow().plugin.clone();
         let read = |name: &str| abi::header_map_value(MapType::HttpResponseHeaders, name);
-        let headers = vm.borrow_mut().worker.streams.response_headers(
-            &plugin.flow(),
-            self.id,
-            end_of_stream,
-            &read,
-        );
+        let headers = with_worker(vm, |flow, worker, _| {
+            worker
+                .streams
+                .response_headers(flow, self.id, end_of_stream, &read)
+        });
         for (name, value) in headers {
             if let Err(status) = abi::replace_header(MapType::HttpResponseHeaders, &name, &value) {
                 debug!("ratelimit filter: cannot set response header {name:?}: status {status}");
@@ -322,13 +314,11 @@ impl HttpContext for Request {
             .then(|| abi::buffer(BufferType::HttpResponseBody, body_size))
             .flatten()
             .unwrap_or_default();
-        let plugin = vm.borrow().plugin.clone();
-        vm.borrow_mut().worker.streams.response_body(
-            &plugin.flow(),
-            self.id,
-            &chunk,
-            end_of_stream,
-        );
+        with_worker(vm, |flow, worker, _| {
+            worker
+                .streams
+                .response_body(flow, self.id, &chunk, end_of_stream)
+        });
         Action::Continue
     }
 }
