@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use ratelimit_sidecar::regional::record::{self, ShareRecord, ShareWrite};
+use ratelimit_sidecar::regional::record::{self, ShareWrite, StoredShare};
 use redis::aio::ConnectionManager;
 use redis::{Cmd, TlsCertificates, Value};
 use tokio::sync::Mutex;
@@ -128,8 +128,8 @@ impl Region {
     }
 
     /// The share record at `key` (`None`: there is none yet), and whether the Redis process that
-    /// answered wrote it ([`ShareRecord::written_by`]: `false` after a restart or a failover).
-    pub async fn read_record(&self, key: &str) -> Result<Option<(ShareRecord, bool)>, RegionError> {
+    /// answered wrote it ([`StoredShare::written_by`]: `false` after a restart or a failover).
+    pub async fn read_record(&self, key: &str) -> Result<Option<(StoredShare, bool)>, RegionError> {
         let (fields, live_run_id) = record::parse_read(self.query(record::read_cmd(key)).await?)
             .map_err(|e| self.error(format!("{key}: {e}")))?;
         let parsed = record::parse(&fields).map_err(|message| RegionError::Data {

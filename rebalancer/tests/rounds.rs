@@ -69,7 +69,7 @@ fn seed(redis: &Redis, share: f64) {
     let _: (u64, u64) = w.cmd(SHARE).query(&mut redis.connection()).unwrap();
 }
 
-fn read(redis: &Redis) -> record::ShareRecord {
+fn read(redis: &Redis) -> record::StoredShare {
     let fields: Vec<(String, String)> = redis::cmd("HGETALL")
         .arg(SHARE)
         .query(&mut redis.connection())
@@ -242,7 +242,7 @@ async fn one_rebalancer_at_a_time_leads_a_rule() {
     first.round().await.expect("leading");
     assert_eq!(
         read(&us),
-        record::ShareRecord {
+        record::StoredShare {
             version: 1,
             share: Share::from_fraction(0.5).unwrap(),
             lease_ms: LEASE_MS,
