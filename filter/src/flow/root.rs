@@ -77,7 +77,7 @@ impl Flow<'_> {
             self.resolve_paused(&mut t, ctx, Err(LimiterError::NoAnswer), None, now_ns);
         }
         for flight in t.worker.queue.overdue_flights(now_ns) {
-            self.settle_flight(&mut t, flight, Err(LimiterError::NoAnswer));
+            self.answer_flight(&mut t, flight, Err(LimiterError::NoAnswer));
         }
         for (kind, pending) in t.worker.side.overdue(now_ns) {
             self.side_answered(&mut t, kind, pending, Reply::none());
@@ -116,7 +116,7 @@ impl Flow<'_> {
             return t.out;
         };
         let answers = verdict::parse_answer(Some(&status), &answer.body, flight.requests.len());
-        self.settle_flight(&mut t, flight, answers);
+        self.answer_flight(&mut t, flight, answers);
         self.send_batches(&mut t);
         t.out
     }
@@ -153,7 +153,7 @@ impl Flow<'_> {
             );
         }
         for flight in t.worker.queue.all_flights() {
-            self.settle_flight(t, flight, Err(LimiterError::NoAnswer));
+            self.answer_flight(t, flight, Err(LimiterError::NoAnswer));
         }
         for (kind, pending) in t.worker.side.all() {
             self.side_answered(t, kind, pending, Reply::none());
@@ -213,9 +213,9 @@ impl Flow<'_> {
         }
     }
 
-    /// Settles the requests `flight` carried by `answers` (or why there are none: a call that
+    /// Answers the requests `flight` carried by `answers` (or why there are none: a call that
     /// gets no answer, as its stream closed or its deadline passed).
-    fn settle_flight(
+    fn answer_flight(
         &self,
         t: &mut Turn<'_>,
         flight: Flight,
