@@ -32,6 +32,7 @@ mod redact;
 pub mod script;
 pub mod sentinel;
 pub mod settle;
+mod share;
 mod slot_map;
 pub mod slots;
 #[cfg(test)]
@@ -55,11 +56,10 @@ use self::script::{parse_apply, Script, ScriptArgs};
 pub use self::slot_map::SlotMap;
 use super::{
     Applied, BucketStore, Call, Decided, Group, Readiness, RequestOutcome, SettleBatch, Settled,
-    Settlement, ShareRead, ShareStore, Slot, SlotUpdate, SlotsTaken, StoreError, StoreReset, Work,
+    Settlement, Slot, SlotUpdate, SlotsTaken, StoreError, StoreReset, Work,
 };
-use crate::keys::{bucket_key, cluster_slot, demand_key, share_key};
+use crate::keys::{bucket_key, cluster_slot};
 use crate::metrics::Metrics;
-use crate::regional::record;
 
 /// A Redis node, as calls are grouped: the primary's address on a Cluster (or `slot:<n>` while
 /// the slot map is unknown), `primary` otherwise.
@@ -537,38 +537,6 @@ impl Nodes for RedisStore {
             Value::Array(v) if v.len() == 1 => Ok(matches!(v[0], Value::Int(1))),
             other => Err(StoreError::Reply(format!("refund reply {other:?}"))),
         }
-    }
-}
-
-impl ShareStore for RedisStore {
-    async fn read_share(&self, domain: &str, rule: &str) -> Result<ShareRead, StoreError> {
-        let key = share_key(&self.inner.options.key_prefix, domain, rule);
-        let v = self.bounded(self.query(record::read_cmd(&key))).await?;
-        let (fields, answered_by) =
-            record::parse_read(v).map_err(|e| StoreError::Reply(format!("{key}: {e}")))?;
-        let record =
-            record::parse(&fields).map_err(|e| StoreError::Reply(format!("{key}: {e}")))?;
-        Ok(ShareRead {
-            record,
-            answered_by,
-        })
-    }
-
-    async fn add_demand(
-        &self,
-        domain: &str,
-        rule: &str,
-        admitted: u64,
-        rejected: u64,
-    ) -> Result<(), StoreError> {
-        let key = demand_key(&self.inner.options.key_prefix, domain, rule);
-        let counters = [(record::ADMITTED, admitted), (record::REJECTED, rejected)];
-        for (field, n) in counters.into_iter().filter(|(_, n)| *n > 0) {
-            let mut cmd = redis::cmd("HINCRBY");
-            cmd.arg(&key).arg(field).arg(n);
-            self.bounded(self.query(cmd)).await?;
-        }
-        Ok(())
     }
 }
 
