@@ -66,8 +66,8 @@ impl Stats for Metrics {
 }
 
 thread_local! {
-    /// Counter increments held back while a root event is worked through ([`counting`]). one
-    /// host call per counter and callout instead of several per request.
+    /// Counter increments held back while a root event is worked through ([`counting`]): one
+    /// host call per counter and event instead of several per request.
     static HELD: RefCell<Option<Vec<(u32, i64)>>> = const { RefCell::new(None) };
 }
 
