@@ -7,6 +7,8 @@ use ratelimit_wire::stream::{Answer, Call, Kind};
 use ratelimit_wire::DecideResponse;
 
 use super::*;
+#[cfg(target_arch = "wasm32")]
+use wasm_bindgen_test::wasm_bindgen_test as test;
 
 /// The host of these tests: a stream that opens as `token` 1, 2, ... (unless `refuse_open`),
 /// the calls sent on it, and the paused requests it can switch to (a request in `gone` went away).
