@@ -2,6 +2,8 @@
 //! over it is refused from its length prefix (OUT_OF_RANGE), before it is read or decoded, and
 //! nothing reaches the store. In-process, on the router over a `MemoryStore`.
 
+mod support;
+
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -12,12 +14,8 @@ use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescript
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 use http_body_util::BodyExt;
 use prost::Message;
-use ratelimit_sidecar::calls::{AppState, Stopping};
-use ratelimit_sidecar::decide::Decider;
+use ratelimit_sidecar::calls::Stopping;
 use ratelimit_sidecar::http::router;
-use ratelimit_sidecar::metrics::Metrics;
-use ratelimit_sidecar::policy::reload::PolicyHandle;
-use ratelimit_sidecar::policy::{Bounds, Policy};
 use ratelimit_sidecar::store::memory::MemoryStore;
 use tower::ServiceExt;
 
@@ -25,25 +23,10 @@ const MAX_BODY_BYTES: usize = 4096;
 const PATH: &str = "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit";
 
 fn app() -> (axum::Router, Arc<MemoryStore>) {
-    let metrics = Arc::new(Metrics::new());
-    let policy = Policy::from_sources(
-        &[(
-            "limits.yaml".into(),
-            "rules: {per-app: {capacity: 1000, refill_per_sec: 1}}".into(),
-        )],
-        &Bounds::default(),
-    )
-    .expect("a valid policy");
-    let store = Arc::new(MemoryStore::new(1_700_000_000_000_000, 0.1, 10_000));
-    let state = Arc::new(AppState {
-        decider: Arc::new(Decider::new(
-            store.clone(),
-            PolicyHandle::fixed(policy, metrics.clone()),
-            metrics.clone(),
-        )),
-        metrics,
-        stopping: Stopping::never(),
-    });
+    let (state, store) = support::memory_state(
+        "rules: {per-app: {capacity: 1000, refill_per_sec: 1}}",
+        Stopping::never(),
+    );
     (router(state, MAX_BODY_BYTES), store)
 }
 

@@ -2,6 +2,8 @@
 //! read, and a stream whose bearer token was rotated out ends. The same through real Envoys:
 //! tests/tests/rlqs.rs.
 
+mod support;
+
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
@@ -19,14 +21,10 @@ use futures::StreamExt;
 use http_body_util::BodyExt;
 use prost::Message;
 use ratelimit_sidecar::auth::{self, Auth};
-use ratelimit_sidecar::decide::Decider;
 use ratelimit_sidecar::calls::Stopping;
 use ratelimit_sidecar::metrics::Metrics;
-use ratelimit_sidecar::policy::reload::PolicyHandle;
-use ratelimit_sidecar::policy::{Bounds, Policy};
 use ratelimit_sidecar::rlqs::plan::Timing;
 use ratelimit_sidecar::rlqs::{RlqsApi, RlqsSettings};
-use ratelimit_sidecar::store::memory::MemoryStore;
 use tower::ServiceExt;
 
 const PATH: &str = "/envoy.service.rate_limit_quota.v3.RateLimitQuotaService/StreamRateLimitQuotas";
@@ -37,21 +35,9 @@ fn app(renew_ms: u64) -> (axum::Router, Arc<Metrics>) {
 }
 
 fn app_stopping_on(renew_ms: u64, stopping: Stopping) -> (axum::Router, Arc<Metrics>) {
-    let metrics = Arc::new(Metrics::new());
-    let policy = Policy::from_sources(
-        &[(
-            "limits.yaml".into(),
-            "domain: ratelimit\nrules: {per-ip: {capacity: 1000, refill_per_sec: 100}}".into(),
-        )],
-        &Bounds::default(),
-    )
-    .expect("a valid policy");
-    let store = Arc::new(MemoryStore::new(1_700_000_000_000_000, 0.1, 10_000));
-    let decider = Arc::new(Decider::new(
-        store,
-        PolicyHandle::fixed(policy, metrics.clone()),
-        metrics.clone(),
-    ));
+    let (decider, _, metrics) = support::memory_decider(
+        "domain: ratelimit\nrules: {per-ip: {capacity: 1000, refill_per_sec: 100}}",
+    );
     let settings = RlqsSettings {
         timing: Timing {
             ttl_s: 3,

@@ -4,17 +4,12 @@
 //! unknown kind gets a 400 of its own and the stream carries on; a message over
 //! `--max-body-bytes` ends the stream; when the sidecar begins to stop, the stream ends.
 
-use std::sync::Arc;
+mod support;
 
 use axum::http::uri::PathAndQuery;
 use prost::Message;
-use ratelimit_sidecar::calls::{AppState, Stopping};
-use ratelimit_sidecar::decide::Decider;
+use ratelimit_sidecar::calls::Stopping;
 use ratelimit_sidecar::http::router;
-use ratelimit_sidecar::metrics::Metrics;
-use ratelimit_sidecar::policy::reload::PolicyHandle;
-use ratelimit_sidecar::policy::{Bounds, Policy};
-use ratelimit_sidecar::store::memory::MemoryStore;
 use ratelimit_wire::stream::{Answer, Call, Kind, STREAM_PATH};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
@@ -26,26 +21,11 @@ const MAX_BODY_BYTES: usize = 4096;
 
 /// The router on a loopback listener, and the sender of its "stopping" signal.
 async fn serve() -> (String, tokio::sync::watch::Sender<bool>) {
-    let metrics = Arc::new(Metrics::new());
-    let policy = Policy::from_sources(
-        &[(
-            "limits.yaml".into(),
-            "rules: {per-app: {capacity: 2, refill_per_sec: 0.001}}".into(),
-        )],
-        &Bounds::default(),
-    )
-    .expect("a valid policy");
-    let store = Arc::new(MemoryStore::new(1_700_000_000_000_000, 0.1, 10_000));
     let (stop, stopping) = Stopping::new();
-    let state = Arc::new(AppState {
-        decider: Arc::new(Decider::new(
-            store,
-            PolicyHandle::fixed(policy, metrics.clone()),
-            metrics.clone(),
-        )),
-        metrics,
+    let (state, _) = support::memory_state(
+        "rules: {per-app: {capacity: 2, refill_per_sec: 0.001}}",
         stopping,
-    });
+    );
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let app = router(state, MAX_BODY_BYTES);

@@ -4,10 +4,17 @@
 #![allow(dead_code)]
 
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
 use ratelimit_e2e::Redis;
+use ratelimit_sidecar::calls::{AppState, Stopping};
+use ratelimit_sidecar::decide::Decider;
+use ratelimit_sidecar::metrics::Metrics;
+use ratelimit_sidecar::policy::reload::PolicyHandle;
+use ratelimit_sidecar::policy::{Bounds, Policy};
+use ratelimit_sidecar::store::memory::MemoryStore;
 use ratelimit_sidecar::Args;
 use serde_json::{json, Value};
 
@@ -243,4 +250,30 @@ pub fn store_state(redis: &mut impl redis::ConnectionLike, key: &str, tokens: f6
 /// A name unique to this test run, so tests may share nothing and run twice in a row.
 pub fn unique(name: &str) -> String {
     format!("{name}-{:x}", rand::random::<u64>())
+}
+
+/// A decider over a store in memory (no Redis) with one policy file, `limits.yaml` holding
+/// `yaml`; with the store and the metrics it counts into. For the routers tests serve in-process.
+pub fn memory_decider(yaml: &str) -> (Arc<Decider<MemoryStore>>, Arc<MemoryStore>, Arc<Metrics>) {
+    let metrics = Arc::new(Metrics::new());
+    let policy = Policy::from_sources(&[("limits.yaml".into(), yaml.into())], &Bounds::default())
+        .expect("a valid policy");
+    let store = Arc::new(MemoryStore::new(1_700_000_000_000_000, 0.1, 10_000));
+    let handle = PolicyHandle::fixed(policy, metrics.clone());
+    let decider = Arc::new(Decider::new(store.clone(), handle, metrics.clone()));
+    (decider, store, metrics)
+}
+
+/// The handlers' state over [`memory_decider`], stopping on `stopping`.
+pub fn memory_state(
+    yaml: &str,
+    stopping: Stopping,
+) -> (Arc<AppState<MemoryStore>>, Arc<MemoryStore>) {
+    let (decider, store, metrics) = memory_decider(yaml);
+    let state = AppState {
+        decider,
+        metrics,
+        stopping,
+    };
+    (Arc::new(state), store)
 }
