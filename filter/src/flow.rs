@@ -17,11 +17,13 @@ pub mod batch;
 pub mod link;
 mod response;
 mod root;
+mod setup;
 mod start;
 pub mod streams;
 mod tick;
 mod worker;
 
+pub use setup::{Setup, Tally};
 pub use worker::{Begun, Body, Carry, Headers, Host, Worker};
 
 use std::collections::BTreeMap;

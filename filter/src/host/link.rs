@@ -12,22 +12,6 @@ use super::{abi, HostRequest, Plugin};
 use crate::flow::{Host, RequestView};
 use crate::verdict::LimiterError;
 
-/// Envoy's `GrpcService` naming the cluster (`envoy_grpc`), as `open_grpc_stream` takes it: the
-/// authority travels in it.
-#[derive(Clone, PartialEq, Message)]
-struct GrpcService {
-    #[prost(message, optional, tag = "1")]
-    envoy_grpc: Option<EnvoyGrpc>,
-}
-
-#[derive(Clone, PartialEq, Message)]
-struct EnvoyGrpc {
-    #[prost(string, tag = "1")]
-    cluster_name: String,
-    #[prost(string, tag = "2")]
-    authority: String,
-}
-
 /// The host as the worker needs it in the middle of a root event.
 pub struct HostIo<'a> {
     plugin: &'a Plugin,
@@ -66,26 +50,16 @@ impl Host for HostIo<'_> {
 }
 
 fn open(plugin: &Plugin) -> Result<u32, LimiterError> {
-    let sidecar = &plugin.config.sidecar;
-    let service = GrpcService {
-        envoy_grpc: Some(EnvoyGrpc {
-            cluster_name: sidecar.cluster.clone(),
-            authority: sidecar.authority().to_string(),
-        }),
-    }
-    .encode_to_vec();
-    // The SDK takes the service as text: the encoded message is ASCII while the names are
-    // shorter than 128 bytes; past that Envoy is given the cluster's name, which it also takes.
-    let upstream = String::from_utf8(service).unwrap_or_else(|_| sidecar.cluster.clone());
     let mut metadata: Vec<(&str, &[u8])> = Vec::new();
-    if let Some(a) = &plugin.authorization {
+    if let Some(a) = &plugin.setup.authorization {
         metadata.push(("authorization", a.as_bytes()));
     }
+    let upstream = plugin.setup.grpc_service();
     let token = hostcalls::open_grpc_stream(&upstream, STREAM_SERVICE, STREAM_METHOD, metadata)
         .map_err(|status| {
             LimiterError::Dispatch(format!(
                 "cannot open the stream to the sidecar: {status:?} (is cluster {:?} defined, with HTTP/2?)",
-                sidecar.cluster
+                plugin.setup.config.sidecar.cluster
             ))
         })?;
     debug!("ratelimit filter: opened the stream to the sidecar ({token})");

@@ -31,8 +31,7 @@ use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType};
 use ratelimit_wire::stream::Answer;
 
 use crate::clock;
-use crate::config::Config;
-use crate::flow::{Begun, Body, Carry, Flow, RequestReads, Worker};
+use crate::flow::{Begun, Body, Carry, Flow, Setup, Stats, Tally, Worker};
 use crate::verdict::{self, MAX_ANSWER_BYTES};
 use facts::{clock_kind, now_ns, send, HostRequest, HostShared};
 use link::HostIo;
@@ -45,22 +44,19 @@ proxy_wasm::main! {{
     });
 }}
 
-/// The validated configuration and what is derived from it once.
+/// The configuration and the stats it defined.
 struct Plugin {
-    config: Config,
-    reads: RequestReads,
+    setup: Setup,
     metrics: Metrics,
-    /// `authorization` metadata of the stream, if a token is configured.
-    authorization: Option<String>,
 }
 
 impl Plugin {
-    fn flow(&self) -> Flow<'_> {
+    fn flow<'a>(&'a self, stats: &'a dyn Stats) -> Flow<'a> {
         Flow {
-            config: &self.config,
-            reads: &self.reads,
+            config: &self.setup.config,
+            reads: &self.setup.reads,
             store: &HostShared,
-            stats: &self.metrics,
+            stats,
         }
     }
 }
@@ -107,21 +103,14 @@ impl Context for Root {
 impl RootContext for Root {
     fn on_configure(&mut self, _plugin_configuration_size: usize) -> bool {
         let bytes = abi::buffer(BufferType::PluginConfiguration, usize::MAX).unwrap_or_default();
-        let config = match Config::from_json(&bytes) {
-            Ok(config) => config,
+        let setup = match Setup::from_json(&bytes, |var| std::env::var(var).ok()) {
+            Ok(setup) => setup,
             Err(e) => {
                 error!("ratelimit filter: invalid configuration: {e}");
                 return false;
             }
         };
-        let authorization = match config.sidecar.authorization(|var| std::env::var(var).ok()) {
-            Ok(a) => a,
-            Err(e) => {
-                error!("ratelimit filter: invalid configuration: {e}");
-                return false;
-            }
-        };
-        let metrics = match Metrics::define(&config) {
+        let metrics = match Metrics::define(&setup.config) {
             Ok(m) => m,
             Err(status) => {
                 error!("ratelimit filter: cannot define stats: status {status}");
@@ -137,7 +126,7 @@ impl RootContext for Root {
                 return false;
             }
         };
-        for warning in config.retired_fields() {
+        for warning in setup.config.retired_fields() {
             warn!("ratelimit filter: {warning}");
         }
         let clock = clock_kind();
@@ -145,22 +134,11 @@ impl RootContext for Root {
         if clock == clock::Kind::Wall {
             warn!("ratelimit filter: the host has no monotonic clock; deadlines follow its wall clock, which a step moves (docs/fast-paths.md#the-clock)");
         }
-        info!(
-            "ratelimit filter: configured {} rules in domain {:?}, sidecar cluster {:?}, timeout {} ms, coalescing {}, clock {clock:?}",
-            config.rules.len(),
-            config.domain,
-            config.sidecar.cluster,
-            config.sidecar.timeout_ms,
-            config.fast_paths.coalesce
-        );
-        let plugin = Rc::new(Plugin {
-            reads: RequestReads::of(&config),
-            config,
-            metrics,
-            authorization,
-        });
-        plugin.flow().prepare_emergency(now);
-        if let Some(tick_ms) = plugin.flow().tick_period_ms() {
+        info!("ratelimit filter: {}, clock {clock:?}", setup.summary());
+        let plugin = Rc::new(Plugin { setup, metrics });
+        let flow = plugin.flow(&plugin.metrics);
+        flow.prepare_emergency(now);
+        if let Some(tick_ms) = flow.tick_period_ms() {
             let _ = hostcalls::set_tick_period(Duration::from_millis(tick_ms));
         }
         self.vm = Some(Rc::new(RefCell::new(Vm {
@@ -211,7 +189,7 @@ struct Request {
 fn with_worker<T>(vm: &SharedVm, f: impl FnOnce(&Flow<'_>, &mut Worker, u64) -> T) -> T {
     let mut v = vm.borrow_mut();
     let plugin = v.plugin.clone();
-    f(&plugin.flow(), &mut v.worker, now_ns())
+    f(&plugin.flow(&plugin.metrics), &mut v.worker, now_ns())
 }
 
 /// Carries out what the current request's own event came to (with a wake-up of the root when
@@ -333,45 +311,47 @@ impl Drop for Request {
             return;
         };
         let plugin = v.plugin.clone();
-        plugin.flow().ended(&mut v.worker, self.id, now_ns());
+        plugin
+            .flow(&plugin.metrics)
+            .ended(&mut v.worker, self.id, now_ns());
     }
 }
 
 /// Works an event of the root through the worker (`event` gets the flow, the worker, the host and
 /// the time), then carries out the verdicts it came to, each in its request's context, once the
 /// worker is no longer borrowed (a reply or a resume can call back into the VM); the counters it
-/// increments are added once per event ([`stats::counting`]).
+/// increments are added once per event ([`Tally`]).
 fn root_event(
     vm: &SharedVm,
     event: impl FnOnce(&Flow<'_>, &mut Worker, &mut HostIo<'_>, u64) -> Vec<Carry>,
 ) {
-    stats::counting(|| {
-        let (plugin, root) = {
-            let v = vm.borrow();
-            (v.plugin.clone(), v.root_id)
+    let (plugin, root) = {
+        let v = vm.borrow();
+        (v.plugin.clone(), v.root_id)
+    };
+    let tally = Tally::new(&plugin.metrics);
+    let carries = {
+        let mut v = vm.borrow_mut();
+        let mut io = HostIo::new(&plugin, root);
+        event(&plugin.flow(&tally), &mut v.worker, &mut io, now_ns())
+    };
+    tally.finish();
+    for carry in carries {
+        let (ctx, reply) = match carry {
+            Carry::Resume(ctx) => (ctx, None),
+            Carry::Reply(ctx, reply) => (ctx, Some(reply)),
         };
-        let carries = {
-            let mut v = vm.borrow_mut();
-            let mut io = HostIo::new(&plugin, root);
-            event(&plugin.flow(), &mut v.worker, &mut io, now_ns())
-        };
-        for carry in carries {
-            let (ctx, reply) = match carry {
-                Carry::Resume(ctx) => (ctx, None),
-                Carry::Reply(ctx, reply) => (ctx, Some(reply)),
-            };
-            if abi::set_effective_context(ctx).is_err() {
-                continue; // gone meanwhile
-            }
-            match reply {
-                Some(reply) => send(&reply),
-                None => {
-                    if let Err(status) = abi::resume_http_request() {
-                        error!("ratelimit filter: cannot resume the request: status {status}");
-                    }
+        if abi::set_effective_context(ctx).is_err() {
+            continue; // gone meanwhile
+        }
+        match reply {
+            Some(reply) => send(&reply),
+            None => {
+                if let Err(status) = abi::resume_http_request() {
+                    error!("ratelimit filter: cannot resume the request: status {status}");
                 }
             }
         }
-        let _ = abi::set_effective_context(root);
-    });
+    }
+    let _ = abi::set_effective_context(root);
 }

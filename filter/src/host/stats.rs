@@ -1,8 +1,6 @@
 //! The filter's stats in Envoy: their definitions (`<stat_prefix>.<name>`, once per VM; what each
-//! counts: docs/observability.md), the request flow's [`Stats`] sink, and counter increments held
-//! back while a root event is worked through ([`counting`]).
-
-use std::cell::RefCell;
+//! counts: docs/observability.md) and the request flow's [`Stats`] sink (a root event's counters
+//! reach it summed, through [`crate::flow::Tally`]).
 
 use proxy_wasm::types::MetricType;
 
@@ -52,7 +50,7 @@ impl Metrics {
 impl Stats for Metrics {
     fn add(&self, stat: Stat, n: u64) {
         if let Some(&metric) = stat.index(self.rules).and_then(|i| self.counters.get(i)) {
-            add(metric, i64::try_from(n).unwrap_or(i64::MAX));
+            let _ = abi::increment_metric(metric, i64::try_from(n).unwrap_or(i64::MAX));
         }
     }
 
@@ -63,39 +61,4 @@ impl Stats for Metrics {
         };
         let _ = abi::record_metric(id, value);
     }
-}
-
-thread_local! {
-    /// Counter increments held back while a root event is worked through ([`counting`]): one
-    /// host call per counter and event instead of several per request.
-    static HELD: RefCell<Option<Vec<(u32, i64)>>> = const { RefCell::new(None) };
-}
-
-/// Adds `n` to a counter, now or (inside [`counting`]) when the batch is settled.
-fn add(metric: u32, n: i64) {
-    let held = HELD.with(|h| match h.borrow_mut().as_mut() {
-        Some(held) => {
-            match held.iter_mut().find(|(m, _)| *m == metric) {
-                Some((_, sum)) => *sum += n,
-                None => held.push((metric, n)),
-            }
-            true
-        }
-        None => false,
-    });
-    if !held {
-        let _ = abi::increment_metric(metric, n);
-    }
-}
-
-/// Runs `f` with the counters it increments held back, then adds each counter's sum at once
-/// (to an enclosing `counting`, if any).
-pub fn counting<T>(f: impl FnOnce() -> T) -> T {
-    let outer = HELD.with(|h| h.borrow_mut().replace(Vec::new()));
-    let out = f();
-    let held = HELD.with(|h| std::mem::replace(&mut *h.borrow_mut(), outer));
-    for (metric, n) in held.unwrap_or_default() {
-        add(metric, n);
-    }
-    out
 }
