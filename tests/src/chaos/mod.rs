@@ -8,8 +8,8 @@
 //!
 //! - [`schedule`]: the seed's plan (store policy, faults, reloads), the same for the same seed;
 //! - [`topology`]: the processes (Redis, its replica and Sentinels, sidecars, wasm Envoys behind
-//!   relays, an Envoy with the native rate limit filter, the recording upstream) and the hands
-//!   the nemesis breaks them with;
+//!   relays, an Envoy with the native rate limit filter, one with the quota filter (RLQS), the
+//!   recording upstream) and the hands the nemesis breaks them with;
 //! - [`relay`]: a TCP relay that passes, delays or cuts (this kernel has no netem);
 //! - [`workload`]: the clients, each request tagged with an id the upstream records;
 //! - [`nemesis`]: carries the schedule out and logs each fault (and each failover it sees);

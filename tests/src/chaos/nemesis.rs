@@ -82,6 +82,7 @@ pub fn carry_out(plan: &Plan, topology: &mut Topology, started: Instant) -> Log 
                     } => policy.per_app = (capacity, refill_per_sec),
                     Reload::Block(b) => policy.hot_blocked = b,
                     Reload::SlotTtl(ms) => policy.slot_ttl_ms = ms,
+                    Reload::PerUser(present) => policy.per_user = present,
                 }
                 topology.write_policy(policy.clone());
                 log.policies.push((clock_ns(), policy));

@@ -149,6 +149,8 @@ pub enum Reload {
     Block(bool),
     /// `inflight`'s `slot_ttl_ms`.
     SlotTtl(u64),
+    /// Rule `per-user` in the policy (added back), or removed from it.
+    PerUser(bool),
 }
 
 /// One thing the nemesis does.
@@ -189,10 +191,15 @@ impl Plan {
             StoreReset::Full
         };
         let end_ms = seconds * 1000;
+        // The last third is calm: reloads only, twice as often. Without a fault there is no
+        // allowance, so what a reload alone breaks shows there (a request holding its slot
+        // through every fault's aftermath would otherwise always be granted another in its
+        // place).
+        let calm_ms = end_ms - end_ms / 3;
         let mut steps = Vec::new();
         // Faults one after the other, each given time to recover (a failover takes seconds).
         let mut at = 3_000 + rng.random_range(0..2_000);
-        while at + 4_000 < end_ms {
+        while at + 4_000 < calm_ms {
             let fault = draw_fault(&mut rng);
             if let Fault::StoreSnapshotRestore { age_ms } = fault {
                 steps.push(Step {
@@ -210,20 +217,22 @@ impl Plan {
         // Reloads, independent of the faults.
         let mut at = 2_000 + rng.random_range(0..3_000);
         while at + 2_000 < end_ms {
-            let reload = match rng.random_range(0..4) {
+            let reload = match rng.random_range(0..6) {
                 0 => Reload::PerApp {
                     capacity: rng.random_range(5..=40),
                     refill_per_sec: f64::from(rng.random_range(2u32..=20)),
                 },
                 1 => Reload::Block(true),
                 2 => Reload::Block(false),
+                3 => Reload::PerUser(rng.random_bool(0.5)),
                 _ => Reload::SlotTtl(*[1_000, 3_000, 9_000].get(rng.random_range(0..3)).unwrap()),
             };
             steps.push(Step {
                 at_ms: at,
                 action: Action::Reload(reload),
             });
-            at += 4_000 + rng.random_range(0..4_000);
+            let gap = if at < calm_ms { 4_000 } else { 2_000 };
+            at += gap + rng.random_range(0..4_000);
         }
         steps.sort_by_key(|s| s.at_ms);
         Plan {
@@ -339,6 +348,25 @@ mod tests {
             assert!(faults.last().unwrap().1 <= 60_000);
         }
         assert_ne!(Plan::draw(1, 60), Plan::draw(2, 60));
+    }
+
+    #[test]
+    fn the_last_third_is_calm_reloads_only() {
+        for seed in 0..50 {
+            let plan = Plan::draw(seed, 60);
+            let last_fault = plan
+                .steps
+                .iter()
+                .filter(|s| matches!(s.action, Action::Fault(_)))
+                .map(|s| s.at_ms + 3_000)
+                .max();
+            assert!(
+                last_fault.is_some_and(|at| at <= 40_000),
+                "seed {seed}: {plan:?}"
+            );
+            let calm_reloads = plan.steps.iter().filter(|s| s.at_ms > 40_000).count();
+            assert!(calm_reloads >= 2, "seed {seed}: {plan:?}");
+        }
     }
 
     #[test]

@@ -1,10 +1,13 @@
 //! The processes of a run, and the hands the nemesis breaks them with: a Redis primary with a
 //! replica and three Sentinels; two sidecars on the Sentinels; two Envoys with the wasm filter
-//! (one and two workers), each to its own sidecar through a [`Relay`]; the recording upstream.
+//! (one and two workers), each to its own sidecar through a [`Relay`]; an Envoy with Envoy's
+//! rate limit filter and one with its quota filter (RLQS), each straight to a sidecar; the
+//! recording upstream.
 //! The plugin names clients by API key (`<app>-key`; the app as [`app_name`] gives it) and users
 //! by a JWT Envoy verified (`envoy/envoy-jwt.yaml`), the policy file is the run's
 //! ([`policy_yaml`]).
 
+use std::net::Ipv4Addr;
 use std::time::Duration;
 
 use serde_json::{json, Value};
@@ -33,10 +36,22 @@ pub const BULK_NAME_BYTES: usize = 3_800;
 /// The users the JWT client names (its tokens' `sub`), and `per-user`'s bucket for each.
 pub const USERS: [&str; 3] = ["u0", "u1", "u2"];
 pub const USER_BUCKET: (u64, f64) = (8, 4.0);
-/// The native Envoy's index among the workload's ports ([`Topology::listen_ports`]), and
-/// `per-ip`'s bucket (one address: every client of it shares it).
+/// The native Envoy's index among the workload's ports ([`Topology::listen_ports`]), the
+/// address its client sends from, and `per-ip`'s bucket (one per address).
 pub const NATIVE_ENVOY: usize = ENVOYS;
+pub const NATIVE_ADDRESS: Ipv4Addr = Ipv4Addr::new(127, 0, 0, 1);
 pub const NATIVE_BUCKET: (u64, f64) = (15, 6.0);
+/// The RLQS Envoy's index among the workload's ports, the address its client sends from (a
+/// `per-ip` bucket of its own), and the sidecar it reports to.
+pub const RLQS_ENVOY: usize = ENVOYS + 1;
+pub const RLQS_ADDRESS: Ipv4Addr = Ipv4Addr::new(127, 0, 0, 2);
+pub const RLQS_SIDECAR: usize = 1;
+/// The sidecars' RLQS assignment TTL and delivery margin, as shipped (`--rlqs-assignment-ttl-s`,
+/// `--rlqs-delivery-margin-ms`), and the shipped fallback of `envoy/envoy-rlqs.yaml` once an
+/// assignment expired: 10 tokens, then 1 a second.
+pub const RLQS_TTL_S: f64 = 3.0;
+pub const RLQS_MARGIN_S: f64 = 0.5;
+pub const RLQS_FALLBACK: (f64, f64) = (10.0, 1.0);
 /// `bulk`'s bucket: never the limit (what its client checks is that settlements arrive).
 pub const BULK_BUCKET: (u64, f64) = (1_000_000, 1_000_000.0);
 
@@ -55,6 +70,9 @@ pub struct Policy {
     /// `hot` and `warm` blocked.
     pub hot_blocked: bool,
     pub slot_ttl_ms: u64,
+    /// Rule `per-user` in the policy: a gateway that asks for it while it is not is answered
+    /// the rule's `on_error` (`deny`).
+    pub per_user: bool,
 }
 
 impl Default for Policy {
@@ -63,6 +81,7 @@ impl Default for Policy {
             per_app: PER_APP,
             hot_blocked: false,
             slot_ttl_ms: 3_000,
+            per_user: true,
         }
     }
 }
@@ -78,18 +97,23 @@ pub fn policy_yaml(p: &Policy) -> String {
     } else {
         format!("    overrides:\n      - when: {{app: {WARM}}}\n        capacity: {c}\n        refill_per_sec: {r}\n")
     };
+    let per_user = if p.per_user {
+        format!(
+            "  per-user: {{capacity: {}, refill_per_sec: {}}}\n",
+            USER_BUCKET.0, USER_BUCKET.1
+        )
+    } else {
+        String::new()
+    };
     format!(
         "rules:\n  per-app:\n    capacity: {}\n    refill_per_sec: {}\n{block}  llm: {{capacity: 200, refill_per_sec: 50}}\n  inflight: {{concurrency: {CONCURRENCY}, slot_ttl_ms: {}}}\n  direct: {{capacity: 10, refill_per_sec: 5}}\n  \
-         bulk: {{capacity: {}, refill_per_sec: {}}}\n  \
-         per-user: {{capacity: {}, refill_per_sec: {}}}\n  \
+         bulk: {{capacity: {}, refill_per_sec: {}}}\n{per_user}  \
          per-ip: {{capacity: {}, refill_per_sec: {}}}\n",
         p.per_app.0,
         p.per_app.1,
         p.slot_ttl_ms,
         BULK_BUCKET.0,
         BULK_BUCKET.1,
-        USER_BUCKET.0,
-        USER_BUCKET.1,
         NATIVE_BUCKET.0,
         NATIVE_BUCKET.1
     )
@@ -185,6 +209,9 @@ pub struct Topology {
     /// failing closed) calling sidecar 0 over gRPC: rule `per-ip`, every client one address.
     /// Not one the nemesis restarts or cuts (its sidecar's and Redis's faults reach it).
     pub native: Envoy,
+    /// An Envoy with Envoy's quota filter (`envoy/envoy-rlqs.yaml` as shipped) reporting to
+    /// sidecar [`RLQS_SIDECAR`]: `per-ip` too. Likewise reached only through its sidecar and Redis.
+    pub rlqs: Envoy,
     pub upstream: Upstream,
     pub policy: Policy,
 }
@@ -252,6 +279,11 @@ impl Topology {
             .replace("timeout: 0.05s", "timeout: 0.2s")
             .replace("failure_mode_deny: false", "failure_mode_deny: true"),
         );
+        let rlqs = Envoy::start(&EnvoyConfig::shipped(
+            "envoy-rlqs.yaml",
+            sidecars[RLQS_SIDECAR].sidecar.port,
+            upstream.port,
+        ));
         Topology {
             store_reset,
             nodes: [primary, replica],
@@ -261,6 +293,7 @@ impl Topology {
             envoys,
             configs,
             native,
+            rlqs,
             upstream,
             policy,
         }
@@ -330,6 +363,7 @@ impl Topology {
             out.push((format!("envoy {i}"), e.process.pid()));
         }
         out.push(("envoy native".into(), self.native.process.pid()));
+        out.push(("envoy rlqs".into(), self.rlqs.process.pid()));
         for (i, n) in self.nodes.iter().enumerate() {
             out.push((format!("redis {i}"), n.pid()));
         }
@@ -346,14 +380,15 @@ impl Topology {
             out.push((format!("envoy {i}"), e.process.log()));
         }
         out.push(("envoy native".into(), self.native.process.log()));
+        out.push(("envoy rlqs".into(), self.rlqs.process.log()));
         out
     }
 
     /// The listeners the workload sends to: the wasm Envoys' (by index), then the native one's
-    /// ([`NATIVE_ENVOY`]).
+    /// ([`NATIVE_ENVOY`]) and the RLQS one's ([`RLQS_ENVOY`]).
     pub fn listen_ports(&self) -> Vec<u16> {
         let wasm = self.envoys.iter().map(|e| e.listen_port);
-        wasm.chain(std::iter::once(self.native.listen_port))
+        wasm.chain([self.native.listen_port, self.rlqs.listen_port])
             .collect()
     }
 }

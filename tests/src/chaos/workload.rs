@@ -7,6 +7,7 @@
 //! and an authenticated caller straight at a sidecar (attempt ids repeated and reused, forged
 //! settlements on the hot app's bucket: it must not create budget).
 
+use std::net::{IpAddr, Ipv4Addr};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -20,7 +21,7 @@ use super::clock_ns;
 use super::schedule::{ENVOYS, HOT, QUIET, WARM};
 use super::topology::{
     key_of, BULK, BULK_ENVOY, BULK_MAX_TOKENS, BULK_RESERVE, CONCURRENCY, HOLD, LLM, LLM_ENVOY,
-    LLM_RESERVE_MAX, NATIVE_ENVOY, USERS,
+    LLM_RESERVE_MAX, NATIVE_ADDRESS, NATIVE_ENVOY, RLQS_ADDRESS, RLQS_ENVOY, USERS,
 };
 
 /// The bulk client's streams at once, each about a second long, all through Envoy 0 (one
@@ -80,8 +81,9 @@ fn next_id() -> u64 {
     NEXT_ID.fetch_add(1, Ordering::Relaxed)
 }
 
-fn client() -> reqwest::blocking::Client {
+fn client(source: IpAddr) -> reqwest::blocking::Client {
     reqwest::blocking::Client::builder()
+        .local_address(source)
         .timeout(Duration::from_secs(10))
         .no_gzip()
         .no_deflate()
@@ -98,16 +100,19 @@ impl Workload {
         let sent = Arc::new(Mutex::new(Vec::new()));
         let forged = Arc::new(AtomicU64::new(0));
         let mut threads = Vec::new();
-        let spawn = |n: u64, f: Box<dyn FnMut(&mut Ctx) + Send>| {
+        // A client's connections come from `source` (a loopback address: its own `per-ip`
+        // bucket).
+        let spawn_from = |n: u64, source: IpAddr, f: Box<dyn FnMut(&mut Ctx) + Send>| {
             let ctx = Ctx {
                 rng: StdRng::seed_from_u64(seed.wrapping_mul(31).wrapping_add(n)),
-                client: client(),
+                client: client(source),
                 ports: envoy_ports.clone(),
                 sent: sent.clone(),
                 stop: stop.clone(),
             };
             run_client(ctx, f)
         };
+        let spawn = |n: u64, f| spawn_from(n, Ipv4Addr::LOCALHOST.into(), f);
         // The hot app, on both Envoys.
         for n in 0..2 {
             threads.push(spawn(n, Box::new(|c: &mut Ctx| c.api(HOT, 2))));
@@ -123,26 +128,34 @@ impl Workload {
             }),
         ));
         threads.push(spawn(20, Box::new(|c: &mut Ctx| c.llm())));
-        // Through the native filter's Envoy: `per-ip`, one bucket for every client.
-        threads.push(spawn(
-            22,
-            Box::new(|c: &mut Ctx| {
-                let id = next_id();
-                let sent_ns = clock_ns();
-                let status = c.get(NATIVE_ENVOY, "/native/x", "", id, &[]);
-                c.record(Sent {
-                    id,
-                    rule: "per-ip",
-                    app: "127.0.0.1".into(),
-                    kind: Kind::Api,
-                    envoy: Some(NATIVE_ENVOY),
-                    sent_ns,
-                    answered_ns: clock_ns(),
-                    status,
-                });
-                std::thread::sleep(Duration::from_millis(50));
-            }),
-        ));
+        // Through the native filter's Envoy and the RLQS Envoy: `per-ip`, a bucket per address
+        // ([`NATIVE_ADDRESS`], [`RLQS_ADDRESS`]), about 20 requests a second each.
+        let through = [
+            (22, NATIVE_ENVOY, NATIVE_ADDRESS, "/native/x"),
+            (23, RLQS_ENVOY, RLQS_ADDRESS, "/rlqs/x"),
+        ];
+        for (n, envoy, source, path) in through {
+            threads.push(spawn_from(
+                n,
+                source.into(),
+                Box::new(move |c: &mut Ctx| {
+                    let id = next_id();
+                    let sent_ns = clock_ns();
+                    let status = c.get(envoy, path, "", id, &[]);
+                    c.record(Sent {
+                        id,
+                        rule: "per-ip",
+                        app: source.to_string(),
+                        kind: Kind::Api,
+                        envoy: Some(envoy),
+                        sent_ns,
+                        answered_ns: clock_ns(),
+                        status,
+                    });
+                    std::thread::sleep(Duration::from_millis(50));
+                }),
+            ));
+        }
         // Users by JWT, one request each in turn, on both Envoys.
         let tokens: Vec<(String, String)> = USERS
             .iter()
@@ -371,12 +384,15 @@ impl Ctx {
 
     fn hold(&mut self) {
         let (id, envoy) = (next_id(), self.envoy());
-        // Mostly short; one in three outlives the shortest `slot_ttl_ms` a reload sets (1 s),
-        // so its slot lives only by its renewals.
-        let ms = if self.rng.random_ratio(1, 3) {
-            self.rng.random_range(1_200..3_000)
-        } else {
-            self.rng.random_range(100..600)
+        // Mostly short; one in four outlives the shortest `slot_ttl_ms` a reload sets (1 s), so
+        // its slot lives only by its renewals; one in four outlives the longest renewal period
+        // (3 s, of 9 s) by more than that shortest ttl, so that a reload lowering the ttl while
+        // it runs leaves its slot to the new ttl's renewals (a gateway still renewing at the old
+        // period lets it expire under the request).
+        let ms = match self.rng.random_range(0..4) {
+            0 => self.rng.random_range(1_200..3_000),
+            1 => self.rng.random_range(4_500..7_000),
+            _ => self.rng.random_range(100..600),
         };
         let sent_ns = clock_ns();
         let status = self.get(envoy, &format!("/hold/{HOLD}?ms={ms}"), HOLD, id, &[]);

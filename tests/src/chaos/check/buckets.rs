@@ -16,6 +16,9 @@ pub(super) enum Event {
     /// The store forgot what it was charged (the allowance of fault `.1`, an index into the
     /// nemesis's log).
     Forgive(Loss, usize),
+    /// Fault `.0` (an index into the nemesis's log) began: what the RLQS Envoy may admit
+    /// meanwhile beyond the tokens taken for it ([`Checker::rlqs_outage`]).
+    Outage(usize),
 }
 
 /// What a store that forgot may hold afterwards.
@@ -71,6 +74,29 @@ impl Checker<'_> {
             _ => capacity,
         };
         held + rate * back_ns as f64 / 1e9
+    }
+
+    /// What the RLQS Envoy may admit beyond the tokens taken for it because of fault `f`
+    /// (docs/rlqs.md, the bound and failure), at `rate`: while its sidecar or the store cannot
+    /// assign, the shipped fallback once its assignment expired (10 tokens, then 1 a second), and
+    /// an assignment planned before the fault applied after it (its rate × the fault's length:
+    /// the delivery margin assumed).
+    pub(super) fn rlqs_outage(&self, f: &Caused, rate: f64) -> f64 {
+        let reaches = match f.fault {
+            Fault::SidecarPause { sidecar, .. } | Fault::SidecarRestart { sidecar, .. } => {
+                sidecar == RLQS_SIDECAR
+            }
+            Fault::EnvoyRestart { .. } | Fault::GatewayCut { .. } | Fault::GatewayDelay { .. } => {
+                false
+            }
+            _ => true,
+        };
+        if !reaches {
+            return 0.0;
+        }
+        let outage_s = f.recovered_ns.saturating_sub(f.start_ns) as f64 / 1e9;
+        let (tokens, per_s) = RLQS_FALLBACK;
+        tokens + per_s * (outage_s - RLQS_TTL_S).max(0.0) + rate * outage_s
     }
 
     /// Replays every bucket.
@@ -134,9 +160,13 @@ impl Checker<'_> {
             }
         }
         for ((rule, app), mut events) in by_bucket {
+            let rlqs = rule == "per-ip" && app == RLQS_ADDRESS.to_string();
             for (i, f) in self.r.log.faults.iter().enumerate() {
                 if let Some(loss) = self.loss(f) {
                     events.push((f.start_ns, 0, Event::Forgive(loss, i)));
+                }
+                if rlqs {
+                    events.push((f.start_ns, 0, Event::Outage(i)));
                 }
             }
             events.sort_by_key(|(t, id, _)| (*t, *id));
@@ -145,6 +175,10 @@ impl Checker<'_> {
             let extra = match rule {
                 "llm" => lost * LLM_RESERVE_MAX as f64,
                 "bulk" => lost * BULK_MAX_TOKENS as f64,
+                // Tokens taken for the RLQS Envoy before a window, spent in it: its assignment's
+                // burst and rate until the horizon, and the one before it until the new one
+                // applies (docs/rlqs.md, the bound: a window that starts mid-run).
+                _ if rlqs => NATIVE_BUCKET.1 * (1.0 + RLQS_TTL_S + 2.0 * RLQS_MARGIN_S),
                 _ => 0.0,
             };
             self.replay(rule, app, &events, extra);
@@ -214,6 +248,12 @@ impl Checker<'_> {
         (app == HOT || app == WARM) && self.policies_around(t).iter().all(|p| p.hot_blocked)
     }
 
+    /// Whether `rule` is not in the policy at `t` (after the reload's grace): a request it
+    /// would limit gets the rule's `on_error` (`deny`), never an admission.
+    pub(super) fn removed(&self, rule: &str, t: u64) -> bool {
+        rule == "per-user" && self.policies_around(t).iter().all(|p| !p.per_user)
+    }
+
     pub(super) fn replay(
         &mut self,
         rule: &str,
@@ -229,8 +269,13 @@ impl Checker<'_> {
         // figure is what its own fault let through.
         let (mut strict, mut allowed) = (c0, c0);
         let mut strict_until = 0;
-        // A failover's split brain ([`Self::split_brain`]): tokens granted until `split_until`.
+        // A failover's split brain ([`Self::split_brain`]): what the old primary admitted beside
+        // the new one (until `split_until`), which the new one never saw charged: granted until
+        // the replay is full again after that.
         let (mut split, mut split_until) = (0.0, 0);
+        // The RLQS Envoy's admissions during outages ([`Self::rlqs_outage`]): granted until the
+        // replay is full again after `outage_until` (a late assignment's life after the fault).
+        let (mut outage, mut outage_until) = (0.0, 0);
         let mut last = first;
         // Where the allowed replay's current run below capacity began: the window's start.
         let mut window_start = first;
@@ -257,6 +302,14 @@ impl Checker<'_> {
             if allowed >= capacity {
                 window_start = t;
                 window_lag = 0.0;
+                // What the store did not see charged stops mattering once the model's bucket is
+                // full again: both are then full.
+                if t > split_until {
+                    split = 0.0;
+                }
+                if t > outage_until {
+                    outage = 0.0;
+                }
             }
             let since = self.in_flight_since(t);
             let in_flight: f64 = debits
@@ -269,9 +322,6 @@ impl Checker<'_> {
                 Event::Admit { cost, charge, sent } => {
                     window_lag = window_lag.max(t.saturating_sub(sent) as f64 / 1e9);
                     slack = rate * DELTA_S.max(window_lag) + 1.0 + extra + in_flight;
-                    if t > split_until {
-                        split = 0.0;
-                    }
                     if self.around_a_loss(sent, t) {
                         // Decided on the store that lost it, or on the one after: either way
                         // not owed to what follows.
@@ -279,14 +329,16 @@ impl Checker<'_> {
                         continue;
                     }
                     let over_strict = cost - strict;
-                    let over_allowed = cost - allowed - split;
+                    let over_allowed = cost - allowed - split - outage;
                     strict -= charge;
                     allowed -= charge;
                     // What the old primary admitted in a split brain is drawn from its own
-                    // allowance first.
-                    let drawn = split.min((-allowed).max(0.0));
-                    split -= drawn;
-                    allowed += drawn;
+                    // allowance first, what an outage let through from its own next.
+                    for pool in [&mut split, &mut outage] {
+                        let drawn = pool.min((-allowed).max(0.0));
+                        *pool -= drawn;
+                        allowed += drawn;
+                    }
                     let blocked = self.blocked(app, t);
                     let row = self.row_at(t);
                     row.admitted += 1;
@@ -311,6 +363,16 @@ impl Checker<'_> {
                             window: (t.saturating_sub(RELOAD_GRACE_NS), t),
                         });
                     }
+                    if self.removed(rule, t) {
+                        self.violations.push(Violation {
+                            what: format!(
+                                "{rule}/{app}: request {id} admitted while its rule was not in \
+                                 the policy"
+                            ),
+                            at_ns: t,
+                            window: (t.saturating_sub(RELOAD_GRACE_NS), t),
+                        });
+                    }
                 }
                 Event::Refuse { cost } => {
                     let blocked = self.blocked(app, t);
@@ -325,6 +387,13 @@ impl Checker<'_> {
                 Event::Debit(x) => {
                     strict -= x;
                     allowed -= x;
+                }
+                Event::Outage(i) => {
+                    if let Some(f) = self.r.log.faults.get(i) {
+                        outage += self.rlqs_outage(f, rate);
+                        let late = ((RLQS_TTL_S + RLQS_MARGIN_S) * 1e9) as u64;
+                        outage_until = outage_until.max(f.recovered_ns + late);
+                    }
                 }
                 Event::Forgive(loss, i) => {
                     strict = allowed;

@@ -13,7 +13,10 @@
 //! to what follows); a store that
 //! lost its state under `empty` forgets each bucket's debt of settled costs (its buckets start
 //! empty at the new epoch); after a failover, the old primary may answer beside the new one
-//! until the sidecars leave it (a split brain: [`Checker::split_brain`]); a violation is an
+//! until the sidecars leave it (a split brain: [`Checker::split_brain`], granted until the
+//! model's bucket is full again: the new primary never saw it charged); the RLQS Envoy may spend
+//! an assignment taken before the window, and in an outage of its sidecar or Redis its fallback
+//! and a late assignment ([`Checker::rlqs_outage`]); a violation is an
 //! admission where even that replay went below `−slack`. The slack is the
 //! record's own imprecision: `r·max(0.3 s, the longest an admission in the window took from its
 //! client to the record) + 1` (the record stamps arrival, or the direct caller's answer, not the
@@ -36,7 +39,8 @@
 //! once (a request's slot is taken before it arrives and released after it is done, so the
 //! upstream's intervals lie inside the slots'): at most `concurrency`, plus `concurrency` after
 //! a failover, a store lost under `full`, or a fault that kept a gateway from renewing for a
-//! third of `slot_ttl_ms`, and while a request admitted then still runs.
+//! third of `slot_ttl_ms` (its sidecar, its path to it, Redis), while a request that held its
+//! slot through it still runs.
 //!
 //! **Answers**: 200, 429 and 503 only (every rule's `on_error` is `deny`); no answer only from an
 //! Envoy that was restarted, a stream the upstream cut, or the direct caller's sidecar while it
@@ -49,10 +53,11 @@ use std::collections::{BTreeMap, HashMap};
 use ratelimit_bucket::refill;
 
 use super::nemesis::{Caused, Log, CALLS_REFUSED};
-use super::schedule::{Fault, StoreReset, HOT, WARM, WARM_BUCKET};
+use super::schedule::{Fault, StoreReset, HOT, SIDECARS, WARM, WARM_BUCKET};
 use super::topology::{
     Policy, BULK_BUCKET, BULK_ENVOY, BULK_MAX_TOKENS, CONCURRENCY, LLM_ENVOY, LLM_RESERVE_MAX,
-    NATIVE_BUCKET, USER_BUCKET,
+    NATIVE_BUCKET, RLQS_ADDRESS, RLQS_FALLBACK, RLQS_MARGIN_S, RLQS_SIDECAR, RLQS_TTL_S,
+    USER_BUCKET,
 };
 use super::workload::{Kind, Sent};
 use crate::upstream::Served;

@@ -6,7 +6,7 @@ use super::*;
 impl Checker<'_> {
     /// Requests the upstream held at once, against `concurrency`.
     pub(super) fn concurrency(&mut self) {
-        let mut holds: Vec<(u64, u64, u64)> = self
+        let mut holds: Vec<(u64, u64, u64, Option<usize>)> = self
             .r
             .sent
             .iter()
@@ -14,26 +14,27 @@ impl Checker<'_> {
             .filter_map(|s| {
                 self.served
                     .get(&s.id)
-                    .map(|v| (v.arrival_ns, v.done_ns, s.id))
+                    .map(|v| (v.arrival_ns, v.done_ns, s.id, s.envoy))
             })
             .collect();
         holds.sort();
-        for (i, &(arrival, _, id)) in holds.iter().enumerate() {
-            let overlapping: Vec<u64> = holds[..i]
+        for (i, &(arrival, _, id, envoy)) in holds.iter().enumerate() {
+            let overlapping: Vec<(u64, Option<usize>)> = holds[..i]
                 .iter()
-                .filter(|(_, done, _)| *done > arrival)
-                .map(|h| h.0)
+                .filter(|h| h.1 > arrival)
+                .map(|h| (h.0, h.3))
                 .collect();
             let at_once = overlapping.len() as u64 + 1;
-            // A slot taken while slots may have been lost may be one of those the store forgot
-            // (the other primary's, the one that expired): allowed while its request runs.
-            let lost = std::iter::once(arrival)
+            // A request that ran while slots may have been lost may hold one the store forgot
+            // (the other primary's, one that expired, one a restore took back): another may
+            // take its place, allowed while it still runs. Each one's life up to this arrival.
+            let lost = std::iter::once((arrival, envoy))
                 .chain(overlapping.iter().copied())
-                .any(|a| self.slots_may_be_lost(a));
+                .any(|(a, through)| self.slots_may_be_lost(a, arrival, through));
             let allowance = if lost { CONCURRENCY } else { 0 };
             self.row_at(arrival).admitted += 1;
             if at_once > CONCURRENCY + allowance {
-                let start = overlapping.iter().copied().min().unwrap_or(arrival);
+                let start = overlapping.iter().map(|h| h.0).min().unwrap_or(arrival);
                 self.violations.push(Violation {
                     what: format!(
                         "inflight: request {id} made {at_once} in flight at once (concurrency \
@@ -46,15 +47,28 @@ impl Checker<'_> {
         }
     }
 
-    /// Whether slots may have been lost or expired at `t`: a failover or a store lost under
-    /// `full`, or a fault that kept a gateway from renewing for a third of `slot_ttl_ms`.
-    pub(super) fn slots_may_be_lost(&self, t: u64) -> bool {
+    /// Whether a slot held from `from` to `to` through Envoy `envoy` may have been lost or
+    /// expired meanwhile: a failover or a store lost under `full`, or a fault that kept that
+    /// Envoy from renewing for a third of `slot_ttl_ms` (its sidecar, its path to it, Redis),
+    /// from the fault's start to its aftermath's end.
+    pub(super) fn slots_may_be_lost(&self, from: u64, to: u64, envoy: Option<usize>) -> bool {
         self.r.log.faults.iter().any(|f| {
-            let within = f.start_ns <= t && t <= f.recovered_ns + AFTERMATH_NS;
+            let within = f.start_ns <= to && from <= f.recovered_ns + AFTERMATH_NS;
             let ttl_ms = self.policy_at(f.start_ns).slot_ttl_ms;
             let long = f.fault.lasts_ms() * 3 >= ttl_ms
                 || (f.end_ns - f.start_ns) / 1_000_000 * 3 >= ttl_ms;
-            within && (matches!(self.loss(f), Some(Loss::Refilled)) || long)
+            let blocks = match f.fault {
+                Fault::SidecarPause { sidecar, .. } | Fault::SidecarRestart { sidecar, .. } => {
+                    envoy.is_none_or(|e| e % SIDECARS == sidecar)
+                }
+                Fault::GatewayCut { envoy: cut, .. } | Fault::GatewayDelay { envoy: cut, .. } => {
+                    envoy.is_none_or(|e| e == cut)
+                }
+                // Its own requests end with it; no other Envoy's renewals wait for it.
+                Fault::EnvoyRestart { .. } => false,
+                _ => true,
+            };
+            within && (matches!(self.loss(f), Some(Loss::Refilled)) || (blocks && long))
         })
     }
 

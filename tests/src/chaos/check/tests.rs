@@ -171,6 +171,34 @@ fn a_failover_grants_the_replication_lag_and_the_old_primary_beside_the_new_one(
 }
 
 #[test]
+fn what_the_old_primary_admitted_beside_the_new_one_stays_granted_until_the_bucket_refilled() {
+    // As above (7.5 granted for the split brain until 6.5 s): the bucket spent at 3.1 s, then
+    // admissions at its refill rate until 8 s. The new primary never saw what the old one
+    // charged, so it may still hold those tokens at 8 s, when a burst spends them: granted,
+    // the model's bucket never having been full since. One past the slack is not.
+    let kill = vec![fault(
+        Fault::PrimaryKill { down_ms: 1000 },
+        2 * S,
+        3 * S,
+        3 * S + 500 * MS,
+        true,
+    )];
+    let mut sent = burst(1, 10, 3 * S + 100 * MS);
+    for i in 0..24 {
+        let t = 3 * S + 300 * MS + i * 200 * MS;
+        sent.push(direct(1_000 + i, 1, t - MS, t));
+    }
+    let mut within = sent.clone();
+    within.extend(burst(2_000, 9, 8 * S));
+    assert_eq!(
+        violations(StoreReset::Empty, &within, kill.clone()),
+        Vec::<String>::new()
+    );
+    sent.extend(burst(2_000, 12, 8 * S));
+    assert!(!violations(StoreReset::Empty, &sent, kill).is_empty());
+}
+
+#[test]
 fn an_answer_that_took_long_widens_the_slack_of_its_window() {
     // Thirteen at once is three past the bucket, past r·0.3 s + 1 = 2.5; but when one of them
     // took 0.5 s from its client to its answer, it was decided somewhere in that half second:
@@ -377,4 +405,183 @@ fn a_failover_the_watch_saw_without_a_fault_grants_what_a_failover_does() {
         Vec::<String>::new()
     );
     assert!(!violations(StoreReset::Empty, &sent, vec![]).is_empty());
+}
+
+/// `n` requests of `per-ip` (capacity 15, refill 6/s) through the RLQS Envoy, from its own
+/// address, served from `at` 1 ms apart.
+fn rlqs_burst(first_id: u64, n: u64, at: u64) -> (Vec<Sent>, Vec<crate::upstream::Served>) {
+    (0..n)
+        .map(|i| {
+            let (id, t) = (first_id + i, at + i * MS);
+            let sent = Sent {
+                id,
+                rule: "per-ip",
+                app: "127.0.0.2".into(),
+                kind: Kind::Api,
+                envoy: Some(crate::chaos::topology::RLQS_ENVOY),
+                sent_ns: t - MS,
+                answered_ns: t + MS,
+                status: 200,
+            };
+            let served = crate::upstream::Served {
+                id,
+                path: "/rlqs/x".into(),
+                arrival_ns: t,
+                done_ns: t,
+            };
+            (sent, served)
+        })
+        .unzip()
+}
+
+#[test]
+fn the_rlqs_envoy_may_spend_tokens_taken_before_a_window_and_its_fallback_in_an_outage_only() {
+    let run = |n: u64, faults: Vec<Caused>| {
+        let (sent, served) = rlqs_burst(1, n, 12 * S);
+        let policies = vec![(0, Policy::default())];
+        violations_with(
+            StoreReset::Full,
+            &sent,
+            &served,
+            faults,
+            policies,
+            "per-ip/",
+        )
+    };
+    // The bucket (15), the slack (6 · 0.3 + 1 = 2.8) and an assignment taken before the window
+    // (6 · (1 + 3 + 2 · 0.5) = 30): 47 at once are within, 49 are not.
+    assert_eq!(run(47, vec![]), Vec::<String>::new());
+    assert!(!run(49, vec![]).is_empty());
+    // The native Envoy's address is not granted it.
+    let (mut sent, served) = rlqs_burst(1, 20, 12 * S);
+    for s in &mut sent {
+        s.app = "127.0.0.1".into();
+    }
+    let policies = vec![(0, Policy::default())];
+    let native = violations_with(
+        StoreReset::Full,
+        &sent,
+        &served,
+        vec![],
+        policies,
+        "per-ip/",
+    );
+    assert!(!native.is_empty());
+    // Its sidecar paused for 4 s meanwhile: the fallback (10 + 1 · (4 − 3)) and an assignment
+    // delivered 4 s late (6 · 4): 35 more.
+    let paused = |sidecar, start| {
+        let end = start + 4 * S;
+        vec![fault(
+            Fault::SidecarPause { sidecar, ms: 4_000 },
+            start,
+            end,
+            end,
+            false,
+        )]
+    };
+    assert_eq!(run(82, paused(1, 10 * S)), Vec::<String>::new());
+    assert!(!run(85, paused(1, 10 * S)).is_empty());
+    // Not the other sidecar's pause, nor one whose late assignment expired before the window
+    // (over at 4 s, expired at 7.5 s, the bucket full since).
+    assert!(!run(60, paused(0, 10 * S)).is_empty());
+    assert!(!run(60, paused(1, 0)).is_empty());
+}
+
+#[test]
+fn a_request_that_held_a_slot_through_a_loss_lets_another_take_its_place_while_it_runs() {
+    use crate::upstream::Served;
+    // Two held from 1 s and 2 s to 10 s; a third arrives at 8 s: three in flight at once.
+    let holds = [(1, S, 10 * S), (2, 2 * S, 10 * S), (3, 8 * S, 9 * S)];
+    let (sent, served): (Vec<Sent>, Vec<Served>) = holds
+        .iter()
+        .map(|&(id, at, done)| {
+            let sent = Sent {
+                id,
+                rule: "inflight",
+                app: "hold".into(),
+                kind: Kind::Hold {
+                    ms: (done - at) / MS,
+                },
+                envoy: Some(0),
+                sent_ns: at - MS,
+                answered_ns: done + MS,
+                status: 200,
+            };
+            let served = Served {
+                id,
+                path: "/hold/hold".into(),
+                arrival_ns: at,
+                done_ns: done,
+            };
+            (sent, served)
+        })
+        .unzip();
+    // The store went back to a snapshot at 3 s (its aftermath over at 6.5 s): under `full` the
+    // first two's slots may be gone while they run, so the third may take one.
+    let restore = vec![fault(
+        Fault::StoreSnapshotRestore { age_ms: 2_000 },
+        3 * S,
+        3 * S + 20 * MS,
+        3 * S + 500 * MS,
+        false,
+    )];
+    let run = |store_reset, faults| {
+        let policies = vec![(0, Policy::default())];
+        violations_with(store_reset, &sent, &served, faults, policies, "inflight:")
+    };
+    assert_eq!(run(StoreReset::Full, restore.clone()), Vec::<String>::new());
+    // Under `empty` the slots follow the epoch: none lost; nor without the fault.
+    assert_eq!(run(StoreReset::Empty, restore).len(), 1);
+    assert_eq!(run(StoreReset::Full, vec![]).len(), 1);
+    // Their Envoy's sidecar (Envoy 0's is sidecar 0) paused for two thirds of `slot_ttl_ms`
+    // (3 s): they could not renew; the other sidecar's pause did not stop them.
+    let paused = |sidecar| {
+        let pause = Fault::SidecarPause { sidecar, ms: 2_000 };
+        vec![fault(pause, 3 * S, 5 * S, 5 * S, false)]
+    };
+    assert_eq!(run(StoreReset::Empty, paused(0)), Vec::<String>::new());
+    assert_eq!(run(StoreReset::Empty, paused(1)).len(), 1);
+}
+
+#[test]
+fn a_request_admitted_while_its_rule_is_out_of_the_policy_is_a_violation_past_the_grace() {
+    use crate::upstream::Served;
+    let user = |id: u64, at: u64| {
+        let sent = Sent {
+            id,
+            rule: "per-user",
+            app: "u0".into(),
+            kind: Kind::Api,
+            envoy: Some(0),
+            sent_ns: at - MS,
+            answered_ns: at + MS,
+            status: 200,
+        };
+        let served = Served {
+            id,
+            path: "/user/x".into(),
+            arrival_ns: at,
+            done_ns: at,
+        };
+        (sent, served)
+    };
+    let removed = Policy {
+        per_user: false,
+        ..Policy::default()
+    };
+    // Removed at 1 s: an admission at 1.2 s is within the reload's grace, one at 2 s is not.
+    let policies = vec![(0, Policy::default()), (S, removed)];
+    let run = |at: u64| {
+        let (sent, served) = user(1, at);
+        violations_with(
+            StoreReset::Full,
+            &[sent],
+            &[served],
+            vec![],
+            policies.clone(),
+            "per-user/",
+        )
+    };
+    assert_eq!(run(S + 200 * MS), Vec::<String>::new());
+    assert_eq!(run(2 * S).len(), 1);
 }
