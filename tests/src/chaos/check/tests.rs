@@ -74,6 +74,44 @@ fn violations_with(
         .collect()
 }
 
+/// A request of cost 1 of `rule` for `app` through Envoy `envoy`, served at `at` (sent 1 ms
+/// before, answered 1 ms after).
+fn served_api(
+    id: u64,
+    (rule, app): (&'static str, &str),
+    envoy: usize,
+    path: &str,
+    at: u64,
+) -> (Sent, crate::upstream::Served) {
+    let sent = Sent {
+        id,
+        rule,
+        app: app.into(),
+        kind: Kind::Api,
+        envoy: Some(envoy),
+        sent_ns: at - MS,
+        answered_ns: at + MS,
+        status: 200,
+    };
+    let served = crate::upstream::Served {
+        id,
+        path: path.into(),
+        arrival_ns: at,
+        done_ns: at,
+    };
+    (sent, served)
+}
+
+/// The violations of bucket `prefix` with one request served (under `full`, no fault).
+fn one_violations(
+    (sent, served): (Sent, crate::upstream::Served),
+    policies: &[(u64, Policy)],
+    prefix: &str,
+) -> Vec<String> {
+    let (sent, served, policies) = (&[sent], &[served], policies.to_vec());
+    violations_with(StoreReset::Full, sent, served, vec![], policies, prefix)
+}
+
 /// `n` decisions of cost 1 answered from `at`, 1 ms apart, each sent 1 ms before.
 fn burst(first_id: u64, n: u64, at: u64) -> Vec<Sent> {
     (0..n)
@@ -217,7 +255,6 @@ fn an_answer_that_took_long_widens_the_slack_of_its_window() {
 #[test]
 fn a_burst_of_reloads_is_graced_from_its_first_write() {
     use crate::chaos::schedule::HOT;
-    use crate::upstream::Served;
     let blocked = Policy {
         hot_blocked: true,
         ..Policy::default()
@@ -228,36 +265,8 @@ fn a_burst_of_reloads_is_graced_from_its_first_write() {
         (S, blocked.clone()),
         (S + 10 * MS, blocked),
     ];
-    let hot = |id: u64, at: u64| {
-        let sent = Sent {
-            id,
-            rule: "per-app",
-            app: HOT.into(),
-            kind: Kind::Api,
-            envoy: Some(0),
-            sent_ns: at - MS,
-            answered_ns: at + MS,
-            status: 200,
-        };
-        let served = Served {
-            id,
-            path: "/api/x".into(),
-            arrival_ns: at,
-            done_ns: at,
-        };
-        (sent, served)
-    };
-    let run = |at: u64| {
-        let (sent, served) = hot(1, at);
-        violations_with(
-            StoreReset::Full,
-            &[sent],
-            &[served],
-            vec![],
-            policies.clone(),
-            "per-app/",
-        )
-    };
+    let hot = |id: u64, at: u64| served_api(id, ("per-app", HOT), 0, "/api/x", at);
+    let run = |at: u64| one_violations(hot(1, at), &policies, "per-app/");
     assert_eq!(run(S + 200 * MS), Vec::<String>::new(), "within the grace");
     let late = run(S + 600 * MS);
     assert!(
@@ -410,26 +419,16 @@ fn a_failover_the_watch_saw_without_a_fault_grants_what_a_failover_does() {
 /// `n` requests of `per-ip` (capacity 15, refill 6/s) through the RLQS Envoy, from its own
 /// address, served from `at` 1 ms apart.
 fn rlqs_burst(first_id: u64, n: u64, at: u64) -> (Vec<Sent>, Vec<crate::upstream::Served>) {
+    use crate::chaos::topology::RLQS_ENVOY;
     (0..n)
         .map(|i| {
-            let (id, t) = (first_id + i, at + i * MS);
-            let sent = Sent {
-                id,
-                rule: "per-ip",
-                app: "127.0.0.2".into(),
-                kind: Kind::Api,
-                envoy: Some(crate::chaos::topology::RLQS_ENVOY),
-                sent_ns: t - MS,
-                answered_ns: t + MS,
-                status: 200,
-            };
-            let served = crate::upstream::Served {
-                id,
-                path: "/rlqs/x".into(),
-                arrival_ns: t,
-                done_ns: t,
-            };
-            (sent, served)
+            served_api(
+                first_id + i,
+                ("per-ip", "127.0.0.2"),
+                RLQS_ENVOY,
+                "/rlqs/x",
+                at + i * MS,
+            )
         })
         .unzip()
 }
@@ -545,43 +544,14 @@ fn a_request_that_held_a_slot_through_a_loss_lets_another_take_its_place_while_i
 
 #[test]
 fn a_request_admitted_while_its_rule_is_out_of_the_policy_is_a_violation_past_the_grace() {
-    use crate::upstream::Served;
-    let user = |id: u64, at: u64| {
-        let sent = Sent {
-            id,
-            rule: "per-user",
-            app: "u0".into(),
-            kind: Kind::Api,
-            envoy: Some(0),
-            sent_ns: at - MS,
-            answered_ns: at + MS,
-            status: 200,
-        };
-        let served = Served {
-            id,
-            path: "/user/x".into(),
-            arrival_ns: at,
-            done_ns: at,
-        };
-        (sent, served)
-    };
+    let user = |id: u64, at: u64| served_api(id, ("per-user", "u0"), 0, "/user/x", at);
     let removed = Policy {
         per_user: false,
         ..Policy::default()
     };
     // Removed at 1 s: an admission at 1.2 s is within the reload's grace, one at 2 s is not.
     let policies = vec![(0, Policy::default()), (S, removed)];
-    let run = |at: u64| {
-        let (sent, served) = user(1, at);
-        violations_with(
-            StoreReset::Full,
-            &[sent],
-            &[served],
-            vec![],
-            policies.clone(),
-            "per-user/",
-        )
-    };
+    let run = |at: u64| one_violations(user(1, at), &policies, "per-user/");
     assert_eq!(run(S + 200 * MS), Vec::<String>::new());
     assert_eq!(run(2 * S).len(), 1);
 }
