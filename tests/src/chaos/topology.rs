@@ -370,9 +370,16 @@ impl Topology {
         out
     }
 
-    /// Every process's log, by name (to look for panics).
+    /// Every process's log, by name (to look for panics, and kept with a violation: Redis's and
+    /// the Sentinels' say who failed over when).
     pub fn logs(&self) -> Vec<(String, String)> {
         let mut out = Vec::new();
+        for (i, n) in self.nodes.iter().enumerate() {
+            out.push((format!("redis {i}"), n.process.log()));
+        }
+        for (i, s) in self.sentinels.iter().enumerate() {
+            out.push((format!("sentinel {i}"), s.process.log()));
+        }
         for (i, s) in self.sidecars.iter().enumerate() {
             out.push((format!("sidecar {i}"), s.sidecar.process.log()));
         }
