@@ -18,6 +18,8 @@ use crate::store::{BucketStore, StoreError};
 pub struct AppState<S> {
     pub decider: Arc<Decider<S>>,
     pub metrics: Arc<Metrics>,
+    /// What the gRPC rate limit service's answers carry besides the verdict.
+    pub grpc: crate::grpc::Answering,
     /// Says when the sidecar begins to stop: the streams per worker then end
     /// ([`crate::stream`]).
     pub stopping: Stopping,

@@ -111,6 +111,19 @@ pub struct Args {
     #[arg(long, env = "RATELIMIT_STORE_RESET", value_enum, default_value_t = StoreReset::Full)]
     pub store_reset: StoreReset,
 
+    /// Which answers of Envoy's rate limit service (gRPC) carry `RateLimit-Policy`, `RateLimit`
+    /// and `Retry-After` in `response_headers_to_add`: `all`, `rejected` (only a request over
+    /// its limit) or `none`. Each header costs Envoy's native filter per request
+    /// (docs/benchmarks.md).
+    #[arg(long, env = "RATELIMIT_GRPC_RESPONSE_HEADERS", value_enum, default_value_t = crate::grpc::ResponseHeaders::All)]
+    pub grpc_response_headers: crate::grpc::ResponseHeaders,
+
+    /// Whether an admitted request's gRPC answer carries what it charged as dynamic metadata
+    /// (`settle.<rule>`), which a route's stream-done settlement reads (docs/grpc.md). `false`
+    /// when no route settles a cost: Envoy then merges no metadata per request.
+    #[arg(long, env = "RATELIMIT_GRPC_CHARGED_METADATA", default_value_t = true, action = clap::ArgAction::Set)]
+    pub grpc_charged_metadata: bool,
+
     /// Largest accepted request body, in bytes: a larger `POST /v1/decide` body is answered 413,
     /// a larger gRPC request message OUT_OF_RANGE, but for the quota (RLQS) stream's usage
     /// reports, read in reports of at most this size (and answered in messages within it). At

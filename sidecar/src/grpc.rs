@@ -73,15 +73,50 @@ use crate::store::BucketStore;
 /// The most entries of one descriptor: a rule and a subject of the wire's largest size.
 pub const MAX_DESCRIPTOR_ENTRIES: usize = 1 + MAX_SUBJECT_ENTRIES;
 
+/// Which answers carry `response_headers_to_add` (`--grpc-response-headers`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum ResponseHeaders {
+    /// Every answer: `RateLimit-Policy` and `RateLimit` on admitted requests too.
+    #[default]
+    All,
+    /// Only a request over its limit: `Retry-After` (and the limit it hit).
+    Rejected,
+    /// None: Envoy's own `enable_x_ratelimit_headers` may render headers from the statuses.
+    None,
+}
+
+/// What the answers carry beyond the verdict and the statuses (`--grpc-response-headers`,
+/// `--grpc-charged-metadata`): each a cost to Envoy per request (docs/benchmarks.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Answering {
+    pub headers: ResponseHeaders,
+    /// An admitted request's charges as dynamic metadata ([`charged_metadata`]).
+    pub charged_metadata: bool,
+}
+
+impl Default for Answering {
+    fn default() -> Self {
+        Answering {
+            headers: ResponseHeaders::All,
+            charged_metadata: true,
+        }
+    }
+}
+
 /// The rate limit service over a [`Decider`].
 pub struct RateLimitApi<S> {
     decider: Arc<Decider<S>>,
     metrics: Arc<Metrics>,
+    answering: Answering,
 }
 
 impl<S: BucketStore> RateLimitApi<S> {
-    pub fn new(decider: Arc<Decider<S>>, metrics: Arc<Metrics>) -> Self {
-        Self { decider, metrics }
+    pub fn new(decider: Arc<Decider<S>>, metrics: Arc<Metrics>, answering: Answering) -> Self {
+        Self {
+            decider,
+            metrics,
+            answering,
+        }
     }
 
     /// The service as routes of the sidecar's router: `/<service name>/<method>` (the path gRPC
@@ -356,8 +391,10 @@ impl<S: BucketStore> RateLimitApi<S> {
             return Err(status);
         }
         self.metrics.call("grpc", CallOutcome::Answered);
-        let mut response = respond(&answer);
-        response.dynamic_metadata = charged_metadata(&charges, &answer);
+        let mut response = respond(&answer, self.answering.headers);
+        if self.answering.charged_metadata {
+            response.dynamic_metadata = charged_metadata(&charges, &answer);
+        }
         Ok(response)
     }
 }
@@ -463,17 +500,22 @@ pub fn settled(n: usize) -> RateLimitResponse {
     }
 }
 
-/// The answer to a request the decider answered (no error).
-pub fn respond(answer: &RequestAnswer) -> RateLimitResponse {
+/// The answer to a request the decider answered (no error), with the headers `headers` asks for.
+pub fn respond(answer: &RequestAnswer, headers: ResponseHeaders) -> RateLimitResponse {
     let overall = if answer.allowed {
         Code::Ok
     } else {
         Code::OverLimit
     };
+    let rendered = match headers {
+        ResponseHeaders::All => response_headers(answer),
+        ResponseHeaders::Rejected if !answer.allowed => response_headers(answer),
+        ResponseHeaders::Rejected | ResponseHeaders::None => Vec::new(),
+    };
     RateLimitResponse {
         overall_code: overall as i32,
         statuses: answer.results.iter().map(status).collect(),
-        response_headers_to_add: response_headers(answer)
+        response_headers_to_add: rendered
             .into_iter()
             .map(|(key, value)| HeaderValue {
                 key: key.to_string(),
@@ -906,7 +948,7 @@ mod tests {
             error: None,
             slot: None,
         };
-        let r = respond(&ok);
+        let r = respond(&ok, ResponseHeaders::All);
         assert_eq!(r.overall_code, Code::Ok as i32);
         let s = &r.statuses[0];
         assert_eq!(s.code, Code::Ok as i32);
@@ -942,7 +984,7 @@ mod tests {
             error: None,
             slot: None,
         };
-        let r = respond(&over);
+        let r = respond(&over, ResponseHeaders::All);
         assert_eq!(r.overall_code, Code::OverLimit as i32);
         assert_eq!(r.statuses[0].code, Code::Ok as i32);
         assert_eq!(r.statuses[1].code, Code::OverLimit as i32);
@@ -966,6 +1008,20 @@ mod tests {
             response_headers(&never),
             [("ratelimit-policy", "\"per-ip\";q=5;w=5".to_string())]
         );
-        assert_eq!(respond(&never).statuses[0].duration_until_reset, None);
+        assert_eq!(
+            respond(&never, ResponseHeaders::All).statuses[0].duration_until_reset,
+            None
+        );
+
+        // `rejected`: only the refusal carries headers; `none`: no answer does, and the
+        // statuses stay whole (Envoy's own headers are rendered from them).
+        let rejected = ResponseHeaders::Rejected;
+        assert!(respond(&ok, rejected).response_headers_to_add.is_empty());
+        assert_eq!(respond(&over, rejected).response_headers_to_add.len(), 3);
+        for a in [&ok, &over] {
+            let r = respond(a, ResponseHeaders::None);
+            assert!(r.response_headers_to_add.is_empty());
+            assert_eq!(r.statuses, respond(a, ResponseHeaders::All).statuses);
+        }
     }
 }

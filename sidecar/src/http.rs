@@ -33,8 +33,8 @@ pub fn router<S: BucketStore>(state: Arc<AppState<S>>, max_body_bytes: usize) ->
         })
         .layer(DefaultBodyLimit::max(max_body_bytes))
         .with_state(state.clone());
-    let grpc =
-        RateLimitApi::new(state.decider.clone(), state.metrics.clone()).into_router(max_body_bytes);
+    let grpc = RateLimitApi::new(state.decider.clone(), state.metrics.clone(), state.grpc)
+        .into_router(max_body_bytes);
     // Every route that decides: `POST /v1/decide` and the gRPC service. Authentication
     // (`crate::auth::protect`, applied by `serve` around this whole router) covers both alike
     // (gRPC metadata are HTTP/2 headers: `authorization: Bearer <token>`), and `GET /v1/epoch`

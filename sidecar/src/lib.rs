@@ -221,6 +221,10 @@ pub async fn serve(
     let state = Arc::new(AppState {
         decider: Arc::new(decider),
         metrics,
+        grpc: crate::grpc::Answering {
+            headers: args.grpc_response_headers,
+            charged_metadata: args.grpc_charged_metadata,
+        },
         stopping,
     });
     let app = http::router(state.clone(), args.max_body_bytes).merge(

@@ -854,6 +854,7 @@ fn sidecar() -> Sidecar {
             metrics.clone(),
         )),
         metrics,
+        grpc: Default::default(),
         stopping: Stopping::never(),
     });
     let metrics = state.metrics.clone();

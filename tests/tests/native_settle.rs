@@ -386,3 +386,46 @@ fn the_charge_the_sidecar_reports_settles_exactly_and_a_rejected_request_settles
     assert_eq!(settlements(&sidecar), 2);
     assert_eq!(upstream.hits(), 2);
 }
+
+#[test]
+fn a_sidecar_told_to_leave_out_metadata_and_headers_sends_neither() {
+    // `--grpc-charged-metadata false`: no `settle.llm`, so the metadata route's stream-done
+    // descriptor is not made and the reservation stays charged. `--grpc-response-headers
+    // rejected`: an admitted response carries no `RateLimit`, a refused one its `Retry-After`.
+    let redis = Redis::start();
+    let sidecar = Sidecar::with_policy(
+        &redis.url(),
+        POLICY,
+        &[
+            "--redis-timeout-ms",
+            "1000",
+            "--grpc-charged-metadata",
+            "false",
+            "--grpc-response-headers",
+            "rejected",
+        ],
+    );
+    let upstream = Upstream::start();
+    let envoy = native_with(&sidecar, &upstream, METADATA_ROUTE);
+    let reserve = |n: u64| {
+        let r = http()
+            .get(envoy.url("/api/x"))
+            .header("x-reserve", n.to_string())
+            .send()
+            .expect("envoy answers");
+        let h = |name: &str| {
+            r.headers()
+                .get(name)
+                .map(|v| v.to_str().unwrap().to_string())
+        };
+        (r.status().as_u16(), h("ratelimit"), h("retry-after"))
+    };
+    let (status, ratelimit, _) = reserve(30);
+    assert_eq!((status, ratelimit), (200, None));
+    assert_eq!(calls_settled(&envoy), 1, "the decision, and no settlement");
+    assert_tokens(&redis, 70.0, "the reservation, never settled");
+    assert_eq!(settlements(&sidecar), 0);
+    let (status, _, retry_after) = reserve(80);
+    assert_eq!(status, 429);
+    assert!(retry_after.is_some(), "a refusal keeps its Retry-After");
+}

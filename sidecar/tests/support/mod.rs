@@ -273,6 +273,7 @@ pub fn memory_state(
     let state = AppState {
         decider,
         metrics,
+        grpc: Default::default(),
         stopping,
     };
     (Arc::new(state), store)

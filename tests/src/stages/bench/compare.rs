@@ -127,3 +127,74 @@ pub(crate) async fn ab_filter(b: &Bench, other: &Path) {
         );
     }
 }
+
+/// `--ab-sidecar-arg`: one workload's stage of Envoy's native rate limit filter calling the
+/// bench's sidecar (A) and one started with those arguments (B), in turns after Envoy without a
+/// filter, `--rounds` times; then each one's medians.
+pub(crate) async fn ab_sidecar(b: &Bench) {
+    let (workload, workers) = (b.args.ab_workload, b.args.ab_workers);
+    let other = off_runtime({
+        let extra = b.args.ab_sidecar_arg.clone();
+        let (redis, policy_args) = (b.redis.url(), b.args.sidecar_arg.clone());
+        move || {
+            let mut args = vec!["--redis-timeout-ms".to_string(), "1000".into()];
+            args.extend(policy_args);
+            args.extend(extra);
+            let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+            Sidecar::with_policy(&redis, POLICY, &refs)
+        }
+    })
+    .await;
+    println!(
+        "\n== A/B: {}, Envoy's native filter, {workers} worker(s): A = the sidecar as configured, B = with {}",
+        workload.name(),
+        b.args.ab_sidecar_arg.join(" ")
+    );
+    print_header();
+    // Per sidecar: Envoy CPU above Envoy alone, sidecar and Redis CPU per request, throughput
+    // relative to Envoy alone.
+    let mut figures: [Vec<[f64; 4]>; 2] = [Vec::new(), Vec::new()];
+    let floor_workload = match workload {
+        Workload::Flood => Workload::HotKey,
+        w => w,
+    };
+    let c = b.args.concurrency;
+    for round in 0..b.args.rounds.max(1) {
+        let name = format!("round {round}: envoy, no filter");
+        let (floor, _) = b
+            .envoy_stage(
+                name,
+                b.envoy(Filter::None, true, workers),
+                floor_workload,
+                c,
+            )
+            .await;
+        print(&floor, None);
+        let order = if round % 2 == 0 { [0, 1] } else { [1, 0] };
+        for i in order {
+            let (label, sidecar) = [("A", &b.sidecar), ("B", &other)][i];
+            let name = format!("round {round}: {label}");
+            let config = b.native_to(sidecar, workers);
+            let (r, _) = b.envoy_stage_with(name, config, workload, c, sidecar).await;
+            print(&r, Some(&floor));
+            figures[i].push([
+                r.cpu("envoy") - floor.cpu("envoy"),
+                r.cpu("sidecar"),
+                r.cpu("redis"),
+                r.per_second() / floor.per_second(),
+            ]);
+        }
+    }
+    let median_of = |v: &[[f64; 4]], k: usize| median(v.iter().map(|f| f[k]));
+    for (label, f) in ["A", "B"].iter().zip(&figures) {
+        println!(
+            "{label}: medians of {} rounds: Envoy CPU above Envoy alone {:.1} µs/request (rounds: {}), sidecar {:.1} µs, Redis {:.1} µs per request, {:.2}x Envoy alone's throughput",
+            f.len(),
+            median_of(f, 0),
+            f.iter().map(|x| format!("{:.1}", x[0])).collect::<Vec<_>>().join(", "),
+            median_of(f, 1),
+            median_of(f, 2),
+            median_of(f, 3),
+        );
+    }
+}

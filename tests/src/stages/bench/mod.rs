@@ -66,10 +66,10 @@ pub struct Args {
     /// 10% or more); `--ab-filter` alternates its builds this many times.
     #[arg(long, default_value_t = 3)]
     pub rounds: usize,
-    /// The workload of `--ab-filter`.
+    /// The workload of `--ab-filter` and `--ab-sidecar-arg`.
     #[arg(long, value_enum, default_value = "many-keys")]
     pub ab_workload: Workload,
-    /// Envoy workers in `--ab-filter`.
+    /// Envoy workers in `--ab-filter` and `--ab-sidecar-arg`.
     #[arg(long, default_value_t = 1)]
     pub ab_workers: u32,
     /// With `--ab-filter`: B's sidecar cluster speaks HTTP/1.1 instead of the shipped HTTP/2, as
@@ -81,6 +81,13 @@ pub struct Args {
     /// as shipped and Envoy's quota filter (RLQS), on the hot key and many keys.
     #[arg(long)]
     pub rlqs_only: bool,
+    /// A/B two sidecars behind Envoy's native rate limit filter instead of the full run: A the
+    /// bench's sidecar, B one more on the same Redis with these extra arguments (repeatable, e.g.
+    /// `--ab-sidecar-arg=--grpc-charged-metadata=false`); one workload's stage (`--ab-workload`),
+    /// `--ab-workers` workers, `--rounds` times, after Envoy without a filter each round; prints
+    /// Envoy's CPU per request above Envoy alone for each.
+    #[arg(long, allow_hyphen_values = true, value_name = "ARG")]
+    pub ab_sidecar_arg: Vec<String>,
     /// An extra argument for the sidecar (repeatable), e.g. `--sidecar-arg=--redis-pipeline=1`
     /// to measure a setting against the default in another run.
     #[arg(long, allow_hyphen_values = true)]
@@ -98,6 +105,9 @@ pub fn run(args: Args) {
     rt.block_on(async {
         if let Some(other) = &bench.args.ab_filter {
             return ab_filter(&bench, other).await;
+        }
+        if !bench.args.ab_sidecar_arg.is_empty() {
+            return ab_sidecar(&bench).await;
         }
         if bench.args.rlqs_only {
             for &workers in &bench.args.workers {

@@ -58,9 +58,14 @@ impl Bench {
 
     /// Redis and the sidecar, watched in every stage that reaches them.
     pub(crate) fn watched(&self) -> Vec<Watched> {
+        self.watched_with(&self.sidecar)
+    }
+
+    /// Redis and `sidecar` (the bench's, or another on the same Redis).
+    pub(crate) fn watched_with(&self, sidecar: &Sidecar) -> Vec<Watched> {
         vec![
             Watched::new("redis", self.redis.pid()),
-            Watched::new("sidecar", self.sidecar.process.pid()),
+            Watched::new("sidecar", sidecar.process.pid()),
         ]
     }
 
@@ -109,6 +114,11 @@ impl Bench {
     /// sidecar over gRPC) with one route per workload whose descriptors name the bench's rules,
     /// the same generous timeout as the wasm stages, and addresses from `X-Forwarded-For`.
     pub(crate) fn native(&self, workers: u32) -> EnvoyConfig {
+        self.native_to(&self.sidecar, workers)
+    }
+
+    /// [`Bench::native`] calling `sidecar`.
+    pub(crate) fn native_to(&self, sidecar: &Sidecar, workers: u32) -> EnvoyConfig {
         let route = |prefix: &str, actions: &str| {
             format!(
                 "              - match: {{ prefix: \"{prefix}\" }}\n                route:\n                  cluster: demo_upstream\n                  rate_limits:\n                  - actions:\n{actions}"
@@ -126,7 +136,7 @@ impl Bench {
         );
         EnvoyConfig::shipped(
             "envoy-native-ratelimit.yaml",
-            self.sidecar.port,
+            sidecar.port,
             self.upstream.port,
         )
         .concurrency(workers)
@@ -177,10 +187,23 @@ impl Bench {
         workload: Workload,
         callers: usize,
     ) -> (StageResult, f64) {
+        self.envoy_stage_with(name, config, workload, callers, &self.sidecar)
+            .await
+    }
+
+    /// [`Bench::envoy_stage`] with `sidecar` watched (the one `config` calls).
+    pub(crate) async fn envoy_stage_with(
+        &self,
+        name: String,
+        config: EnvoyConfig,
+        workload: Workload,
+        callers: usize,
+        sidecar: &Sidecar,
+    ) -> (StageResult, f64) {
         // Stopped however the stage ends: a stage that panics (its warm-up failing) leaves no
         // Envoy running behind the bench.
         let envoy = off_runtime(move || Envoy::start(&config)).await;
-        let mut watched = self.watched();
+        let mut watched = self.watched_with(sidecar);
         watched.push(Watched::new("envoy", envoy.process.pid()));
         let op = workload_op(
             self.http.clone(),
