@@ -6,7 +6,7 @@
 //! command fails.
 //!
 //! `CHAOS_ARGS="--seed 7"` replays one seed; `--minutes 120` runs seeds one after the other from
-//! `--first` until the time is up.
+//! `--first` until the time is up; `--plans` prints the seeds' plans without running them.
 
 use std::time::{Duration, Instant};
 
@@ -39,6 +39,9 @@ struct Args {
     /// Go on with the next seed after a violation.
     #[arg(long)]
     keep_going: bool,
+    /// Print the plans of the seeds and exit, running nothing.
+    #[arg(long)]
+    plans: bool,
 }
 
 fn main() {
@@ -57,6 +60,10 @@ fn main() {
             break;
         }
         let plan = Plan::draw(seed, args.seconds);
+        if args.plans {
+            println!("{}", plan.describe());
+            continue;
+        }
         let outcome = run(&plan);
         runs += 1;
         println!("{}", outcome.report());

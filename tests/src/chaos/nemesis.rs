@@ -10,8 +10,9 @@ use std::time::{Duration, Instant};
 use nix::sys::signal::Signal;
 
 use super::clock_ns;
-use super::schedule::{Action, Fault, Plan, Reload};
-use super::topology::{policy_yaml, Policy, Topology};
+use super::schedule::{Action, Fault, Plan, Reload, Store};
+use super::topology::{policy_yaml, Policy, Topology, HOT_BUCKET_KEY, NATIVE_ENVOY, RLQS_ENVOY};
+use crate::redis::node_serving;
 use crate::{wait_until, Sentinel, SentinelProbe};
 
 /// One fault as it happened.
@@ -62,7 +63,8 @@ pub fn carry_out(plan: &Plan, topology: &mut Topology, started: Instant) -> Log 
         ..Log::default()
     };
     let watch = Watch::start(topology);
-    let mut snapshot: Option<Vec<u8>> = None;
+    // The node a snapshot was taken of, and the snapshot.
+    let mut snapshot: Option<(usize, Vec<u8>)> = None;
     for step in &plan.steps {
         let at = started + Duration::from_millis(step.at_ms);
         if let Some(wait) = at.checked_duration_since(Instant::now()) {
@@ -71,7 +73,7 @@ pub fn carry_out(plan: &Plan, topology: &mut Topology, started: Instant) -> Log 
         match &step.action {
             Action::Snapshot => {
                 let p = topology.primary();
-                snapshot = Some(topology.nodes[p].snapshot());
+                snapshot = Some((p, topology.nodes[p].snapshot()));
             }
             Action::Reload(r) => {
                 let mut policy = topology.policy.clone();
@@ -88,7 +90,8 @@ pub fn carry_out(plan: &Plan, topology: &mut Topology, started: Instant) -> Log 
                 log.policies.push((clock_ns(), policy));
             }
             Action::Fault(f) => {
-                let caused = cause(f, topology, snapshot.as_deref(), &mut log);
+                let snap = snapshot.as_ref().map(|(p, s)| (*p, s.as_slice()));
+                let caused = cause(f, topology, snap, &mut log);
                 log.faults.push(caused);
             }
         }
@@ -132,10 +135,16 @@ const WATCH_EVERY: Duration = Duration::from_millis(200);
 impl Watch {
     fn start(t: &Topology) -> Watch {
         let probes: Vec<SentinelProbe> = t.sentinels.iter().map(Sentinel::probe).collect();
+        let nodes: Vec<u16> = t.nodes.iter().map(|n| n.port).collect();
+        let cluster = t.store == Store::Cluster;
         let stop = Arc::new(AtomicBool::new(false));
         let stopped = stop.clone();
         let thread = std::thread::spawn(move || {
+            // The Cluster's "primary" is the node serving the hot app's bucket.
             let agreed = || {
+                if cluster {
+                    return node_serving(&nodes, HOT_BUCKET_KEY);
+                }
                 let ports: Vec<u16> = probes
                     .iter()
                     .filter_map(SentinelProbe::master_port)
@@ -168,11 +177,17 @@ impl Watch {
     }
 }
 
-fn cause(fault: &Fault, t: &mut Topology, snapshot: Option<&[u8]>, log: &mut Log) -> Caused {
+fn cause(
+    fault: &Fault,
+    t: &mut Topology,
+    snapshot: Option<(usize, &[u8])>,
+    log: &mut Log,
+) -> Caused {
     let primary_before = t.primary();
+    let mut fault = fault.clone();
     let start_ns = clock_ns();
     let sleep = |ms: u64| std::thread::sleep(Duration::from_millis(ms));
-    match *fault {
+    match fault {
         Fault::SidecarPause { sidecar, ms } => {
             let p = &t.sidecars[sidecar].sidecar.process;
             p.signal(Signal::SIGSTOP);
@@ -203,10 +218,28 @@ fn cause(fault: &Fault, t: &mut Topology, snapshot: Option<&[u8]>, log: &mut Log
             t.nodes[primary_before].cli(&["FLUSHALL"]);
         }
         Fault::StoreRestartEmpty => t.nodes[primary_before].restart_empty(),
+        // A snapshot is restored to the node it was taken of: in the Cluster, another node
+        // may serve the hot app's slot by now (a failover since), and a node given keys of
+        // slots it does not serve refuses to start; it is then restarted empty, and logged so.
         Fault::StoreSnapshotRestore { .. } => match snapshot {
-            Some(s) => t.nodes[primary_before].restart_from(s),
-            None => t.nodes[primary_before].restart_empty(),
+            Some((node, s)) if node == primary_before => t.nodes[primary_before].restart_from(s),
+            _ => {
+                t.nodes[primary_before].restart_empty();
+                fault = Fault::StoreRestartEmpty;
+            }
         },
+        Fault::EnvoyRestart { envoy } if envoy == NATIVE_ENVOY => {
+            log.replaced_logs
+                .push(("envoy native".into(), t.native.process.log()));
+            let config = t.native_config.clone();
+            t.native.restart(&config);
+        }
+        Fault::EnvoyRestart { envoy } if envoy == RLQS_ENVOY => {
+            log.replaced_logs
+                .push(("envoy rlqs".into(), t.rlqs.process.log()));
+            let config = t.rlqs_config.clone();
+            t.rlqs.restart(&config);
+        }
         Fault::EnvoyRestart { envoy } => {
             add_envoy_counters(&mut log.counters, t, envoy);
             log.replaced_logs
@@ -218,6 +251,17 @@ fn cause(fault: &Fault, t: &mut Topology, snapshot: Option<&[u8]>, log: &mut Log
             t.relays[envoy].set_cut(true);
             sleep(ms);
             t.relays[envoy].set_cut(false);
+        }
+        Fault::AnswersLost { envoy, ms } => {
+            let relay = &t.relays[envoy];
+            relay.set_answers_lost(true);
+            sleep(ms);
+            // The streams lost bytes: their connections go, as a real path would drop them.
+            // Cut long enough for every connection's task to see it.
+            relay.set_cut(true);
+            sleep(100);
+            relay.set_answers_lost(false);
+            relay.set_cut(false);
         }
         // Never drawn: logged by the watch.
         Fault::Failover => {}
@@ -234,7 +278,7 @@ fn cause(fault: &Fault, t: &mut Topology, snapshot: Option<&[u8]>, log: &mut Log
     let end_ns = clock_ns();
     recover(t);
     Caused {
-        fault: fault.clone(),
+        fault,
         start_ns,
         end_ns,
         recovered_ns: clock_ns(),
@@ -247,6 +291,24 @@ fn cause(fault: &Fault, t: &mut Topology, snapshot: Option<&[u8]>, log: &mut Log
 /// was once logged "no failover" when it resumed, and failed over a second later: the checker
 /// then granted nothing for the old primary deciding beside the new one.)
 fn recover(t: &mut Topology) {
+    if t.store == Store::Cluster {
+        wait_until("the Cluster at rest", RECOVERY, || t.cluster_at_rest());
+    } else {
+        recover_sentinel(t);
+    }
+    let client = crate::http();
+    for s in &t.sidecars {
+        let url = format!("{}/readyz", s.sidecar.base_url());
+        wait_until("the sidecars ready", RECOVERY, || {
+            client
+                .get(&url)
+                .send()
+                .is_ok_and(|r| r.status().is_success())
+        });
+    }
+}
+
+fn recover_sentinel(t: &mut Topology) {
     wait_until("a primary with its replica", RECOVERY, || {
         if !t.sentinels_at_rest() {
             return false;
@@ -265,16 +327,6 @@ fn recover(t: &mut Topology) {
                 .cli(&["INFO", "replication"])
                 .contains("master_link_status:up")
     });
-    let client = crate::http();
-    for s in &t.sidecars {
-        let url = format!("{}/readyz", s.sidecar.base_url());
-        wait_until("the sidecars ready", RECOVERY, || {
-            client
-                .get(&url)
-                .send()
-                .is_ok_and(|r| r.status().is_success())
-        });
-    }
 }
 
 /// The filter's counters of Envoy `i` now ([`ENVOY_COUNTERS`]).

@@ -1,9 +1,10 @@
 //! A TCP relay between two local processes (an Envoy and its sidecar), in-process on a thread of
 //! its own: it passes every byte, delays each chunk by a set time, or cuts the path (open
 //! connections dropped, new ones closed at once). This kernel has no `sch_netem`; a userspace
-//! relay does what the faults need. Stops on drop.
+//! relay does what the faults need. It can also drop what the server answers while passing
+//! what the client sends. Stops on drop.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -20,6 +21,8 @@ struct State {
     delay_ms: AtomicU64,
     /// Connections accepted.
     connections: AtomicU64,
+    /// The server's bytes read and dropped, the client's passed.
+    answers_lost: AtomicBool,
 }
 
 pub struct Relay {
@@ -69,6 +72,12 @@ impl Relay {
         self.state.delay_ms.store(ms, Ordering::Relaxed);
     }
 
+    /// Drops every byte the server sends (`true`) while passing the client's, or passes both.
+    /// A stream that lost bytes is broken: cut the path once this ends.
+    pub fn set_answers_lost(&self, lost: bool) {
+        self.state.answers_lost.store(lost, Ordering::Relaxed);
+    }
+
     pub fn connections(&self) -> u64 {
         self.state.connections.load(Ordering::Relaxed)
     }
@@ -83,8 +92,8 @@ async fn pipe(
 ) {
     let (mut cr, mut cw) = client.into_split();
     let (mut sr, mut sw) = server.into_split();
-    let up = copy(&mut cr, &mut sw, &state);
-    let down = copy(&mut sr, &mut cw, &state);
+    let up = copy(&mut cr, &mut sw, &state, false);
+    let down = copy(&mut sr, &mut cw, &state, true);
     let cut = async {
         loop {
             if *cut.borrow_and_update() {
@@ -102,10 +111,13 @@ async fn pipe(
     }
 }
 
+/// Passes what `from` sends to `to`; `answers`: the server's side, dropped while the answers
+/// are lost.
 async fn copy(
     from: &mut (impl AsyncReadExt + Unpin),
     to: &mut (impl AsyncWriteExt + Unpin),
     state: &State,
+    answers: bool,
 ) {
     let mut buf = vec![0u8; 16 * 1024];
     loop {
@@ -116,6 +128,9 @@ async fn copy(
         let delay = state.delay_ms.load(Ordering::Relaxed);
         if delay > 0 {
             tokio::time::sleep(Duration::from_millis(delay)).await;
+        }
+        if answers && state.answers_lost.load(Ordering::Relaxed) {
+            continue;
         }
         if to.write_all(&buf[..n]).await.is_err() {
             return;

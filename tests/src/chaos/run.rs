@@ -124,7 +124,7 @@ pub fn accumulate(total: &mut Vec<Row>, rows: &[Row]) {
 
 /// Runs `plan` on a topology of its own.
 pub fn run(plan: &Plan) -> Outcome {
-    let mut topology = Topology::start(plan.store_reset);
+    let mut topology = Topology::start(plan.store_reset, plan.store);
     let ports = topology.listen_ports();
     let workload = Workload::start(plan.seed, ports, topology.sidecar_url(0));
     let (started, zero_ns) = (Instant::now(), clock_ns());

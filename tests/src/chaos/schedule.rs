@@ -35,6 +35,35 @@ impl StoreReset {
     }
 }
 
+/// What the sidecars store their buckets in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Store {
+    /// A primary, its replica and three Sentinels.
+    Sentinel,
+    /// Three primaries, each with a replica: a fault of "the primary" hits the one serving the
+    /// hot app's bucket.
+    Cluster,
+}
+
+impl Store {
+    /// Every fourth seed runs on a Cluster (from the seed alone: the rest of a plan drawn before
+    /// the Cluster variant existed stays the same).
+    pub fn of_seed(seed: u64) -> Store {
+        if seed.is_multiple_of(4) {
+            Store::Cluster
+        } else {
+            Store::Sentinel
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Store::Sentinel => "Sentinel",
+            Store::Cluster => "Cluster",
+        }
+    }
+}
+
 /// Something the nemesis breaks, for a while.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Fault {
@@ -53,11 +82,17 @@ pub enum Fault {
     StoreRestartEmpty,
     /// The primary restarted from a snapshot taken `age_ms` before.
     StoreSnapshotRestore { age_ms: u64 },
-    /// An Envoy stopped and started again on its ports.
+    /// An Envoy stopped and started again on its ports: a wasm one (below [`ENVOYS`]), the
+    /// native one or the RLQS one (the workload's indexes,
+    /// [`super::topology::NATIVE_ENVOY`], [`super::topology::RLQS_ENVOY`]).
     EnvoyRestart { envoy: usize },
     /// The path from an Envoy to its sidecar cut for `ms` (connections dropped, new ones
     /// refused).
     GatewayCut { envoy: usize, ms: u64 },
+    /// The answers from its sidecar to an Envoy dropped for `ms` (its calls still arrive and
+    /// are decided: the sidecar charges what the Envoy never hears of), then the path's
+    /// connections cut (their streams lost bytes).
+    AnswersLost { envoy: usize, ms: u64 },
     /// The path from an Envoy to its sidecar delayed by `delay_ms` each way for `ms`.
     GatewayDelay {
         envoy: usize,
@@ -83,12 +118,13 @@ impl Fault {
             Fault::EnvoyRestart { .. } => "Envoy restarted",
             Fault::GatewayCut { .. } => "gateway cut from its sidecar",
             Fault::GatewayDelay { .. } => "gateway delayed to its sidecar",
+            Fault::AnswersLost { .. } => "answers lost to a gateway",
             Fault::Failover => "failover without a fault",
         }
     }
 
     /// Every class, in table order.
-    pub const CLASSES: [&'static str; 11] = [
+    pub const CLASSES: [&'static str; 12] = [
         "sidecar paused",
         "sidecar killed",
         "primary paused",
@@ -99,6 +135,7 @@ impl Fault {
         "Envoy restarted",
         "gateway cut from its sidecar",
         "gateway delayed to its sidecar",
+        "answers lost to a gateway",
         "failover without a fault",
     ];
 
@@ -108,6 +145,7 @@ impl Fault {
             Fault::SidecarPause { ms, .. }
             | Fault::PrimaryPause { ms }
             | Fault::GatewayCut { ms, .. }
+            | Fault::AnswersLost { ms, .. }
             | Fault::GatewayDelay { ms, .. } => ms,
             Fault::SidecarRestart { down_ms, .. } | Fault::PrimaryKill { down_ms } => down_ms,
             Fault::StoreFlush
@@ -174,6 +212,7 @@ pub struct Plan {
     pub seed: u64,
     pub seconds: u64,
     pub store_reset: StoreReset,
+    pub store: Store,
     /// In time order.
     pub steps: Vec<Step>,
 }
@@ -185,6 +224,9 @@ impl Plan {
     /// The plan of `seed` for a run of `seconds`.
     pub fn draw(seed: u64, seconds: u64) -> Plan {
         let mut rng = StdRng::seed_from_u64(seed);
+        // Variations of a drawn fault, from a generator of their own: the plans drawn before
+        // they existed keep every step and time ([`vary`]).
+        let mut more = StdRng::seed_from_u64(seed ^ 0x9e37_79b9_7f4a_7c15);
         let store_reset = if rng.random_bool(0.5) {
             StoreReset::Empty
         } else {
@@ -200,7 +242,7 @@ impl Plan {
         // Faults one after the other, each given time to recover (a failover takes seconds).
         let mut at = 3_000 + rng.random_range(0..2_000);
         while at + 4_000 < calm_ms {
-            let fault = draw_fault(&mut rng);
+            let fault = vary(draw_fault(&mut rng), &mut more);
             if let Fault::StoreSnapshotRestore { age_ms } = fault {
                 steps.push(Step {
                     at_ms: at.saturating_sub(age_ms),
@@ -239,6 +281,7 @@ impl Plan {
             seed,
             seconds,
             store_reset,
+            store: Store::of_seed(seed),
             steps,
         }
     }
@@ -276,15 +319,30 @@ impl Plan {
     /// The plan as lines, for the report (and to re-run it by eye).
     pub fn describe(&self) -> String {
         let mut out = format!(
-            "seed {} ({} s, --store-reset {})\n",
+            "seed {} ({} s, --store-reset {}, Redis {})\n",
             self.seed,
             self.seconds,
-            self.store_reset.arg()
+            self.store_reset.arg(),
+            self.store.name()
         );
         for s in &self.steps {
             out += &format!("  {:>6} ms  {:?}\n", s.at_ms, s.action);
         }
         out
+    }
+}
+
+/// Half the Envoy restarts hit the native or the RLQS Envoy instead of a wasm one, and half
+/// the cuts lose only the answers.
+fn vary(fault: Fault, more: &mut StdRng) -> Fault {
+    match fault {
+        Fault::EnvoyRestart { .. } if more.random_bool(0.5) => Fault::EnvoyRestart {
+            envoy: ENVOYS + more.random_range(0..2),
+        },
+        Fault::GatewayCut { envoy, ms } if more.random_bool(0.5) => {
+            Fault::AnswersLost { envoy, ms }
+        }
+        f => f,
     }
 }
 
@@ -366,6 +424,35 @@ mod tests {
             );
             let calm_reloads = plan.steps.iter().filter(|s| s.at_ms > 40_000).count();
             assert!(calm_reloads >= 2, "seed {seed}: {plan:?}");
+        }
+    }
+
+    #[test]
+    fn plans_restart_every_kind_of_envoy_lose_answers_and_every_fourth_runs_a_cluster() {
+        let plans: Vec<Plan> = (0..100).map(|s| Plan::draw(s, 120)).collect();
+        let any = |f: &dyn Fn(&Fault) -> bool| plans.iter().any(|p| p.faults().any(|(_, x)| f(x)));
+        for target in [0, ENVOYS, ENVOYS + 1] {
+            assert!(
+                any(&|f| matches!(f, Fault::EnvoyRestart { envoy } if *envoy == target)),
+                "no plan restarts Envoy {target}"
+            );
+        }
+        assert!(any(&|f| matches!(f, Fault::AnswersLost { .. })));
+        assert!(any(&|f| matches!(f, Fault::GatewayCut { .. })));
+        // The native and RLQS Envoys call their sidecars straight: no relay to cut.
+        assert!(!any(&|f| matches!(
+            f,
+            Fault::GatewayCut { envoy, .. }
+                | Fault::AnswersLost { envoy, .. }
+                | Fault::GatewayDelay { envoy, .. } if *envoy >= ENVOYS
+        )));
+        for p in &plans {
+            assert_eq!(
+                p.store == Store::Cluster,
+                p.seed % 4 == 0,
+                "seed {}",
+                p.seed
+            );
         }
     }
 

@@ -1,5 +1,6 @@
 //! The processes of a run, and the hands the nemesis breaks them with: a Redis primary with a
-//! replica and three Sentinels; two sidecars on the Sentinels; two Envoys with the wasm filter
+//! replica and three Sentinels, or a Cluster of three primaries each with a replica
+//! ([`Store`]); two sidecars on it; two Envoys with the wasm filter
 //! (one and two workers), each to its own sidecar through a [`Relay`]; an Envoy with Envoy's
 //! rate limit filter and one with its quota filter (RLQS), each straight to a sidecar; the
 //! recording upstream.
@@ -14,8 +15,11 @@ use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
 use super::relay::Relay;
-use super::schedule::{StoreReset, ENVOYS, HOT, PER_APP, QUIET, SIDECARS, WARM, WARM_BUCKET};
-use crate::{wait_until, Envoy, EnvoyConfig, Redis, Sentinel, Sidecar, Upstream};
+use super::schedule::{
+    Store, StoreReset, ENVOYS, HOT, PER_APP, QUIET, SIDECARS, WARM, WARM_BUCKET,
+};
+use crate::redis::node_serving;
+use crate::{wait_until, Envoy, EnvoyConfig, Redis, RedisCluster, Sentinel, Sidecar, Upstream};
 
 /// The apps the plugin knows, beyond [`HOT`], [`WARM`] and [`QUIET`].
 pub const LLM: &str = "llm";
@@ -197,9 +201,11 @@ impl Restartable {
 /// Every process of a run.
 pub struct Topology {
     pub store_reset: StoreReset,
-    /// The two Redis data nodes; which is the primary changes with failovers
-    /// ([`Topology::primary`]).
-    pub nodes: [Redis; 2],
+    pub store: Store,
+    /// The Redis data nodes: two under Sentinel, six in the Cluster; which one a fault of "the
+    /// primary" hits changes with failovers ([`Topology::primary`]).
+    pub nodes: Vec<Redis>,
+    /// The three Sentinels (none for the Cluster).
     pub sentinels: Vec<Sentinel>,
     pub sidecars: Vec<Restartable>,
     pub relays: Vec<Relay>,
@@ -207,56 +213,42 @@ pub struct Topology {
     pub configs: Vec<EnvoyConfig>,
     /// An Envoy with Envoy's native rate limit filter (`envoy/envoy-native-ratelimit.yaml`,
     /// failing closed) calling sidecar 0 over gRPC: rule `per-ip`, every client one address.
-    /// Not one the nemesis restarts or cuts (its sidecar's and Redis's faults reach it).
+    /// Restarted by the nemesis, never cut (it calls its sidecar straight).
     pub native: Envoy,
+    pub native_config: EnvoyConfig,
     /// An Envoy with Envoy's quota filter (`envoy/envoy-rlqs.yaml` as shipped) reporting to
-    /// sidecar [`RLQS_SIDECAR`]: `per-ip` too. Likewise reached only through its sidecar and Redis.
+    /// sidecar [`RLQS_SIDECAR`]: `per-ip` too. Likewise restarted, never cut.
     pub rlqs: Envoy,
+    pub rlqs_config: EnvoyConfig,
     pub upstream: Upstream,
     pub policy: Policy,
 }
 
 impl Topology {
-    pub fn start(store_reset: StoreReset) -> Topology {
-        // A full sync starts at once (diskless, Redis waits 5 s by default for more replicas).
-        let node = [
-            "--maxmemory-policy",
-            "noeviction",
-            "--repl-diskless-sync-delay",
-            "0",
-        ];
-        let primary = Redis::start_with(&node);
-        // Linked by a command, not an argument: a node the nemesis restarts comes back as a
-        // primary of its own, and the Sentinels make it a replica again, as in production.
-        let replica = Redis::start_with(&node);
-        replica.cli(&["REPLICAOF", "127.0.0.1", &primary.port.to_string()]);
-        wait_until("the replica's link", Duration::from_secs(30), || {
-            replica
-                .cli(&["INFO", "replication"])
-                .contains("master_link_status:up")
-        });
-        let sentinels: Vec<Sentinel> = (0..3)
-            .map(|_| Sentinel::start("mymaster", primary.port, 2))
-            .collect();
-        let urls: Vec<String> = sentinels.iter().map(Sentinel::url).collect();
+    pub fn start(store_reset: StoreReset, store: Store) -> Topology {
+        let (nodes, sentinels, mut store_args) = match store {
+            Store::Sentinel => start_sentinel(),
+            Store::Cluster => {
+                // A primary is failed over after 1 s, as the Sentinels do.
+                let cluster = RedisCluster::start_replicated(1_000);
+                let seeds = cluster.seeds();
+                (
+                    cluster.nodes,
+                    Vec::new(),
+                    vec!["--redis-cluster".into(), seeds],
+                )
+            }
+        };
+        store_args.extend([
+            "--redis-timeout-ms".into(),
+            "100".into(),
+            "--store-reset".into(),
+            store_reset.arg().into(),
+        ]);
         let policy = Policy::default();
         let text = policy_yaml(&policy);
         let sidecars: Vec<Restartable> = (0..SIDECARS)
-            .map(|_| {
-                Restartable::start(
-                    &text,
-                    vec![
-                        "--redis-sentinel".into(),
-                        urls.join(","),
-                        "--sentinel-master".into(),
-                        "mymaster".into(),
-                        "--redis-timeout-ms".into(),
-                        "100".into(),
-                        "--store-reset".into(),
-                        store_reset.arg().into(),
-                    ],
-                )
-            })
+            .map(|_| Restartable::start(&text, store_args.clone()))
             .collect();
         let upstream = Upstream::start();
         let relays: Vec<Relay> = (0..ENVOYS)
@@ -270,37 +262,47 @@ impl Topology {
             })
             .collect();
         let envoys = configs.iter().map(Envoy::start).collect();
-        let native = Envoy::start(
-            &EnvoyConfig::shipped(
-                "envoy-native-ratelimit.yaml",
-                sidecars[0].sidecar.port,
-                upstream.port,
-            )
-            .replace("timeout: 0.05s", "timeout: 0.2s")
-            .replace("failure_mode_deny: false", "failure_mode_deny: true"),
-        );
-        let rlqs = Envoy::start(&EnvoyConfig::shipped(
+        let native_config = EnvoyConfig::shipped(
+            "envoy-native-ratelimit.yaml",
+            sidecars[0].sidecar.port,
+            upstream.port,
+        )
+        .replace("timeout: 0.05s", "timeout: 0.2s")
+        .replace("failure_mode_deny: false", "failure_mode_deny: true");
+        let native = Envoy::start(&native_config);
+        let rlqs_config = EnvoyConfig::shipped(
             "envoy-rlqs.yaml",
             sidecars[RLQS_SIDECAR].sidecar.port,
             upstream.port,
-        ));
+        );
+        let rlqs = Envoy::start(&rlqs_config);
         Topology {
             store_reset,
-            nodes: [primary, replica],
+            store,
+            nodes,
             sentinels,
             sidecars,
             relays,
             envoys,
             configs,
             native,
+            native_config,
             rlqs,
+            rlqs_config,
             upstream,
             policy,
         }
     }
 
-    /// The index in [`Topology::nodes`] of the node the Sentinels name primary now.
+    /// The index in [`Topology::nodes`] of the node the Sentinels name primary now, or in the
+    /// Cluster the primary serving the hot app's bucket ([`HOT_BUCKET_KEY`]).
     pub fn primary(&self) -> usize {
+        if self.store == Store::Cluster {
+            let ports: Vec<u16> = self.nodes.iter().map(|n| n.port).collect();
+            return node_serving(&ports, HOT_BUCKET_KEY)
+                .and_then(|port| ports.iter().position(|p| *p == port))
+                .unwrap_or(0);
+        }
         self.agreed_primary().unwrap_or_else(|| {
             let port = self
                 .sentinels
@@ -337,6 +339,25 @@ impl Topology {
                     .any(|f| matches!(f, "s_down" | "o_down" | "failover_in_progress"))
             })
         })
+    }
+
+    /// Whether the Cluster is at rest: every node up with `cluster_state:ok`, three primaries,
+    /// and every replica linked to its primary (an old primary back after a failover rejoins
+    /// as a replica of its own accord).
+    pub fn cluster_at_rest(&self) -> bool {
+        let mut primaries = 0;
+        for n in &self.nodes {
+            if !n.cli(&["CLUSTER", "INFO"]).contains("cluster_state:ok") {
+                return false;
+            }
+            let replication = n.cli(&["INFO", "replication"]);
+            if replication.contains("role:master") {
+                primaries += 1;
+            } else if !replication.contains("master_link_status:up") {
+                return false;
+            }
+        }
+        primaries == 3
     }
 
     /// Writes `policy` to every sidecar's file.
@@ -398,4 +419,41 @@ impl Topology {
         wasm.chain([self.native.listen_port, self.rlqs.listen_port])
             .collect()
     }
+}
+
+/// The hot app's `per-app` bucket: in the Cluster, the faults of "the primary" hit the node
+/// that serves it.
+pub const HOT_BUCKET_KEY: &str = "rl:{ratelimit|rule=per-app|app=hot}";
+
+/// A primary with a replica and three Sentinels: the data nodes, the Sentinels and the
+/// sidecars' arguments to reach them.
+fn start_sentinel() -> (Vec<Redis>, Vec<Sentinel>, Vec<String>) {
+    // A full sync starts at once (diskless, Redis waits 5 s by default for more replicas).
+    let node = [
+        "--maxmemory-policy",
+        "noeviction",
+        "--repl-diskless-sync-delay",
+        "0",
+    ];
+    let primary = Redis::start_with(&node);
+    // Linked by a command, not an argument: a node the nemesis restarts comes back as a
+    // primary of its own, and the Sentinels make it a replica again, as in production.
+    let replica = Redis::start_with(&node);
+    replica.cli(&["REPLICAOF", "127.0.0.1", &primary.port.to_string()]);
+    wait_until("the replica's link", Duration::from_secs(30), || {
+        replica
+            .cli(&["INFO", "replication"])
+            .contains("master_link_status:up")
+    });
+    let sentinels: Vec<Sentinel> = (0..3)
+        .map(|_| Sentinel::start("mymaster", primary.port, 2))
+        .collect();
+    let urls: Vec<String> = sentinels.iter().map(Sentinel::url).collect();
+    let args = vec![
+        "--redis-sentinel".into(),
+        urls.join(","),
+        "--sentinel-master".into(),
+        "mymaster".into(),
+    ];
+    (vec![primary, replica], sentinels, args)
 }

@@ -155,6 +155,15 @@ impl RedisCluster {
     }
 }
 
+/// Which of the nodes on `ports` serves `key` now (answers it rather than MOVED; one that
+/// does not answer is passed over, one that is paused holds the question until it resumes).
+pub fn node_serving(ports: &[u16], key: &str) -> Option<u16> {
+    ports.iter().copied().find(|&port| {
+        let out = cli_with(port, &[], &["EXISTS", key]);
+        out == "0" || out == "1"
+    })
+}
+
 /// The slots of a Cluster of `n` primaries split evenly, in order: primary `i` serves
 /// `16384 * i / n ..= 16384 * (i + 1) / n - 1`.
 pub fn even_slot_ranges(n: usize) -> Vec<(u16, u16)> {

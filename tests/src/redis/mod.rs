@@ -282,5 +282,5 @@ fn pings(port: u16) -> bool {
 mod cluster;
 mod sentinel;
 
-pub use self::cluster::{even_slot_ranges, RedisCluster};
+pub use self::cluster::{even_slot_ranges, node_serving, RedisCluster};
 pub use self::sentinel::{Sentinel, SentinelOptions, SentinelProbe};

@@ -86,9 +86,10 @@ impl Checker<'_> {
             Fault::SidecarPause { sidecar, .. } | Fault::SidecarRestart { sidecar, .. } => {
                 sidecar == RLQS_SIDECAR
             }
-            Fault::EnvoyRestart { .. } | Fault::GatewayCut { .. } | Fault::GatewayDelay { .. } => {
-                false
-            }
+            Fault::EnvoyRestart { .. }
+            | Fault::GatewayCut { .. }
+            | Fault::GatewayDelay { .. }
+            | Fault::AnswersLost { .. } => false,
             _ => true,
         };
         if !reaches {

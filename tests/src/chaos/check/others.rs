@@ -61,9 +61,9 @@ impl Checker<'_> {
                 Fault::SidecarPause { sidecar, .. } | Fault::SidecarRestart { sidecar, .. } => {
                     envoy.is_none_or(|e| e % SIDECARS == sidecar)
                 }
-                Fault::GatewayCut { envoy: cut, .. } | Fault::GatewayDelay { envoy: cut, .. } => {
-                    envoy.is_none_or(|e| e == cut)
-                }
+                Fault::GatewayCut { envoy: cut, .. }
+                | Fault::GatewayDelay { envoy: cut, .. }
+                | Fault::AnswersLost { envoy: cut, .. } => envoy.is_none_or(|e| e == cut),
                 // Its own requests end with it; no other Envoy's renewals wait for it.
                 Fault::EnvoyRestart { .. } => false,
                 _ => true,
