@@ -10,6 +10,7 @@
 #   - kubernetes-validate (PyPI, pinned) in the same venv, for the Kubernetes manifests' tests
 #   - openssl, for scripts/mint-test-jwt.sh (the JWT and LLM examples' tokens), and jq, which
 #     docs/configuration.md's worked example pipes the sidecar's answers through
+#   - faketime (libfaketime), with which make chaos steps a sidecar's wall clock
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -23,6 +24,7 @@ command -v node >/dev/null 2>&1 || need_apt+=(nodejs)
 command -v curl >/dev/null 2>&1 || need_apt+=(curl)
 command -v openssl >/dev/null 2>&1 || need_apt+=(openssl)
 command -v jq >/dev/null 2>&1 || need_apt+=(jq)
+command -v faketime >/dev/null 2>&1 || need_apt+=(faketime)
 # Installed without recommended packages (prometheus recommends a node exporter).
 need_apt_lean=()
 command -v promtool >/dev/null 2>&1 || need_apt_lean+=(prometheus)

@@ -323,6 +323,16 @@ impl Sidecar {
     /// (`--redis-cluster <seeds>`, `--redis-sentinel <urls>`, ...), on `port`, without waiting:
     /// see [`Sidecar::wait_ready`].
     pub fn spawn_with_args(port: u16, policy: &str, args: &[&str]) -> Sidecar {
+        Sidecar::spawn_with_args_env(port, policy, args, &[])
+    }
+
+    /// [`Sidecar::spawn_with_args`] with environment variables `env` besides.
+    pub fn spawn_with_args_env(
+        port: u16,
+        policy: &str,
+        args: &[&str],
+        env: &[(String, String)],
+    ) -> Sidecar {
         let logs = tempfile::tempdir().expect("temp dir");
         let policy_path = logs.path().join("limits.yaml");
         std::fs::write(&policy_path, policy).expect("write the policy file");
@@ -333,7 +343,8 @@ impl Sidecar {
             .env(
                 "RUST_LOG",
                 std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),
-            );
+            )
+            .envs(env.iter().map(|(k, v)| (k, v)));
         let process = Process::spawn(&format!("sidecar-{port}"), cmd, logs.path());
         Sidecar {
             port,

@@ -263,6 +263,15 @@ fn cause(
             relay.set_answers_lost(false);
             relay.set_cut(false);
         }
+        Fault::ClockStep {
+            sidecar,
+            seconds,
+            ms,
+        } => {
+            t.step_clock(sidecar, seconds);
+            sleep(ms);
+            t.step_clock(sidecar, 0);
+        }
         // Never drawn: logged by the watch.
         Fault::Failover => {}
         Fault::GatewayDelay {

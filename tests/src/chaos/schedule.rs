@@ -93,6 +93,13 @@ pub enum Fault {
     /// are decided: the sidecar charges what the Envoy never hears of), then the path's
     /// connections cut (their streams lost bytes).
     AnswersLost { envoy: usize, ms: u64 },
+    /// A sidecar's wall clock stepped by `seconds` (forward or back) for `ms`, then back
+    /// (libfaketime; its monotonic clock runs on, as a host's does when NTP steps the time).
+    ClockStep {
+        sidecar: usize,
+        seconds: i64,
+        ms: u64,
+    },
     /// The path from an Envoy to its sidecar delayed by `delay_ms` each way for `ms`.
     GatewayDelay {
         envoy: usize,
@@ -119,12 +126,13 @@ impl Fault {
             Fault::GatewayCut { .. } => "gateway cut from its sidecar",
             Fault::GatewayDelay { .. } => "gateway delayed to its sidecar",
             Fault::AnswersLost { .. } => "answers lost to a gateway",
+            Fault::ClockStep { .. } => "wall clock stepped on a sidecar",
             Fault::Failover => "failover without a fault",
         }
     }
 
     /// Every class, in table order.
-    pub const CLASSES: [&'static str; 12] = [
+    pub const CLASSES: [&'static str; 13] = [
         "sidecar paused",
         "sidecar killed",
         "primary paused",
@@ -136,6 +144,7 @@ impl Fault {
         "gateway cut from its sidecar",
         "gateway delayed to its sidecar",
         "answers lost to a gateway",
+        "wall clock stepped on a sidecar",
         "failover without a fault",
     ];
 
@@ -146,6 +155,7 @@ impl Fault {
             | Fault::PrimaryPause { ms }
             | Fault::GatewayCut { ms, .. }
             | Fault::AnswersLost { ms, .. }
+            | Fault::ClockStep { ms, .. }
             | Fault::GatewayDelay { ms, .. } => ms,
             Fault::SidecarRestart { down_ms, .. } | Fault::PrimaryKill { down_ms } => down_ms,
             Fault::StoreFlush
@@ -332,10 +342,23 @@ impl Plan {
     }
 }
 
-/// Half the Envoy restarts hit the native or the RLQS Envoy instead of a wasm one, and half
-/// the cuts lose only the answers.
+/// Half the Envoy restarts hit the native or the RLQS Envoy instead of a wasm one, half the
+/// cuts lose only the answers, and half the delays are a step of the sidecar's wall clock
+/// instead (10 minutes to 2 hours, forward or back).
 fn vary(fault: Fault, more: &mut StdRng) -> Fault {
     match fault {
+        Fault::GatewayDelay { envoy, ms, .. } if more.random_bool(0.5) => {
+            let seconds = more.random_range(600..7_200);
+            Fault::ClockStep {
+                sidecar: envoy % SIDECARS,
+                seconds: if more.random_bool(0.5) {
+                    seconds
+                } else {
+                    -seconds
+                },
+                ms,
+            }
+        }
         Fault::EnvoyRestart { .. } if more.random_bool(0.5) => Fault::EnvoyRestart {
             envoy: ENVOYS + more.random_range(0..2),
         },
@@ -438,6 +461,12 @@ mod tests {
             );
         }
         assert!(any(&|f| matches!(f, Fault::AnswersLost { .. })));
+        assert!(any(
+            &|f| matches!(f, Fault::ClockStep { seconds, .. } if *seconds < 0)
+        ));
+        assert!(any(
+            &|f| matches!(f, Fault::ClockStep { seconds, .. } if *seconds > 0)
+        ));
         assert!(any(&|f| matches!(f, Fault::GatewayCut { .. })));
         // The native and RLQS Envoys call their sidecars straight: no relay to cut.
         assert!(!any(&|f| matches!(

@@ -178,21 +178,21 @@ fn plugin() -> Value {
 pub struct Restartable {
     pub sidecar: Sidecar,
     args: Vec<String>,
+    env: Vec<(String, String)>,
 }
 
 impl Restartable {
-    fn start(policy: &str, args: Vec<String>) -> Restartable {
+    fn start(policy: &str, args: Vec<String>, env: Vec<(String, String)>) -> Restartable {
         let refs: Vec<&str> = args.iter().map(String::as_str).collect();
-        Restartable {
-            sidecar: Sidecar::start_with_args(policy, &refs),
-            args,
-        }
+        let mut sidecar = Sidecar::spawn_with_args_env(crate::free_port(), policy, &refs, &env);
+        sidecar.wait_ready();
+        Restartable { sidecar, args, env }
     }
 
     /// Starts it again on its port with `policy` (the old process must be gone).
     pub fn start_again(&mut self, policy: &str) {
         let refs: Vec<&str> = self.args.iter().map(String::as_str).collect();
-        let mut s = Sidecar::spawn_with_args(self.sidecar.port, policy, &refs);
+        let mut s = Sidecar::spawn_with_args_env(self.sidecar.port, policy, &refs, &self.env);
         s.wait_ready();
         self.sidecar = s;
     }
@@ -211,6 +211,8 @@ pub struct Topology {
     pub relays: Vec<Relay>,
     pub envoys: Vec<Envoy>,
     pub configs: Vec<EnvoyConfig>,
+    /// The wall-clock offset of each sidecar, a file libfaketime reads ([`Topology::step_clock`]).
+    clocks: tempfile::TempDir,
     /// An Envoy with Envoy's native rate limit filter (`envoy/envoy-native-ratelimit.yaml`,
     /// failing closed) calling sidecar 0 over gRPC: rule `per-ip`, every client one address.
     /// Restarted by the nemesis, never cut (it calls its sidecar straight).
@@ -247,8 +249,12 @@ impl Topology {
         ]);
         let policy = Policy::default();
         let text = policy_yaml(&policy);
+        let clocks = tempfile::tempdir().expect("a directory for the clocks' offsets");
         let sidecars: Vec<Restartable> = (0..SIDECARS)
-            .map(|_| Restartable::start(&text, store_args.clone()))
+            .map(|i| {
+                let env = faked_clock(&clock_file(clocks.path(), i));
+                Restartable::start(&text, store_args.clone(), env)
+            })
             .collect();
         let upstream = Upstream::start();
         let relays: Vec<Relay> = (0..ENVOYS)
@@ -285,6 +291,7 @@ impl Topology {
             relays,
             envoys,
             configs,
+            clocks,
             native,
             native_config,
             rlqs,
@@ -358,6 +365,17 @@ impl Topology {
             }
         }
         primaries == 3
+    }
+
+    /// Sets sidecar `sidecar`'s wall clock `seconds` away from the host's (0: back to it), and
+    /// waits out libfaketime's cache (it reads the file again every second); the monotonic clock
+    /// runs on. (The sidecar's `date` header cannot show it: hyper renews its cached date only
+    /// once the clock passes the next second it expects, an hour later after a step back of an
+    /// hour; `tests/tests/chaos.rs` checks a step on a `date` that can show it.)
+    pub fn step_clock(&self, sidecar: usize, seconds: i64) {
+        let path = clock_file(self.clocks.path(), sidecar);
+        std::fs::write(&path, format!("{seconds:+}\n")).expect("write the clock's offset");
+        std::thread::sleep(Duration::from_millis(1_100));
     }
 
     /// Writes `policy` to every sidecar's file.
@@ -456,4 +474,38 @@ fn start_sentinel() -> (Vec<Redis>, Vec<Sentinel>, Vec<String>) {
         "mymaster".into(),
     ];
     (vec![primary, replica], sentinels, args)
+}
+
+/// The offset file of sidecar `i`'s wall clock ("+0" until a step).
+pub fn clock_file(dir: &std::path::Path, i: usize) -> std::path::PathBuf {
+    let path = dir.join(format!("clock-{i}"));
+    if !path.exists() {
+        std::fs::write(&path, "+0\n").expect("write the clock's offset");
+    }
+    path
+}
+
+/// The environment that reads a process's wall clock through libfaketime (Debian's `faketime`,
+/// installed by scripts/install-deps.sh) at the offset in `offset_file`, read again every
+/// second; the monotonic clock is left alone. (Envoy 1.40 hangs at its start under libfaketime,
+/// even for `--version`: a futex wait before `main`; so only the sidecars' clocks are stepped.)
+pub fn faked_clock(offset_file: &std::path::Path) -> Vec<(String, String)> {
+    let lib = [
+        "/usr/lib/x86_64-linux-gnu",
+        "/usr/lib/aarch64-linux-gnu",
+        "/usr/lib",
+    ]
+    .iter()
+    .map(|d| std::path::Path::new(d).join("faketime/libfaketimeMT.so.1"))
+    .find(|p| p.exists())
+    .expect("libfaketime is missing: install Debian's faketime (scripts/install-deps.sh)");
+    [
+        ("LD_PRELOAD", lib.display().to_string()),
+        ("FAKETIME_TIMESTAMP_FILE", offset_file.display().to_string()),
+        ("FAKETIME_CACHE_DURATION", "1".into()),
+        ("FAKETIME_DONT_FAKE_MONOTONIC", "1".into()),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect()
 }

@@ -64,8 +64,9 @@ impl Checker<'_> {
                 Fault::GatewayCut { envoy: cut, .. }
                 | Fault::GatewayDelay { envoy: cut, .. }
                 | Fault::AnswersLost { envoy: cut, .. } => envoy.is_none_or(|e| e == cut),
-                // Its own requests end with it; no other Envoy's renewals wait for it.
-                Fault::EnvoyRestart { .. } => false,
+                // Its own requests end with it; no other Envoy's renewals wait for it. A
+                // sidecar's wall-clock step stops no renewal (Redis's clock decides).
+                Fault::EnvoyRestart { .. } | Fault::ClockStep { .. } => false,
                 _ => true,
             };
             within && (matches!(self.loss(f), Some(Loss::Refilled)) || (blocks && long))

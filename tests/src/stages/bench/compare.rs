@@ -74,16 +74,10 @@ pub(crate) async fn ab_filter(b: &Bench, other: &Path) {
         }
     );
     print_header();
-    // Per build: Envoy CPU above the no-op filter, sidecar and Redis CPU per request,
-    // throughput relative to the no-op filter, callouts per request. The builds take turns going
-    // first (a stage right after the no-op one finds every bucket expired in Redis).
-    let mut figures: [Vec<[f64; 5]>; 2] = [Vec::new(), Vec::new()];
-    // The floor admits everything: for a flood it is measured as the full run does, with the hot
-    // key's requests (one key, answered 200).
-    let floor_workload = match workload {
-        Workload::Flood => Workload::HotKey,
-        w => w,
-    };
+    // The builds take turns going first (a stage right after the no-op one finds every bucket
+    // expired in Redis).
+    let mut figures = AbFigures::default();
+    let floor_workload = floor_of(workload);
     let c = b.args.concurrency;
     for round in 0..b.args.rounds.max(1) {
         let name = format!("round {round}: no-op filter");
@@ -104,28 +98,10 @@ pub(crate) async fn ab_filter(b: &Bench, other: &Path) {
             let (r, callouts) = b.envoy_stage(name, config, workload, c).await;
             print(&r, Some(&floor));
             println!("  {callouts:.4} callouts/request");
-            figures[i].push([
-                r.cpu("envoy") - floor.cpu("envoy"),
-                r.cpu("sidecar"),
-                r.cpu("redis"),
-                r.per_second() / floor.per_second(),
-                callouts,
-            ]);
+            figures.push(i, &r, &floor, callouts);
         }
     }
-    let median_of = |v: &[[f64; 5]], k: usize| median(v.iter().map(|f| f[k]));
-    for (label, f) in ["A", "B"].iter().zip(&figures) {
-        println!(
-            "{label}: medians of {} rounds: Envoy CPU above the no-op filter {:.1} µs/request (rounds: {}), sidecar {:.1} µs, Redis {:.1} µs per request, {:.2}x the no-op filter's throughput, {:.4} callouts/request",
-            f.len(),
-            median_of(f, 0),
-            f.iter().map(|x| format!("{:.1}", x[0])).collect::<Vec<_>>().join(", "),
-            median_of(f, 1),
-            median_of(f, 2),
-            median_of(f, 3),
-            median_of(f, 4),
-        );
-    }
+    figures.print("the no-op filter", true);
 }
 
 /// `--ab-sidecar-arg`: one workload's stage of Envoy's native rate limit filter calling the
@@ -151,13 +127,8 @@ pub(crate) async fn ab_sidecar(b: &Bench) {
         b.args.ab_sidecar_arg.join(" ")
     );
     print_header();
-    // Per sidecar: Envoy CPU above Envoy alone, sidecar and Redis CPU per request, throughput
-    // relative to Envoy alone.
-    let mut figures: [Vec<[f64; 4]>; 2] = [Vec::new(), Vec::new()];
-    let floor_workload = match workload {
-        Workload::Flood => Workload::HotKey,
-        w => w,
-    };
+    let mut figures = AbFigures::default();
+    let floor_workload = floor_of(workload);
     let c = b.args.concurrency;
     for round in 0..b.args.rounds.max(1) {
         let name = format!("round {round}: envoy, no filter");
@@ -177,24 +148,56 @@ pub(crate) async fn ab_sidecar(b: &Bench) {
             let config = b.native_to(sidecar, workers);
             let (r, _) = b.envoy_stage_with(name, config, workload, c, sidecar).await;
             print(&r, Some(&floor));
-            figures[i].push([
-                r.cpu("envoy") - floor.cpu("envoy"),
-                r.cpu("sidecar"),
-                r.cpu("redis"),
-                r.per_second() / floor.per_second(),
-            ]);
+            figures.push(i, &r, &floor, 0.0);
         }
     }
-    let median_of = |v: &[[f64; 4]], k: usize| median(v.iter().map(|f| f[k]));
-    for (label, f) in ["A", "B"].iter().zip(&figures) {
-        println!(
-            "{label}: medians of {} rounds: Envoy CPU above Envoy alone {:.1} µs/request (rounds: {}), sidecar {:.1} µs, Redis {:.1} µs per request, {:.2}x Envoy alone's throughput",
-            f.len(),
-            median_of(f, 0),
-            f.iter().map(|x| format!("{:.1}", x[0])).collect::<Vec<_>>().join(", "),
-            median_of(f, 1),
-            median_of(f, 2),
-            median_of(f, 3),
-        );
+    figures.print("Envoy alone", false);
+}
+
+/// The workload a floor is measured with: it admits everything, so for a flood it is measured as
+/// the full run does, with the hot key's requests (one key, answered 200).
+fn floor_of(workload: Workload) -> Workload {
+    match workload {
+        Workload::Flood => Workload::HotKey,
+        w => w,
+    }
+}
+
+/// An A/B's figures, per side (A, B) and round: Envoy's CPU per request above the floor, the
+/// sidecar's and Redis's, the throughput against the floor's, and callouts per request.
+#[derive(Default)]
+struct AbFigures([Vec<[f64; 5]>; 2]);
+
+impl AbFigures {
+    fn push(&mut self, side: usize, r: &StageResult, floor: &StageResult, callouts: f64) {
+        self.0[side].push([
+            r.cpu("envoy") - floor.cpu("envoy"),
+            r.cpu("sidecar"),
+            r.cpu("redis"),
+            r.per_second() / floor.per_second(),
+            callouts,
+        ]);
+    }
+
+    /// Each side's medians, above `floor` (named so), with the callouts when they count.
+    fn print(&self, floor: &str, callouts: bool) {
+        let median_of = |v: &[[f64; 5]], k: usize| median(v.iter().map(|f| f[k]));
+        for (label, f) in ["A", "B"].iter().zip(&self.0) {
+            let rounds: Vec<String> = f.iter().map(|x| format!("{:.1}", x[0])).collect();
+            let calls = if callouts {
+                format!(", {:.4} callouts/request", median_of(f, 4))
+            } else {
+                String::new()
+            };
+            println!(
+                "{label}: medians of {} rounds: Envoy CPU above {floor} {:.1} µs/request (rounds: {}), sidecar {:.1} µs, Redis {:.1} µs per request, {:.2}x {floor}'s throughput{calls}",
+                f.len(),
+                median_of(f, 0),
+                rounds.join(", "),
+                median_of(f, 1),
+                median_of(f, 2),
+                median_of(f, 3),
+            );
+        }
     }
 }
