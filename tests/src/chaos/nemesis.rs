@@ -331,10 +331,7 @@ fn recover_sentinel(t: &mut Topology) {
         if replica.cli(&["ROLE"]).starts_with("master") {
             replica.cli(&["REPLICAOF", "127.0.0.1", &t.nodes[p].port.to_string()]);
         }
-        t.nodes[p].cli(&["ROLE"]).starts_with("master")
-            && replica
-                .cli(&["INFO", "replication"])
-                .contains("master_link_status:up")
+        t.nodes[p].cli(&["ROLE"]).starts_with("master") && replica.linked()
     });
 }
 

@@ -19,7 +19,7 @@ use super::schedule::{
     Store, StoreReset, ENVOYS, HOT, PER_APP, QUIET, SIDECARS, WARM, WARM_BUCKET,
 };
 use crate::redis::node_serving;
-use crate::{wait_until, Envoy, EnvoyConfig, Redis, RedisCluster, Sentinel, Sidecar, Upstream};
+use crate::{Envoy, EnvoyConfig, Redis, RedisCluster, Sentinel, Sidecar, Upstream};
 
 /// The apps the plugin knows, beyond [`HOT`], [`WARM`] and [`QUIET`].
 pub const LLM: &str = "llm";
@@ -360,7 +360,7 @@ impl Topology {
             let replication = n.cli(&["INFO", "replication"]);
             if replication.contains("role:master") {
                 primaries += 1;
-            } else if !replication.contains("master_link_status:up") {
+            } else if !n.linked() {
                 return false;
             }
         }
@@ -458,11 +458,7 @@ fn start_sentinel() -> (Vec<Redis>, Vec<Sentinel>, Vec<String>) {
     // primary of its own, and the Sentinels make it a replica again, as in production.
     let replica = Redis::start_with(&node);
     replica.cli(&["REPLICAOF", "127.0.0.1", &primary.port.to_string()]);
-    wait_until("the replica's link", Duration::from_secs(30), || {
-        replica
-            .cli(&["INFO", "replication"])
-            .contains("master_link_status:up")
-    });
+    replica.wait_linked();
     let sentinels: Vec<Sentinel> = (0..3)
         .map(|_| Sentinel::start("mymaster", primary.port, 2))
         .collect();

@@ -97,11 +97,7 @@ impl RedisCluster {
         }
         for i in 0..cluster.nodes.len() {
             if cluster.primary_port_of_replica(i).is_some() {
-                wait_until("a replica's link up", Duration::from_secs(30), || {
-                    cluster.nodes[i]
-                        .cli(&["INFO", "replication"])
-                        .contains("master_link_status:up")
-                });
+                cluster.nodes[i].wait_linked();
             }
         }
         cluster

@@ -212,6 +212,17 @@ impl Redis {
             .unwrap_or_else(|| panic!("port {} was taken meanwhile", self.port));
     }
 
+    /// Whether this replica's link to its primary is up (`INFO replication`).
+    pub fn linked(&self) -> bool {
+        self.cli(&["INFO", "replication"])
+            .contains("master_link_status:up")
+    }
+
+    /// Waits until this replica's link to its primary is up.
+    pub fn wait_linked(&self) {
+        wait_until("a replica's link up", READY_TIMEOUT, || self.linked());
+    }
+
     /// An RDB snapshot of the data now (`SAVE`), as Redis's default persistence takes them.
     pub fn snapshot(&self) -> Vec<u8> {
         assert_eq!(self.cli(&["SAVE"]), "OK");

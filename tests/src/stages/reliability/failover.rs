@@ -174,11 +174,7 @@ pub(crate) fn failover(a: &Args) -> Vec<Row> {
     {
         let mut primary = Redis::start();
         let replica = Redis::start_with(&["--replicaof", "127.0.0.1", &primary.port.to_string()]);
-        crate::wait_until("the replica's link", Duration::from_secs(30), || {
-            replica
-                .cli(&["INFO", "replication"])
-                .contains("master_link_status:up")
-        });
+        replica.wait_linked();
         let sentinels: Vec<Sentinel> = (0..3)
             .map(|_| Sentinel::start("mymaster", primary.port, 2))
             .collect();

@@ -106,11 +106,7 @@ pub(crate) fn add_replica(cluster: &RedisCluster) -> Redis {
     });
     let out = replica.cli(&["CLUSTER", "REPLICATE", &primary_id]);
     assert_eq!(out, "OK", "CLUSTER REPLICATE: {out}");
-    wait_until("the replica's link up", READY_TIMEOUT, || {
-        replica
-            .cli(&["INFO", "replication"])
-            .contains("master_link_status:up")
-    });
+    replica.wait_linked();
     replica
 }
 
