@@ -219,8 +219,8 @@ fn cause(
         }
         Fault::StoreRestartEmpty => t.nodes[primary_before].restart_empty(),
         // A snapshot is restored to the node it was taken of: in the Cluster, another node
-        // may serve the hot app's slot by now (a failover since), and a node given keys of
-        // slots it does not serve refuses to start; it is then restarted empty, and logged so.
+        // may serve the hot app's slot by now (a failover since), and the snapshot would bring
+        // it keys of slots it does not serve; it is then restarted empty, and logged so.
         Fault::StoreSnapshotRestore { .. } => match snapshot {
             Some((node, s)) if node == primary_before => t.nodes[primary_before].restart_from(s),
             _ => {
