@@ -218,11 +218,14 @@ fn cause(
             t.nodes[primary_before].cli(&["FLUSHALL"]);
         }
         Fault::StoreRestartEmpty => t.nodes[primary_before].restart_empty(),
-        // A snapshot is restored to the node it was taken of: in the Cluster, another node
-        // may serve the hot app's slot by now (a failover since), and the snapshot would bring
-        // it keys of slots it does not serve; it is then restarted empty, and logged so.
+        // Under Sentinel both nodes hold one dataset: the snapshot goes to the primary now. In
+        // the Cluster another node may serve the hot app's slot by now (a failover since), and
+        // the snapshot would bring it keys of slots it does not serve: that node is restarted
+        // empty instead, and logged so.
         Fault::StoreSnapshotRestore { .. } => match snapshot {
-            Some((node, s)) if node == primary_before => t.nodes[primary_before].restart_from(s),
+            Some((node, s)) if node == primary_before || t.store == Store::Sentinel => {
+                t.nodes[primary_before].restart_from(s)
+            }
             _ => {
                 t.nodes[primary_before].restart_empty();
                 fault = Fault::StoreRestartEmpty;
