@@ -407,6 +407,40 @@ impl Envoy {
     }
 }
 
+/// The reservation and its settlement envoy/envoy-native-ratelimit.yaml comments (the snippet
+/// docs/grpc.md shows: a reservation charged when the request arrives, settled at stream done
+/// from `x-usage-tokens` with the `settle` entry the sidecar reported), uncommented for rule
+/// `rule`, reserving `reserve` instead of 1000: a route's `typed_per_filter_config`, indented to
+/// sit beside its `route:`.
+pub fn native_settled_route(rule: &str, reserve: u64) -> String {
+    const COMMENT: &str = "                  #   ";
+    let shipped =
+        std::fs::read_to_string(crate::workspace_root().join("envoy/envoy-native-ratelimit.yaml"))
+            .expect("the shipped native config");
+    let lines: Vec<&str> = shipped
+        .lines()
+        .skip_while(|l| !l.starts_with(&format!("{COMMENT}typed_per_filter_config:")))
+        .take_while(|l| l.starts_with(COMMENT))
+        .collect();
+    assert!(
+        lines.iter().any(|l| l.contains("descriptor_key: settle")),
+        "envoy-native-ratelimit.yaml no longer comments the settled route: {lines:?}"
+    );
+    let route: String = lines
+        .iter()
+        .map(|l| format!("                {}\n", &l[COMMENT.len()..]))
+        .collect();
+    assert_eq!(route.matches("1000").count(), 1, "{route}");
+    assert_eq!(route.matches("descriptor_value: llm").count(), 2, "{route}");
+    route
+        .replace("1000", &reserve.to_string())
+        .replace(
+            "descriptor_value: llm",
+            &format!("descriptor_value: {rule}"),
+        )
+        .replace("{ key: llm }", &format!("{{ key: {rule} }}"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -44,7 +44,7 @@ use std::time::{Duration, Instant};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 
-pub use envoy::{plugin_json, Envoy, EnvoyConfig};
+pub use envoy::{native_settled_route, plugin_json, Envoy, EnvoyConfig};
 pub use fault_proxy::FaultProxy;
 pub use redis::{Redis, RedisCluster, RedisOptions, Sentinel, SentinelOptions, SentinelProbe};
 pub use tls::TestPki;

@@ -16,7 +16,8 @@ use std::time::Duration;
 
 use ratelimit_e2e::scenario::plugin_with_rules;
 use ratelimit_e2e::{
-    bucket_tokens, http, wait_until, workspace_root, Envoy, EnvoyConfig, Redis, Sidecar, Upstream,
+    bucket_tokens, http, native_settled_route, wait_until, Envoy, EnvoyConfig, Redis, Sidecar,
+    Upstream,
 };
 use serde_json::json;
 
@@ -25,30 +26,10 @@ const POLICY: &str = "rules:\n  llm: {capacity: 100, refill_per_sec: 0.001}\n";
 const KEY: &str = "rl:{ratelimit|rule=llm}";
 const RESERVE: f64 = 10.0;
 
-/// The reservation and its settlement commented in envoy/envoy-native-ratelimit.yaml (the
-/// snippet docs/grpc.md shows: the `settle` entry from what the sidecar reports it charged),
-/// uncommented, reserving 10 instead of 1000: the route's `typed_per_filter_config`, in place of
-/// the shipped per-ip `rate_limits`.
+/// The reservation and its settlement commented in envoy/envoy-native-ratelimit.yaml,
+/// reserving 10 instead of 1000 ([`native_settled_route`]).
 fn route() -> String {
-    const COMMENT: &str = "                  #   ";
-    let shipped =
-        std::fs::read_to_string(workspace_root().join("envoy/envoy-native-ratelimit.yaml"))
-            .expect("the shipped native config");
-    let lines: Vec<&str> = shipped
-        .lines()
-        .skip_while(|l| !l.starts_with(&format!("{COMMENT}typed_per_filter_config:")))
-        .take_while(|l| l.starts_with(COMMENT))
-        .collect();
-    assert!(
-        lines.iter().any(|l| l.contains("descriptor_key: settle")),
-        "envoy-native-ratelimit.yaml no longer comments the settled route: {lines:?}"
-    );
-    let route: String = lines
-        .iter()
-        .map(|l| format!("                {}\n", &l[COMMENT.len()..]))
-        .collect();
-    assert_eq!(route.matches("1000").count(), 1, "{route}");
-    route.replace("1000", "10")
+    native_settled_route("llm", 10)
 }
 
 /// The same with a fixed `settle` entry: the reservation as configured.

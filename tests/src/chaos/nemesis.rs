@@ -11,7 +11,9 @@ use nix::sys::signal::Signal;
 
 use super::clock_ns;
 use super::schedule::{Action, Fault, Plan, Reload, Store};
-use super::topology::{policy_yaml, Policy, Topology, HOT_BUCKET_KEY, NATIVE_ENVOY, RLQS_ENVOY};
+use super::topology::{
+    policy_yaml, Policy, Topology, HOT_BUCKET_KEY, NATIVE_ENVOY, RLQS_ENVOY, RLQS_SIDECAR,
+};
 use crate::redis::node_serving;
 use crate::{wait_until, Sentinel, SentinelProbe};
 
@@ -47,6 +49,11 @@ const RECOVERY: Duration = Duration::from_secs(60);
 /// The sidecars' count of calls they refused as malformed or too large (400, 413): a gateway's
 /// batch must fit what its sidecar accepts, so the checker wants none.
 pub const CALLS_REFUSED: &str = "sidecar_calls_refused";
+
+/// The quota streams the RLQS Envoy's sidecar opened (`ratelimit_rlqs_streams_opened_total`):
+/// a stream that breaks with no fault to break it (a report the sidecar cannot take) shows as
+/// many.
+pub const RLQS_STREAMS_OPENED: &str = "rlqs_streams_opened";
 
 /// The Envoy counters the checker sums across restarts.
 pub const ENVOY_COUNTERS: [&str; 4] = [
@@ -196,6 +203,10 @@ fn cause(
         }
         Fault::SidecarRestart { sidecar, down_ms } => {
             add(&mut log.counters, CALLS_REFUSED, calls_refused(t, sidecar));
+            if sidecar == RLQS_SIDECAR {
+                let opened = rlqs_streams_opened(t, sidecar);
+                add(&mut log.counters, RLQS_STREAMS_OPENED, opened);
+            }
             let s = &mut t.sidecars[sidecar];
             s.sidecar.process.stop();
             log.replaced_logs
@@ -275,6 +286,12 @@ fn cause(
             sleep(ms);
             t.step_clock(sidecar, 0);
         }
+        // The new token is issued after the fault's end (below): the checker's window of a
+        // revoked token ends when the Envoy may be admitted again.
+        Fault::TokenRevoked { ms } => {
+            t.revoke_rlqs_token();
+            sleep(ms);
+        }
         // Never drawn: logged by the watch.
         Fault::Failover => {}
         Fault::GatewayDelay {
@@ -288,6 +305,11 @@ fn cause(
         }
     }
     let end_ns = clock_ns();
+    if let Fault::TokenRevoked { .. } = fault {
+        log.replaced_logs
+            .push(("envoy rlqs".into(), t.rlqs.process.log()));
+        t.issue_rlqs_token();
+    }
     recover(t);
     Caused {
         fault,
@@ -349,6 +371,20 @@ pub fn envoy_counters(t: &Topology, i: usize) -> Vec<(String, u64)> {
 /// Sidecar `i`'s calls refused as malformed or too large: `ratelimit_calls_total` of outcome
 /// `bad_request`, over its APIs ([`CALLS_REFUSED`]).
 pub fn calls_refused(t: &Topology, i: usize) -> u64 {
+    metric_sum(t, i, |l| {
+        l.starts_with("ratelimit_calls_total{") && l.contains("outcome=\"bad_request\"")
+    })
+}
+
+/// The quota streams sidecar `i` opened ([`RLQS_STREAMS_OPENED`]).
+pub fn rlqs_streams_opened(t: &Topology, i: usize) -> u64 {
+    metric_sum(t, i, |l| {
+        l.starts_with("ratelimit_rlqs_streams_opened_total ")
+    })
+}
+
+/// The sum of sidecar `i`'s metric lines `pick` picks.
+fn metric_sum(t: &Topology, i: usize, pick: impl Fn(&str) -> bool) -> u64 {
     let url = format!("{}/metrics", t.sidecars[i].sidecar.base_url());
     let text = crate::http()
         .get(url)
@@ -356,9 +392,7 @@ pub fn calls_refused(t: &Topology, i: usize) -> u64 {
         .and_then(|r| r.text())
         .unwrap_or_default();
     text.lines()
-        .filter(|l| {
-            l.starts_with("ratelimit_calls_total{") && l.contains("outcome=\"bad_request\"")
-        })
+        .filter(|l| pick(l))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum::<f64>() as u64
 }

@@ -7,7 +7,7 @@ use super::check::{check, Record, Row, Verdict, Violation};
 use super::clock_ns;
 use super::nemesis::{self, add, Log};
 use super::schedule::Plan;
-use super::topology::Topology;
+use super::topology::{Topology, RLQS_SIDECAR};
 use super::workload::{Sent, Workload};
 use crate::wait_until;
 
@@ -38,6 +38,8 @@ impl Outcome {
             self.sent.len(),
             self.served
         );
+        let (opened, most) = self.verdict.rlqs_streams;
+        out += &format!("RLQS streams opened {opened} (the faults explain {most})\n");
         out += &table(&self.verdict.rows);
         out += &under_by_bucket(&self.verdict.under_by_bucket);
         for v in &self.verdict.violations {
@@ -95,9 +97,19 @@ pub fn table(rows: &[Row]) -> String {
     out
 }
 
-/// The refusals with budget left, by bucket, most first.
+/// The refusals with budget left, by bucket, most first; the RLQS crowd's addresses and the
+/// direct caller's new clients each summed as one.
 pub fn under_by_bucket(by: &std::collections::BTreeMap<String, usize>) -> String {
-    let mut all: Vec<(&String, &usize)> = by.iter().collect();
+    let mut summed = std::collections::BTreeMap::new();
+    for (bucket, n) in by {
+        let name = match bucket.split_once('/') {
+            Some(("per-ip", a)) if !a.starts_with("127.0.0.") => "per-ip/<the RLQS crowd>".into(),
+            Some(("direct", a)) if a != "d" => "direct/<new clients>".into(),
+            _ => bucket.clone(),
+        };
+        *summed.entry(name).or_insert(0) += n;
+    }
+    let mut all: Vec<(&String, &usize)> = summed.iter().collect();
     all.sort_by(|a, b| b.1.cmp(a.1));
     let list: Vec<String> = all.iter().map(|(k, n)| format!("{k} {n}")).collect();
     format!("refused with budget left, by bucket: {}\n", list.join(", "))
@@ -140,6 +152,8 @@ pub fn run(plan: &Plan) -> Outcome {
         let refused = nemesis::calls_refused(&topology, i);
         add(&mut counters, nemesis::CALLS_REFUSED, refused);
     }
+    let opened = nemesis::rlqs_streams_opened(&topology, RLQS_SIDECAR);
+    add(&mut counters, nemesis::RLQS_STREAMS_OPENED, opened);
     let mut logs = topology.logs();
     logs.extend(log.replaced_logs.iter().cloned());
     let peak: Vec<(String, u64)> = topology

@@ -100,6 +100,10 @@ pub enum Fault {
         seconds: i64,
         ms: u64,
     },
+    /// The RLQS Envoy's bearer token rotated out of the sidecars' token file under its live
+    /// stream for `ms` (it goes on sending it: its stream ends, its new ones are refused), then
+    /// a new token issued and the Envoy restarted with it.
+    TokenRevoked { ms: u64 },
     /// The path from an Envoy to its sidecar delayed by `delay_ms` each way for `ms`.
     GatewayDelay {
         envoy: usize,
@@ -127,12 +131,13 @@ impl Fault {
             Fault::GatewayDelay { .. } => "gateway delayed to its sidecar",
             Fault::AnswersLost { .. } => "answers lost to a gateway",
             Fault::ClockStep { .. } => "wall clock stepped on a sidecar",
+            Fault::TokenRevoked { .. } => "RLQS token rotated out",
             Fault::Failover => "failover without a fault",
         }
     }
 
     /// Every class, in table order.
-    pub const CLASSES: [&'static str; 13] = [
+    pub const CLASSES: [&'static str; 14] = [
         "sidecar paused",
         "sidecar killed",
         "primary paused",
@@ -145,6 +150,7 @@ impl Fault {
         "gateway delayed to its sidecar",
         "answers lost to a gateway",
         "wall clock stepped on a sidecar",
+        "RLQS token rotated out",
         "failover without a fault",
     ];
 
@@ -156,6 +162,7 @@ impl Fault {
             | Fault::GatewayCut { ms, .. }
             | Fault::AnswersLost { ms, .. }
             | Fault::ClockStep { ms, .. }
+            | Fault::TokenRevoked { ms }
             | Fault::GatewayDelay { ms, .. } => ms,
             Fault::SidecarRestart { down_ms, .. } | Fault::PrimaryKill { down_ms } => down_ms,
             Fault::StoreFlush
@@ -252,7 +259,9 @@ impl Plan {
         // Faults one after the other, each given time to recover (a failover takes seconds).
         let mut at = 3_000 + rng.random_range(0..2_000);
         while at + 4_000 < calm_ms {
-            let fault = vary(draw_fault(&mut rng), &mut more);
+            // A fault ends 3 s before the calm third at the latest.
+            let room_ms = calm_ms - at - 3_000;
+            let fault = vary(draw_fault(&mut rng), &mut more, room_ms);
             if let Fault::StoreSnapshotRestore { age_ms } = fault {
                 steps.push(Step {
                     at_ms: at.saturating_sub(age_ms),
@@ -344,8 +353,27 @@ impl Plan {
 
 /// Half the Envoy restarts hit the native or the RLQS Envoy instead of a wasm one, half the
 /// cuts lose only the answers, and half the delays are a step of the sidecar's wall clock
-/// instead (10 minutes to 2 hours, forward or back).
-fn vary(fault: Fault, more: &mut StdRng) -> Fault {
+/// instead (10 minutes to 2 hours, forward or back); of the cuts and delays left, half rotate
+/// the RLQS Envoy's token out for 16 to 24 s where `room_ms` (before the calm third) holds 10 s
+/// (long enough for what a stream that outlived its token admits to pass what the Envoy's
+/// fallback may).
+fn vary(fault: Fault, more: &mut StdRng, room_ms: u64) -> Fault {
+    let fault = vary_first(fault, more);
+    match fault {
+        Fault::GatewayCut { .. } | Fault::GatewayDelay { .. } if more.random_bool(0.5) => {
+            let ms = more.random_range(16_000..24_000).min(room_ms);
+            if ms >= 10_000 {
+                Fault::TokenRevoked { ms }
+            } else {
+                fault
+            }
+        }
+        f => f,
+    }
+}
+
+/// [`vary`]'s first variations, drawn as before the token's rotation existed.
+fn vary_first(fault: Fault, more: &mut StdRng) -> Fault {
     match fault {
         Fault::GatewayDelay { envoy, ms, .. } if more.random_bool(0.5) => {
             let seconds = more.random_range(600..7_200);
@@ -445,6 +473,15 @@ mod tests {
                 last_fault.is_some_and(|at| at <= 40_000),
                 "seed {seed}: {plan:?}"
             );
+            // A rotated token is issued again before it.
+            for s in &plan.steps {
+                if let Action::Fault(f @ Fault::TokenRevoked { .. }) = &s.action {
+                    assert!(
+                        s.at_ms + f.lasts_ms() + 3_000 <= 40_000,
+                        "seed {seed}: {s:?}"
+                    );
+                }
+            }
             let calm_reloads = plan.steps.iter().filter(|s| s.at_ms > 40_000).count();
             assert!(calm_reloads >= 2, "seed {seed}: {plan:?}");
         }
@@ -461,6 +498,7 @@ mod tests {
             );
         }
         assert!(any(&|f| matches!(f, Fault::AnswersLost { .. })));
+        assert!(any(&|f| matches!(f, Fault::TokenRevoked { .. })));
         assert!(any(
             &|f| matches!(f, Fault::ClockStep { seconds, .. } if *seconds < 0)
         ));

@@ -45,6 +45,17 @@ pub const USER_BUCKET: (u64, f64) = (8, 4.0);
 pub const NATIVE_ENVOY: usize = ENVOYS;
 pub const NATIVE_ADDRESS: Ipv4Addr = Ipv4Addr::new(127, 0, 0, 1);
 pub const NATIVE_BUCKET: (u64, f64) = (15, 6.0);
+/// The native Envoy's metered route (`/usage/`, the settled route envoy-native-ratelimit.yaml
+/// comments): rule [`NATIVE_LLM`], one bucket for every client, [`NATIVE_RESERVE`] charged when
+/// a request arrives and settled at stream done on the `x-usage-tokens` the upstream reports
+/// (1 to [`NATIVE_MAX_TOKENS`]); the address its client sends from.
+pub const NATIVE_LLM: &str = "nllm";
+/// How the record names [`NATIVE_LLM`]'s one bucket (the rule has no subject).
+pub const NATIVE_LLM_APP: &str = "all";
+pub const NATIVE_LLM_BUCKET: (u64, f64) = (100, 20.0);
+pub const NATIVE_RESERVE: u64 = 10;
+pub const NATIVE_MAX_TOKENS: u64 = 30;
+pub const NATIVE_LLM_ADDRESS: Ipv4Addr = Ipv4Addr::new(127, 0, 0, 3);
 /// The RLQS Envoy's index among the workload's ports, the address its client sends from (a
 /// `per-ip` bucket of its own), and the sidecar it reports to.
 pub const RLQS_ENVOY: usize = ENVOYS + 1;
@@ -56,6 +67,11 @@ pub const RLQS_SIDECAR: usize = 1;
 pub const RLQS_TTL_S: f64 = 3.0;
 pub const RLQS_MARGIN_S: f64 = 0.5;
 pub const RLQS_FALLBACK: (f64, f64) = (10.0, 1.0);
+/// The bearer token every gateway and the direct caller send (`--auth-token-file`, the
+/// sidecars' one file), and the RLQS Envoy's own, which [`Topology::revoke_rlqs_token`] rotates
+/// out under its live stream and [`Topology::issue_rlqs_token`] replaces (`<prefix><n>`).
+pub const GATEWAY_TOKEN: &str = "chaos-gateway-7d41";
+pub const RLQS_TOKEN_PREFIX: &str = "chaos-rlqs-";
 /// `bulk`'s bucket: never the limit (what its client checks is that settlements arrive).
 pub const BULK_BUCKET: (u64, f64) = (1_000_000, 1_000_000.0);
 
@@ -112,14 +128,16 @@ pub fn policy_yaml(p: &Policy) -> String {
     format!(
         "rules:\n  per-app:\n    capacity: {}\n    refill_per_sec: {}\n{block}  llm: {{capacity: 200, refill_per_sec: 50}}\n  inflight: {{concurrency: {CONCURRENCY}, slot_ttl_ms: {}}}\n  direct: {{capacity: 10, refill_per_sec: 5}}\n  \
          bulk: {{capacity: {}, refill_per_sec: {}}}\n{per_user}  \
-         per-ip: {{capacity: {}, refill_per_sec: {}}}\n",
+         per-ip: {{capacity: {}, refill_per_sec: {}}}\n  {NATIVE_LLM}: {{capacity: {}, refill_per_sec: {}}}\n",
         p.per_app.0,
         p.per_app.1,
         p.slot_ttl_ms,
         BULK_BUCKET.0,
         BULK_BUCKET.1,
         NATIVE_BUCKET.0,
-        NATIVE_BUCKET.1
+        NATIVE_BUCKET.1,
+        NATIVE_LLM_BUCKET.0,
+        NATIVE_LLM_BUCKET.1
     )
 }
 
@@ -154,7 +172,7 @@ fn plugin() -> Value {
     let not_bulk = json!([{"name": "x-bulk", "present": false}]);
     json!({
         "domain": "ratelimit",
-        "sidecar": {"cluster": "ratelimit_sidecar", "timeout_ms": 200},
+        "sidecar": {"cluster": "ratelimit_sidecar", "timeout_ms": 200, "token": GATEWAY_TOKEN},
         "identity": {"api_key": {"header": "x-api-key", "keys": keys}, "jwt": jwt},
         "rules": [
             {"name": "per-app", "match": {"path_prefix": "/api/"}, "subject": ["app"],
@@ -211,10 +229,14 @@ pub struct Topology {
     pub relays: Vec<Relay>,
     pub envoys: Vec<Envoy>,
     pub configs: Vec<EnvoyConfig>,
-    /// The wall-clock offset of each sidecar, a file libfaketime reads ([`Topology::step_clock`]).
+    /// The wall-clock offset of each sidecar, a file libfaketime reads ([`Topology::step_clock`]),
+    /// and the sidecars' `--auth-token-file` ([`GATEWAY_TOKEN`], the RLQS Envoy's token).
     clocks: tempfile::TempDir,
+    /// The generation of the RLQS Envoy's token ([`RLQS_TOKEN_PREFIX`]).
+    rlqs_token: u32,
     /// An Envoy with Envoy's native rate limit filter (`envoy/envoy-native-ratelimit.yaml`,
-    /// failing closed) calling sidecar 0 over gRPC: rule `per-ip`, every client one address.
+    /// failing closed) calling sidecar 0 over gRPC: rule `per-ip`, every client one address, and
+    /// the metered route it comments ([`NATIVE_LLM`]: reserved, settled at stream done).
     /// Restarted by the nemesis, never cut (it calls its sidecar straight).
     pub native: Envoy,
     pub native_config: EnvoyConfig,
@@ -250,6 +272,9 @@ impl Topology {
         let policy = Policy::default();
         let text = policy_yaml(&policy);
         let clocks = tempfile::tempdir().expect("a directory for the clocks' offsets");
+        let tokens = tokens_file(clocks.path());
+        write_tokens(&tokens, Some(0));
+        store_args.extend(["--auth-token-file".into(), tokens.display().to_string()]);
         let sidecars: Vec<Restartable> = (0..SIDECARS)
             .map(|i| {
                 let env = faked_clock(&clock_file(clocks.path(), i));
@@ -274,13 +299,16 @@ impl Topology {
             upstream.port,
         )
         .replace("timeout: 0.05s", "timeout: 0.2s")
-        .replace("failure_mode_deny: false", "failure_mode_deny: true");
+        .replace("failure_mode_deny: false", "failure_mode_deny: true")
+        .replace(GRPC_SERVICE, &with_bearer(GATEWAY_TOKEN, NATIVE_INDENT))
+        .replace(NATIVE_ROUTES, &native_usage_route());
         let native = Envoy::start(&native_config);
         let rlqs_config = EnvoyConfig::shipped(
             "envoy-rlqs.yaml",
             sidecars[RLQS_SIDECAR].sidecar.port,
             upstream.port,
-        );
+        )
+        .replace(GRPC_SERVICE, &with_bearer(&rlqs_token(0), RLQS_INDENT));
         let rlqs = Envoy::start(&rlqs_config);
         Topology {
             store_reset,
@@ -292,6 +320,7 @@ impl Topology {
             envoys,
             configs,
             clocks,
+            rlqs_token: 0,
             native,
             native_config,
             rlqs,
@@ -376,6 +405,28 @@ impl Topology {
         let path = clock_file(self.clocks.path(), sidecar);
         std::fs::write(&path, format!("{seconds:+}\n")).expect("write the clock's offset");
         std::thread::sleep(Duration::from_millis(1_100));
+    }
+
+    /// Rewrites the sidecars' token file without the RLQS Envoy's token, which it goes on
+    /// sending (a gateway whose credentials were revoked): its stream must end within about 3 s
+    /// (the file is read again every 2 s, the stream checked at every round, each second).
+    pub fn revoke_rlqs_token(&self) {
+        write_tokens(&tokens_file(self.clocks.path()), None);
+    }
+
+    /// Issues the RLQS Envoy a new token (added to the file, as rotation goes: the old one is
+    /// gone already) and restarts it with it; the file is read again before it starts.
+    pub fn issue_rlqs_token(&mut self) {
+        let old = with_bearer(&rlqs_token(self.rlqs_token), RLQS_INDENT);
+        self.rlqs_token += 1;
+        write_tokens(&tokens_file(self.clocks.path()), Some(self.rlqs_token));
+        self.rlqs_config = self.rlqs_config.clone().replace(
+            &old,
+            &with_bearer(&rlqs_token(self.rlqs_token), RLQS_INDENT),
+        );
+        std::thread::sleep(Duration::from_millis(2_100));
+        let config = self.rlqs_config.clone();
+        self.rlqs.restart(&config);
     }
 
     /// Writes `policy` to every sidecar's file.
@@ -470,6 +521,54 @@ fn start_sentinel() -> (Vec<Redis>, Vec<Sentinel>, Vec<String>) {
         "mymaster".into(),
     ];
     (vec![primary, replica], sentinels, args)
+}
+
+/// The native config's route table, and the metered route put first in it: the settled
+/// route the file comments, on rule [`NATIVE_LLM`] ([`crate::native_settled_route`]).
+const NATIVE_ROUTES: &str = "              routes:\n";
+
+fn native_usage_route() -> String {
+    format!(
+        "{NATIVE_ROUTES}              - name: usage\n                match: {{ prefix: \"/usage/\" }}\n                \
+         route: {{ cluster: demo_upstream }}\n{}",
+        crate::native_settled_route(NATIVE_LLM, NATIVE_RESERVE)
+    )
+}
+
+/// The line of the shipped native and RLQS configs that names the sidecar's gRPC cluster.
+const GRPC_SERVICE: &str = "envoy_grpc: { cluster_name: ratelimit_sidecar }";
+
+/// How far [`GRPC_SERVICE`] is indented in the shipped native and RLQS configs.
+const NATIVE_INDENT: usize = 18;
+const RLQS_INDENT: usize = 16;
+
+/// [`GRPC_SERVICE`] sending `token` (the `initial_metadata` the shipped files comment), the
+/// line indented by `indent`.
+fn with_bearer(token: &str, indent: usize) -> String {
+    format!(
+        "{GRPC_SERVICE}\n{:indent$}initial_metadata: [{{ key: authorization, value: \"Bearer {token}\" }}]",
+        ""
+    )
+}
+
+fn rlqs_token(generation: u32) -> String {
+    format!("{RLQS_TOKEN_PREFIX}{generation}")
+}
+
+fn tokens_file(dir: &std::path::Path) -> std::path::PathBuf {
+    dir.join("tokens")
+}
+
+/// Writes the token file: [`GATEWAY_TOKEN`], and the RLQS Envoy's token of `rlqs` (none:
+/// revoked), swapped in whole as an operator's tooling does.
+fn write_tokens(path: &std::path::Path, rlqs: Option<u32>) {
+    let mut text = format!("{GATEWAY_TOKEN}\n");
+    if let Some(g) = rlqs {
+        text += &format!("{}\n", rlqs_token(g));
+    }
+    let next = path.with_extension("new");
+    std::fs::write(&next, text).expect("write the token file");
+    std::fs::rename(&next, path).expect("swap the token file in");
 }
 
 /// The offset file of sidecar `i`'s wall clock ("+0" until a step).

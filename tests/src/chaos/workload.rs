@@ -4,10 +4,11 @@
 //! client whose costs are settled from the answers (JSON and streams, asking for gzip, some
 //! answers compressed anyway, without usage or cut short), a bulk client of many metered streams
 //! at once under a long name, long requests under `concurrency`,
-//! and an authenticated caller straight at a sidecar (attempt ids repeated and reused, forged
-//! settlements on the hot app's bucket: it must not create budget).
+//! and an authenticated caller straight at a sidecar (attempt ids repeated and reused, new
+//! clients now and then, forged settlements on the hot app's bucket: it must not create budget).
 
 use std::net::{IpAddr, Ipv4Addr};
+use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -20,14 +21,66 @@ use serde_json::{json, Value};
 use super::clock_ns;
 use super::schedule::{ENVOYS, HOT, QUIET, WARM};
 use super::topology::{
-    key_of, BULK, BULK_ENVOY, BULK_MAX_TOKENS, BULK_RESERVE, CONCURRENCY, HOLD, LLM, LLM_ENVOY,
-    LLM_RESERVE_MAX, NATIVE_ADDRESS, NATIVE_ENVOY, RLQS_ADDRESS, RLQS_ENVOY, USERS,
+    key_of, BULK, BULK_ENVOY, BULK_MAX_TOKENS, BULK_RESERVE, CONCURRENCY, GATEWAY_TOKEN, HOLD, LLM,
+    LLM_ENVOY, LLM_RESERVE_MAX, NATIVE_ADDRESS, NATIVE_ENVOY, NATIVE_LLM, NATIVE_LLM_ADDRESS,
+    NATIVE_LLM_APP, NATIVE_MAX_TOKENS, NATIVE_RESERVE, RLQS_ADDRESS, RLQS_ENVOY, USERS,
 };
 
 /// The bulk client's streams at once, each about a second long, all through Envoy 0 (one
 /// worker, one outbox: [`BULK_ENVOY`]): about 50 settlements a second, so that what queues behind a batch
 /// stuck on a paused sidecar (three sends of up to 200 ms) comes to more than one call holds.
 const BULK_STREAMS: u64 = 48;
+
+/// How many addresses the RLQS crowd sends from ([`crowd_address`]): each a bucket of the RLQS
+/// Envoy, whose every report names them all: some 45 bytes each, more than the 64 KiB a gRPC
+/// message may hold (`--max-body-bytes`) from about 1,450.
+pub const RLQS_CROWD: u32 = 2_000;
+
+/// The `n`th address of the RLQS crowd: from 127.0.16.0 on.
+pub fn crowd_address(n: u32) -> Ipv4Addr {
+    Ipv4Addr::from(u32::from(Ipv4Addr::new(127, 0, 16, 0)) + n)
+}
+
+/// GET `path` on 127.0.0.1:`port` from `source`, over a connection of its own: the status.
+fn get_from(source: Ipv4Addr, port: u16, path: &str, id: u64) -> Option<u16> {
+    use nix::sys::socket::{bind, connect, socket, AddressFamily, SockFlag, SockType, SockaddrIn};
+    use std::io::{Read, Write};
+    let fd = socket(
+        AddressFamily::Inet,
+        SockType::Stream,
+        SockFlag::SOCK_CLOEXEC,
+        None,
+    )
+    .ok()?;
+    let [a, b, c, d] = source.octets();
+    bind(fd.as_raw_fd(), &SockaddrIn::new(a, b, c, d, 0)).ok()?;
+    connect(fd.as_raw_fd(), &SockaddrIn::new(127, 0, 0, 1, port)).ok()?;
+    let mut stream = std::net::TcpStream::from(fd);
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .ok()?;
+    let request = format!(
+        "GET {path} HTTP/1.1\r\nhost: chaos\r\nx-chaos-id: {id}\r\nconnection: close\r\n\r\n"
+    );
+    stream.write_all(request.as_bytes()).ok()?;
+    // The status line is all it reads: Envoy waits a second for the client to close first
+    // (`delayed_close_timeout`), so reading to the end would pace the crowd at one a second.
+    let (mut answer, mut chunk) = (Vec::new(), [0u8; 512]);
+    while !answer.contains(&b'\n') {
+        let n = stream.read(&mut chunk).ok()?;
+        if n == 0 {
+            return None;
+        }
+        answer.extend_from_slice(&chunk[..n]);
+    }
+    let line = answer.split(|b| *b == b'\n').next()?;
+    std::str::from_utf8(line)
+        .ok()?
+        .split(' ')
+        .nth(1)?
+        .parse()
+        .ok()
+}
 
 /// What a request was, for the checker.
 #[derive(Debug, Clone, PartialEq)]
@@ -46,8 +99,14 @@ pub enum Kind {
     /// `inflight`: held `ms` at the upstream.
     Hold { ms: u64 },
     /// The authenticated caller's decision of rule `direct`, cost `cost`; `repeat`: a repeat of
-    /// its previous call (same attempt, same request), answered as it was and charged nothing.
-    Direct { cost: u64, repeat: bool },
+    /// its previous call (same attempt, same request), answered as it was and charged nothing;
+    /// `fresh`: the first call of a subject never named before (a new client: its bucket is full,
+    /// unless the store lost its state just before under `--store-reset empty`).
+    Direct {
+        cost: u64,
+        repeat: bool,
+        fresh: bool,
+    },
 }
 
 /// One request, as its client saw it.
@@ -156,6 +215,23 @@ impl Workload {
                 }),
             ));
         }
+        // The native Envoy's metered route: reserved, settled at stream done.
+        threads.push(spawn_from(
+            24,
+            NATIVE_LLM_ADDRESS.into(),
+            Box::new(|c: &mut Ctx| c.native_llm()),
+        ));
+        // A crowd of addresses through the RLQS Envoy, one request each in turn: a bucket each,
+        // so that its usage reports come to more than one gRPC message may hold.
+        let port = envoy_ports[RLQS_ENVOY];
+        let mut next = 0;
+        threads.push(spawn(
+            26,
+            Box::new(move |c: &mut Ctx| {
+                next = (next + 1) % RLQS_CROWD;
+                c.crowd(port, crowd_address(next))
+            }),
+        ));
         // Users by JWT, one request each in turn, on both Envoys.
         let tokens: Vec<(String, String)> = USERS
             .iter()
@@ -216,10 +292,11 @@ fn run_client(mut ctx: Ctx, mut f: Box<dyn FnMut(&mut Ctx) + Send>) -> JoinHandl
     })
 }
 
-/// The authenticated caller's attempt id and the costs it decided under it.
+/// The authenticated caller's attempt id, its subject and the costs it decided under it.
 #[derive(Default)]
 struct Attempt {
     id: String,
+    subject: String,
     made: Vec<u64>,
     last: u64,
 }
@@ -335,6 +412,52 @@ impl Ctx {
         std::thread::sleep(Duration::from_millis(30));
     }
 
+    /// A request on the native Envoy's metered route ([`NATIVE_LLM`]): reserved
+    /// [`NATIVE_RESERVE`], settled at stream done on the cost the upstream reports in
+    /// `x-usage-tokens`.
+    fn native_llm(&mut self) {
+        let id = next_id();
+        let tokens = self.rng.random_range(1..=NATIVE_MAX_TOKENS);
+        let sent_ns = clock_ns();
+        let path = format!("/usage/header?tokens={tokens}");
+        let status = self.get(NATIVE_ENVOY, &path, "", id, &[]);
+        self.record(Sent {
+            id,
+            rule: NATIVE_LLM,
+            app: NATIVE_LLM_APP.into(),
+            kind: Kind::Llm {
+                reserve: NATIVE_RESERVE,
+                tokens,
+                readable: true,
+                cut: false,
+            },
+            envoy: Some(NATIVE_ENVOY),
+            sent_ns,
+            answered_ns: clock_ns(),
+            status,
+        });
+        std::thread::sleep(Duration::from_millis(80));
+    }
+
+    /// One request of the RLQS crowd from `source`, on a connection of its own (HTTP/1.1, closed
+    /// after the answer).
+    fn crowd(&mut self, port: u16, source: Ipv4Addr) {
+        let id = next_id();
+        let sent_ns = clock_ns();
+        let status = get_from(source, port, "/rlqs/x", id).unwrap_or(0);
+        self.record(Sent {
+            id,
+            rule: "per-ip",
+            app: source.to_string(),
+            kind: Kind::Api,
+            envoy: Some(RLQS_ENVOY),
+            sent_ns,
+            answered_ns: clock_ns(),
+            status,
+        });
+        std::thread::sleep(Duration::from_millis(5));
+    }
+
     /// A request of `user` by its JWT (`per-user`).
     fn user(&mut self, user: &str, token: &str) {
         let (id, envoy) = (next_id(), self.envoy());
@@ -420,21 +543,30 @@ impl Ctx {
             0 if !a.id.is_empty() => a.last,
             1 if !a.id.is_empty() => 3 - a.last,
             _ => {
+                // One new attempt in four names a new client.
+                let subject = if self.rng.random_range(0..4) == 0 {
+                    format!("n{}", next_id())
+                } else {
+                    "d".into()
+                };
                 *a = Attempt {
                     id: format!("a-{}", next_id()),
+                    subject,
                     ..Attempt::default()
                 };
                 1
             }
         };
         let repeat = a.made.contains(&cost);
+        let fresh = a.made.is_empty() && a.subject != "d";
         let attempt = a.id.clone();
         let body = json!({"attempt": attempt,
-            "requests": [{"decisions": [{"rule": "direct", "subject": {"app": "d"}, "cost": cost}]}]});
+            "requests": [{"decisions": [{"rule": "direct", "subject": {"app": a.subject}, "cost": cost}]}]});
         let (id, sent_ns) = (next_id(), clock_ns());
         let answer = self
             .client
             .post(format!("{url}/v1/decide"))
+            .bearer_auth(GATEWAY_TOKEN)
             .json(&body)
             .send()
             .ok()
@@ -451,8 +583,12 @@ impl Ctx {
         self.record(Sent {
             id,
             rule: "direct",
-            app: "d".into(),
-            kind: Kind::Direct { cost, repeat },
+            app: a.subject.clone(),
+            kind: Kind::Direct {
+                cost,
+                repeat,
+                fresh,
+            },
             envoy: None,
             sent_ns,
             answered_ns: clock_ns(),
@@ -470,6 +606,7 @@ impl Ctx {
         if self
             .client
             .post(format!("{url}/v1/settle"))
+            .bearer_auth(GATEWAY_TOKEN)
             .json(&body)
             .send()
             .is_ok()

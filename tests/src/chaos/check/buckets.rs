@@ -86,6 +86,8 @@ impl Checker<'_> {
             Fault::SidecarPause { sidecar, .. } | Fault::SidecarRestart { sidecar, .. } => {
                 sidecar == RLQS_SIDECAR
             }
+            // Its stream ended (a token rotated out of the file): an outage of its own.
+            Fault::TokenRevoked { .. } => true,
             Fault::EnvoyRestart { .. }
             | Fault::GatewayCut { .. }
             | Fault::GatewayDelay { .. }
@@ -147,8 +149,12 @@ impl Checker<'_> {
                         },
                     ));
                     // A settlement an Envoy restart may have lost is the excess the README
-                    // grants (docs/costs.md, an Envoy that stops): not debited.
-                    if real > cost && !self.settlement_cut_by_restart(s) {
+                    // grants (docs/costs.md, an Envoy that stops): not debited; nor is a native
+                    // stream-done call a fault may have failed (Envoy sends it once and counts
+                    // nothing the record can read: docs/grpc.md, costs known after the response).
+                    let native_lost =
+                        s.envoy == Some(NATIVE_ENVOY) && self.settlement_may_fail(s.answered_ns);
+                    if real > cost && !self.settlement_cut_by_restart(s) && !native_lost {
                         events.push((s.answered_ns, s.id, Event::Debit(real - cost)));
                         if self.settlement_may_fail(s.answered_ns) {
                             *at_risk.entry(s.rule).or_default() += 1;
@@ -235,6 +241,7 @@ impl Checker<'_> {
             "bulk" => (BULK_BUCKET.0 as f64, BULK_BUCKET.1),
             "per-user" => (USER_BUCKET.0 as f64, USER_BUCKET.1),
             "per-ip" => (NATIVE_BUCKET.0 as f64, NATIVE_BUCKET.1),
+            NATIVE_LLM => (NATIVE_LLM_BUCKET.0 as f64, NATIVE_LLM_BUCKET.1),
             other => unreachable!("no bucket for rule {other}"),
         };
         self.policies_around(t)

@@ -46,18 +46,22 @@
 //! Envoy that was restarted, a stream the upstream cut, or the direct caller's sidecar while it
 //! was down. **Settlements**: every admitted `llm` or `bulk` request whose real cost was not its
 //! reservation queued one. **Calls**: the sidecars refused none of the gateways' calls as
-//! malformed or too large. **Processes**: none panicked; each one's peak memory under its bound.
+//! malformed or too large. **A revoked token**: once the RLQS Envoy's token was rotated out
+//! (and [`REVOKED_GRACE_NS`] passed), it admits no more than what its last assignment held and
+//! its fallback ([`Checker::revoked`]). **New clients**: a subject's first decision is
+//! allowed but near a fault ([`Checker::new_clients`]). **The RLQS stream** breaks only under a
+//! fault that breaks it ([`Checker::rlqs_streams`]). **Processes**: none panicked; each one's peak memory under its bound.
 
 use std::collections::{BTreeMap, HashMap};
 
 use ratelimit_bucket::refill;
 
-use super::nemesis::{Caused, Log, CALLS_REFUSED};
+use super::nemesis::{Caused, Log, CALLS_REFUSED, RLQS_STREAMS_OPENED};
 use super::schedule::{Fault, StoreReset, HOT, SIDECARS, WARM, WARM_BUCKET};
 use super::topology::{
     Policy, BULK_BUCKET, BULK_ENVOY, BULK_MAX_TOKENS, CONCURRENCY, LLM_ENVOY, LLM_RESERVE_MAX,
-    NATIVE_BUCKET, RLQS_ADDRESS, RLQS_FALLBACK, RLQS_MARGIN_S, RLQS_SIDECAR, RLQS_TTL_S,
-    USER_BUCKET,
+    NATIVE_BUCKET, NATIVE_ENVOY, NATIVE_LLM, NATIVE_LLM_BUCKET, RLQS_ADDRESS, RLQS_ENVOY,
+    RLQS_FALLBACK, RLQS_MARGIN_S, RLQS_SIDECAR, RLQS_TTL_S, USER_BUCKET,
 };
 use super::workload::{Kind, Sent};
 use crate::upstream::Served;
@@ -87,6 +91,18 @@ const SPLIT_AFTER_NS: u64 = 1_000_000_000;
 /// A fault's window, for the table and the allowances: from its start to this long after it
 /// recovered, in ns.
 const AFTERMATH_NS: u64 = 3_000_000_000;
+/// How long after its token was rotated out of the file the RLQS Envoy's stream may still be
+/// assigned, in ns: the file is read again every 2 s, the stream checked at its next round (1 s),
+/// with room for a loaded machine.
+const REVOKED_GRACE_NS: u64 = 5_000_000_000;
+/// How long after a fault's recovery a new client's first request may still be refused, in ns:
+/// under `--store-reset empty` a bucket never seen starts empty at the new epoch and refills
+/// from there (the direct rule's 5 a second pay a first cost of 1 within 0.2 s).
+const NEW_CLIENT_AFTER_FAULT_NS: u64 = 2_000_000_000;
+/// How many quota streams a fault that breaks the RLQS Envoy's may open: the one after it, and
+/// one more if Envoy's first attempt came too early (a sidecar still starting, a token file not
+/// read yet).
+const RLQS_STREAMS_PER_FAULT: u64 = 2;
 /// Peak resident memory each kind of process may reach, in KiB.
 const RSS_BOUNDS_KIB: [(&str, u64); 3] = [
     ("sidecar", 256 * 1024),
@@ -142,6 +158,8 @@ pub struct Verdict {
     pub settlements: (u64, u64, u64, u64, u64, u64),
     /// Refused with budget left (the rows' `under`), by bucket (`rule/app`).
     pub under_by_bucket: BTreeMap<String, usize>,
+    /// The RLQS Envoy's quota streams its sidecar opened, and the most the faults explain.
+    pub rlqs_streams: (u64, u64),
 }
 
 pub const NO_FAULT: &str = "no fault";
@@ -155,12 +173,16 @@ pub fn check(r: &Record) -> Verdict {
     c.answers();
     c.settlements();
     c.calls_refused();
+    c.revoked();
+    c.new_clients();
+    c.rlqs_streams();
     c.processes();
     Verdict {
         rows: c.rows.into_values().collect(),
         violations: c.violations,
         settlements: c.settlements,
         under_by_bucket: c.under_by_bucket,
+        rlqs_streams: c.rlqs_streams,
     }
 }
 
@@ -171,6 +193,7 @@ struct Checker<'a> {
     violations: Vec<Violation>,
     settlements: (u64, u64, u64, u64, u64, u64),
     under_by_bucket: BTreeMap<String, usize>,
+    rlqs_streams: (u64, u64),
 }
 
 /// A bucket's numbers at an instant: capacity, refill per second.
@@ -212,6 +235,7 @@ impl<'a> Checker<'a> {
             violations: Vec::new(),
             settlements: (0, 0, 0, 0, 0, 0),
             under_by_bucket: BTreeMap::new(),
+            rlqs_streams: (0, 0),
         }
     }
 

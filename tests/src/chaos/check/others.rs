@@ -66,7 +66,9 @@ impl Checker<'_> {
                 | Fault::AnswersLost { envoy: cut, .. } => envoy.is_none_or(|e| e == cut),
                 // Its own requests end with it; no other Envoy's renewals wait for it. A
                 // sidecar's wall-clock step stops no renewal (Redis's clock decides).
-                Fault::EnvoyRestart { .. } | Fault::ClockStep { .. } => false,
+                Fault::EnvoyRestart { .. }
+                | Fault::ClockStep { .. }
+                | Fault::TokenRevoked { .. } => false,
                 _ => true,
             };
             within && (matches!(self.loss(f), Some(Loss::Refilled)) || (blocks && long))
@@ -109,11 +111,114 @@ impl Checker<'_> {
             overlaps
                 && match (&f.fault, s.envoy) {
                     (Fault::EnvoyRestart { envoy }, Some(e)) => *envoy == e,
+                    // Restarted with its new token at the end.
+                    (Fault::TokenRevoked { .. }, Some(e)) => e == RLQS_ENVOY,
                     (Fault::SidecarRestart { sidecar: 0, .. }, None)
                     | (Fault::SidecarPause { sidecar: 0, .. }, None) => true,
                     _ => false,
                 }
         })
+    }
+
+    /// While the RLQS Envoy's token is rotated out (from [`REVOKED_GRACE_NS`] after the file
+    /// changed until a new one is issued), what it admits: no more than its last assignment
+    /// held until its TTL (a bucket's capacity and its refill for the TTL) and its fallback
+    /// after that (docs/rlqs.md: an Envoy whose stream ended for its token is in an outage). A
+    /// stream that outlived its token goes on being assigned the bucket's refill.
+    pub(super) fn revoked(&mut self) {
+        let address = RLQS_ADDRESS.to_string();
+        for f in &self.r.log.faults {
+            if !matches!(f.fault, Fault::TokenRevoked { .. }) {
+                continue;
+            }
+            let (from, to) = (f.start_ns + REVOKED_GRACE_NS, f.end_ns);
+            let admitted: Vec<u64> = self
+                .r
+                .sent
+                .iter()
+                .filter(|s| s.rule == "per-ip" && s.app == address)
+                .filter_map(|s| self.served.get(&s.id).map(|v| v.arrival_ns))
+                .filter(|t| (from..=to).contains(t))
+                .collect();
+            let window_s = to.saturating_sub(from) as f64 / 1e9;
+            let (c, r) = NATIVE_BUCKET;
+            let (fc, fr) = RLQS_FALLBACK;
+            let bound = c as f64 + r * RLQS_TTL_S + fc + fr * window_s + 1.0;
+            if admitted.len() as f64 > bound {
+                self.violations.push(Violation {
+                    what: format!(
+                        "per-ip/{address}: the RLQS Envoy admitted {} in {window_s:.1} s while its \
+                         token was rotated out (at most {bound:.1}: its last assignment and its \
+                         fallback)",
+                        admitted.len()
+                    ),
+                    at_ns: admitted.last().copied().unwrap_or(to),
+                    window: (from, to),
+                });
+            }
+        }
+    }
+
+    /// A new client's first decision (the direct caller naming a subject for the first time) is
+    /// allowed: its bucket is full, or under `--store-reset empty` refilled from the epoch a
+    /// store loss began, so it is refused only within [`NEW_CLIENT_AFTER_FAULT_NS`] of a fault
+    /// (a refusal elsewhere is a bucket that started empty with no loss to explain it).
+    pub(super) fn new_clients(&mut self) {
+        for s in self.r.sent {
+            if !matches!(s.kind, Kind::Direct { fresh: true, .. }) || s.status != 429 {
+                continue;
+            }
+            let near_a_fault = self.r.log.faults.iter().any(|f| {
+                f.start_ns <= s.answered_ns
+                    && s.sent_ns <= f.recovered_ns + NEW_CLIENT_AFTER_FAULT_NS
+            });
+            if !near_a_fault {
+                self.violations.push(Violation {
+                    what: format!(
+                        "direct/{}: a new client's first request (request {}) refused with no \
+                         fault before it",
+                        s.app, s.id
+                    ),
+                    at_ns: s.answered_ns,
+                    window: (s.sent_ns, s.answered_ns),
+                });
+            }
+        }
+    }
+
+    /// The RLQS Envoy's quota stream breaks only when a fault breaks it: its Envoy restarted
+    /// (its token rotated out and a new one issued), its sidecar killed or paused. Each such
+    /// fault may open [`RLQS_STREAMS_PER_FAULT`] streams, and the run's first one; a stream that
+    /// breaks at every report (one the sidecar cannot take: the crowd's reports are larger than
+    /// a gRPC message may be) opens one a second.
+    pub(super) fn rlqs_streams(&mut self) {
+        let breaks = self
+            .r
+            .log
+            .faults
+            .iter()
+            .filter(|f| match f.fault {
+                Fault::EnvoyRestart { envoy } => envoy == RLQS_ENVOY,
+                Fault::TokenRevoked { .. } => true,
+                Fault::SidecarRestart { sidecar, .. } | Fault::SidecarPause { sidecar, .. } => {
+                    sidecar == RLQS_SIDECAR
+                }
+                _ => false,
+            })
+            .count() as u64;
+        let opened = self.counter(RLQS_STREAMS_OPENED);
+        let most = 1 + RLQS_STREAMS_PER_FAULT * breaks;
+        self.rlqs_streams = (opened, most);
+        if opened > most {
+            self.violations.push(Violation {
+                what: format!(
+                    "rlqs: sidecar {RLQS_SIDECAR} opened {opened} quota streams; {breaks} faults \
+                     could break one, so at most {most}"
+                ),
+                at_ns: 0,
+                window: (0, 0),
+            });
+        }
     }
 
     pub(super) fn counter(&self, name: &str) -> u64 {
@@ -141,7 +246,8 @@ impl Checker<'_> {
             else {
                 continue;
             };
-            if !self.served.contains_key(&s.id) {
+            // The native Envoy's settlements are its stream-done calls, counted by no filter.
+            if !self.served.contains_key(&s.id) || s.envoy == Some(NATIVE_ENVOY) {
                 continue;
             }
             unreadable += u64::from(!readable);

@@ -19,6 +19,7 @@ fn direct(id: u64, cost: u64, sent: u64, answered: u64) -> Sent {
         kind: Kind::Direct {
             cost,
             repeat: false,
+            fresh: false,
         },
         envoy: None,
         sent_ns: sent,
@@ -554,4 +555,86 @@ fn a_request_admitted_while_its_rule_is_out_of_the_policy_is_a_violation_past_th
     let run = |at: u64| one_violations(user(1, at), &policies, "per-user/");
     assert_eq!(run(S + 200 * MS), Vec::<String>::new());
     assert_eq!(run(2 * S).len(), 1);
+}
+
+#[test]
+fn the_rlqs_envoy_whose_token_was_rotated_out_admits_its_last_assignment_and_fallback_only() {
+    // Rotated out from 0 to 20 s: from 5 s on, the last assignment (15 + 6 · 3) and the fallback
+    // (10 + 1 · 15) with 1 of slack: 59.
+    let revoked = fault(Fault::TokenRevoked { ms: 20_000 }, 0, 20 * S, 23 * S, false);
+    let run = |n: u64| {
+        let (sent, served): (Vec<Sent>, Vec<crate::upstream::Served>) = (0..n)
+            .map(|i| {
+                let (s, v) = rlqs_burst(i + 1, 1, 6 * S + i * 100 * MS);
+                (s[0].clone(), v[0].clone())
+            })
+            .unzip();
+        let policies = vec![(0, Policy::default())];
+        let prefix = "per-ip/127.0.0.2: the RLQS Envoy";
+        violations_with(
+            StoreReset::Full,
+            &sent,
+            &served,
+            vec![revoked.clone()],
+            policies,
+            prefix,
+        )
+    };
+    assert_eq!(run(59), Vec::<String>::new());
+    assert_eq!(run(61).len(), 1, "{:?}", run(61));
+}
+
+#[test]
+fn a_new_clients_first_request_is_refused_only_near_a_fault() {
+    let refused = |at: u64| Sent {
+        app: "n1".into(),
+        kind: Kind::Direct {
+            cost: 1,
+            repeat: false,
+            fresh: true,
+        },
+        status: 429,
+        ..direct(1, 1, at - MS, at)
+    };
+    let run = |faults: Vec<Caused>| {
+        let policies = vec![(0, Policy::default())];
+        let sent = [refused(10 * S)];
+        violations_with(
+            StoreReset::Empty,
+            &sent,
+            &[],
+            faults,
+            policies,
+            "direct/n1: a new",
+        )
+    };
+    assert_eq!(run(vec![]).len(), 1);
+    let emptied = |at: u64| {
+        vec![fault(
+            Fault::StoreRestartEmpty,
+            at,
+            at,
+            at + 500 * MS,
+            false,
+        )]
+    };
+    assert_eq!(run(emptied(9 * S)), Vec::<String>::new());
+    assert_eq!(run(emptied(5 * S)).len(), 1, "recovered 4.5 s before");
+    // Refused when it was not new: no violation of this kind.
+    let mut again = refused(10 * S);
+    again.kind = Kind::Direct {
+        cost: 1,
+        repeat: false,
+        fresh: false,
+    };
+    let policies = vec![(0, Policy::default())];
+    assert!(violations_with(
+        StoreReset::Empty,
+        &[again],
+        &[],
+        vec![],
+        policies,
+        "direct/n1: a new"
+    )
+    .is_empty());
 }
