@@ -55,11 +55,30 @@ impl Listener {
     {
         let listener = std::net::TcpListener::bind("127.0.0.1:0")
             .unwrap_or_else(|e| panic!("bind the {name}: {e}"));
+        Listener::start_on(name, listener, None, serve)
+    }
+
+    /// Serves `listener` (bound in whichever network namespace it was) from a runtime whose
+    /// threads are in namespace `netns` (none: this process's): the connections `serve` opens
+    /// are that namespace's.
+    pub fn start_on<F, Fut>(
+        name: &str,
+        listener: std::net::TcpListener,
+        netns: Option<String>,
+        serve: F,
+    ) -> Listener
+    where
+        F: Fn(TcpStream) -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = ()> + Send + 'static,
+    {
         listener.set_nonblocking(true).expect("nonblocking");
         let port = listener.local_addr().expect("addr").port();
         let (tx, rx) = oneshot::channel::<()>();
         let name = name.to_string();
         let thread = std::thread::spawn(move || {
+            if let Some(ns) = &netns {
+                crate::netns::enter(ns);
+            }
             let rt = tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(1)
                 .enable_all()

@@ -333,10 +333,30 @@ impl Sidecar {
         args: &[&str],
         env: &[(String, String)],
     ) -> Sidecar {
+        Sidecar::spawn_in(None, port, policy, args, env)
+    }
+
+    /// [`Sidecar::spawn_with_args_env`] inside network namespace `netns` (none: this
+    /// process's), by `ip netns exec`, which execs it: the process is the sidecar's. Its
+    /// `127.0.0.1` is the namespace's: reach it through a relay into the namespace.
+    pub fn spawn_in(
+        netns: Option<&str>,
+        port: u16,
+        policy: &str,
+        args: &[&str],
+        env: &[(String, String)],
+    ) -> Sidecar {
         let logs = tempfile::tempdir().expect("temp dir");
         let policy_path = logs.path().join("limits.yaml");
         std::fs::write(&policy_path, policy).expect("write the policy file");
-        let mut cmd = Command::new(Sidecar::bin());
+        let mut cmd = match netns {
+            Some(ns) => {
+                let mut cmd = Command::new("ip");
+                cmd.args(["netns", "exec", ns]).arg(Sidecar::bin());
+                cmd
+            }
+            None => Command::new(Sidecar::bin()),
+        };
         cmd.args(["--listen", &format!("127.0.0.1:{port}"), "--limits"])
             .arg(&policy_path)
             .args(args)

@@ -120,7 +120,8 @@ impl Drop for Netns {
     }
 }
 
-fn enter(name: &str) {
+/// Moves the calling thread into namespace `name` ([`Netns::enter`]).
+pub fn enter(name: &str) {
     let path = format!("/run/netns/{name}");
     let file = File::open(&path).unwrap_or_else(|e| panic!("open {path}: {e}"));
     nix::sched::setns(&file, CloneFlags::CLONE_NEWNET)

@@ -286,6 +286,11 @@ fn cause(
             sleep(ms);
             t.step_clock(sidecar, 0);
         }
+        Fault::RedisCut { sidecar, ms } => {
+            t.paths[sidecar].set_cut(true);
+            sleep(ms);
+            t.paths[sidecar].set_cut(false);
+        }
         // The new token is issued after the fault's end (below): the checker's window of a
         // revoked token ends when the Envoy may be admitted again.
         Fault::TokenRevoked { ms } => {

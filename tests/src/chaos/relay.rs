@@ -1,5 +1,5 @@
-//! A TCP relay between two local processes (an Envoy and its sidecar), in-process on a thread of
-//! its own: it passes every byte, delays each chunk by a set time, or cuts the path (open
+//! A TCP relay between two local processes (an Envoy and its sidecar, a sidecar and Redis, from
+//! one network namespace into another), in-process on a thread of its own: it passes every byte, delays each chunk by a set time, or cuts the path (open
 //! connections dropped, new ones closed at once). This kernel has no `sch_netem`; a userspace
 //! relay does what the faults need. It can also drop what the server answers while passing
 //! what the client sends. Stops on drop.
@@ -36,10 +36,17 @@ pub struct Relay {
 impl Relay {
     /// A relay on a free port to `127.0.0.1:<target>`.
     pub fn start(target: u16) -> Relay {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind a relay");
+        Relay::start_on(listener, target, None)
+    }
+
+    /// A relay from `listener` (bound in whichever network namespace it was) to
+    /// `127.0.0.1:<target>` in namespace `netns` (none: this process's).
+    pub fn start_on(listener: std::net::TcpListener, target: u16, netns: Option<String>) -> Relay {
         let state = Arc::new(State::default());
         let (cut, cut_rx) = watch::channel(false);
         let s = state.clone();
-        let listener = Listener::start("relay", move |client| {
+        let listener = Listener::start_on("relay", listener, netns, move |client| {
             s.connections.fetch_add(1, Ordering::Relaxed);
             let (s, cut) = (s.clone(), cut_rx.clone());
             async move {

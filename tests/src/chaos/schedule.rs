@@ -100,6 +100,9 @@ pub enum Fault {
         seconds: i64,
         ms: u64,
     },
+    /// A sidecar's path to Redis cut for `ms` (its connections to every node and Sentinel
+    /// dropped, new ones closed at once); the other sidecar's stays.
+    RedisCut { sidecar: usize, ms: u64 },
     /// The RLQS Envoy's bearer token rotated out of the sidecars' token file under its live
     /// stream for `ms` (it goes on sending it: its stream ends, its new ones are refused), then
     /// a new token issued and the Envoy restarted with it.
@@ -132,12 +135,13 @@ impl Fault {
             Fault::AnswersLost { .. } => "answers lost to a gateway",
             Fault::ClockStep { .. } => "wall clock stepped on a sidecar",
             Fault::TokenRevoked { .. } => "RLQS token rotated out",
+            Fault::RedisCut { .. } => "sidecar cut from Redis",
             Fault::Failover => "failover without a fault",
         }
     }
 
     /// Every class, in table order.
-    pub const CLASSES: [&'static str; 14] = [
+    pub const CLASSES: [&'static str; 15] = [
         "sidecar paused",
         "sidecar killed",
         "primary paused",
@@ -151,6 +155,7 @@ impl Fault {
         "answers lost to a gateway",
         "wall clock stepped on a sidecar",
         "RLQS token rotated out",
+        "sidecar cut from Redis",
         "failover without a fault",
     ];
 
@@ -163,6 +168,7 @@ impl Fault {
             | Fault::AnswersLost { ms, .. }
             | Fault::ClockStep { ms, .. }
             | Fault::TokenRevoked { ms }
+            | Fault::RedisCut { ms, .. }
             | Fault::GatewayDelay { ms, .. } => ms,
             Fault::SidecarRestart { down_ms, .. } | Fault::PrimaryKill { down_ms } => down_ms,
             Fault::StoreFlush
@@ -356,10 +362,15 @@ impl Plan {
 /// instead (10 minutes to 2 hours, forward or back); of the cuts and delays left, half rotate
 /// the RLQS Envoy's token out for 16 to 24 s where `room_ms` (before the calm third) holds 10 s
 /// (long enough for what a stream that outlived its token admits to pass what the Envoy's
-/// fallback may).
+/// fallback may); and half the sidecar restarts cut that sidecar from Redis instead, for 0.5 to
+/// 3 s.
 fn vary(fault: Fault, more: &mut StdRng, room_ms: u64) -> Fault {
     let fault = vary_first(fault, more);
     match fault {
+        Fault::SidecarRestart { sidecar, .. } if more.random_bool(0.5) => Fault::RedisCut {
+            sidecar,
+            ms: more.random_range(500..3_000),
+        },
         Fault::GatewayCut { .. } | Fault::GatewayDelay { .. } if more.random_bool(0.5) => {
             let ms = more.random_range(16_000..24_000).min(room_ms);
             if ms >= 10_000 {
@@ -499,6 +510,7 @@ mod tests {
         }
         assert!(any(&|f| matches!(f, Fault::AnswersLost { .. })));
         assert!(any(&|f| matches!(f, Fault::TokenRevoked { .. })));
+        assert!(any(&|f| matches!(f, Fault::RedisCut { .. })));
         assert!(any(
             &|f| matches!(f, Fault::ClockStep { seconds, .. } if *seconds < 0)
         ));

@@ -1,6 +1,7 @@
 //! The processes of a run, and the hands the nemesis breaks them with: a Redis primary with a
 //! replica and three Sentinels, or a Cluster of three primaries each with a replica
-//! ([`Store`]); two sidecars on it; two Envoys with the wasm filter
+//! ([`Store`]); two sidecars on it, each in a network namespace of its own whose path to Redis
+//! the nemesis can cut ([`RedisPath`]); two Envoys with the wasm filter
 //! (one and two workers), each to its own sidecar through a [`Relay`]; an Envoy with Envoy's
 //! rate limit filter and one with its quota filter (RLQS), each straight to a sidecar; the
 //! recording upstream.
@@ -18,6 +19,7 @@ use super::relay::Relay;
 use super::schedule::{
     Store, StoreReset, ENVOYS, HOT, PER_APP, QUIET, SIDECARS, WARM, WARM_BUCKET,
 };
+use crate::netns::Netns;
 use crate::redis::node_serving;
 use crate::{Envoy, EnvoyConfig, Redis, RedisCluster, Sentinel, Sidecar, Upstream};
 
@@ -192,27 +194,91 @@ fn plugin() -> Value {
     })
 }
 
-/// A sidecar the nemesis can kill and start again on its port.
+/// A sidecar the nemesis can kill and start again on its port, in its own network namespace
+/// ([`RedisPath`]).
 pub struct Restartable {
     pub sidecar: Sidecar,
+    netns: String,
     args: Vec<String>,
     env: Vec<(String, String)>,
 }
 
 impl Restartable {
-    fn start(policy: &str, args: Vec<String>, env: Vec<(String, String)>) -> Restartable {
+    fn start(
+        path: &RedisPath,
+        policy: &str,
+        args: Vec<String>,
+        env: Vec<(String, String)>,
+    ) -> Restartable {
+        let netns = path.ns.name.clone();
         let refs: Vec<&str> = args.iter().map(String::as_str).collect();
-        let mut sidecar = Sidecar::spawn_with_args_env(crate::free_port(), policy, &refs, &env);
+        let mut sidecar = Sidecar::spawn_in(Some(&netns), path.port, policy, &refs, &env);
         sidecar.wait_ready();
-        Restartable { sidecar, args, env }
+        Restartable {
+            sidecar,
+            netns,
+            args,
+            env,
+        }
     }
 
     /// Starts it again on its port with `policy` (the old process must be gone).
     pub fn start_again(&mut self, policy: &str) {
         let refs: Vec<&str> = self.args.iter().map(String::as_str).collect();
-        let mut s = Sidecar::spawn_with_args_env(self.sidecar.port, policy, &refs, &self.env);
+        let port = self.sidecar.port;
+        let mut s = Sidecar::spawn_in(Some(&self.netns), port, policy, &refs, &self.env);
         s.wait_ready();
         self.sidecar = s;
+    }
+}
+
+/// A sidecar's own network namespace and what crosses its edge: inside it, a relay on every port
+/// of Redis (the data nodes and the Sentinels) to the real one outside, so that Sentinel and the
+/// Cluster hand out addresses that lead through them and the nemesis can cut this sidecar's path
+/// to Redis, and only its; outside, a door on the sidecar's port to its listener inside.
+pub struct RedisPath {
+    pub ns: Netns,
+    /// The sidecar's port, inside and at the door.
+    pub port: u16,
+    relays: Vec<Relay>,
+    _door: Relay,
+}
+
+impl RedisPath {
+    fn open(tag: &str, redis_ports: &[u16]) -> RedisPath {
+        let ns = Netns::create(tag);
+        let relays = redis_ports
+            .iter()
+            .map(|&p| {
+                let inside = ns.run(|| std::net::TcpListener::bind(("127.0.0.1", p)));
+                let inside = inside.expect("bind a Redis port inside the sidecar's namespace");
+                Relay::start_on(inside, p, None)
+            })
+            .collect();
+        let door = std::net::TcpListener::bind("127.0.0.1:0").expect("bind the sidecar's door");
+        let port = door.local_addr().expect("the door's address").port();
+        let door = Relay::start_on(door, port, Some(ns.name.clone()));
+        RedisPath {
+            ns,
+            port,
+            relays,
+            _door: door,
+        }
+    }
+
+    /// Cuts this sidecar's path to Redis (`true`: its connections dropped, new ones closed at
+    /// once) or mends it.
+    pub fn set_cut(&self, cut: bool) {
+        for r in &self.relays {
+            r.set_cut(cut);
+        }
+    }
+
+    /// A relay from a free port outside to the sidecar inside (a gateway's path, which the
+    /// nemesis cuts apart from this one).
+    fn relay_in(&self) -> Relay {
+        let outside = std::net::TcpListener::bind("127.0.0.1:0").expect("bind a relay");
+        Relay::start_on(outside, self.port, Some(self.ns.name.clone()))
     }
 }
 
@@ -226,6 +292,9 @@ pub struct Topology {
     /// The three Sentinels (none for the Cluster).
     pub sentinels: Vec<Sentinel>,
     pub sidecars: Vec<Restartable>,
+    /// Each sidecar's namespace and its path to Redis.
+    pub paths: Vec<RedisPath>,
+    /// Each wasm Envoy's path to its sidecar.
     pub relays: Vec<Relay>,
     pub envoys: Vec<Envoy>,
     pub configs: Vec<EnvoyConfig>,
@@ -275,15 +344,23 @@ impl Topology {
         let tokens = tokens_file(clocks.path());
         write_tokens(&tokens, Some(0));
         store_args.extend(["--auth-token-file".into(), tokens.display().to_string()]);
+        let redis_ports: Vec<u16> = nodes
+            .iter()
+            .map(|n| n.port)
+            .chain(sentinels.iter().map(|s| s.port))
+            .collect();
+        let paths: Vec<RedisPath> = (0..SIDECARS)
+            .map(|i| RedisPath::open(&format!("chaos-s{i}"), &redis_ports))
+            .collect();
         let sidecars: Vec<Restartable> = (0..SIDECARS)
             .map(|i| {
                 let env = faked_clock(&clock_file(clocks.path(), i));
-                Restartable::start(&text, store_args.clone(), env)
+                Restartable::start(&paths[i], &text, store_args.clone(), env)
             })
             .collect();
         let upstream = Upstream::start();
         let relays: Vec<Relay> = (0..ENVOYS)
-            .map(|i| Relay::start(sidecars[i % SIDECARS].sidecar.port))
+            .map(|i| paths[i % SIDECARS].relay_in())
             .collect();
         let configs: Vec<EnvoyConfig> = (0..ENVOYS)
             .map(|i| {
@@ -316,6 +393,7 @@ impl Topology {
             nodes,
             sentinels,
             sidecars,
+            paths,
             relays,
             envoys,
             configs,

@@ -83,9 +83,9 @@ impl Checker<'_> {
     /// the delivery margin assumed).
     pub(super) fn rlqs_outage(&self, f: &Caused, rate: f64) -> f64 {
         let reaches = match f.fault {
-            Fault::SidecarPause { sidecar, .. } | Fault::SidecarRestart { sidecar, .. } => {
-                sidecar == RLQS_SIDECAR
-            }
+            Fault::SidecarPause { sidecar, .. }
+            | Fault::SidecarRestart { sidecar, .. }
+            | Fault::RedisCut { sidecar, .. } => sidecar == RLQS_SIDECAR,
             // Its stream ended (a token rotated out of the file): an outage of its own.
             Fault::TokenRevoked { .. } => true,
             Fault::EnvoyRestart { .. }

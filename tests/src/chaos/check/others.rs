@@ -58,9 +58,9 @@ impl Checker<'_> {
             let long = f.fault.lasts_ms() * 3 >= ttl_ms
                 || (f.end_ns - f.start_ns) / 1_000_000 * 3 >= ttl_ms;
             let blocks = match f.fault {
-                Fault::SidecarPause { sidecar, .. } | Fault::SidecarRestart { sidecar, .. } => {
-                    envoy.is_none_or(|e| e % SIDECARS == sidecar)
-                }
+                Fault::SidecarPause { sidecar, .. }
+                | Fault::SidecarRestart { sidecar, .. }
+                | Fault::RedisCut { sidecar, .. } => envoy.is_none_or(|e| e % SIDECARS == sidecar),
                 Fault::GatewayCut { envoy: cut, .. }
                 | Fault::GatewayDelay { envoy: cut, .. }
                 | Fault::AnswersLost { envoy: cut, .. } => envoy.is_none_or(|e| e == cut),
