@@ -43,6 +43,9 @@ pub struct Log {
     pub counters: Vec<(String, u64)>,
 }
 
+/// How long a snapshot restore on two regions waits for the shares to move first.
+const SHARE_MOVE_WAIT: Duration = Duration::from_secs(10);
+
 /// How long recovery may take before the run is declared broken (not a finding: the harness's).
 const RECOVERY: Duration = Duration::from_secs(60);
 
@@ -72,6 +75,8 @@ pub fn carry_out(plan: &Plan, topology: &mut Topology, started: Instant) -> Log 
     let watch = Watch::start(topology);
     // The node a snapshot was taken of, and the snapshot.
     let mut snapshot: Option<(usize, Vec<u8>)> = None;
+    // On two regions, us's share when the snapshot was taken.
+    let mut share_at_snapshot = None;
     for step in &plan.steps {
         let at = started + Duration::from_millis(step.at_ms);
         if let Some(wait) = at.checked_duration_since(Instant::now()) {
@@ -81,6 +86,7 @@ pub fn carry_out(plan: &Plan, topology: &mut Topology, started: Instant) -> Log 
             Action::Snapshot => {
                 let p = topology.primary();
                 snapshot = Some((p, topology.nodes[p].snapshot()));
+                share_at_snapshot = topology.us_share_ppm();
             }
             Action::Reload(r) => {
                 let mut policy = topology.policy.clone();
@@ -97,6 +103,16 @@ pub fn carry_out(plan: &Plan, topology: &mut Topology, started: Instant) -> Log 
                 log.policies.push((clock_ns(), policy));
             }
             Action::Fault(f) => {
+                // On two regions a snapshot is restored once the rebalancer has moved share from
+                // us since it was taken (at most [`SHARE_MOVE_WAIT`] later): the restore brings
+                // back an older record with a larger share than the one in force.
+                if matches!(f, Fault::StoreSnapshotRestore { .. }) && topology.eu.is_some() {
+                    let deadline = Instant::now() + SHARE_MOVE_WAIT;
+                    let shrunk = |now: Option<u64>| matches!((now, share_at_snapshot), (Some(a), Some(b)) if a < b);
+                    while !shrunk(topology.us_share_ppm()) && Instant::now() < deadline {
+                        std::thread::sleep(Duration::from_millis(50));
+                    }
+                }
                 let snap = snapshot.as_ref().map(|(p, s)| (*p, s.as_slice()));
                 let caused = cause(f, topology, snap, &mut log);
                 log.faults.push(caused);
@@ -330,10 +346,13 @@ fn cause(
 /// was once logged "no failover" when it resumed, and failed over a second later: the checker
 /// then granted nothing for the old primary deciding beside the new one.)
 fn recover(t: &mut Topology) {
-    if t.store == Store::Cluster {
-        wait_until("the Cluster at rest", RECOVERY, || t.cluster_at_rest());
-    } else {
-        recover_sentinel(t);
+    match t.store {
+        Store::Cluster => wait_until("the Cluster at rest", RECOVERY, || t.cluster_at_rest()),
+        Store::Sentinel => recover_sentinel(t),
+        // us's one node answers (a primary killed comes back empty, with no one to fail over to).
+        Store::Regions => wait_until("us's Redis back", RECOVERY, || {
+            t.nodes[0].cli(&["PING"]).contains("PONG")
+        }),
     }
     let client = crate::http();
     for s in &t.sidecars {

@@ -138,7 +138,7 @@ pub fn accumulate(total: &mut Vec<Row>, rows: &[Row]) {
 pub fn run(plan: &Plan) -> Outcome {
     let mut topology = Topology::start(plan.store_reset, plan.store);
     let ports = topology.listen_ports();
-    let workload = Workload::start(plan.seed, ports, topology.sidecar_url(0));
+    let workload = Workload::start(plan.seed, ports, topology.sidecar_url(0), topology.eu_url());
     let (started, zero_ns) = (Instant::now(), clock_ns());
     let log = nemesis::carry_out(plan, &mut topology, started);
     let sent = workload.finish();

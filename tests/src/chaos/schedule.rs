@@ -35,6 +35,9 @@ impl StoreReset {
     }
 }
 
+/// Of every eight seeds, the one that runs on two regions ([`Store::Regions`]).
+pub const REGIONS_SEED: u64 = 7;
+
 /// What the sidecars store their buckets in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Store {
@@ -43,14 +46,20 @@ pub enum Store {
     /// Three primaries, each with a replica: a fault of "the primary" hits the one serving the
     /// hot app's bucket.
     Cluster,
+    /// Two regions, each a Redis of its own (no replica): `us` under both sidecars, where the
+    /// faults of "the primary" go, and `eu` under a third sidecar; the rebalancer moves a
+    /// regional rule's shares between them.
+    Regions,
 }
 
 impl Store {
-    /// Every fourth seed runs on a Cluster (from the seed alone: the rest of a plan drawn before
-    /// the Cluster variant existed stays the same).
+    /// Every fourth seed runs on a Cluster, one in eight on two regions (from the seed alone:
+    /// the rest of a plan drawn before these variants existed stays the same).
     pub fn of_seed(seed: u64) -> Store {
         if seed.is_multiple_of(4) {
             Store::Cluster
+        } else if seed % 8 == REGIONS_SEED {
+            Store::Regions
         } else {
             Store::Sentinel
         }
@@ -60,6 +69,7 @@ impl Store {
         match self {
             Store::Sentinel => "Sentinel",
             Store::Cluster => "Cluster",
+            Store::Regions => "two regions",
         }
     }
 }
@@ -255,6 +265,7 @@ impl Plan {
         } else {
             StoreReset::Full
         };
+        let store = Store::of_seed(seed);
         let end_ms = seconds * 1000;
         // The last third is calm: reloads only, twice as often. Without a fault there is no
         // allowance, so what a reload alone breaks shows there (a request holding its slot
@@ -267,7 +278,20 @@ impl Plan {
         while at + 4_000 < calm_ms {
             // A fault ends 3 s before the calm third at the latest.
             let room_ms = calm_ms - at - 3_000;
-            let fault = vary(draw_fault(&mut rng), &mut more, room_ms);
+            let mut fault = vary(draw_fault(&mut rng), &mut more, room_ms);
+            // On two regions us's Redis keeps its share records, as docs/regions.md requires (a
+            // loss of them leaves the region's regional rules unavailable until an operator
+            // writes them again): every loss of its state is a restore from a snapshot.
+            if store == Store::Regions
+                && matches!(
+                    fault,
+                    Fault::StoreFlush | Fault::StoreRestartEmpty | Fault::PrimaryKill { .. }
+                )
+            {
+                fault = Fault::StoreSnapshotRestore {
+                    age_ms: more.random_range(500..3_000),
+                };
+            }
             if let Fault::StoreSnapshotRestore { age_ms } = fault {
                 steps.push(Step {
                     at_ms: at.saturating_sub(age_ms),
@@ -306,7 +330,7 @@ impl Plan {
             seed,
             seconds,
             store_reset,
-            store: Store::of_seed(seed),
+            store,
             steps,
         }
     }
@@ -499,7 +523,7 @@ mod tests {
     }
 
     #[test]
-    fn plans_restart_every_kind_of_envoy_lose_answers_and_every_fourth_runs_a_cluster() {
+    fn plans_restart_every_kind_of_envoy_lose_answers_and_run_clusters_and_regions() {
         let plans: Vec<Plan> = (0..100).map(|s| Plan::draw(s, 120)).collect();
         let any = |f: &dyn Fn(&Fault) -> bool| plans.iter().any(|p| p.faults().any(|(_, x)| f(x)));
         for target in [0, ENVOYS, ENVOYS + 1] {
@@ -532,6 +556,23 @@ mod tests {
                 "seed {}",
                 p.seed
             );
+            assert_eq!(
+                p.store == Store::Regions,
+                p.seed % 8 == 7,
+                "seed {}",
+                p.seed
+            );
+            // us's share records are never lost on two regions: its losses are restores.
+            if p.store == Store::Regions {
+                assert!(
+                    !p.faults().any(|(_, f)| matches!(
+                        f,
+                        Fault::StoreFlush | Fault::StoreRestartEmpty | Fault::PrimaryKill { .. }
+                    )),
+                    "seed {}",
+                    p.seed
+                );
+            }
         }
     }
 

@@ -74,6 +74,16 @@ pub const RLQS_FALLBACK: (f64, f64) = (10.0, 1.0);
 /// out under its live stream and [`Topology::issue_rlqs_token`] replaces (`<prefix><n>`).
 pub const GATEWAY_TOKEN: &str = "chaos-gateway-7d41";
 pub const RLQS_TOKEN_PREFIX: &str = "chaos-rlqs-";
+/// The regional rule of the two-region runs: one budget across `us` and `eu`, shares 0.5 each
+/// at first, then as the rebalancer moves them (`--round-interval-ms` [`ROUND_MS`], leases of
+/// [`LEASE_MS`]); the direct callers of both regions ask it.
+pub const GLOBAL: &str = "global";
+pub const GLOBAL_BUCKET: (u64, f64) = (200, 10.0);
+pub const ROUND_MS: u64 = 1_500;
+pub const LEASE_MS: u64 = 1_000;
+/// The rebalancer's fence margin (its default): what a region's sidecars may apply of a share
+/// past its lease, and so the bound's `R · margin` (docs/regions.md).
+pub const FENCE_MARGIN_S: f64 = 0.5;
 /// `bulk`'s bucket: never the limit (what its client checks is that settlements arrive).
 pub const BULK_BUCKET: (u64, f64) = (1_000_000, 1_000_000.0);
 
@@ -95,6 +105,9 @@ pub struct Policy {
     /// Rule `per-user` in the policy: a gateway that asks for it while it is not is answered
     /// the rule's `on_error` (`deny`).
     pub per_user: bool,
+    /// Rule [`GLOBAL`] in the policy (on two regions only: a sidecar without `--region` refuses
+    /// a regional rule).
+    pub regions: bool,
 }
 
 impl Default for Policy {
@@ -104,6 +117,7 @@ impl Default for Policy {
             hot_blocked: false,
             slot_ttl_ms: 3_000,
             per_user: true,
+            regions: false,
         }
     }
 }
@@ -127,10 +141,18 @@ pub fn policy_yaml(p: &Policy) -> String {
     } else {
         String::new()
     };
+    let global = if p.regions {
+        let (c, r) = GLOBAL_BUCKET;
+        format!(
+            "  {GLOBAL}: {{capacity: {c}, refill_per_sec: {r}, regions: {{us: 0.5, eu: 0.5}}}}\n"
+        )
+    } else {
+        String::new()
+    };
     format!(
         "rules:\n  per-app:\n    capacity: {}\n    refill_per_sec: {}\n{block}  llm: {{capacity: 200, refill_per_sec: 50}}\n  inflight: {{concurrency: {CONCURRENCY}, slot_ttl_ms: {}}}\n  direct: {{capacity: 10, refill_per_sec: 5}}\n  \
          bulk: {{capacity: {}, refill_per_sec: {}}}\n{per_user}  \
-         per-ip: {{capacity: {}, refill_per_sec: {}}}\n  {NATIVE_LLM}: {{capacity: {}, refill_per_sec: {}}}\n",
+         per-ip: {{capacity: {}, refill_per_sec: {}}}\n  {NATIVE_LLM}: {{capacity: {}, refill_per_sec: {}}}\n{global}",
         p.per_app.0,
         p.per_app.1,
         p.slot_ttl_ms,
@@ -315,6 +337,53 @@ pub struct Topology {
     pub rlqs_config: EnvoyConfig,
     pub upstream: Upstream,
     pub policy: Policy,
+    /// The second region of a two-region run.
+    pub eu: Option<Eu>,
+}
+
+/// The second region of a two-region run ([`Store::Regions`]): its Redis, its sidecar (in a
+/// namespace of its own, as the others; the faults leave this region alone) and the rebalancer
+/// over both regions.
+pub struct Eu {
+    pub redis: Redis,
+    pub sidecar: Restartable,
+    _path: RedisPath,
+    pub rebalancer: crate::Process,
+    /// The rebalancer's policy file.
+    limits: std::path::PathBuf,
+}
+
+impl Eu {
+    fn start(us: &Redis, dir: &std::path::Path, text: &str, sidecar_args: &[String]) -> Eu {
+        let redis = Redis::start_with(&NODE_ARGS);
+        let path = RedisPath::open("chaos-eu", &[redis.port]);
+        let mut args = vec![
+            "--redis".into(),
+            redis.url(),
+            "--region".into(),
+            "eu".into(),
+        ];
+        args.extend(sidecar_args.iter().cloned());
+        let sidecar = Restartable::start(&path, text, args, Vec::new());
+        let limits = dir.join("rebalancer-limits.yaml");
+        std::fs::write(&limits, text).expect("write the rebalancer's policy");
+        let mut cmd = std::process::Command::new(crate::snapshot_restore::rebalancer_bin());
+        cmd.arg("--limits")
+            .arg(&limits)
+            .args(["--region", &format!("us={}", us.url())])
+            .args(["--region", &format!("eu={}", redis.url())])
+            .args(["--round-interval-ms", &ROUND_MS.to_string()])
+            .args(["--lease-ms", &LEASE_MS.to_string()])
+            .env("RUST_LOG", "info");
+        let rebalancer = crate::Process::spawn("rebalancer", cmd, dir);
+        Eu {
+            redis,
+            sidecar,
+            _path: path,
+            rebalancer,
+            limits,
+        }
+    }
 }
 
 impl Topology {
@@ -331,6 +400,11 @@ impl Topology {
                     vec!["--redis-cluster".into(), seeds],
                 )
             }
+            Store::Regions => {
+                let us = Redis::start_with(&NODE_ARGS);
+                let args = vec!["--redis".into(), us.url(), "--region".into(), "us".into()];
+                (vec![us], Vec::new(), args)
+            }
         };
         store_args.extend([
             "--redis-timeout-ms".into(),
@@ -338,7 +412,10 @@ impl Topology {
             "--store-reset".into(),
             store_reset.arg().into(),
         ]);
-        let policy = Policy::default();
+        let policy = Policy {
+            regions: store == Store::Regions,
+            ..Policy::default()
+        };
         let text = policy_yaml(&policy);
         let clocks = tempfile::tempdir().expect("a directory for the clocks' offsets");
         let tokens = tokens_file(clocks.path());
@@ -358,6 +435,10 @@ impl Topology {
                 Restartable::start(&paths[i], &text, store_args.clone(), env)
             })
             .collect();
+        // eu's sidecar: the others' arguments after the store's (the timeout, `--store-reset`,
+        // the token file).
+        let eu = (store == Store::Regions)
+            .then(|| Eu::start(&nodes[0], clocks.path(), &text, &store_args[4..]));
         let upstream = Upstream::start();
         let relays: Vec<Relay> = (0..ENVOYS)
             .map(|i| paths[i % SIDECARS].relay_in())
@@ -405,6 +486,7 @@ impl Topology {
             rlqs_config,
             upstream,
             policy,
+            eu,
         }
     }
 
@@ -507,11 +589,15 @@ impl Topology {
         self.rlqs.restart(&config);
     }
 
-    /// Writes `policy` to every sidecar's file.
+    /// Writes `policy` to every sidecar's file (and the rebalancer's).
     pub fn write_policy(&mut self, policy: Policy) {
         let text = policy_yaml(&policy);
         for s in &self.sidecars {
             s.sidecar.write_policy(&text);
+        }
+        if let Some(eu) = &self.eu {
+            eu.sidecar.sidecar.write_policy(&text);
+            std::fs::write(&eu.limits, &text).expect("write the rebalancer's policy");
         }
         self.policy = policy;
     }
@@ -535,6 +621,10 @@ impl Topology {
         for (i, n) in self.nodes.iter().enumerate() {
             out.push((format!("redis {i}"), n.pid()));
         }
+        if let Some(eu) = &self.eu {
+            out.push(("sidecar eu".into(), eu.sidecar.sidecar.process.pid()));
+            out.push(("redis eu".into(), eu.redis.pid()));
+        }
         out
     }
 
@@ -556,7 +646,29 @@ impl Topology {
         }
         out.push(("envoy native".into(), self.native.process.log()));
         out.push(("envoy rlqs".into(), self.rlqs.process.log()));
+        if let Some(eu) = &self.eu {
+            out.push(("sidecar eu".into(), eu.sidecar.sidecar.process.log()));
+            out.push(("redis eu".into(), eu.redis.process.log()));
+            out.push(("rebalancer".into(), eu.rebalancer.log()));
+        }
         out
+    }
+
+    /// us's share of [`GLOBAL`] in its record, in parts per million (none: no record, or not
+    /// two regions).
+    pub fn us_share_ppm(&self) -> Option<u64> {
+        self.eu.as_ref()?;
+        let key = format!("rl:share:{{ratelimit|{GLOBAL}}}");
+        self.nodes[0]
+            .cli(&["HGET", &key, "share_ppm"])
+            .trim()
+            .parse()
+            .ok()
+    }
+
+    /// The base URL of eu's sidecar, on two regions.
+    pub fn eu_url(&self) -> Option<String> {
+        self.eu.as_ref().map(|eu| eu.sidecar.sidecar.base_url())
     }
 
     /// The listeners the workload sends to: the wasm Envoys' (by index), then the native one's
@@ -572,16 +684,19 @@ impl Topology {
 /// that serves it.
 pub const HOT_BUCKET_KEY: &str = "rl:{ratelimit|rule=per-app|app=hot}";
 
+/// A data node's arguments: no eviction; a full sync starts at once (diskless, Redis waits 5 s by
+/// default for more replicas).
+const NODE_ARGS: [&str; 4] = [
+    "--maxmemory-policy",
+    "noeviction",
+    "--repl-diskless-sync-delay",
+    "0",
+];
+
 /// A primary with a replica and three Sentinels: the data nodes, the Sentinels and the
 /// sidecars' arguments to reach them.
 fn start_sentinel() -> (Vec<Redis>, Vec<Sentinel>, Vec<String>) {
-    // A full sync starts at once (diskless, Redis waits 5 s by default for more replicas).
-    let node = [
-        "--maxmemory-policy",
-        "noeviction",
-        "--repl-diskless-sync-delay",
-        "0",
-    ];
+    let node = NODE_ARGS;
     let primary = Redis::start_with(&node);
     // Linked by a command, not an argument: a node the nemesis restarts comes back as a
     // primary of its own, and the Sentinels make it a replica again, as in production.

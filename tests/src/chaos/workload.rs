@@ -21,9 +21,10 @@ use serde_json::{json, Value};
 use super::clock_ns;
 use super::schedule::{ENVOYS, HOT, QUIET, WARM};
 use super::topology::{
-    key_of, BULK, BULK_ENVOY, BULK_MAX_TOKENS, BULK_RESERVE, CONCURRENCY, GATEWAY_TOKEN, HOLD, LLM,
-    LLM_ENVOY, LLM_RESERVE_MAX, NATIVE_ADDRESS, NATIVE_ENVOY, NATIVE_LLM, NATIVE_LLM_ADDRESS,
-    NATIVE_LLM_APP, NATIVE_MAX_TOKENS, NATIVE_RESERVE, RLQS_ADDRESS, RLQS_ENVOY, USERS,
+    key_of, BULK, BULK_ENVOY, BULK_MAX_TOKENS, BULK_RESERVE, CONCURRENCY, GATEWAY_TOKEN, GLOBAL,
+    HOLD, LLM, LLM_ENVOY, LLM_RESERVE_MAX, NATIVE_ADDRESS, NATIVE_ENVOY, NATIVE_LLM,
+    NATIVE_LLM_ADDRESS, NATIVE_LLM_APP, NATIVE_MAX_TOKENS, NATIVE_RESERVE, RLQS_ADDRESS,
+    RLQS_ENVOY, USERS,
 };
 
 /// The bulk client's streams at once, each about a second long, all through Envoy 0 (one
@@ -80,6 +81,24 @@ fn get_from(source: Ipv4Addr, port: u16, path: &str, id: u64) -> Option<u16> {
         .nth(1)?
         .parse()
         .ok()
+}
+
+/// The regional callers' rhythm: demand moves between the regions every this long, and both
+/// regions see a burst of [`REGION_BURST`] decisions of a new client every [`REGION_BURST_MS`].
+const REGION_PHASE_MS: u64 = 6_000;
+const REGION_BURST_MS: u64 = 2_000;
+const REGION_BURST: usize = 140;
+
+/// A direct call's answer as a gateway would answer it: the call's own status (503: Redis
+/// unavailable), else its first decision's.
+fn status_of(answer: &Option<(u16, Option<Value>)>) -> u16 {
+    match answer {
+        Some((200, Some(a))) if a["answers"][0]["allowed"] == true => 200,
+        Some((200, Some(a))) if a["answers"][0]["error"].is_null() => 429,
+        Some((200, _)) => 503,
+        Some((status, _)) => *status,
+        None => 0,
+    }
 }
 
 /// What a request was, for the checker.
@@ -154,7 +173,13 @@ fn client(source: IpAddr) -> reqwest::blocking::Client {
 impl Workload {
     /// Starts every client: `envoy_ports` are the Envoys' listeners, `sidecar` the URL the
     /// authenticated caller calls; `seed` draws their choices.
-    pub fn start(seed: u64, envoy_ports: Vec<u16>, sidecar: String) -> Workload {
+    /// On two regions `eu` is eu's sidecar: a caller in each region asks the regional rule.
+    pub fn start(
+        seed: u64,
+        envoy_ports: Vec<u16>,
+        sidecar: String,
+        eu: Option<String>,
+    ) -> Workload {
         let stop = Arc::new(AtomicBool::new(false));
         let sent = Arc::new(Mutex::new(Vec::new()));
         let forged = Arc::new(AtomicU64::new(0));
@@ -254,6 +279,24 @@ impl Workload {
         // Twice as many holders as `concurrency`, so that a slot lost or expired shows.
         for n in 0..2 * CONCURRENCY {
             threads.push(spawn(30 + n, Box::new(|c: &mut Ctx| c.hold())));
+        }
+        // Two regions: in each, a steady caller whose demand moves between the regions every
+        // [`REGION_PHASE_MS`] (so the rebalancer keeps moving the shares), and bursts of a new
+        // client in both at once (what a region may admit of a new bucket is its share of the
+        // capacity).
+        if let Some(eu) = eu {
+            let started = std::time::Instant::now();
+            for (n, url, region) in [(60, sidecar.clone(), 0), (61, eu, 1)] {
+                let burst_url = url.clone();
+                threads.push(spawn(
+                    n,
+                    Box::new(move |c: &mut Ctx| c.regional_steady(&url, region, started)),
+                ));
+                threads.push(spawn(
+                    n + 10,
+                    Box::new(move |c: &mut Ctx| c.regional_burst(&burst_url, started)),
+                ));
+            }
         }
         let url = sidecar.clone();
         let mut attempt = Attempt::default();
@@ -571,15 +614,7 @@ impl Ctx {
             .send()
             .ok()
             .map(|r| (r.status().as_u16(), r.json::<Value>().ok()));
-        // The call's own status (503: Redis unavailable), else the decision's as a gateway
-        // would answer it.
-        let status = match &answer {
-            Some((200, Some(a))) if a["answers"][0]["allowed"] == true => 200,
-            Some((200, Some(a))) if a["answers"][0]["error"].is_null() => 429,
-            Some((200, _)) => 503,
-            Some((status, _)) => *status,
-            None => 0,
-        };
+        let status = status_of(&answer);
         self.record(Sent {
             id,
             rule: "direct",
@@ -597,6 +632,59 @@ impl Ctx {
         a.made.push(cost);
         a.last = cost;
         std::thread::sleep(Duration::from_millis(40));
+    }
+
+    /// One decision of the regional rule for `subject` at the sidecar `url`: the status as a
+    /// gateway would answer it.
+    fn regional(&mut self, url: &str, subject: &str) {
+        let body = json!({"requests": [{"decisions":
+            [{"rule": GLOBAL, "subject": {"app": subject}, "cost": 1}]}]});
+        let (id, sent_ns) = (next_id(), clock_ns());
+        let answer = self
+            .client
+            .post(format!("{url}/v1/decide"))
+            .bearer_auth(GATEWAY_TOKEN)
+            .json(&body)
+            .send()
+            .ok()
+            .map(|r| (r.status().as_u16(), r.json::<Value>().ok()));
+        self.record(Sent {
+            id,
+            rule: GLOBAL,
+            app: subject.to_string(),
+            kind: Kind::Direct {
+                cost: 1,
+                repeat: false,
+                fresh: false,
+            },
+            envoy: None,
+            sent_ns,
+            answered_ns: clock_ns(),
+            status: status_of(&answer),
+        });
+    }
+
+    /// Region `region`'s steady caller: heavy while its phase is on, light while the other
+    /// region's is.
+    fn regional_steady(&mut self, url: &str, region: u128, started: std::time::Instant) {
+        self.regional(url, "g");
+        let phase = started.elapsed().as_millis() / u128::from(REGION_PHASE_MS) % 2;
+        let pause = if phase == region { 15 } else { 1_000 };
+        std::thread::sleep(Duration::from_millis(pause));
+    }
+
+    /// A burst of a new client every [`REGION_BURST_MS`], in both regions at once (the same
+    /// subject: the slot's number).
+    fn regional_burst(&mut self, url: &str, started: std::time::Instant) {
+        let slot = started.elapsed().as_millis() / u128::from(REGION_BURST_MS);
+        let subject = format!("b{slot}");
+        for _ in 0..REGION_BURST {
+            self.regional(url, &subject);
+        }
+        let next = Duration::from_millis(((slot + 1) * u128::from(REGION_BURST_MS)) as u64);
+        if let Some(wait) = next.checked_sub(started.elapsed()) {
+            std::thread::sleep(wait);
+        }
     }
 
     /// A forged settlement on the hot app's bucket: a huge reservation settled at 0, no receipt.

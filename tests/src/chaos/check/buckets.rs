@@ -187,6 +187,8 @@ impl Checker<'_> {
                 // burst and rate until the horizon, and the one before it until the new one
                 // applies (docs/rlqs.md, the bound: a window that starts mid-run).
                 _ if rlqs => NATIVE_BUCKET.1 * (1.0 + RLQS_TTL_S + 2.0 * RLQS_MARGIN_S),
+                // Two regions, one budget: `C + R·(T + margin)` (docs/regions.md).
+                GLOBAL => GLOBAL_BUCKET.1 * FENCE_MARGIN_S,
                 _ => 0.0,
             };
             self.replay(rule, app, &events, extra);
@@ -242,6 +244,7 @@ impl Checker<'_> {
             "per-user" => (USER_BUCKET.0 as f64, USER_BUCKET.1),
             "per-ip" => (NATIVE_BUCKET.0 as f64, NATIVE_BUCKET.1),
             NATIVE_LLM => (NATIVE_LLM_BUCKET.0 as f64, NATIVE_LLM_BUCKET.1),
+            GLOBAL => (GLOBAL_BUCKET.0 as f64, GLOBAL_BUCKET.1),
             other => unreachable!("no bucket for rule {other}"),
         };
         self.policies_around(t)
