@@ -46,6 +46,7 @@ struct Args {
 
 fn main() {
     let args = Args::parse();
+    remove_namespaces_on_signal();
     let began = Instant::now();
     let deadline = args.minutes.map(|m| began + Duration::from_secs(m * 60));
     let seeds: Box<dyn Iterator<Item = u64>> = match (args.seed, deadline) {
@@ -96,4 +97,27 @@ fn main() {
     if !failed.is_empty() {
         std::process::exit(1);
     }
+}
+
+/// On Ctrl-C or SIGTERM, removes the sidecars' network namespaces (killing what runs in them) and
+/// exits: a run stopped halfway leaves no namespace behind. (A terminal's Ctrl-C reaches the
+/// other processes of the run as before: they share its process group.)
+fn remove_namespaces_on_signal() {
+    std::thread::spawn(|| {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("signal runtime");
+        rt.block_on(async {
+            use tokio::signal::unix::{signal, SignalKind};
+            let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
+            }
+        });
+        ratelimit_e2e::netns::remove_all();
+        eprintln!("\ninterrupted: the sidecars' namespaces removed");
+        std::process::exit(130);
+    });
 }
