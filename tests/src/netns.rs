@@ -153,6 +153,28 @@ fn remove(name: &str) {
     let _ = Command::new("ip").args(["netns", "del", name]).output();
 }
 
+/// Calls `on_signal` at each Ctrl-C or SIGTERM, from a thread of its own: for a binary that
+/// creates namespaces, which must [`remove_all`] before it exits.
+pub fn on_interrupt(mut on_signal: impl FnMut() + Send + 'static) {
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("signal runtime");
+        rt.block_on(async {
+            use tokio::signal::unix::{signal, SignalKind};
+            let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
+            loop {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
+                }
+                on_signal();
+            }
+        });
+    });
+}
+
 /// Removes every namespace this process created and has not dropped yet: for a signal handler
 /// that is about to exit (Drop will not run).
 pub fn remove_all() {

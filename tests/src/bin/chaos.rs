@@ -103,19 +103,7 @@ fn main() {
 /// exits: a run stopped halfway leaves no namespace behind. (A terminal's Ctrl-C reaches the
 /// other processes of the run as before: they share its process group.)
 fn remove_namespaces_on_signal() {
-    std::thread::spawn(|| {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .expect("signal runtime");
-        rt.block_on(async {
-            use tokio::signal::unix::{signal, SignalKind};
-            let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
-            tokio::select! {
-                _ = tokio::signal::ctrl_c() => {}
-                _ = term.recv() => {}
-            }
-        });
+    ratelimit_e2e::netns::on_interrupt(|| {
         ratelimit_e2e::netns::remove_all();
         eprintln!("\ninterrupted: the sidecars' namespaces removed");
         std::process::exit(130);

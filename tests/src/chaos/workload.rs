@@ -606,15 +606,7 @@ impl Ctx {
         let body = json!({"attempt": attempt,
             "requests": [{"decisions": [{"rule": "direct", "subject": {"app": a.subject}, "cost": cost}]}]});
         let (id, sent_ns) = (next_id(), clock_ns());
-        let answer = self
-            .client
-            .post(format!("{url}/v1/decide"))
-            .bearer_auth(GATEWAY_TOKEN)
-            .json(&body)
-            .send()
-            .ok()
-            .map(|r| (r.status().as_u16(), r.json::<Value>().ok()));
-        let status = status_of(&answer);
+        let status = self.decide(url, &body);
         self.record(Sent {
             id,
             rule: "direct",
@@ -634,20 +626,27 @@ impl Ctx {
         std::thread::sleep(Duration::from_millis(40));
     }
 
+    /// `POST /v1/decide` of `body` at the sidecar `url`, authenticated as a gateway: the answer
+    /// as a gateway would answer it ([`status_of`]).
+    fn decide(&self, url: &str, body: &Value) -> u16 {
+        let answer = self
+            .client
+            .post(format!("{url}/v1/decide"))
+            .bearer_auth(GATEWAY_TOKEN)
+            .json(body)
+            .send()
+            .ok()
+            .map(|r| (r.status().as_u16(), r.json::<Value>().ok()));
+        status_of(&answer)
+    }
+
     /// One decision of the regional rule for `subject` at the sidecar `url`: the status as a
     /// gateway would answer it.
     fn regional(&mut self, url: &str, subject: &str) {
         let body = json!({"requests": [{"decisions":
             [{"rule": GLOBAL, "subject": {"app": subject}, "cost": 1}]}]});
         let (id, sent_ns) = (next_id(), clock_ns());
-        let answer = self
-            .client
-            .post(format!("{url}/v1/decide"))
-            .bearer_auth(GATEWAY_TOKEN)
-            .json(&body)
-            .send()
-            .ok()
-            .map(|r| (r.status().as_u16(), r.json::<Value>().ok()));
+        let status = self.decide(url, &body);
         self.record(Sent {
             id,
             rule: GLOBAL,
@@ -660,7 +659,7 @@ impl Ctx {
             envoy: None,
             sent_ns,
             answered_ns: clock_ns(),
-            status: status_of(&answer),
+            status,
         });
     }
 

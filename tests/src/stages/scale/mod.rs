@@ -122,26 +122,12 @@ pub struct Args {
 pub(crate) static INTERRUPTED: AtomicBool = AtomicBool::new(false);
 
 pub(crate) fn watch_signals() {
-    std::thread::spawn(|| {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .expect("signal runtime");
-        rt.block_on(async {
-            use tokio::signal::unix::{signal, SignalKind};
-            let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
-            loop {
-                tokio::select! {
-                    _ = tokio::signal::ctrl_c() => {}
-                    _ = term.recv() => {}
-                }
-                if INTERRUPTED.swap(true, Ordering::SeqCst) {
-                    netns::remove_all();
-                    std::process::exit(130);
-                }
-                eprintln!("\ninterrupted: stopping and cleaning up (again to exit at once)");
-            }
-        });
+    netns::on_interrupt(|| {
+        if INTERRUPTED.swap(true, Ordering::SeqCst) {
+            netns::remove_all();
+            std::process::exit(130);
+        }
+        eprintln!("\ninterrupted: stopping and cleaning up (again to exit at once)");
     });
 }
 
