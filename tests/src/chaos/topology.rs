@@ -388,7 +388,7 @@ impl Eu {
 
 impl Topology {
     pub fn start(store_reset: StoreReset, store: Store) -> Topology {
-        let (nodes, sentinels, mut store_args) = match store {
+        let (nodes, sentinels, store_args) = match store {
             Store::Sentinel => start_sentinel(),
             Store::Cluster => {
                 // A primary is failed over after 1 s, as the Sentinels do.
@@ -406,12 +406,13 @@ impl Topology {
                 (vec![us], Vec::new(), args)
             }
         };
-        store_args.extend([
+        // Every sidecar's arguments besides its store's (eu's too).
+        let mut common: Vec<String> = vec![
             "--redis-timeout-ms".into(),
             "100".into(),
             "--store-reset".into(),
             store_reset.arg().into(),
-        ]);
+        ];
         let policy = Policy {
             regions: store == Store::Regions,
             ..Policy::default()
@@ -420,7 +421,8 @@ impl Topology {
         let clocks = tempfile::tempdir().expect("a directory for the clocks' offsets");
         let tokens = tokens_file(clocks.path());
         write_tokens(&tokens, Some(0));
-        store_args.extend(["--auth-token-file".into(), tokens.display().to_string()]);
+        common.extend(["--auth-token-file".into(), tokens.display().to_string()]);
+        let args: Vec<String> = store_args.iter().chain(&common).cloned().collect();
         let redis_ports: Vec<u16> = nodes
             .iter()
             .map(|n| n.port)
@@ -432,13 +434,11 @@ impl Topology {
         let sidecars: Vec<Restartable> = (0..SIDECARS)
             .map(|i| {
                 let env = faked_clock(&clock_file(clocks.path(), i));
-                Restartable::start(&paths[i], &text, store_args.clone(), env)
+                Restartable::start(&paths[i], &text, args.clone(), env)
             })
             .collect();
-        // eu's sidecar: the others' arguments after the store's (the timeout, `--store-reset`,
-        // the token file).
-        let eu = (store == Store::Regions)
-            .then(|| Eu::start(&nodes[0], clocks.path(), &text, &store_args[4..]));
+        let eu =
+            (store == Store::Regions).then(|| Eu::start(&nodes[0], clocks.path(), &text, &common));
         let upstream = Upstream::start();
         let relays: Vec<Relay> = (0..ENVOYS)
             .map(|i| paths[i % SIDECARS].relay_in())
