@@ -12,8 +12,10 @@ use nix::sys::signal::Signal;
 use super::clock_ns;
 use super::schedule::{Action, Fault, Plan, Reload, Store};
 use super::topology::{
-    policy_yaml, Policy, Topology, HOT_BUCKET_KEY, NATIVE_ENVOY, RLQS_ENVOY, RLQS_SIDECAR,
+    policy_yaml, Policy, Topology, GLOBAL_BUCKET, HOT_BUCKET_KEY, NATIVE_ENVOY, RLQS_ENVOY,
+    RLQS_SIDECAR,
 };
+use super::workload::REGION_BURST_MS;
 use crate::redis::node_serving;
 use crate::{wait_until, Sentinel, SentinelProbe};
 
@@ -43,8 +45,40 @@ pub struct Log {
     pub counters: Vec<(String, u64)>,
 }
 
-/// How long a snapshot restore on two regions waits for the shares to move first.
-const SHARE_MOVE_WAIT: Duration = Duration::from_secs(10);
+/// How long a snapshot restore on two regions waits for the shares to move first (a move is
+/// a round, then the fence before the grow: 1.5 s + 5.5 s in the chaos topology; then the
+/// grow must have been in force for the regional bucket's fill time).
+const SHARE_MOVE_WAIT: Duration = Duration::from_secs(20);
+
+/// What a restore on two regions waits for: us's share in the snapshot and eu's share now
+/// sum to more than the whole by this much (parts per million), and have for the regional
+/// bucket's fill time `C / R` (a new client's bucket is charged under the smallest share of
+/// that span: docs/regions.md). With the sidecars' suspicion of a record gone back in time
+/// taken away, a new client's burst in both regions would then be admitted
+/// `C × 0.25` past the budget, beyond the `R × margin` the bound grants.
+const SHARES_OVER_THE_WHOLE_PPM: u64 = 250_000;
+
+/// The share of us a snapshot on two regions waits for (parts per million).
+const US_SHARE_AT_SNAPSHOT_PPM: u64 = 600_000;
+
+/// How long the rebalancer stays down across a restore on two regions beyond a burst period
+/// (the sidecars read the share record every 500 ms).
+const REBALANCER_DOWN_AFTER_MS: u64 = 700;
+
+/// Waits, on two regions, until the shares in us's and eu's records (ppm) have met `wanted` for
+/// `held` (at most [`SHARE_MOVE_WAIT`]).
+fn wait_for_shares(topology: &Topology, wanted: impl Fn(u64, u64) -> bool, held: Duration) {
+    let deadline = Instant::now() + SHARE_MOVE_WAIT;
+    let mut met_since: Option<Instant> = None;
+    while Instant::now() < deadline {
+        let met = topology.shares_ppm().is_some_and(|(us, eu)| wanted(us, eu));
+        met_since = met.then(|| met_since.unwrap_or_else(Instant::now));
+        if met_since.is_some_and(|t| t.elapsed() >= held) {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
 
 /// How long recovery may take before the run is declared broken (not a finding: the harness's).
 const RECOVERY: Duration = Duration::from_secs(60);
@@ -84,9 +118,18 @@ pub fn carry_out(plan: &Plan, topology: &mut Topology, started: Instant) -> Log 
         }
         match &step.action {
             Action::Snapshot => {
+                // On two regions the snapshot is taken once us holds the larger share: what a
+                // restore brings back is then worth distrusting.
+                if topology.eu.is_some() {
+                    wait_for_shares(
+                        topology,
+                        |us, _| us >= US_SHARE_AT_SNAPSHOT_PPM,
+                        Duration::ZERO,
+                    );
+                }
                 let p = topology.primary();
                 snapshot = Some((p, topology.nodes[p].snapshot()));
-                share_at_snapshot = topology.us_share_ppm();
+                share_at_snapshot = topology.shares_ppm().map(|(us, _)| us);
             }
             Action::Reload(r) => {
                 let mut policy = topology.policy.clone();
@@ -104,17 +147,35 @@ pub fn carry_out(plan: &Plan, topology: &mut Topology, started: Instant) -> Log 
             }
             Action::Fault(f) => {
                 // On two regions a snapshot is restored once the rebalancer has moved share from
-                // us since it was taken (at most [`SHARE_MOVE_WAIT`] later): the restore brings
-                // back an older record with a larger share than the one in force.
-                if matches!(f, Fault::StoreSnapshotRestore { .. }) && topology.eu.is_some() {
-                    let deadline = Instant::now() + SHARE_MOVE_WAIT;
-                    let shrunk = |now: Option<u64>| matches!((now, share_at_snapshot), (Some(a), Some(b)) if a < b);
-                    while !shrunk(topology.us_share_ppm()) && Instant::now() < deadline {
-                        std::thread::sleep(Duration::from_millis(50));
-                    }
+                // us to eu since it was taken: the restore brings back an older record whose
+                // share, with eu's in force, is more than the whole (what the sidecars'
+                // suspicion of a record gone back in time is for), for long enough that a new
+                // client's bucket is charged under eu's share as it is.
+                if let (Fault::StoreSnapshotRestore { .. }, Some(us)) = (f, share_at_snapshot) {
+                    let (c, r) = GLOBAL_BUCKET;
+                    let fill = Duration::from_secs_f64(c as f64 / r);
+                    let over_the_whole = 1_000_000 + SHARES_OVER_THE_WHOLE_PPM;
+                    wait_for_shares(topology, |_, eu| us + eu > over_the_whole, fill);
+                }
+                // On two regions the rebalancer is down across the restore (a deploy of it, say)
+                // until a burst of a new client has come (one every [`REGION_BURST_MS`]): it
+                // would otherwise write the record again within a round, and the restored
+                // share would meet a burst only by chance.
+                let pauses_rebalancer =
+                    matches!(f, Fault::StoreSnapshotRestore { .. }) && topology.eu.is_some();
+                let restoring = Instant::now();
+                if pauses_rebalancer {
+                    topology.signal_rebalancer(Signal::SIGSTOP);
                 }
                 let snap = snapshot.as_ref().map(|(p, s)| (*p, s.as_slice()));
                 let caused = cause(f, topology, snap, &mut log);
+                if pauses_rebalancer {
+                    let down = Duration::from_millis(REGION_BURST_MS + REBALANCER_DOWN_AFTER_MS);
+                    if let Some(wait) = down.checked_sub(restoring.elapsed()) {
+                        std::thread::sleep(wait);
+                    }
+                    topology.signal_rebalancer(Signal::SIGCONT);
+                }
                 log.faults.push(caused);
             }
         }

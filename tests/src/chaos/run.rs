@@ -40,6 +40,13 @@ impl Outcome {
         );
         let (opened, most) = self.verdict.rlqs_streams;
         out += &format!("RLQS streams opened {opened} (the faults explain {most})\n");
+        let (crashes, unanswered) = self.verdict.rlqs_crashes;
+        if crashes > 0 {
+            out += &format!(
+                "RLQS Envoy crashed {crashes} time(s), Envoy 1.40's own defect (docs/rlqs.md): \
+                 {unanswered} requests unanswered until it was restarted\n"
+            );
+        }
         out += &table(&self.verdict.rows);
         out += &under_by_bucket(&self.verdict.under_by_bucket);
         for v in &self.verdict.violations {
@@ -138,8 +145,14 @@ pub fn accumulate(total: &mut Vec<Row>, rows: &[Row]) {
 pub fn run(plan: &Plan) -> Outcome {
     let mut topology = Topology::start(plan.store_reset, plan.store);
     let ports = topology.listen_ports();
-    let workload = Workload::start(plan.seed, ports, topology.sidecar_url(0), topology.eu_url());
     let (started, zero_ns) = (Instant::now(), clock_ns());
+    let workload = Workload::start(
+        plan.seed,
+        ports,
+        topology.sidecar_url(0),
+        topology.eu_url(),
+        started,
+    );
     let log = nemesis::carry_out(plan, &mut topology, started);
     let sent = workload.finish();
     drain(&topology);

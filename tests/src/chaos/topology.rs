@@ -78,7 +78,9 @@ pub const RLQS_TOKEN_PREFIX: &str = "chaos-rlqs-";
 /// at first, then as the rebalancer moves them (`--round-interval-ms` [`ROUND_MS`], leases of
 /// [`LEASE_MS`]); the direct callers of both regions ask it.
 pub const GLOBAL: &str = "global";
-pub const GLOBAL_BUCKET: (u64, f64) = (200, 10.0);
+/// Filled in 4 s (`C / R`): the span of share history a new client's bucket is charged under
+/// (the smallest share of it), so that a share a few seconds old is the one a burst meets.
+pub const GLOBAL_BUCKET: (u64, f64) = (200, 50.0);
 pub const ROUND_MS: u64 = 1_500;
 pub const LEASE_MS: u64 = 1_000;
 /// The rebalancer's fence margin (its default): what a region's sidecars may apply of a share
@@ -654,16 +656,20 @@ impl Topology {
         out
     }
 
-    /// us's share of [`GLOBAL`] in its record, in parts per million (none: no record, or not
-    /// two regions).
-    pub fn us_share_ppm(&self) -> Option<u64> {
-        self.eu.as_ref()?;
+    /// The shares of [`GLOBAL`] in us's and eu's records, in parts per million (none: a record
+    /// missing, or not two regions).
+    pub fn shares_ppm(&self) -> Option<(u64, u64)> {
+        let eu = self.eu.as_ref()?;
         let key = format!("rl:share:{{ratelimit|{GLOBAL}}}");
-        self.nodes[0]
-            .cli(&["HGET", &key, "share_ppm"])
-            .trim()
-            .parse()
-            .ok()
+        let read = |r: &Redis| r.cli(&["HGET", &key, "share_ppm"]).trim().parse().ok();
+        Some((read(&self.nodes[0])?, read(&eu.redis)?))
+    }
+
+    /// Signals the rebalancer, on two regions.
+    pub fn signal_rebalancer(&self, signal: nix::sys::signal::Signal) {
+        if let Some(eu) = &self.eu {
+            eu.rebalancer.signal(signal);
+        }
     }
 
     /// The base URL of eu's sidecar, on two regions.

@@ -83,11 +83,13 @@ fn get_from(source: Ipv4Addr, port: u16, path: &str, id: u64) -> Option<u16> {
         .ok()
 }
 
-/// The regional callers' rhythm: demand moves between the regions every this long, and both
-/// regions see a burst of [`REGION_BURST`] decisions of a new client every [`REGION_BURST_MS`].
-const REGION_PHASE_MS: u64 = 6_000;
-const REGION_BURST_MS: u64 = 2_000;
-const REGION_BURST: usize = 140;
+/// The regional callers' rhythm: demand moves between the regions every this long (a move of
+/// the shares takes a round and the fence, 7 s: each phase moves share to its region), and
+/// both regions see a burst of [`REGION_BURST`] decisions of a new client every
+/// [`REGION_BURST_MS`].
+const REGION_PHASE_MS: u64 = 12_000;
+pub const REGION_BURST_MS: u64 = 2_000;
+const REGION_BURST: usize = 200;
 
 /// A direct call's answer as a gateway would answer it: the call's own status (503: Redis
 /// unavailable), else its first decision's.
@@ -179,6 +181,7 @@ impl Workload {
         envoy_ports: Vec<u16>,
         sidecar: String,
         eu: Option<String>,
+        started: std::time::Instant,
     ) -> Workload {
         let stop = Arc::new(AtomicBool::new(false));
         let sent = Arc::new(Mutex::new(Vec::new()));
@@ -285,7 +288,6 @@ impl Workload {
         // client in both at once (what a region may admit of a new bucket is its share of the
         // capacity).
         if let Some(eu) = eu {
-            let started = std::time::Instant::now();
             for (n, url, region) in [(60, sidecar.clone(), 0), (61, eu, 1)] {
                 let burst_url = url.clone();
                 threads.push(spawn(
@@ -668,7 +670,9 @@ impl Ctx {
     fn regional_steady(&mut self, url: &str, region: u128, started: std::time::Instant) {
         self.regional(url, "g");
         let phase = started.elapsed().as_millis() / u128::from(REGION_PHASE_MS) % 2;
-        let pause = if phase == region { 15 } else { 1_000 };
+        // Heavy: a few hundred decisions a second, so the bursts (both regions at once, but
+        // each sidecar adds its demand up on its own second) do not decide where shares go.
+        let pause = if phase == region { 3 } else { 1_000 };
         std::thread::sleep(Duration::from_millis(pause));
     }
 

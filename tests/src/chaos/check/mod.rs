@@ -76,6 +76,8 @@ use self::buckets::{Event, Loss};
 
 /// The record's time imprecision the slack grants at least, in seconds.
 const DELTA_S: f64 = 0.3;
+/// What Envoy logs when a fatal signal stops it (its backtrace follows).
+const ENVOY_CRASHED: &str = "[critical][backtrace]";
 /// How long after a policy file was written every policy written since may hold, in ns.
 const RELOAD_GRACE_NS: u64 = 500_000_000;
 /// How long a settlement may take to reach the store after its answer, in ns, with no fault:
@@ -161,6 +163,9 @@ pub struct Verdict {
     pub under_by_bucket: BTreeMap<String, usize>,
     /// The RLQS Envoy's quota streams its sidecar opened, and the most the faults explain.
     pub rlqs_streams: (u64, u64),
+    /// The RLQS Envoy's own crashes (Envoy 1.40's defect: docs/rlqs.md), and the requests left
+    /// unanswered until it was restarted.
+    pub rlqs_crashes: (u64, u64),
 }
 
 pub const NO_FAULT: &str = "no fault";
@@ -184,6 +189,7 @@ pub fn check(r: &Record) -> Verdict {
         settlements: c.settlements,
         under_by_bucket: c.under_by_bucket,
         rlqs_streams: c.rlqs_streams,
+        rlqs_crashes: c.rlqs_crashes,
     }
 }
 
@@ -195,6 +201,7 @@ struct Checker<'a> {
     settlements: (u64, u64, u64, u64, u64, u64),
     under_by_bucket: BTreeMap<String, usize>,
     rlqs_streams: (u64, u64),
+    rlqs_crashes: (u64, u64),
 }
 
 /// A bucket's numbers at an instant: capacity, refill per second.
@@ -237,6 +244,7 @@ impl<'a> Checker<'a> {
             settlements: (0, 0, 0, 0, 0, 0),
             under_by_bucket: BTreeMap::new(),
             rlqs_streams: (0, 0),
+            rlqs_crashes: (0, 0),
         }
     }
 

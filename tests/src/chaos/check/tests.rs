@@ -638,3 +638,67 @@ fn a_new_clients_first_request_is_refused_only_near_a_fault() {
     )
     .is_empty());
 }
+
+#[test]
+fn the_rlqs_envoy_unanswered_after_a_crash_of_its_own_is_counted_not_flagged_until_its_restart() {
+    use crate::chaos::topology::RLQS_ENVOY;
+    // The RLQS Envoy answers until 10 s, then nothing: at 10, 11 and (after the nemesis restarted
+    // it at 12 s, recovered at 13 s) 14 s.
+    let unanswered = |id: u64, at: u64| Sent {
+        id,
+        rule: "per-ip",
+        app: "127.0.16.1".into(),
+        kind: Kind::Api,
+        envoy: Some(RLQS_ENVOY),
+        sent_ns: at,
+        answered_ns: at + MS,
+        status: 0,
+    };
+    let sent = [
+        unanswered(1, 10 * S),
+        unanswered(2, 11 * S),
+        unanswered(3, 14 * S),
+    ];
+    let restart = fault(
+        Fault::EnvoyRestart { envoy: RLQS_ENVOY },
+        12 * S,
+        12 * S,
+        13 * S,
+        false,
+    );
+    let run = |rlqs_log: &str| {
+        let log = Log {
+            faults: vec![restart.clone()],
+            policies: vec![(0, Policy::default())],
+            ..Log::default()
+        };
+        let logs = [("envoy rlqs".to_string(), rlqs_log.to_string())];
+        let verdict = check(&Record {
+            store_reset: StoreReset::Full,
+            sent: &sent,
+            served: &[],
+            log: &log,
+            counters: &[],
+            logs: &logs,
+            peak_rss_kib: &[],
+        });
+        let answered: Vec<String> = verdict
+            .violations
+            .into_iter()
+            .map(|v| v.what)
+            .filter(|w| w.contains("answered 0"))
+            .collect();
+        (answered, verdict.rlqs_crashes)
+    };
+    // Without a crash in its log, every unanswered request is a violation.
+    let (flagged, crashes) = run("[info][main] starting\n");
+    assert_eq!(flagged.len(), 3, "{flagged:?}");
+    assert_eq!(crashes, (0, 0));
+    // With one, those until the restart are counted; one after it (answered 0 again with no
+    // second crash logged) is still a violation.
+    let crashed = "[2026-12-07 10:34:47.769][27134][critical][backtrace] \
+                   [./source/server/backtrace.h:173] Caught Segmentation fault\n";
+    let (flagged, crashes) = run(crashed);
+    assert_eq!(flagged, ["per-ip/127.0.16.1: request 3 answered 0 (Api)"]);
+    assert_eq!(crashes, (1, 2));
+}
