@@ -368,6 +368,15 @@ fn cause(
             sleep(ms);
             t.paths[sidecar].set_cut(false);
         }
+        Fault::RedisDelay {
+            sidecar,
+            ms,
+            delay_ms,
+        } => {
+            t.paths[sidecar].set_delay_ms(delay_ms);
+            sleep(ms);
+            t.paths[sidecar].set_delay_ms(0);
+        }
         // The new token is issued after the fault's end (below): the checker's window of a
         // revoked token ends when the Envoy may be admitted again.
         Fault::TokenRevoked { ms } => {

@@ -116,6 +116,13 @@ pub enum Fault {
     /// A sidecar's path to Redis cut for `ms` (its connections to every node and Sentinel
     /// dropped, new ones closed at once); the other sidecar's stays.
     RedisCut { sidecar: usize, ms: u64 },
+    /// A sidecar's path to Redis delayed by `delay_ms` each way for `ms` (around its
+    /// `--redis-timeout-ms`: some calls time out, and their writes land after the answer).
+    RedisDelay {
+        sidecar: usize,
+        ms: u64,
+        delay_ms: u64,
+    },
     /// The RLQS Envoy's bearer token rotated out of the sidecars' token file under its live
     /// stream for `ms` (it goes on sending it: its stream ends, its new ones are refused), then
     /// a new token issued and the Envoy restarted with it.
@@ -149,12 +156,13 @@ impl Fault {
             Fault::ClockStep { .. } => "wall clock stepped on a sidecar",
             Fault::TokenRevoked { .. } => "RLQS token rotated out",
             Fault::RedisCut { .. } => "sidecar cut from Redis",
+            Fault::RedisDelay { .. } => "sidecar delayed to Redis",
             Fault::Failover => "failover without a fault",
         }
     }
 
     /// Every class, in table order.
-    pub const CLASSES: [&'static str; 15] = [
+    pub const CLASSES: [&'static str; 16] = [
         "sidecar paused",
         "sidecar killed",
         "primary paused",
@@ -169,6 +177,7 @@ impl Fault {
         "wall clock stepped on a sidecar",
         "RLQS token rotated out",
         "sidecar cut from Redis",
+        "sidecar delayed to Redis",
         "failover without a fault",
     ];
 
@@ -182,6 +191,7 @@ impl Fault {
             | Fault::ClockStep { ms, .. }
             | Fault::TokenRevoked { ms }
             | Fault::RedisCut { ms, .. }
+            | Fault::RedisDelay { ms, .. }
             | Fault::GatewayDelay { ms, .. } => ms,
             Fault::SidecarRestart { down_ms, .. } | Fault::PrimaryKill { down_ms } => down_ms,
             Fault::StoreFlush
@@ -390,14 +400,23 @@ impl Plan {
 /// the RLQS Envoy's token out for 16 to 24 s where `room_ms` (before the calm third) holds 10 s
 /// (long enough for what a stream that outlived its token admits to pass what the Envoy's
 /// fallback may); and half the sidecar restarts cut that sidecar from Redis instead, for 0.5 to
-/// 3 s.
+/// 3 s, or, when that length is odd in milliseconds (no new draw: the plans drawn before stay
+/// the same), delay its path to Redis by 20 to 99 ms each way (around `--redis-timeout-ms`).
 fn vary(fault: Fault, more: &mut StdRng, room_ms: u64) -> Fault {
     let fault = vary_first(fault, more);
     match fault {
-        Fault::SidecarRestart { sidecar, .. } if more.random_bool(0.5) => Fault::RedisCut {
-            sidecar,
-            ms: more.random_range(500..3_000),
-        },
+        Fault::SidecarRestart { sidecar, .. } if more.random_bool(0.5) => {
+            let ms = more.random_range(500..3_000);
+            if ms % 2 == 1 {
+                Fault::RedisDelay {
+                    sidecar,
+                    ms,
+                    delay_ms: 20 + ms % 80,
+                }
+            } else {
+                Fault::RedisCut { sidecar, ms }
+            }
+        }
         Fault::GatewayCut { .. } | Fault::GatewayDelay { .. } if more.random_bool(0.5) => {
             let ms = more.random_range(16_000..24_000).min(room_ms);
             if ms >= 10_000 {
@@ -538,6 +557,7 @@ mod tests {
         assert!(any(&|f| matches!(f, Fault::AnswersLost { .. })));
         assert!(any(&|f| matches!(f, Fault::TokenRevoked { .. })));
         assert!(any(&|f| matches!(f, Fault::RedisCut { .. })));
+        assert!(any(&|f| matches!(f, Fault::RedisDelay { .. })));
         assert!(any(
             &|f| matches!(f, Fault::ClockStep { seconds, .. } if *seconds < 0)
         ));

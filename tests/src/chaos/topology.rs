@@ -298,6 +298,13 @@ impl RedisPath {
         }
     }
 
+    /// Delays this sidecar's path to Redis by `ms` each way (0: none).
+    pub fn set_delay_ms(&self, ms: u64) {
+        for r in &self.relays {
+            r.set_delay_ms(ms);
+        }
+    }
+
     /// A relay from a free port outside to the sidecar inside (a gateway's path, which the
     /// nemesis cuts apart from this one).
     fn relay_in(&self) -> Relay {

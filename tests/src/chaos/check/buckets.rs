@@ -85,7 +85,8 @@ impl Checker<'_> {
         let reaches = match f.fault {
             Fault::SidecarPause { sidecar, .. }
             | Fault::SidecarRestart { sidecar, .. }
-            | Fault::RedisCut { sidecar, .. } => sidecar == RLQS_SIDECAR,
+            | Fault::RedisCut { sidecar, .. }
+            | Fault::RedisDelay { sidecar, .. } => sidecar == RLQS_SIDECAR,
             // Its stream ended (a token rotated out of the file): an outage of its own.
             Fault::TokenRevoked { .. } => true,
             Fault::EnvoyRestart { .. }

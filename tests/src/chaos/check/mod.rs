@@ -282,8 +282,20 @@ impl<'a> Checker<'a> {
 
     /// Every policy that may be in force at `t`: the one at `t` less the reload's grace, and
     /// each written since (a burst of reloads is one grace from its first write).
+    /// A sidecar frozen meanwhile reads the file only once it runs again: while it was paused
+    /// and for the grace after, what was in force since the grace before the pause may hold.
     pub(super) fn policies_around(&self, t: u64) -> Vec<&Policy> {
-        let from = t.saturating_sub(RELOAD_GRACE_NS);
+        let paused_since = self
+            .r
+            .log
+            .faults
+            .iter()
+            .filter(|f| matches!(f.fault, Fault::SidecarPause { .. }))
+            .filter(|f| f.start_ns <= t && t <= f.end_ns + RELOAD_GRACE_NS)
+            .map(|f| f.start_ns)
+            .min()
+            .unwrap_or(t);
+        let from = paused_since.min(t).saturating_sub(RELOAD_GRACE_NS);
         let p = &self.r.log.policies;
         // The first in the log holds from the start, even before it was written.
         let first = p.iter().rposition(|(w, _)| *w <= from).unwrap_or(0);

@@ -60,7 +60,10 @@ impl Checker<'_> {
             let blocks = match f.fault {
                 Fault::SidecarPause { sidecar, .. }
                 | Fault::SidecarRestart { sidecar, .. }
-                | Fault::RedisCut { sidecar, .. } => envoy.is_none_or(|e| e % SIDECARS == sidecar),
+                | Fault::RedisCut { sidecar, .. }
+                | Fault::RedisDelay { sidecar, .. } => {
+                    envoy.is_none_or(|e| e % SIDECARS == sidecar)
+                }
                 Fault::GatewayCut { envoy: cut, .. }
                 | Fault::GatewayDelay { envoy: cut, .. }
                 | Fault::AnswersLost { envoy: cut, .. } => envoy.is_none_or(|e| e == cut),
