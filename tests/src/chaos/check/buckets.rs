@@ -303,11 +303,39 @@ impl Checker<'_> {
                 _ => None,
             })
             .collect();
+        // The capacity and refill at the last event, and since when the strict and allowed
+        // replays have been full (none: not full).
+        let mut before = self.params(rule, app, first);
+        let (mut strict_full, mut allowed_full): (Option<u64>, Option<u64>) = (None, None);
         for &(t, id, event) in events {
             let (capacity, rate) = self.params(rule, app, t);
+            // A raised capacity fills at the refill rate from what the bucket holds, but a
+            // bucket full for longer than its record lives is no longer held: it starts full at
+            // the new capacity, as a new client's does (README, changing a limit).
+            let full_since = |held: f64, since: Option<u64>| {
+                let (was, was_rate) = before;
+                if held >= was {
+                    return since.or(Some(last));
+                }
+                let full_ns = ((was - held) / was_rate.max(f64::MIN_POSITIVE) * 1e9) as u64;
+                Some(last.saturating_add(full_ns)).filter(|at| *at <= t)
+            };
+            strict_full = full_since(strict, strict_full);
+            allowed_full = full_since(allowed, allowed_full);
+            let gone = |since: Option<u64>| {
+                capacity > before.0 && since.is_some_and(|f| t >= f.saturating_add(RECORD_GONE_NS))
+            };
+            let (strict_gone, allowed_gone) = (gone(strict_full), gone(allowed_full));
+            before = (capacity, rate);
             let elapsed_us = (t.saturating_sub(last)) as f64 / 1_000.0;
             strict = refill(strict, rate, elapsed_us, capacity);
             allowed = refill(allowed, rate, elapsed_us, capacity);
+            if strict_gone {
+                strict = capacity;
+            }
+            if allowed_gone {
+                allowed = capacity;
+            }
             last = t;
             if t > strict_until {
                 strict = allowed;

@@ -76,6 +76,10 @@ use self::buckets::{Event, Loss};
 
 /// The record's time imprecision the slack grants at least, in seconds.
 const DELTA_S: f64 = 0.3;
+/// How long after a bucket is full its record is gone at the soonest (lua/bucket.lua writes it
+/// to expire a margin of 1 s past the margin of 1 s past when it is full), less the record's
+/// imprecision.
+const RECORD_GONE_NS: u64 = 1_500_000_000;
 /// What Envoy logs when a fatal signal stops it (its backtrace follows).
 const ENVOY_CRASHED: &str = "[critical][backtrace]";
 /// How long after a policy file was written every policy written since may hold, in ns.

@@ -750,3 +750,51 @@ fn the_rlqs_envoy_unanswered_after_a_crash_of_its_own_is_counted_not_flagged_unt
     assert_eq!(flagged, ["per-ip/127.0.16.1: request 3 answered 0 (Api)"]);
     assert_eq!(crashes, (1, 2));
 }
+
+#[test]
+fn a_raised_capacity_fills_at_the_refill_rate_unless_the_bucket_was_idle_past_its_record() {
+    // `per-app` 20 + 10/s, raised to 38 at 10 s (seed 98 of the two-hour run: an app blocked
+    // for 30 s, then unblocked and raised, got the new capacity at once).
+    let raised = Policy {
+        per_app: (38, 10.0),
+        ..Policy::default()
+    };
+    let policies = vec![
+        (
+            0,
+            Policy {
+                per_app: (20, 10.0),
+                ..Policy::default()
+            },
+        ),
+        (10 * S, raised),
+    ];
+    let app = |id: u64, at: u64| served_api(id, ("per-app", "q1"), 0, "/api/x", at);
+    // Refused every 100 ms meanwhile (as while blocked): each refusal replays the bucket at the
+    // capacity then in force.
+    let refused = |id: u64, at: u64| Sent {
+        status: 429,
+        ..app(id, at).0
+    };
+    let run = |first_burst_at: u64| {
+        // 20 admitted at `first_burst_at`, then 38 from 11 s, 1 ms apart.
+        let (mut sent, served): (Vec<Sent>, Vec<_>) = (0..20)
+            .map(|i| app(1 + i, first_burst_at + i * MS))
+            .chain((0..38).map(|i| app(100 + i, 11 * S + i * MS)))
+            .unzip();
+        sent.extend((0..99).map(|i| refused(1_000 + i, S + 100 * MS * i + 50 * MS)));
+        violations_with(
+            StoreReset::Full,
+            &sent,
+            &served,
+            vec![],
+            policies.clone(),
+            "per-app/",
+        )
+    };
+    // Idle and full since 3 s: its record is gone by 11 s, a new bucket full at 38.
+    assert_eq!(run(S), Vec::<String>::new());
+    // Drained at 9.9 s: at 11 s it holds 11 tokens (20 at most before the raise), and fills at
+    // 10/s from there: 38 at once is far past it.
+    assert!(!run(9_900 * MS).is_empty());
+}
