@@ -118,8 +118,9 @@ pub fn carry_out(plan: &Plan, topology: &mut Topology, started: Instant) -> Log 
         }
         match &step.action {
             Action::Snapshot => {
-                // On two regions the snapshot is taken once us holds the larger share: what a
-                // restore brings back is then worth distrusting.
+                // On two regions the snapshot is taken once us holds 0.6 of the share or more
+                // (at most [`SHARE_MOVE_WAIT`] later): what a restore brings back is then worth
+                // distrusting.
                 if topology.eu.is_some() {
                     wait_for_shares(
                         topology,
